@@ -1,0 +1,17 @@
+"""longattn: exact attention over very long sequences.
+
+* :func:`attention` — dense attention through the best local kernel (cuDNN,
+  flash, our Triton, efficient, math), GQA, causal, sliding windows, lse.
+* :func:`dilated_attention` — LongNet dilated attention (fused Triton kernel on
+  CUDA, gather path elsewhere), optionally sharded over ranks.
+* :func:`ring_attention` — context parallelism over ``torch.distributed``.
+* :mod:`longattn.nn` — modules; :mod:`longattn.bench` — the benchmark CLI.
+"""
+from .backends import BACKENDS, available_backends, use_backend
+from .functional import attention, dilated_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention", "dilated_attention", "use_backend", "available_backends", "BACKENDS",
+]

@@ -1,0 +1,31 @@
+"""Merging partial attention results by their log-sum-exp, in float32.
+
+Two partial softmax results (out_a, lse_a) and (out_b, lse_b) over disjoint
+key sets combine into the softmax over the union:
+    lse = lse_a - logsigmoid(lse_a - lse_b)
+    out = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b)
+Rows where a side saw no key carry lse -inf and output 0; the forms below keep
+such rows exact and NaN-free.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """In place: (out, lse) <- merge((out, lse), (out_b, lse_b)).
+
+    out, out_b: (..., D) float32; lse, lse_b: (...) float32 aligned with out's
+    leading dims. ``out`` and ``lse`` may be strided views into larger buffers.
+    """
+    lse_b = lse_b.float()
+    # sigmoid(lse_b - lse) is the weight of b; NaN only when both are -inf,
+    # where neither side has a key and out stays 0.
+    w_b = torch.sigmoid(lse_b - lse).nan_to_num_(0.0)
+    hi = torch.maximum(lse, lse_b)
+    lo = torch.minimum(lse, lse_b)
+    new_lse = hi - F.logsigmoid(hi - lo)
+    new_lse = torch.where(hi == float("-inf"), hi, new_lse)
+    out.sub_(w_b.unsqueeze(-1) * (out - out_b.float()))
+    lse.copy_(new_lse)

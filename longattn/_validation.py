@@ -1,0 +1,81 @@
+"""Input checks shared by every public entry point. They run before any
+kernel or collective and name the argument at fault and the fix."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(x, name: str, ndim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        layout = "(batch, seqlen, nheads, headdim)" if ndim == 4 else "(total_tokens, nheads, headdim)"
+        raise ValueError(f"{name} must have {ndim} dims {layout}, got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT:
+        raise TypeError(f"{name} must be a floating tensor (fp16, bf16, fp32, fp64), got {x.dtype}")
+
+
+def check_qkv(q, k, v, *, same_seqlen: bool = False, ndim: int = 4) -> None:
+    """Shapes (B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D) with H % Hkv == 0."""
+    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+        check_tensor(x, n, ndim)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if ndim == 4 and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    h, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or h % hkv:
+        raise ValueError(
+            f"nheads of q ({h}) must be a multiple of nheads of k/v ({hkv}) for grouped-query attention")
+    if same_seqlen and q.shape[-3] != k.shape[-3]:
+        raise ValueError(f"q and k must have the same seqlen here, got {q.shape[-3]} and {k.shape[-3]}")
+    if q.shape[-3] == 0 or k.shape[-3] == 0:
+        raise ValueError("q and k need at least one token (seqlen 0 given)")
+
+
+def check_window(window_size) -> tuple[int, int]:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = int(window_size[0]), int(window_size[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0 or -1 (unbounded), got {window_size!r}")
+    return left, right
+
+
+def check_scale(softmax_scale) -> None:
+    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+
+
+def check_flag(x, name: str) -> None:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+
+
+def check_dilation(segment_lengths: Sequence[int], dilation_rates: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    for vals, name in ((segment_lengths, "segment_lengths"), (dilation_rates, "dilation_rates")):
+        if not isinstance(vals, (list, tuple)) or not vals:
+            raise TypeError(f"{name} must be a non-empty list of ints, got {vals!r}")
+        for x in vals:
+            if not isinstance(x, int) or isinstance(x, bool):
+                raise TypeError(f"{name} must hold ints, got {x!r}")
+            if x <= 0:
+                raise ValueError(f"{name} entries must be positive, got {list(vals)}")
+    if len(segment_lengths) != len(dilation_rates):
+        raise ValueError(
+            f"segment_lengths ({len(segment_lengths)} entries) and dilation_rates "
+            f"({len(dilation_rates)} entries) must have the same length: one (w, r) per branch")
+    return tuple(int(x) for x in segment_lengths), tuple(int(x) for x in dilation_rates)

@@ -1,0 +1,147 @@
+"""LongNet dilated attention on one device: the schedule and the gather path.
+
+Semantics (pinned by tests/reference.py):
+  branch i has segment length w_i and dilation rate r_i; for query head h it
+  selects position p when ``(p % w_i) % r_i == h % r_i``. A selected query
+  attends to the selected keys of its own segment ``p // w_i`` (with
+  ``causal``, keys at positions <= p). The branches merge as one softmax over
+  the union of the keys each branch gives (merge by lse). GQA: query head h
+  reads kv head ``h // (H // Hkv)`` at the positions its own offset selects.
+
+The schedule cuts every branch into *parts*: for each offset class
+``c = h % r`` the full segments (batched as one dense call) and the partial
+last segment. A part's rows are ``c, c + r, ...`` inside each segment, which
+are plain strided views of (B, S, H, D) tensors; the gather path copies them
+into dense blocks, runs the local backend and merges into float32
+accumulators through the same views. The backward reruns each part's local
+backward with the *merged* output and lse, so its gradients are exact pieces
+of the whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+
+from . import backends as bk
+from ._merge import merge_
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Rows ``start + s*seg_len + c + i*r`` for s < nseg, i < m, query heads c::r."""
+
+    w: int
+    r: int
+    c: int
+    start: int
+    nseg: int
+    seg_len: int
+
+    @property
+    def m(self) -> int:
+        return -(-(self.seg_len - self.c) // self.r)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, H, D) -> strided view (B, nseg, m, H, D)."""
+        b, _, h, d = x.shape
+        span = x[:, self.start : self.start + self.nseg * self.seg_len]
+        return span.view(b, self.nseg, self.seg_len, h, d)[:, :, self.c :: self.r]
+
+    def q_view(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows(x)[:, :, :, self.c :: self.r]
+
+    def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
+        """(B, H, S) -> strided view (B, nseg, m, Hc) aligned with q_view."""
+        span = lse[:, self.c :: self.r, self.start : self.start + self.nseg * self.seg_len]
+        v = span.unflatten(2, (self.nseg, self.seg_len))[..., self.c :: self.r]  # (B, Hc, nseg, m)
+        return v.permute(0, 2, 3, 1)
+
+
+def schedule(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[Part]:
+    parts = []
+    for w, r in zip(segment_lengths, dilation_rates):
+        nfull = seqlen // w
+        tail = seqlen - nfull * w
+        for c in range(min(r, nheads)):
+            if nfull and c < w:
+                parts.append(Part(w, r, c, 0, nfull, w))
+            if tail and c < tail:
+                parts.append(Part(w, r, c, nfull * w, 1, tail))
+    return parts
+
+
+def kv_heads_for(part: Part, nheads: int, nheads_kv: int) -> tuple[list[int], bool]:
+    """The kv heads the part's query heads read, and whether they form a
+    regular GQA grouping (each listed kv head serving an equal run of
+    consecutive query heads) so the backend can read them without expansion."""
+    g = nheads // nheads_kv
+    per_q = [h // g for h in range(part.c, nheads, part.r)]
+    uniq = list(dict.fromkeys(per_q))
+    run = len(per_q) // len(uniq)
+    regular = len(per_q) % len(uniq) == 0 and per_q == [u for u in uniq for _ in range(run)]
+    return (uniq if regular else per_q), regular
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """(B, nseg, m, h, D) view -> contiguous (B*nseg, m, h, D) block."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _gather(part: Part, q, k, v):
+    nheads, nheads_kv = q.shape[2], k.shape[2]
+    kv_idx, _ = kv_heads_for(part, nheads, nheads_kv)
+    idx = torch.tensor(kv_idx, device=q.device)
+    qb = _dense(part.q_view(q))
+    kb = _dense(part.rows(k).index_select(3, idx))
+    vb = _dense(part.rows(v).index_select(3, idx))
+    return qb, kb, vb, idx
+
+
+def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto"):
+    b, s, h, d = q.shape
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    spec = bk.BlockSpec(scale=scale, causal=causal)
+    for part in schedule(s, segment_lengths, dilation_rates, h):
+        qb, kb, vb, _ = _gather(part, q, k, v)
+        ob, lb = bk.block_forward(qb, kb, vb, spec, backend)
+        o_view = part.q_view(out)
+        l_view = part.lse_view(lse)
+        ob = ob.view(b, part.nseg, part.m, -1, d)
+        lb = lb.view(b, part.nseg, -1, part.m).transpose(2, 3)
+        merge_(o_view, l_view, ob, lb)
+    return out.to(q.dtype), lse
+
+
+def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal: bool, scale: float,
+             backend: str = "auto"):
+    b, s, h, d = q.shape
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    spec = bk.BlockSpec(scale=scale, causal=causal)
+    for part in schedule(s, segment_lengths, dilation_rates, h):
+        qb, kb, vb, idx = _gather(part, q, k, v)
+        ob = _dense(part.q_view(out))
+        dob = _dense(part.q_view(dout))
+        lb = _dense(part.lse_view(lse)).transpose(1, 2).contiguous()  # (B*nseg, Hc, m)
+        dlb = None if dlse is None else _dense(part.lse_view(dlse)).transpose(1, 2).contiguous()
+        dqb, dkb, dvb = bk.block_backward(dob, qb, kb, vb, ob, lb, spec, backend, dlse=dlb)
+        part.q_view(dq).add_(dqb.view(b, part.nseg, part.m, -1, d))
+        part.rows(dk).index_add_(3, idx, dkb.view(b, part.nseg, part.m, -1, d).float())
+        part.rows(dv).index_add_(3, idx, dvb.view(b, part.nseg, part.m, -1, d).float())
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def pair_count(seqlen: int, segment_lengths, dilation_rates, nheads: int, causal: bool) -> int:
+    """(query, key) pairs computed, summed over heads and branches: the
+    'useful' work FLOP counts are based on (x 4 x headdim for a forward)."""
+    total = 0
+    for part in schedule(seqlen, segment_lengths, dilation_rates, nheads):
+        hc = len(range(part.c, nheads, part.r))
+        m = part.m
+        per_seg = m * (m + 1) // 2 if causal else m * m
+        total += per_seg * part.nseg * hc
+    return total

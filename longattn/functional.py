@@ -1,0 +1,240 @@
+"""Public single-device ops: ``attention`` and ``dilated_attention``.
+
+Layering (as in torch/nn/attention/varlen.py): a private ``torch.library``
+custom op per kernel call with a fake implementation (so ``torch.compile``
+traces through), autograd attached with ``register_autograd`` whose context
+is unpacked by name, and a thin public function that validates inputs,
+applies defaults and carries the documentation.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import backends as bk
+from . import dilated as _dil
+from ._validation import check_dilation, check_flag, check_qkv, check_scale, check_window
+
+__all__ = ["attention", "dilated_attention"]
+
+
+def _lse_like(q: torch.Tensor) -> torch.Tensor:
+    b, s, h, _ = q.shape
+    return q.new_empty(b, h, s, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------ dense attention
+@torch.library.custom_op("longattn::attention_fwd", mutates_args=(), device_types=None)
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                   window_left: int, window_right: int, q_offset: int, backend: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = bk.BlockSpec(scale, causal, (window_left, window_right), q_offset)
+    out, lse = bk.block_forward(q, k, v, spec, backend)
+    return out.contiguous(), lse.contiguous()
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, scale, causal, window_left, window_right, q_offset, backend):
+    return torch.empty_like(q), _lse_like(q)
+
+
+@torch.library.custom_op("longattn::attention_bwd", mutates_args=(), device_types=None)
+def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], scale: float,
+                   causal: bool, window_left: int, window_right: int, q_offset: int, backend: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = bk.BlockSpec(scale, causal, (window_left, window_right), q_offset)
+    dq, dk, dv = bk.block_backward(dout, q, k, v, out, lse, spec, backend, dlse=dlse)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+@_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, q_offset, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
+    ctx.kw = {n: inputs[i] for i, n in enumerate(
+        ("q", "k", "v", "scale", "causal", "window_left", "window_right", "q_offset", "backend")) if i >= 3}
+
+
+def _attention_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, dlse, **ctx.kw)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
+              return_lse: bool = False, backend: str = "auto"):
+    """Exact softmax attention on one device through the best local kernel.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; ``nheads % nheads_kv == 0``
+            (GQA/MQA: query head ``h`` reads kv head ``h // (nheads // nheads_kv)``).
+        causal: mask keys after the query. With ``seqlen_q != seqlen_k`` the
+            mask is aligned to the bottom-right corner as in flash-attn: query
+            row ``i`` sits at key position ``i + seqlen_k - seqlen_q``.
+        softmax_scale: defaults to ``headdim ** -0.5``.
+        window_size: ``(left, right)``; a query at position p sees keys in
+            ``[p - left, p + right]``; -1 is unbounded.
+        return_lse: also return the log-sum-exp ``(batch, nheads, seqlen_q)``
+            float32; it is differentiable.
+        backend: ``"auto"`` (the fastest that supports the call: cuDNN, flash,
+            triton, efficient, math) or one of those names; a backend that cannot
+            run the call raises ``ValueError`` listing why.
+
+    Returns:
+        ``out`` ``(batch, seqlen_q, nheads, headdim)`` in q's dtype, and ``lse`` when
+        asked. Rows that see no key give 0 and lse ``-inf``.
+
+    Equivalent PyTorch::
+
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(g, 2))
+    """
+    check_qkv(q, k, v)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    left, right = check_window(window_size)
+    bk.check_backend_name(backend)
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    q_offset = k.shape[1] - q.shape[1]
+    spec = bk.BlockSpec(scale, causal, (left, right), q_offset)
+    bk.select_backend(q, k, spec, backend)  # raise on an unsupported forced backend, before any kernel
+    out, lse = _attention_fwd(q, k, v, scale, causal, left, right, q_offset, backend)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------- dilated attention
+@torch.library.custom_op("longattn::dilated_fwd", mutates_args=(), device_types=None)
+def _dilated_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
+                 dilation_rates: list[int], scale: float, causal: bool, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_fused(q, k, backend):
+        from .kernels import triton_dilated
+
+        return triton_dilated.forward(q, k, v, segment_lengths, dilation_rates, causal, scale)
+    return _dil.forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend)
+
+
+@_dilated_fwd.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, scale, causal, backend):
+    return torch.empty_like(q), _lse_like(q)
+
+
+@torch.library.custom_op("longattn::dilated_bwd", mutates_args=(), device_types=None)
+def _dilated_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int],
+                 dilation_rates: list[int], scale: float, causal: bool, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_fused(q, k, backend):
+        from .kernels import triton_dilated
+
+        return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates,
+                                       causal, scale)
+    return _dil.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend)
+
+
+@_dilated_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, causal, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _dilated_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
+    ctx.kw = dict(segment_lengths=inputs[3], dilation_rates=inputs[4], scale=inputs[5], causal=inputs[6],
+                  backend=inputs[7])
+
+
+def _dilated_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _dilated_bwd(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.kw)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
+
+
+def _use_fused(q, k, backend: str) -> bool:
+    """The fused Triton dilated kernel runs when asked for, or under auto on
+    CUDA when it can (it needs no gathered copies and wins at every size we
+    measured, docs/performance.md)."""
+    if backend == "triton":
+        return True
+    if backend != "auto" or q.device.type != "cuda" or bk._forced() not in (None, "triton"):
+        return False
+    from .kernels import triton_dilated
+
+    return not triton_dilated.refusals(q, k)
+
+
+def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_lengths: Sequence[int],
+                      dilation_rates: Sequence[int], causal: bool = False,
+                      softmax_scale: Optional[float] = None, return_lse: bool = False,
+                      backend: str = "auto", group=None):
+    """LongNet dilated attention.
+
+    Branch ``i`` has segment length ``w_i`` and dilation rate ``r_i``. For query
+    head ``h`` it selects position ``p`` when ``(p % w_i) % r_i == h % r_i``; a
+    selected query attends to the selected keys of its own segment ``p // w_i``
+    (with ``causal``, only keys at positions <= p). All branches are merged as
+    one softmax over the union of the keys they give (a key given by two
+    branches counts twice). The last segment may be partial; a segment longer
+    than the sequence covers all of it. A (position, head) no branch selects
+    gives output 0 and lse ``-inf``.
+
+    Args:
+        q: ``(batch, seqlen, nheads, headdim)``.
+        k, v: ``(batch, seqlen, nheads_kv, headdim)``; GQA: query head ``h`` reads kv
+            head ``h // (nheads // nheads_kv)`` at the positions its offset selects.
+        segment_lengths, dilation_rates: one ``(w, r)`` per branch, positive ints.
+        causal, softmax_scale, return_lse: as in :func:`attention`.
+        backend: ``"triton"`` (fused kernel, no copies), a local backend name for
+            the gather path (``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``), or
+            ``"auto"``.
+        group: a ProcessGroup; when given, q/k/v are this rank's contiguous shard
+            of the sequence (see :func:`longattn.distributed.dilated_attention`).
+
+    Returns:
+        ``out`` like q (and ``lse`` ``(batch, nheads, seqlen)`` float32 if asked).
+
+    Equivalent PyTorch (one branch; the real op merges branches by lse)::
+
+        sel = ((pos % w) % r)[None, :] == (heads % r)[:, None]          # (H, S)
+        same_seg = (pos[:, None] // w) == (pos[None, :] // w)             # (S, S)
+        mask = sel[:, :, None] & sel[:, None, :] & same_seg               # (H, S, S)
+        out = softmax(q k^T * scale masked by mask) v
+    """
+    if group is not None:
+        from .distributed.dilated import dilated_attention as _dist_dilated
+
+        return _dist_dilated(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                             causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                             backend=backend, group=group)
+    check_qkv(q, k, v, same_seqlen=True)
+    segs, rates = check_dilation(segment_lengths, dilation_rates)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    bk.check_backend_name(backend)
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    if backend == "triton":
+        from .kernels import triton_dilated
+
+        reasons = triton_dilated.refusals(q, k)
+        if reasons:
+            raise ValueError(f"backend='triton' cannot run this call: {'; '.join(reasons)}")
+    elif backend != "auto":
+        # The gather path hands dense blocks to this backend; check it can take them.
+        bk.select_backend(q, k, bk.BlockSpec(scale, causal), backend)
+    out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,520 @@
+"""Flash-attention kernels in Triton for dense blocks and dilated branches.
+
+One family of kernels covers both:
+
+* dense mode (``DILATED=False``): query row i at position ``i + q_offset``,
+  key row j at j; causal and sliding-window masks; GQA without expansion.
+* dilated mode (``DILATED=True``): one launch per branch (w, r). Program
+  (block, head, segment) reads rows ``seg*w + c + i*r`` with ``c = head % r``
+  straight from the (B, S, H, D) tensors by strided addressing (no gathered
+  copies), and merges into the running float32 output and lse of earlier
+  branches. Within one launch every (row, head) belongs to one program, so
+  the read-merge-write needs no atomics; launches of successive branches are
+  ordered on the stream.
+
+Backward: a preprocess kernel computes ``delta = rowsum(dO * O) - dlse`` from
+the merged output; the dK/dV kernel gives each (key block, kv head, offset
+class, segment) to one program that loops over the query heads of its group
+that read those keys; the dQ kernel gives each (query block, head, segment)
+to one program. Both add into float32 accumulators across branches.
+
+Inner loops are split into masked and unmasked ranges (as in the Triton
+fused-attention tutorial) so the mask costs only on boundary blocks.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised on machines without triton
+    HAS_TRITON = False
+
+SUPPORTED_HEADDIMS = (16, 32, 64, 96, 128, 256)
+LOG2E = 1.4426950408889634
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> bool:
+    return not unavailable_reason(device)
+
+
+def unavailable_reason(device: torch.device) -> str:
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if device.type == "cpu" and not _interpret():
+        return "Triton runs on CPU only under TRITON_INTERPRET=1"
+    if device.type not in ("cpu", "cuda"):
+        return f"device {device.type} unsupported"
+    return ""
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _geometry(seg, c, W, R, NFULL, TAIL, SQ, SK, DILATED: tl.constexpr):
+        """(first q row, first k row, #q rows, #k rows, row stride) of a program."""
+        if DILATED:
+            seg_len = tl.where(seg < NFULL, W, TAIL)
+            m = (seg_len - c + R - 1) // R
+            base = seg * W + c
+            return base, base, m, m, R
+        else:
+            return seg * 0, seg * 0, SQ + seg * 0, SK + seg * 0, 1 + seg * 0
+
+    @triton.jit
+    def _key_ranges(i0, MK, Q_OFF, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+        """Key blocks rows [i0, i0+BLOCK_M) may see: [lo, u0) masked, [u0, u1) unmasked, [u1, hi) masked."""
+        lo = i0 * 0
+        hi = MK + i0 * 0
+        flo = i0 * 0
+        fhi = MK + i0 * 0
+        if CAUSAL:
+            hi = tl.minimum(hi, i0 + BLOCK_M + Q_OFF)
+            fhi = tl.minimum(fhi, i0 + Q_OFF + 1)
+        if HAS_RIGHT:
+            hi = tl.minimum(hi, i0 + BLOCK_M + Q_OFF + RIGHT)
+            fhi = tl.minimum(fhi, i0 + Q_OFF + RIGHT + 1)
+        if HAS_LEFT:
+            lo = tl.maximum(lo, i0 + Q_OFF - LEFT)
+            flo = tl.maximum(flo, i0 + BLOCK_M - 1 + Q_OFF - LEFT)
+        hi = tl.maximum(hi, 0)
+        lo = tl.minimum(lo, hi)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        hi_r = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        u0 = tl.minimum(tl.maximum(((flo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), hi_r)
+        u1 = tl.maximum(tl.minimum((tl.maximum(fhi, 0) // BLOCK_N) * BLOCK_N, hi_r), u0)
+        return lo, u0, u1, hi
+
+    @triton.jit
+    def _query_ranges(n0, MQ, Q_OFF, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+        """Query blocks that may see keys [n0, n0+BLOCK_N): masked/unmasked split as above."""
+        lo = n0 * 0
+        hi = MQ + n0 * 0
+        flo = n0 * 0
+        fhi = MQ + n0 * 0
+        if CAUSAL:  # i + Q_OFF >= n
+            lo = tl.maximum(lo, n0 - Q_OFF)
+            flo = tl.maximum(flo, n0 + BLOCK_N - 1 - Q_OFF)
+        if HAS_RIGHT:  # n - i - Q_OFF <= RIGHT
+            lo = tl.maximum(lo, n0 - Q_OFF - RIGHT)
+            flo = tl.maximum(flo, n0 + BLOCK_N - 1 - Q_OFF - RIGHT)
+        if HAS_LEFT:  # i + Q_OFF - n <= LEFT
+            hi = tl.minimum(hi, n0 + BLOCK_N + LEFT - Q_OFF)
+            fhi = tl.minimum(fhi, n0 + LEFT - Q_OFF + 1)
+        hi = tl.maximum(hi, 0)
+        lo = tl.minimum(tl.maximum(lo, 0), hi)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        hi_r = ((hi + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        u0 = tl.minimum(tl.maximum(((flo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo), hi_r)
+        u1 = tl.maximum(tl.minimum((tl.maximum(fhi, 0) // BLOCK_M) * BLOCK_M, hi_r), u0)
+        return lo, u0, u1, hi
+
+    @triton.jit
+    def _visible(offs_m, offs_n, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr):
+        pos = offs_m[:, None] + Q_OFF
+        n = offs_n[None, :]
+        ok = (n < MK) & (offs_m[:, None] < MQ)
+        if CAUSAL:
+            ok = ok & (n <= pos)
+        if HAS_LEFT:
+            ok = ok & (pos - n <= LEFT)
+        if HAS_RIGHT:
+            ok = ok & (n - pos <= RIGHT)
+        return ok
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, start, end, offs_m, offs_n, offs_d,
+                   dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        for start_n in range(start, end, BLOCK_N):
+            cols = start_n + offs_n
+            rows = (kbase + cols.to(tl.int64) * RS)
+            kv_mask = (cols < MK)[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + rows[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + rows[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+            if MASKED:
+                ok = _visible(offs_m, cols, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL, HAS_LEFT, HAS_RIGHT)
+                qk = tl.where(ok, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, O, LSE, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+                    H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, qk_scale,
+                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    DILATED: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        seg = tl.program_id(2)
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        kh = h // G
+        qbase, kbase, MQ, MK, RS = _geometry(seg, h % R, W, R, NFULL, TAIL, SQ, SK, DILATED)
+        i0 = pid_m * BLOCK_M
+        offs_m = i0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        qrows = qbase + offs_m.to(tl.int64) * RS
+        row_ok = offs_m < MQ
+        q = tl.load(Q + b * sqb + h * sqh + qrows[:, None] * sqs + offs_d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        k_ptr = K + b * skb + kh * skh
+        v_ptr = V + b * svb + kh * svh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        lo, u0, u1, hi = _key_ranges(i0, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, lo, u0, offs_m, offs_n,
+                                   offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT,
+                                   HAS_RIGHT, BLOCK_N, IEEE)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, u0, u1, offs_m, offs_n,
+                                   offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, False, CAUSAL, HAS_LEFT,
+                                   HAS_RIGHT, BLOCK_N, IEEE)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, u1, hi, offs_m, offs_n,
+                                   offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT,
+                                   HAS_RIGHT, BLOCK_N, IEEE)
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        # natural-log lse from the base-2 running max
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+        o_ptrs = O + b * sob + h * soh + qrows[:, None] * sos + offs_d[None, :]
+        l_ptrs = LSE + b * slb + h * slh + qrows
+        st_mask = row_ok[:, None] & dmask[None, :]
+        if MERGE:
+            o_old = tl.load(o_ptrs, mask=st_mask, other=0.0)
+            l_old = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
+            top = tl.maximum(l_old, lse)
+            top_safe = tl.where(top == float("-inf"), 0.0, top)
+            w_old = tl.exp(l_old - top_safe)
+            w_new = tl.exp(lse - top_safe)
+            tot = w_old + w_new
+            tot_safe = tl.where(tot == 0.0, 1.0, tot)
+            out = (o_old * w_old[:, None] + out * w_new[:, None]) / tot_safe[:, None]
+            lse = tl.where(tot == 0.0, float("-inf"), top_safe + tl.log(tot_safe))
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=st_mask)
+        tl.store(l_ptrs, lse, mask=row_ok)
+
+    @triton.jit
+    def _bwd_preprocess(O, DO, DLSE, DELTA, sob, sos, soh, sdb, sds, sdh, slb, slh, H, S,
+                        D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        rows = pid * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, D_PAD)
+        msk = (rows < S)[:, None] & (offs_d < D)[None, :]
+        r64 = rows.to(tl.int64)
+        o = tl.load(O + b * sob + h * soh + r64[:, None] * sos + offs_d[None, :], mask=msk, other=0.0).to(tl.float32)
+        do = tl.load(DO + b * sdb + h * sdh + r64[:, None] * sds + offs_d[None, :], mask=msk, other=0.0).to(tl.float32)
+        delta = tl.sum(o * do, 1)
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + b * slb + h * slh + r64, mask=rows < S, other=0.0)
+        tl.store(DELTA + b * slb + h * slh + r64, delta, mask=rows < S)
+
+    @triton.jit
+    def _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, start, end, offs_m,
+                    cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, MASKED: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+        for start_m in range(start, end, BLOCK_M):
+            rows_i = start_m + offs_m
+            rows = qbase + rows_i.to(tl.int64) * RS
+            rmask = rows_i < MQ
+            q = tl.load(q_ptr + rows[:, None] * sqs + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+            do = tl.load(do_ptr + rows[:, None] * sdos + offs_d[None, :], mask=rmask[:, None] & dmask[None, :],
+                         other=0.0)
+            lse2 = tl.load(lse_ptr + rows, mask=rmask, other=float("inf")) * 1.4426950408889634
+            lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+            delta = tl.load(delta_ptr + rows, mask=rmask, other=0.0)
+            # scores transposed: (BLOCK_N keys, BLOCK_M queries)
+            qkT = _dot(k, tl.trans(q), IEEE) * qk_scale
+            pT = tl.math.exp2(qkT - lse2[None, :])
+            if MASKED:
+                ok = _visible(rows_i, cols, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL, HAS_LEFT, HAS_RIGHT)
+                pT = tl.where(tl.trans(ok), pT, 0.0)
+            dv += _dot(pT.to(do.dtype), do, IEEE)
+            dpT = _dot(v, tl.trans(do), IEEE)
+            dsT = pT * (dpT - delta[None, :])
+            dk += _dot(dsT.to(q.dtype), q, IEEE)
+        return dk, dv
+
+    @triton.jit
+    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+                     sdob, sdos, sdoh, slb, slh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                     H, HKV, G, NCLS, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale,
+                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                     DILATED: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid = tl.program_id(1)
+        seg = tl.program_id(2)
+        c = pid % NCLS
+        kh = (pid // NCLS) % HKV
+        b = (pid // (NCLS * HKV)).to(tl.int64)
+        qbase, kbase, MQ, MK, RS = _geometry(seg, c, W, R, NFULL, TAIL, SQ, SK, DILATED)
+        n0 = pid_n * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        krows = kbase + cols.to(tl.int64) * RS
+        kmask = (cols < MK)[:, None] & dmask[None, :]
+        k = tl.load(K + b * skb + kh * skh + krows[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(V + b * svb + kh * svh + krows[:, None] * svs + offs_d[None, :], mask=kmask, other=0.0)
+        dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        lo, u0, u1, hi = _query_ranges(n0, MQ, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        # the query heads of this kv head's group whose offset class is c
+        h_first = kh * G + (c - kh * G % R + R) % R
+        for h in range(h_first, kh * G + G, R):
+            q_ptr = Q + b * sqb + h * sqh
+            do_ptr = DO + b * sdob + h * sdoh
+            lse_ptr = LSE + b * slb + h * slh
+            delta_ptr = DELTA + b * slb + h * slh
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, lo, u0,
+                                 offs_m, cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL,
+                                 HAS_LEFT, HAS_RIGHT, BLOCK_M, IEEE)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, u0, u1,
+                                 offs_m, cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, False, CAUSAL,
+                                 HAS_LEFT, HAS_RIGHT, BLOCK_M, IEEE)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, u1, hi,
+                                 offs_m, cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL,
+                                 HAS_LEFT, HAS_RIGHT, BLOCK_M, IEEE)
+        dk = dk * scale
+        dk_ptrs = DK + b * sdkb + kh * sdkh + krows[:, None] * sdks + offs_d[None, :]
+        dv_ptrs = DV + b * sdvb + kh * sdvh + krows[:, None] * sdvs + offs_d[None, :]
+        if ACCUM:
+            dk += tl.load(dk_ptrs, mask=kmask, other=0.0)
+            dv += tl.load(dv_ptrs, mask=kmask, other=0.0)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kmask)
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kmask)
+
+    @triton.jit
+    def _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, start, end, offs_m, offs_n, offs_d,
+                  dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        for start_n in range(start, end, BLOCK_N):
+            cols = start_n + offs_n
+            rows = kbase + cols.to(tl.int64) * RS
+            kv_mask = (cols < MK)[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + rows[:, None] * sks + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + rows[:, None] * svs + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+            p = tl.math.exp2(qk - lse2[:, None])
+            if MASKED:
+                ok = _visible(offs_m, cols, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL, HAS_LEFT, HAS_RIGHT)
+                p = tl.where(ok, p, 0.0)
+            dp = _dot(do, tl.trans(v), IEEE)
+            ds = p * (dp - delta[:, None])
+            dq += _dot(ds.to(k.dtype), k, IEEE)
+        return dq
+
+    @triton.jit
+    def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+                   sdob, sdos, sdoh, slb, slh, sdqb, sdqs, sdqh,
+                   H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   DILATED: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        seg = tl.program_id(2)
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        kh = h // G
+        qbase, kbase, MQ, MK, RS = _geometry(seg, h % R, W, R, NFULL, TAIL, SQ, SK, DILATED)
+        i0 = pid_m * BLOCK_M
+        offs_m = i0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        qrows = qbase + offs_m.to(tl.int64) * RS
+        rmask = offs_m < MQ
+        qmask = rmask[:, None] & dmask[None, :]
+        q = tl.load(Q + b * sqb + h * sqh + qrows[:, None] * sqs + offs_d[None, :], mask=qmask, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + qrows[:, None] * sdos + offs_d[None, :], mask=qmask, other=0.0)
+        lse2 = tl.load(LSE + b * slb + h * slh + qrows, mask=rmask, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+        delta = tl.load(DELTA + b * slb + h * slh + qrows, mask=rmask, other=0.0)
+        k_ptr = K + b * skb + kh * skh
+        v_ptr = V + b * svb + kh * svh
+        dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        lo, u0, u1, hi = _key_ranges(i0, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, lo, u0, offs_m, offs_n, offs_d,
+                       dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, u0, u1, offs_m, offs_n, offs_d,
+                       dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, False, CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, u1, hi, offs_m, offs_n, offs_d,
+                       dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
+        dq = dq * scale
+        dq_ptrs = DQ + b * sdqb + h * sdqh + qrows[:, None] * sdqs + offs_d[None, :]
+        if ACCUM:
+            dq += tl.load(dq_ptrs, mask=qmask, other=0.0)
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=qmask)
+
+
+# ----------------------------------------------------------------------- launchers
+def _blocks(d: int, device: torch.device, kind: str) -> dict:
+    """Block sizes and warps: small tiles under the interpreter (speed of the
+    tests), tuned tiles on GPU (docs/performance.md records the sweep)."""
+    if device.type == "cpu":
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    cfg = _TUNED.get((kind, d if d <= 128 else 256))
+    if cfg is None:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(cfg)
+
+
+# (kind, headdim bucket) -> launch config. Measured on H100/H200, see docs/performance.md.
+_TUNED = {
+    ("fwd", 32): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd", 96): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("fwd", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("fwd", 256): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    ("bwd", 32): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    ("bwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    ("bwd", 96): dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    ("bwd", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+    ("bwd", 256): dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+}
+
+
+def _d_pad(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+class Geometry:
+    """Launch geometry of one dense call or one dilated branch."""
+
+    def __init__(self, sq, sk, *, w=None, r=1, causal=False, window=(-1, -1), q_offset=0):
+        self.dilated = w is not None
+        self.causal, self.window, self.q_offset = causal, window, q_offset
+        self.sq, self.sk = sq, sk
+        if self.dilated:
+            self.w, self.r = w, r
+            self.nfull, self.tail = sq // w, sq % w
+            self.nseg = self.nfull + (1 if self.tail else 0)
+            self.max_m = -(-min(w, sq) // r)
+            self.max_mk = self.max_m
+        else:
+            self.w, self.r, self.nfull, self.tail, self.nseg = sq, 1, 1, 0, 1
+            self.max_m, self.max_mk = sq, sk
+
+    def scalars(self):
+        left, right = self.window
+        return (self.sq, self.sk, self.w, self.r, self.nfull, self.tail, self.q_offset, max(left, 0),
+                max(right, 0))
+
+    def flags(self):
+        return dict(CAUSAL=self.causal, HAS_LEFT=self.window[0] >= 0, HAS_RIGHT=self.window[1] >= 0,
+                    DILATED=self.dilated)
+
+
+def _ieee(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32
+
+
+def launch_forward(q, k, v, out, lse, geo: Geometry, scale: float, merge: bool):
+    b, _, h, d = q.shape
+    cfg = _blocks(d, q.device, "fwd")
+    bm = cfg.pop("BLOCK_M")
+    grid = (triton.cdiv(geo.max_m, bm), b * h, geo.nseg)
+    _fwd_kernel[grid](
+        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), h, h // k.shape[2], *geo.scalars(), scale * LOG2E,
+        D=d, D_PAD=_d_pad(d), BLOCK_M=bm, MERGE=merge, IEEE=_ieee(q), **geo.flags(), **cfg)
+
+
+def launch_preprocess(out, dout, dlse, delta):
+    b, s, h, d = out.shape
+    block = 16 if out.device.type == "cpu" else 64
+    grid = (triton.cdiv(s, block), b * h)
+    _bwd_preprocess[grid](out, dout, dlse if dlse is not None else delta, delta, out.stride(0), out.stride(1),
+                          out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), delta.stride(0),
+                          delta.stride(1), h, s, D=d, D_PAD=_d_pad(d), BLOCK=block, HAS_DLSE=dlse is not None)
+
+
+def launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo: Geometry, scale: float, accum: bool):
+    b, _, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    cfg = _blocks(d, q.device, "bwd")
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    ncls = geo.r if geo.dilated else 1
+    common = dict(D=d, D_PAD=_d_pad(d), BLOCK_M=bm, BLOCK_N=bn, ACCUM=accum, IEEE=_ieee(q), **geo.flags(), **cfg)
+    _dkdv_kernel[(triton.cdiv(geo.max_mk, bn), b * hkv * ncls, geo.nseg)](
+        q, k, v, dout, lse, delta, dk, dv, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+        dv.stride(2), h, hkv, g, ncls, *geo.scalars(), scale, scale * LOG2E, **common)
+    _dq_kernel[(triton.cdiv(geo.max_m, bm), b * h, geo.nseg)](
+        q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), h, g, *geo.scalars(), scale,
+        scale * LOG2E, **common)
+
+
+def _contig(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# -------------------------------------------------------------- dense block backend
+def forward(q, k, v, spec):
+    """Dense block forward for the ``triton`` backend (see longattn.backends)."""
+    q, k, v = _contig(q), _contig(k), _contig(v)
+    b, sq, h, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    geo = Geometry(sq, k.shape[1], causal=spec.causal, window=spec.window, q_offset=spec.q_offset)
+    launch_forward(q, k, v, out, lse, geo, spec.scale, merge=False)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, spec, dlse=None):
+    q, k, v, dout, out = (_contig(t) for t in (q, k, v, dout, out))
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    launch_preprocess(out, dout, None if dlse is None else dlse.float().contiguous(), delta)
+    dq = torch.empty_like(q)
+    # GQA: a kv head's program loops over its query heads, so dK/dV are
+    # written once, in the input dtype, with no reduction pass.
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    geo = Geometry(q.shape[1], k.shape[1], causal=spec.causal, window=spec.window, q_offset=spec.q_offset)
+    launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo, spec.scale, accum=False)
+    return dq, dk, dv
+
+
+del math

@@ -1,0 +1,99 @@
+"""Float64 references written plainly: explicit masks and einsum, no tricks.
+
+Every op in longattn is checked against these. They materialise (S, S)
+score matrices, so tests keep shapes small.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def expand_kv(x, nheads):
+    return x.repeat_interleave(nheads // x.shape[2], dim=2)
+
+
+def window_mask(sq, sk, *, causal=False, window=(-1, -1), q_offset=None):
+    """(Sq, Sk) bool: True where query i (at position i + q_offset) sees key j."""
+    if q_offset is None:
+        q_offset = sk - sq  # bottom-right, as flash-attn
+    pos_q = torch.arange(sq)[:, None] + q_offset
+    pos_k = torch.arange(sk)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        ok &= pos_k <= pos_q
+    if window[0] >= 0:
+        ok &= pos_q - pos_k <= window[0]
+    if window[1] >= 0:
+        ok &= pos_k - pos_q <= window[1]
+    return ok
+
+
+def masked_attention(q, k, v, mask, scale):
+    """q (B,Sq,H,D), k/v (B,Sk,Hkv,D), mask broadcastable to (B,H,Sq,Sk). float64.
+    Returns out (B,Sq,H,D) and lse (B,H,Sq); rows with no key: 0 and -inf."""
+    q, k, v = q.double(), expand_kv(k.double(), q.shape[2]), expand_kv(v.double(), q.shape[2])
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def attention_ref(q, k, v, *, causal=False, window=(-1, -1), scale=None, q_offset=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mask = window_mask(q.shape[1], k.shape[1], causal=causal, window=window, q_offset=q_offset)
+    return masked_attention(q, k, v, mask.to(q.device), scale)
+
+
+def dilated_masks(seqlen, nheads, segment_lengths, dilation_rates, causal):
+    """One (H, S, S) bool mask per branch, straight from the definition:
+    head h selects p when (p % w) % r == h % r; selected q and k in the same
+    segment p // w see each other (causal: k <= q)."""
+    pos = torch.arange(seqlen)
+    heads = torch.arange(nheads)
+    masks = []
+    for w, r in zip(segment_lengths, dilation_rates):
+        sel = ((pos % w) % r)[None, :] == (heads % r)[:, None]  # (H, S)
+        same_seg = (pos[:, None] // w) == (pos[None, :] // w)
+        m = sel[:, :, None] & sel[:, None, :] & same_seg[None]
+        if causal:
+            m &= pos[None, :] <= pos[:, None]
+        masks.append(m)
+    return masks
+
+
+def dilated_ref(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None):
+    """Union softmax over the keys every branch gives: concatenating each
+    branch's masked scores along the key axis counts a key given twice twice."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    b, s, h, d = q.shape
+    qd, kd, vd = q.double(), expand_kv(k.double(), h), expand_kv(v.double(), h)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    masks = dilated_masks(s, h, segment_lengths, dilation_rates, causal)
+    cat = torch.cat([scores.masked_fill(~m.to(q.device), float("-inf")) for m in masks], -1)
+    lse = torch.logsumexp(cat, -1)
+    p = torch.exp(cat - lse[..., None]).nan_to_num(0.0)
+    vcat = torch.cat([vd] * len(masks), 1)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vcat), lse
+
+
+def rel_err(got, ref):
+    got, ref = got.double(), ref.double()
+    fin = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(got), fin):
+        return float("inf")
+    g, r = got[fin], ref[fin]
+    den = r.norm()
+    return float((g - r).norm() / (den if den > 0 else 1.0))
+
+
+def grads_of(fn, inputs, dout, dlse=None):
+    """Run fn(*inputs) -> out or (out, lse), backprop (dout, dlse); return outputs and grads."""
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    res = fn(*xs)
+    out, lse = (res if isinstance(res, tuple) else (res, None))
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dlse.double()).sum()
+    loss.backward()
+    return out.detach(), (None if lse is None else lse.detach()), [x.grad for x in xs]
