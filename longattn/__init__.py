@@ -9,9 +9,11 @@
 """
 from .backends import BACKENDS, available_backends, use_backend
 from .functional import attention, dilated_attention
+from .distributed import ring_attention, shard, shard_positions, unshard
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "dilated_attention", "use_backend", "available_backends", "BACKENDS",
+    "attention", "dilated_attention", "ring_attention", "shard", "unshard", "shard_positions",
+    "use_backend", "available_backends", "BACKENDS",
 ]

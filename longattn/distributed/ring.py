@@ -1,0 +1,255 @@
+"""Ring attention: exact attention over a sequence sharded on p ranks.
+
+Each step sends this rank's current K/V block to the next rank and receives
+the previous rank's (batched P2P, two buffers), while the local backend
+attends to the block in hand; partial results merge by lse in float32.
+Memory per rank stays O(seqlen / p): the local shard, one K/V block in
+flight and the float32 accumulators. The ring carries only ``nheads_kv``
+heads (GQA/MQA send 1/g of MHA's bytes).
+
+Backward: K/V go round again; each step's local backward uses the merged
+output and lse (exact pieces of the full gradient); dK/dV accumulate in
+float32 in buffers that travel with their K/V and are sent home at the end.
+
+Block planning: every rank holds one or two chunks of known global
+position. For each (query chunk, key chunk) pair the planner decides: no
+key visible (skip, no compute), all visible (plain dense call), or partial
+(a masked call with the right position offset). Causal on the contiguous
+layout skips the blocks above the diagonal; zigzag gives every rank the
+same work at every step; sliding windows skip blocks outside the window and
+stop the ring after the last step any rank needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import backends as bk
+from .._merge import merge_
+from .._validation import check_flag, check_qkv, check_scale, check_window
+from . import _comm
+from .layout import check_layout, chunks
+
+NONE, FULL, PARTIAL = 0, 1, 2
+
+
+def classify(qs: int, ql: int, ks: int, kl: int, causal: bool, window) -> int:
+    """Visibility of keys [ks, ks+kl) from queries [qs, qs+ql) (global positions)."""
+    left, right = window
+    q_lo, q_hi, k_lo, k_hi = qs, qs + ql - 1, ks, ks + kl - 1
+    none = full = False
+    if causal:
+        none |= k_lo > q_hi
+        full_c = k_hi <= q_lo
+    else:
+        full_c = True
+    full_l = full_r = True
+    if left >= 0:
+        none |= q_lo - k_hi > left
+        full_l = q_hi - k_lo <= left
+    if right >= 0:
+        none |= k_lo - q_hi > right
+        full_r = k_hi - q_lo <= right
+    if none:
+        return NONE
+    return FULL if (full_c and full_l and full_r) else PARTIAL
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    spec: bk.BlockSpec
+
+
+def plan(layout: str, rank: int, src: int, world: int, local_len: int, causal: bool, window, scale: float
+         ) -> list[Call]:
+    """Dense calls rank ``rank`` makes on the K/V block of rank ``src``."""
+    qc = chunks(layout, rank, world, local_len)
+    kc = chunks(layout, src, world, local_len)
+    kinds = [[classify(qg, ql, kg, kl, causal, window) for kg, _, kl in kc] for qg, _, ql in qc]
+    dense = bk.BlockSpec(scale)
+    flat = [x for row in kinds for x in row]
+    if all(x == FULL for x in flat):
+        return [Call(0, local_len, 0, local_len, dense)]
+    if all(x == NONE for x in flat):
+        return []
+    n = len(qc)
+    # Causal over the concatenated local order (zigzag's diagonal step): one call.
+    if (causal and window == (-1, -1) and rank == src and n > 1
+            and all(kinds[i][j] == (FULL if i > j else NONE if i < j else PARTIAL) for i in range(n) for j in range(n))):
+        return [Call(0, local_len, 0, local_len, bk.BlockSpec(scale, causal=True))]
+    # One key chunk seen fully by every query chunk, the others by none.
+    for j in range(len(kc)):
+        if all(kinds[i][j] == FULL for i in range(n)) and all(
+                kinds[i][jj] == NONE for i in range(n) for jj in range(len(kc)) if jj != j):
+            return [Call(0, local_len, kc[j][1], kc[j][1] + kc[j][2], dense)]
+    calls = []
+    for i, (qg, q0, ql) in enumerate(qc):
+        row = kinds[i]
+        if all(x == FULL for x in row):
+            calls.append(Call(q0, q0 + ql, 0, local_len, dense))
+            continue
+        for j, (kg, k0, kl) in enumerate(kc):
+            if row[j] == NONE:
+                continue
+            spec = dense if row[j] == FULL else bk.BlockSpec(scale, causal, tuple(window), qg - kg)
+            calls.append(Call(q0, q0 + ql, k0, k0 + kl, spec))
+    return calls
+
+
+def num_steps(layout: str, world: int, local_len: int, causal: bool, window) -> int:
+    """Ring steps needed: the last step at which any rank has a block to compute."""
+    last = 0
+    for s in range(world):
+        if any(plan(layout, r, (r - s) % world, world, local_len, causal, window, 1.0) for r in range(world)):
+            last = s
+    return last + 1
+
+
+def _forward(q, k, v, scale, causal, window, layout, group, backend):
+    comm = _comm.P2P(group)
+    rank, world = comm.rank, comm.size
+    b, l, h, d = q.shape
+    out = torch.zeros(b, l, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
+    steps = num_steps(layout, world, l, causal, window)
+    kc, vc = k, v
+    for s in range(steps):
+        if s + 1 < steps:
+            comm.ring([kc, vc])
+        for c in plan(layout, rank, (rank - s) % world, world, l, causal, window, scale):
+            ob, lb = bk.block_forward(q[:, c.q0:c.q1], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], c.spec, backend)
+            merge_(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].transpose(1, 2), ob, lb.transpose(1, 2))
+        if s + 1 < steps:
+            kc, vc = comm.wait()
+    return out.to(q.dtype), lse
+
+
+def _backward(dout, q, k, v, out, lse, dlse, scale, causal, window, layout, group, backend):
+    kv_comm, dkv_comm = _comm.P2P(group), _comm.P2P(group)
+    rank, world = kv_comm.rank, kv_comm.size
+    l = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    steps = num_steps(layout, world, l, causal, window)
+    kc, vc = k, v
+    dk_acc = dv_acc = None
+    for s in range(steps):
+        if s + 1 < steps:
+            kv_comm.ring([kc, vc])
+        dk_blk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv_blk = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for c in plan(layout, rank, (rank - s) % world, world, l, causal, window, scale):
+            qs = slice(c.q0, c.q1)
+            dqb, dkb, dvb = bk.block_backward(
+                dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous(),
+                c.spec, backend, dlse=None if dlse is None else dlse[:, :, qs].contiguous())
+            dq[:, qs] += dqb
+            dk_blk[:, c.k0:c.k1] += dkb
+            dv_blk[:, c.k0:c.k1] += dvb
+        if s > 0:
+            dk_acc, dv_acc = dkv_comm.wait()
+            dk_acc += dk_blk
+            dv_acc += dv_blk
+        else:
+            dk_acc, dv_acc = dk_blk, dv_blk
+        if s + 1 < steps:
+            dkv_comm.ring([dk_acc, dv_acc])
+            kc, vc = kv_comm.wait()
+    # The accumulators now hold the gradient of rank (rank - steps + 1)'s K/V: send them home.
+    if steps > 1:
+        dkv_comm.start([dk_acc, dv_acc], send_to=rank - steps + 1, recv_from=rank + steps - 1)
+        dk_acc, dv_acc = dkv_comm.wait()
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+# ------------------------------------------------------------------ custom ops
+@torch.library.custom_op("longattn::ring_fwd", mutates_args=(), device_types=None)
+def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window_left: int,
+              window_right: int, layout: str, group_name: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _comm.group_from_name(group_name)
+    return _forward(q, k, v, scale, causal, (window_left, window_right), layout, g, backend)
+
+
+@_ring_fwd.register_fake
+def _(q, k, v, scale, causal, window_left, window_right, layout, group_name, backend):
+    b, l, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty(b, h, l, dtype=torch.float32)
+
+
+@torch.library.custom_op("longattn::ring_bwd", mutates_args=(), device_types=None)
+def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, dlse: Optional[torch.Tensor], scale: float, causal: bool, window_left: int,
+              window_right: int, layout: str, group_name: str, backend: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _comm.group_from_name(group_name)
+    return _backward(dout, q, k, v, out, lse, dlse, scale, causal, (window_left, window_right), layout, g, backend)
+
+
+@_ring_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, layout, group_name, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
+    names = ("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend")
+    ctx.kw = dict(zip(names, inputs[3:]))
+
+
+def _bwd(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _ring_bwd(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.kw)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_ring_fwd.register_autograd(_bwd, setup_context=_setup)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
+                   layout: str = "contiguous", return_lse: bool = False, backend: str = "auto", group=None):
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: this rank's shard ``(batch, seqlen_local, nheads, headdim)``.
+        k, v: ``(batch, seqlen_local, nheads_kv, headdim)`` (GQA/MQA: only the kv
+            heads travel the ring).
+        causal, softmax_scale, window_size: as :func:`longattn.attention`, in
+            global positions of the unsharded sequence.
+        layout: how the sequence was split (see :func:`longattn.shard`):
+            ``"contiguous"`` (rank r holds chunk r of p) or ``"zigzag"`` (chunks r
+            and 2p-1-r of 2p; balanced causal work).
+        return_lse: also return lse ``(batch, nheads, seqlen_local)`` float32.
+        backend: local kernel for each block (see :mod:`longattn.backends`).
+        group: a ProcessGroup (default WORLD); any size, sub-groups allowed.
+
+    Returns:
+        This rank's shard of the output (and lse). ``unshard(out)`` equals
+        ``longattn.attention`` on the unsharded q, k, v.
+
+    Equivalent PyTorch::
+
+        full = lambda x: longattn.unshard(x, layout=layout)
+        out = longattn.shard(longattn.attention(full(q), full(k), full(v), causal=causal), layout=layout)
+    """
+    check_qkv(q, k, v, same_seqlen=True)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    window = check_window(window_size)
+    check_layout(layout)
+    bk.check_backend_name(backend)
+    g = _comm.resolve_group(group)
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {q.shape[1]}")
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    _comm.check_consistent(g, "ring_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
+                           causal=causal, window=window, layout=layout, scale=scale, backend=backend)
+    out, lse = _ring_fwd(q, k, v, scale, causal, window[0], window[1], layout, _comm.group_name(g), backend)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,31 @@
+"""Run a function in spawned gloo processes; an exception on any rank fails the test."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args) -> None:
+    """fn(rank, world, *args) on `world` gloo ranks; must be a module-level function."""
+    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)

@@ -1,0 +1,129 @@
+"""Ring attention on gloo in spawned processes (world 2, 3, 4) against the
+float64 single-device reference: outputs, lse and all gradients."""
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import longattn
+from dist_utils import run_world
+from reference import attention_ref, rel_err
+
+TOL = 1e-4
+
+CONFIGS = [
+    # (layout, causal, window, nheads_kv)
+    *[(lay, c, (-1, -1), hkv) for lay, c, hkv in itertools.product(("contiguous", "zigzag"), (False, True), (4, 2, 1))],
+    ("contiguous", True, (5, 0), 2),
+    ("zigzag", True, (9, 0), 4),
+    ("contiguous", False, (7, 3), 1),
+    ("zigzag", False, (-1, 6), 2),
+    ("contiguous", False, (2, 2), 4),
+]
+
+
+def _check_configs(rank, world):
+    for layout, causal, window, hkv in CONFIGS:
+        torch.manual_seed(1234)
+        b, s, h, d = 2, 2 * world * 5, 4, 16
+        q = torch.randn(b, s, h, d)
+        k = torch.randn(b, s, hkv, d)
+        v = torch.randn(b, s, hkv, d)
+        do = torch.randn(b, s, h, d)
+        dl = torch.randn(b, h, s)
+        # reference in float64 on the full sequence
+        qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+        ro, rl = attention_ref(qr, kr, vr, causal=causal, window=window)
+        ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+        # sharded run
+        sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
+        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+        out, lse = longattn.ring_attention(ql, kl, vl, causal=causal, window_size=window, layout=layout,
+                                           return_lse=True, backend="math")
+        ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl, 2)).sum()).backward()
+        us = lambda x, dim=1: longattn.unshard(x.detach(), layout=layout, seq_dim=dim)
+        errs = dict(out=rel_err(us(out), ro), lse=rel_err(us(lse, 2), rl), dq=rel_err(us(ql.grad), qr.grad),
+                    dk=rel_err(us(kl.grad), kr.grad), dv=rel_err(us(vl.grad), vr.grad))
+        bad = {n: e for n, e in errs.items() if not e < TOL}
+        assert not bad, f"world={world} {layout} causal={causal} window={window} hkv={hkv}: {bad}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_matches_reference(world):
+    run_world(_check_configs, world)
+
+
+def _check_default_backend_and_positions(rank, world):
+    torch.manual_seed(0)
+    s = 4 * world
+    q = torch.randn(1, s, 2, 8)
+    for layout in ("contiguous", "zigzag"):
+        pos = longattn.shard_positions(s, layout=layout)
+        assert torch.equal(longattn.shard(torch.arange(s)[None], layout=layout)[0], pos)
+        out = longattn.ring_attention(longattn.shard(q, layout=layout), longattn.shard(q, layout=layout),
+                                      longattn.shard(q, layout=layout), causal=True, layout=layout)
+        ref, _ = attention_ref(q, q, q, causal=True)
+        assert rel_err(longattn.unshard(out, layout=layout), ref) < TOL
+        # unshard is differentiable: d/dx_local of sum over ranks of (full * w).sum() = world * w_local
+        x = longattn.shard(q, layout=layout).requires_grad_()
+        full = longattn.unshard(x, layout=layout)
+        (full * 3.0).sum().backward()
+        assert torch.allclose(x.grad, torch.full_like(x, 3.0 * world))
+
+
+@pytest.mark.dist
+def test_positions_unshard_grad_default_backend():
+    run_world(_check_default_backend_and_positions, 3)
+
+
+def _check_mismatch_raises(rank, world):
+    s = 6 if rank == 0 else 8  # ranks disagree on the local length
+    q = torch.randn(1, s, 2, 8)
+    with pytest.raises(ValueError, match="differ across ranks"):
+        longattn.ring_attention(q, q, q)
+    causal = rank == 1
+    q = torch.randn(1, 6, 2, 8)
+    with pytest.raises(ValueError, match="differ across ranks"):
+        longattn.ring_attention(q, q, q, causal=causal)
+    # the group still works afterwards (no half-finished collective)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world
+
+
+@pytest.mark.dist
+def test_mismatched_ranks_raise_instead_of_hanging():
+    run_world(_check_mismatch_raises, 3)
+
+
+def _check_subgroup(rank, world):
+    # two sub-groups of 2 ranks in a world of 4, each running its own ring
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = groups[rank // 2]
+    torch.manual_seed(rank // 2)
+    q = torch.randn(1, 8, 2, 8)
+    out = longattn.ring_attention(longattn.shard(q, group=g), longattn.shard(q, group=g),
+                                  longattn.shard(q, group=g), causal=True, group=g, backend="math")
+    ref, _ = attention_ref(q, q, q, causal=True)
+    assert rel_err(longattn.unshard(out, group=g), ref) < TOL
+
+
+@pytest.mark.dist
+def test_subgroups():
+    run_world(_check_subgroup, 4)
+
+
+def test_plan_skips_blocks():
+    from longattn.distributed.ring import num_steps, plan
+
+    # contiguous causal: rank 0 computes nothing from later ranks
+    assert plan("contiguous", 0, 1, 4, 8, True, (-1, -1), 1.0) == []
+    # zigzag causal: every rank and step has the same amount of work
+    work = lambda r, s: sum((c.q1 - c.q0) * (c.k1 - c.k0) for c in plan("zigzag", r, (r - s) % 4, 4, 8, True, (-1, -1), 1.0))
+    for s in range(1, 4):
+        assert len({work(r, s) for r in range(4)}) == 1
+    # a causal window of 5 over chunks of 8 needs only the diagonal and one previous step
+    assert num_steps("contiguous", 4, 8, True, (5, 0)) == 2
+    assert num_steps("contiguous", 4, 8, False, (-1, -1)) == 4
