@@ -13,7 +13,17 @@ from .distributed import ring_attention, shard, shard_positions, unshard
 
 __version__ = "0.1.0"
 
+
+def kernels_available(device: str = "cpu") -> bool:
+    """Whether our Triton kernels can run on ``device`` here (on CPU: only
+    under ``TRITON_INTERPRET=1``)."""
+    import torch
+
+    from .kernels import triton_attention
+
+    return triton_attention.available(torch.device(device))
+
 __all__ = [
     "attention", "dilated_attention", "ring_attention", "shard", "unshard", "shard_positions",
-    "use_backend", "available_backends", "BACKENDS",
+    "use_backend", "available_backends", "kernels_available", "BACKENDS",
 ]

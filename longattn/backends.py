@@ -67,7 +67,7 @@ class BlockSpec:
 
 def _is_top_left(spec: BlockSpec, sq: int, sk: int) -> bool:
     """True when the mask is the one PyTorch SDPA's ``is_causal`` means."""
-    return spec.q_offset == 0 and (sq == sk or not spec.masked)
+    return not spec.masked or (spec.q_offset == 0 and sq == sk)
 
 
 def _is_bottom_right(spec: BlockSpec, sq: int, sk: int) -> bool:

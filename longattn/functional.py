@@ -109,7 +109,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     q_offset = k.shape[1] - q.shape[1]
     spec = bk.BlockSpec(scale, causal, (left, right), q_offset)
-    bk.select_backend(q, k, spec, backend)  # raise on an unsupported forced backend, before any kernel
+    if not torch.compiler.is_compiling():  # raise on an unsupported forced backend before any kernel
+        bk.select_backend(q, k, spec, backend)
     out, lse = _attention_fwd(q, k, v, scale, causal, left, right, q_offset, backend)
     return (out, lse) if return_lse else out
 
@@ -227,7 +228,9 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
     check_scale(softmax_scale)
     bk.check_backend_name(backend)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
-    if backend == "triton":
+    if torch.compiler.is_compiling():
+        pass  # the op itself checks the backend at run time
+    elif backend == "triton":
         from .kernels import triton_dilated
 
         reasons = triton_dilated.refusals(q, k)

@@ -1,0 +1,153 @@
+"""Dense attention: every CPU backend against the float64 reference."""
+import pytest
+import torch
+
+import longattn
+from longattn import backends as bk
+from reference import attention_ref, grads_of, rel_err
+
+TOL = 1e-4
+
+
+def _cases():
+    for be in ("math", "flash"):
+        for causal in (False, True):
+            for hkv in (4, 2, 1):
+                yield be, causal, hkv, 33, 33, (-1, -1)
+    yield "math", True, 2, 17, 40, (-1, -1)   # Sq < Sk, bottom-right causal
+    yield "math", True, 1, 40, 17, (-1, -1)   # Sq > Sk: first rows see nothing
+    yield "math", False, 2, 20, 31, (4, 6)
+    yield "math", True, 4, 31, 31, (5, 0)
+    yield "flash", False, 2, 20, 31, (-1, -1)
+
+
+@pytest.mark.parametrize("be,causal,hkv,sq,sk,window", list(_cases()))
+def test_attention_vs_reference(be, causal, hkv, sq, sk, window):
+    q = torch.randn(2, sq, 4, 16)
+    k = torch.randn(2, sk, hkv, 16)
+    v = torch.randn(2, sk, hkv, 16)
+    do, dl = torch.randn_like(q), torch.randn(2, 4, sq)
+    fn = lambda q, k, v: longattn.attention(q, k, v, causal=causal, window_size=window, return_lse=True,
+                                            backend=be, softmax_scale=0.3)
+    ref = lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window, scale=0.3)
+    o, l, g = grads_of(fn, [q, k, v], do, dl)
+    ro, rl, rg = grads_of(ref, [q.double(), k.double(), v.double()], do, dl)
+    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
+    for a, b in zip(g, rg):
+        assert rel_err(a, b) < TOL
+    assert not torch.isnan(o).any() and not torch.isnan(g[0]).any()
+
+
+def test_rows_without_keys_are_zero_with_neg_inf_lse():
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 3, 2, 8)
+    q.requires_grad_()
+    out, lse = longattn.attention(q, k, k, causal=True, return_lse=True)
+    # bottom-right causal: query rows 0..2 sit before key 0
+    assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
+    assert torch.isinf(lse[:, :, :3]).all() and (lse[:, :, :3] < 0).all()
+    out.sum().backward()
+    assert torch.equal(q.grad[:, :3], torch.zeros_like(q.grad[:, :3]))
+    assert not torch.isnan(q.grad).any()
+
+
+def test_auto_picks_and_explains():
+    q = torch.randn(1, 8, 2, 8)
+    spec = bk.BlockSpec(8 ** -0.5)
+    assert bk.select_backend(q, q, spec).name == "flash"  # CPU flash before math
+    why = bk.explain(q, q, spec)
+    assert why["math"] == [] and any("device" in r for r in why["cudnn"])
+    # a window on CPU: flash refuses, auto falls back to math
+    assert bk.select_backend(q, q, bk.BlockSpec(1.0, window=(2, 2))).name == "math"
+    assert bk.select_backend(q.double(), q.double(), spec).name in ("flash", "math")
+
+
+def test_forced_backend_errors_list_reasons():
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.raises(ValueError, match="cudnn.*device"):
+        longattn.attention(q, q, q, backend="cudnn")
+    with pytest.raises(ValueError, match="backend='nope'"):
+        longattn.attention(q, q, q, backend="nope")
+    with longattn.use_backend("math"):
+        assert bk.select_backend(q, q, bk.BlockSpec(1.0)).name == "math"
+    assert bk.select_backend(q, q, bk.BlockSpec(1.0)).name == "flash"
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (dict(q=torch.randn(2, 8, 4)), ValueError, "q must have 4 dims"),
+    (dict(k=torch.randn(3, 8, 2, 16), v=torch.randn(3, 8, 2, 16)), ValueError, "batch"),
+    (dict(k=torch.randn(2, 8, 3, 16), v=torch.randn(2, 8, 3, 16)), ValueError, "multiple of nheads"),
+    (dict(k=torch.randn(2, 8, 2, 8), v=torch.randn(2, 8, 2, 8)), ValueError, "head dim"),
+    (dict(v=torch.randn(2, 9, 2, 16)), ValueError, "same shape"),
+    (dict(q=torch.randint(0, 3, (2, 8, 4, 16))), TypeError, "floating"),
+    (dict(q=[1, 2]), TypeError, "torch.Tensor"),
+])
+def test_bad_inputs_raise(bad, exc, match):
+    args = dict(q=torch.randn(2, 8, 4, 16), k=torch.randn(2, 8, 2, 16), v=torch.randn(2, 8, 2, 16))
+    args.update(bad)
+    with pytest.raises(exc, match=match):
+        longattn.attention(args["q"], args["k"], args["v"])
+
+
+def test_bad_flags_raise():
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.raises(TypeError, match="window_size"):
+        longattn.attention(q, q, q, window_size=4)
+    with pytest.raises(ValueError, match="window_size"):
+        longattn.attention(q, q, q, window_size=(-3, 0))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        longattn.attention(q, q, q, softmax_scale=-1.0)
+    with pytest.raises(TypeError, match="causal"):
+        longattn.attention(q, q, q, causal="yes")
+
+
+def test_torch_compile_traces_custom_ops():
+    q = torch.randn(1, 16, 2, 8, requires_grad=True)
+    f = torch.compile(lambda q: longattn.attention(q, q, q, causal=True).sum(), backend="aot_eager", fullgraph=True)
+    f(q).backward()
+    ref = torch.autograd.grad(longattn.attention(q, q, q, causal=True).sum(), q)[0]
+    assert torch.allclose(q.grad, ref, atol=1e-6)
+    torch.library.opcheck(torch.ops.longattn.attention_fwd.default,
+                          (q.detach(), q.detach(), q.detach(), 0.3, True, -1, -1, 0, "math"))
+
+
+triton_ok = pytest.mark.skipif(not longattn.kernels_available(),
+                               reason="Triton kernels run on CPU only under TRITON_INTERPRET=1")
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal,hkv,sq,sk,window,q_offset", [
+    (False, 4, 37, 29, (-1, -1), None),
+    (True, 2, 37, 37, (-1, -1), None),
+    (True, 1, 20, 45, (-1, -1), None),
+    (False, 2, 33, 33, (5, 3), None),
+    (True, 4, 33, 33, (7, -1), None),
+    (True, 2, 24, 24, (6, 0), 10),   # ring-style partial block: queries 10 positions after keys
+])
+def test_triton_dense(dtype, causal, hkv, sq, sk, window, q_offset):
+    q = torch.randn(2, sq, 4, 32, dtype=dtype)
+    k = torch.randn(2, sk, hkv, 32, dtype=dtype)
+    v = torch.randn(2, sk, hkv, 32, dtype=dtype)
+    do, dl = torch.randn(2, sq, 4, 32, dtype=dtype), torch.randn(2, 4, sq)
+    off = sk - sq if q_offset is None else q_offset
+    spec = bk.BlockSpec(32 ** -0.5, causal, window, off)
+
+    class F(torch.autograd.Function):  # drive the backend directly (q_offset is internal)
+        @staticmethod
+        def forward(ctx, q, k, v):
+            o, l = bk.block_forward(q, k, v, spec, "triton")
+            ctx.save_for_backward(q, k, v, o, l)
+            return o, l
+
+        @staticmethod
+        def backward(ctx, do_, dl_):
+            q, k, v, o, l = ctx.saved_tensors
+            return bk.block_backward(do_, q, k, v, o, l, spec, "triton", dlse=dl_)
+
+    o, l, g = grads_of(F.apply, [q, k, v], do, dl)
+    ro, rl, rg = grads_of(lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window, q_offset=off),
+                          [q.double(), k.double(), v.double()], do, dl)
+    tol = TOL if dtype == torch.float32 else 3e-3
+    assert rel_err(o, ro) < tol and rel_err(l, rl) < tol
+    for a, b in zip(g, rg):
+        assert rel_err(a, b) < tol

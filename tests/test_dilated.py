@@ -1,0 +1,114 @@
+"""Dilated attention against the float64 definition (tests/reference.py):
+gather path on every CPU backend, and the fused Triton kernel under the
+interpreter."""
+import os
+
+import pytest
+import torch
+
+import longattn
+from longattn import dilated
+from reference import dilated_masks, dilated_ref, grads_of, rel_err
+
+TOL = 1e-4
+
+CONFIGS = [
+    # (seqlen, nheads, nheads_kv, segment_lengths, dilation_rates, causal)
+    (32, 4, 4, [8, 16, 32], [1, 2, 4], False),       # the LongNet pattern, exact fit
+    (40, 4, 4, [8, 16, 32], [1, 2, 4], True),        # partial last segments
+    (24, 4, 2, [64], [2], False),                    # segment > seqlen, no r=1 branch: uncovered rows
+    (30, 6, 3, [7, 12], [3, 4], True),               # heads not a multiple of rates, w % r != 0
+    (37, 4, 1, [8, 20], [1, 3], False),              # MQA, odd length
+    (36, 8, 2, [6, 9, 36], [1, 2, 8], True),         # GQA, rate 8 with 8 heads
+    (16, 2, 2, [4, 8], [4, 8], False),               # rates > heads
+]
+
+
+def _run(cfg, dtype, backend):
+    s, h, hkv, segs, rates, causal = cfg
+    q = torch.randn(1, s, h, 16, dtype=dtype)
+    k = torch.randn(1, s, hkv, 16, dtype=dtype)
+    v = torch.randn(1, s, hkv, 16, dtype=dtype)
+    do, dl = torch.randn(1, s, h, 16), torch.randn(1, h, s)
+    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                    causal=causal, return_lse=True, backend=backend)
+    ref = lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal)
+    got = grads_of(fn, [q, k, v], do.to(dtype), dl)
+    want = grads_of(ref, [q.double(), k.double(), v.double()], do.to(dtype), dl)
+    return got, want
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_gather_path(cfg, backend):
+    (o, l, g), (ro, rl, rg) = _run(cfg, torch.float32, backend)
+    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
+    for a, b in zip(g, rg):
+        assert rel_err(a, b) < TOL
+        assert not torch.isnan(a).any()
+
+
+triton_ok = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not longattn.kernels_available(),
+    reason="Triton kernels run on CPU only under TRITON_INTERPRET=1 with triton installed")
+
+
+@triton_ok
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_triton_kernel_float32(cfg):
+    (o, l, g), (ro, rl, rg) = _run(cfg, torch.float32, "triton")
+    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
+    for a, b in zip(g, rg):
+        assert rel_err(a, b) < TOL
+
+
+@triton_ok
+@pytest.mark.parametrize("cfg", CONFIGS[:3])
+def test_triton_kernel_float16(cfg):
+    # fp16 inputs: within 2x the error of the math path on the same fp16 inputs
+    torch.manual_seed(0)
+    (mo, ml, mg), (ro2, rl2, rg2) = _run(cfg, torch.float16, "math")
+    torch.manual_seed(0)
+    (o, l, g), (ro, rl, rg) = _run(cfg, torch.float16, "triton")
+    assert rel_err(o, ro) < max(2 * rel_err(mo, ro2), 2e-3)
+    for a, b, m, mb in zip(g, rg, mg, rg2):
+        assert rel_err(a, b) < max(2 * rel_err(m, mb), 2e-3)
+
+
+def test_uncovered_rows_zero_out_neg_inf_lse_zero_grad():
+    s, h = 12, 2
+    q = torch.randn(1, s, h, 8, requires_grad=True)
+    out, lse = longattn.dilated_attention(q, q, q, segment_lengths=[4], dilation_rates=[2], return_lse=True)
+    covered = dilated_masks(s, h, [4], [2], False)[0].any(-1)  # (H, S)
+    assert torch.equal(out[0].transpose(0, 1)[~covered], torch.zeros_like(out[0].transpose(0, 1)[~covered]))
+    assert torch.isneginf(lse[0][~covered]).all() and torch.isfinite(lse[0][covered]).all()
+    out.sum().backward()
+    assert not torch.isnan(q.grad).any()
+
+
+def test_pair_count_matches_masks():
+    for s, h, _, segs, rates, causal in CONFIGS:
+        want = sum(int(m.sum()) for m in dilated_masks(s, h, segs, rates, causal))
+        assert dilated.pair_count(s, segs, rates, h, causal) == want
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(segment_lengths=[8, 16], dilation_rates=[1]), ValueError, "same length"),
+    (dict(segment_lengths=[8, 0], dilation_rates=[1, 2]), ValueError, "positive"),
+    (dict(segment_lengths=[8], dilation_rates=[-1]), ValueError, "positive"),
+    (dict(segment_lengths=8, dilation_rates=[1]), TypeError, "segment_lengths"),
+    (dict(segment_lengths=[8.0], dilation_rates=[1]), TypeError, "ints"),
+    (dict(segment_lengths=[8], dilation_rates=[1], backend="cudnn"), ValueError, "cudnn"),
+])
+def test_bad_dilation_args(kw, exc, match):
+    q = torch.randn(1, 16, 2, 8)
+    with pytest.raises(exc, match=match):
+        longattn.dilated_attention(q, q, q, **kw)
+
+
+def test_bad_shapes():
+    q = torch.randn(1, 16, 2, 8)
+    with pytest.raises(ValueError, match="same seqlen"):
+        longattn.dilated_attention(q, q[:, :8], q[:, :8], segment_lengths=[4], dilation_rates=[1])
+    with pytest.raises(ValueError, match="4 dims"):
+        longattn.dilated_attention(q[0], q, q, segment_lengths=[4], dilation_rates=[1])
