@@ -1,0 +1,5 @@
+"""Modules: DilatedAttention, MultiheadDilatedAttention, RingAttention, LongNetLM."""
+from .attention import DilatedAttention, MultiheadDilatedAttention, RingAttention
+from .longnet import LongNetLM
+
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention", "RingAttention", "LongNetLM"]

@@ -1,0 +1,78 @@
+import os
+import sys
+
+import pytest
+import torch
+
+import longattn
+from longattn.nn import DilatedAttention, LongNetLM, MultiheadDilatedAttention
+from reference import dilated_ref, rel_err
+
+
+def test_dilated_module_matches_functional():
+    q = torch.randn(2, 24, 4, 8)
+    m = DilatedAttention([8, 24], [1, 2], causal=True)
+    ref, _ = dilated_ref(q, q, q, [8, 24], [1, 2], causal=True)
+    assert rel_err(m(q, q, q), ref) < 1e-4
+    ref_nc, _ = dilated_ref(q, q, q, [8, 24], [1, 2])
+    assert rel_err(m(q, q, q, is_causal=False), ref_nc) < 1e-4
+
+
+def test_multihead_shapes_gqa_and_grad():
+    m = MultiheadDilatedAttention(64, 8, [8, 16], [1, 2], num_kv_heads=2)
+    assert m.k_proj.out_features == 16 and m.norm is not None
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    out, w = m(x, x, x, is_causal=True)
+    assert out.shape == x.shape and w is None
+    out.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in m.parameters())
+
+
+def test_multihead_is_causal_really_causal():
+    m = MultiheadDilatedAttention(32, 4, [8, 16], [1, 2])
+    x = torch.randn(1, 16, 32)
+    y = x.clone()
+    y[:, 10:] = torch.randn(1, 6, 32)  # change the future only
+    a, _ = m(x, x, x, is_causal=True)
+    b, _ = m(y, y, y, is_causal=True)
+    assert torch.allclose(a[:, :10], b[:, :10], atol=1e-6)
+
+
+def test_multihead_rejects_dropout_and_bad_args():
+    with pytest.raises(ValueError, match="dropout"):
+        MultiheadDilatedAttention(32, 4, [8], [1], dropout=0.1)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        MultiheadDilatedAttention(32, 4, [8], [1], num_kv_heads=3)
+    with pytest.raises(ValueError, match="same length"):
+        MultiheadDilatedAttention(32, 4, [8, 16], [1])
+    m = MultiheadDilatedAttention(32, 4, [8], [1])
+    with pytest.raises(ValueError, match="need_weights"):
+        m(torch.randn(1, 8, 32), torch.randn(1, 8, 32), torch.randn(1, 8, 32), need_weights=True)
+    with pytest.raises(ValueError, match="query"):
+        m(torch.randn(1, 8, 16), torch.randn(1, 8, 32), torch.randn(1, 8, 32))
+
+
+def test_gamma_init_scales_value_and_out():
+    torch.manual_seed(0)
+    a = MultiheadDilatedAttention(256, 4, [8], [1], gamma_init=1.0)
+    torch.manual_seed(0)
+    b = MultiheadDilatedAttention(256, 4, [8], [1], gamma_init=0.5)
+    ratio = b.v_proj.weight.std() / a.v_proj.weight.std()
+    assert abs(ratio - 0.5) < 0.02
+    assert abs(b.q_proj.weight.std() / a.q_proj.weight.std() - 1.0) < 0.02
+
+
+def test_longnet_lm_learns():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_longnet
+
+    hist = train_longnet.main(["--steps", "60", "--seqlen", "64", "--batch", "4", "--dim", "64", "--depth", "1",
+                               "--log-every", "1000"])
+    first, last = sum(hist[:5]) / 5, sum(hist[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+
+
+def test_longnet_lm_rejects_long_input():
+    m = LongNetLM(10, dim=32, depth=1, num_heads=2, segment_lengths=[8], dilation_rates=[1], max_seqlen=16)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        m(torch.zeros(1, 32, dtype=torch.long))
