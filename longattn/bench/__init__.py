@@ -1,0 +1,1 @@
+"""Benchmark suite: `python -m longattn.bench {list,run,dist,scale,report}`."""

@@ -1,0 +1,219 @@
+"""`dist`: one GPU against N GPUs on the same global problem (torchrun).
+
+Rows: our ring (contiguous and zigzag layouts), torch's context_parallel
+(cuDNN SDPA, its default head-tail balancing for causal, balancing off for
+non-causal which the balancer refuses), and for dilated configs our
+dilated attention over ranks. T_single is measured on rank 0 in the same run
+(cuDNN through ``longattn.attention``; ``dense-same-length`` impl for dilated).
+Efficiency = W * T_single / (p * T_p) where W is the work of the parallel
+problem over the single-GPU one: 1 in strong scaling (the same global
+problem); in weak scaling (global seqlen = p * config seqlen, single GPU at
+the config seqlen) W = FLOPs ratio, p^2 for dense attention, ~p for dilated.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import longattn
+
+from . import measure
+from .configs import Config
+from .single import _failure, _log, bench_impl, device_and_dtype
+from .impls import fwd_flops
+
+RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
+
+
+def _init():
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return rank, world, dev
+
+
+def _inputs(cfg: Config, seqlen: int, dev, dt, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(cfg.batch, seqlen, cfg.heads, cfg.head_dim, device=dev, dtype=dt, generator=g)
+    k = torch.randn(cfg.batch, seqlen, cfg.hkv, cfg.head_dim, device=dev, dtype=dt, generator=g)
+    v = torch.randn(cfg.batch, seqlen, cfg.hkv, cfg.head_dim, device=dev, dtype=dt, generator=g)
+    return q, k, v
+
+
+def _time_pair(fwd, step, dev, warmup, iters):
+    with torch.no_grad():
+        tf = measure.time_ms(fwd, dev, warmup=warmup, iters=iters)["median_ms"]
+        mf = measure.peak_memory_bytes(fwd, dev)
+    tb = mb = None
+    if step is not None:
+        tb = measure.time_ms(step, dev, warmup=warmup, iters=iters)["median_ms"]
+        mb = measure.peak_memory_bytes(step, dev)
+    return tf, tb, mf, mb
+
+
+def _ours(cfg, impl, q, k, v, dev, warmup, iters, backward):
+    layout = "zigzag" if impl == "ring-zigzag" else "contiguous"
+    if cfg.kind == "dilated":
+        fn = lambda q_, k_, v_: longattn.dilated_attention(q_, k_, v_, segment_lengths=cfg.segment_lengths,
+                                                            dilation_rates=cfg.dilation_rates, causal=cfg.causal,
+                                                            group=dist.group.WORLD)
+    else:
+        fn = lambda q_, k_, v_: longattn.ring_attention(q_, k_, v_, causal=cfg.causal, window_size=cfg.window,
+                                                         layout=layout)
+    ql, kl, vl = (longattn.shard(x, layout=layout) for x in (q, k, v))
+    del q, k, v
+    fwd = lambda: fn(ql, kl, vl)
+    step = None
+    if backward:
+        qg, kg, vg = (x.detach().requires_grad_() for x in (ql, kl, vl))
+        dout = torch.randn_like(ql)
+
+        def step():
+            fn(qg, kg, vg).backward(dout)
+            qg.grad = kg.grad = vg.grad = None
+    return _time_pair(fwd, step, dev, warmup, iters)
+
+
+def _torch_cp(cfg, q, k, v, dev, warmup, iters, backward):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+    except ImportError:  # pragma: no cover
+        _cp_options = None
+    if cfg.window != (-1, -1):
+        raise NotImplementedError("torch context_parallel has no sliding window")
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    g = cfg.heads // cfg.hkv
+    # torch's CP has no GQA: K/V are repeated to all query heads
+    qb = q.transpose(1, 2).contiguous()
+    kb = k.repeat_interleave(g, 2).transpose(1, 2).contiguous()
+    vb = v.repeat_interleave(g, 2).transpose(1, 2).contiguous()
+    del q, k, v
+    old = None
+    if _cp_options is not None:
+        old = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = cfg.causal  # the head-tail balancer refuses non-causal
+    try:
+        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
+                sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            fwd = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=cfg.causal)
+            step = None
+            if backward:
+                qg, kg, vg = (x.detach().requires_grad_() for x in (qb, kb, vb))
+                dout = torch.randn_like(qb)
+
+                def step():
+                    torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=cfg.causal).backward(dout)
+                    qg.grad = kg.grad = vg.grad = None
+            return _time_pair(fwd, step, dev, warmup, iters)
+    finally:
+        if _cp_options is not None:
+            _cp_options.enable_load_balance = old
+
+
+def _allmax(x):
+    t = torch.tensor([float("nan") if x is None else float(x)], dtype=torch.float64,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    vals = [o.item() for o in out]
+    return None if any(v != v for v in vals) else max(vals)
+
+
+def _from_rank0(x):
+    t = torch.tensor([float("nan") if x is None else float(x)], dtype=torch.float64,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.broadcast(t, 0)
+    return None if t.item() != t.item() else t.item()
+
+
+def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10) -> dict:
+    rank, world, dev = _init()
+    env = measure.environment(dev)
+    env["world_size"] = world
+    results = []
+    for cfg in cfgs:
+        _, dt = device_and_dtype(cfg, dev.type)
+        s_global = cfg.seqlen * world if weak else cfg.seqlen
+        gcfg = cfg.with_overrides(seqlen=s_global)
+        base = dict(config=cfg.name, shape=gcfg.describe(), world_size=world, seqlen=s_global, weak=weak,
+                    causal=cfg.causal, fwd_flops=fwd_flops(gcfg))
+        # T_single on rank 0: the same global problem (weak mode: the per-GPU problem)
+        single_cfg = cfg if weak else gcfg
+        single_impl = "longattn-dilated" if cfg.kind == "dilated" else "longattn"
+        single = None
+        if rank == 0:
+            _log(f"[dist] {cfg.name} single-GPU {single_impl} S={single_cfg.seqlen}")
+            single = bench_impl(single_cfg, single_impl, dev, dt, backward=backward, warmup=warmup, iters=iters)
+            results.append(dict(base, impl=f"single:{single_impl}", world_size=1, seqlen=single_cfg.seqlen,
+                                status=single["status"], reason=single.get("reason"), fwd_ms=single.get("fwd_ms"),
+                                fwd_bwd_ms=single.get("fwd_bwd_ms"),
+                                peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes") or single.get("fwd_peak_mem_bytes")))
+        dist.barrier()
+        t1f = _from_rank0(single.get("fwd_ms") if single else None)
+        t1b = _from_rank0(single.get("fwd_bwd_ms") if single else None)
+        # work of the parallel problem over the single-GPU one (1 in strong scaling)
+        work = fwd_flops(gcfg) / fwd_flops(single_cfg)
+        names = impls or (("ring-contiguous",) if cfg.kind == "dilated" else RING_IMPLS)
+        for impl in names:
+            if cfg.kind == "dilated" and impl != "ring-contiguous":
+                continue
+            row = dict(base, impl="dilated-over-ranks" if cfg.kind == "dilated" else impl, status="ok")
+            q, k, v = _inputs(cfg, s_global, dev, dt)
+            err = None
+            try:
+                if impl == "torch-cp":
+                    tf, tb, mf, mb = _torch_cp(cfg, q, k, v, dev, warmup, iters, backward)
+                else:
+                    tf, tb, mf, mb = _ours(cfg, impl, q, k, v, dev, warmup, iters, backward)
+            except Exception as e:  # noqa: BLE001 - recorded
+                err = _failure(e)
+                tf = tb = mf = mb = None
+            del q, k, v
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            # a failure on any rank fails the row on every rank
+            failed = _allmax(1.0 if err else 0.0)
+            if failed:
+                row.update(status="failed", reason=err or "failed on another rank")
+            else:
+                tf, tb, mf, mb = _allmax(tf), _allmax(tb), _allmax(mf), _allmax(mb)
+                row.update(fwd_ms=tf, fwd_bwd_ms=tb, peak_mem_fwd_bytes=mf, peak_mem_fwd_bwd_bytes=mb)
+                if t1f:
+                    row["efficiency_fwd"] = work * t1f / (world * tf)
+                    row["speedup_fwd"] = work * t1f / tf
+                if t1b and tb:
+                    row["efficiency_fwd_bwd"] = work * t1b / (world * tb)
+                    row["speedup_fwd_bwd"] = work * t1b / tb
+                row["fwd_tflops_per_gpu"] = row["fwd_flops"] / (tf * 1e-3) / 1e12 / world
+            if rank == 0:
+                _log(f"[dist] {cfg.name} {row['impl']}: {row['status']} {row.get('reason') or ''} "
+                     f"fwd {row.get('fwd_ms')} fwd+bwd {row.get('fwd_bwd_ms')} eff {row.get('efficiency_fwd_bwd')}")
+            results.append(row)
+    return dict(kind="dist", env=env, results=results)
+
+
+def format_table(results) -> str:
+    lines = ["| config | impl | GPUs | seqlen | fwd ms | fwd+bwd ms | eff fwd | eff fwd+bwd | peak MiB/GPU | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v, fmt: "–" if v is None else fmt.format(v)
+    for r in results:
+        mem = r.get("peak_mem_fwd_bwd_bytes") or r.get("peak_mem_fwd_bytes") or r.get("peak_mem_bytes")
+        lines.append(f"| {r['config']} | {r['impl']} | {r['world_size']} | {r['seqlen']} | {f(r.get('fwd_ms'), '{:.2f}')} | "
+                     f"{f(r.get('fwd_bwd_ms'), '{:.2f}')} | {f(r.get('efficiency_fwd'), '{:.3f}')} | "
+                     f"{f(r.get('efficiency_fwd_bwd'), '{:.3f}')} | {f(mem and mem / 2**20, '{:.0f}')} | "
+                     f"{r['status']}{(': ' + r['reason']) if r.get('reason') else ''} |")
+    return "\n".join(lines)

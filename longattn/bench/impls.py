@@ -1,0 +1,292 @@
+"""Implementations a user would choose between, as benchmark entries.
+
+Each entry says why it cannot run a config on a device (``reason``) or
+builds a callable ``fn(q, k, v) -> out`` over (B, S, H, D) tensors that were
+made before timing. Baselines are what users would otherwise pick: PyTorch
+SDPA backends, FlexAttention, and the gather-then-SDPA dilated algorithm of
+dilated-attention-pytorch (heads divided among branches).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import longattn
+from longattn import dilated as _dil
+
+from .configs import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    name: str
+    kinds: tuple[str, ...]
+    build: Callable[[Config, torch.device], Callable]
+    reason: Callable[[Config, torch.device], Optional[str]] = lambda c, d: None
+    note: str = ""
+    comparable: bool = True
+    """computes the config's function (its output is checked against ours)."""
+
+
+# ------------------------------------------------------------------ helpers
+def _sdpa(backend_name: Optional[str]):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    table = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+    def build(cfg: Config, dev):
+        gqa = cfg.hkv != cfg.heads
+
+        def fn(q, k, v):
+            with sdpa_kernel([table[backend_name]]):
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=cfg.causal, enable_gqa=gqa)
+            return o.transpose(1, 2)
+        return fn
+
+    def reason(cfg: Config, dev):
+        if backend_name in ("cudnn", "flash", "efficient") and dev.type != "cuda":
+            return f"SDPA {backend_name} backend needs CUDA"
+        if cfg.window != (-1, -1):
+            return "SDPA has no sliding-window argument"
+        if backend_name == "math" and cfg.seqlen > 16384:
+            return "math backend materialises S x S scores (skipped above 16K)"
+        return None
+    return build, reason
+
+
+def _flex_build(cfg: Config, dev):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    left, right = cfg.window
+    causal = cfg.causal
+
+    def mask_mod(b, h, qi, ki):
+        ok = qi >= 0
+        if causal:
+            ok = ok & (ki <= qi)
+        if left >= 0:
+            ok = ok & (qi - ki <= left)
+        if right >= 0:
+            ok = ok & (ki - qi <= right)
+        return ok
+
+    bm = create_block_mask(mask_mod, None, None, cfg.seqlen, cfg.seqlen, device=dev)
+    flex = torch.compile(flex_attention, dynamic=False)
+    gqa = cfg.hkv != cfg.heads
+
+    def fn(q, k, v):
+        o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, enable_gqa=gqa)
+        return o.transpose(1, 2)
+    return fn
+
+
+def _flex_reason(cfg: Config, dev):
+    if dev.type != "cuda":
+        return "FlexAttention is benchmarked on CUDA only (CPU compile time dominates small runs)"
+    return None
+
+
+def headsplit_dilated(q, k, v, segment_lengths, dilation_rates, causal):
+    """The dilated-attention-pytorch algorithm (baseline): heads are divided
+    among the branches; branch i gathers rows ``offset::r`` (offset = i % r)
+    of each segment for its head group, runs SDPA on the copies and scatters
+    back; the sum is divided by the number of branches. Needs S divisible by
+    every segment length. Not LongNet's definition (see longattn.dilated)."""
+    b, s, h, d = q.shape
+    n = len(segment_lengths)
+    out = torch.zeros_like(q)
+    bounds = [round(i * h / n) for i in range(n + 1)]
+    g = h // k.shape[2]
+    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        h0, h1 = bounds[i], bounds[i + 1]
+        if h1 == h0:
+            continue
+        off = i % r
+        w = min(w, s)
+        qs = q.view(b, s // w, w, h, d)[:, :, off::r, h0:h1]
+        kvh = torch.arange(h0, h1, device=q.device) // g
+        ks = k.view(b, s // w, w, -1, d)[:, :, off::r].index_select(3, kvh)
+        vs = v.view(b, s // w, w, -1, d)[:, :, off::r].index_select(3, kvh)
+        m = qs.shape[2]
+        x = F.scaled_dot_product_attention(qs.reshape(-1, m, h1 - h0, d).transpose(1, 2),
+                                           ks.reshape(-1, m, h1 - h0, d).transpose(1, 2),
+                                           vs.reshape(-1, m, h1 - h0, d).transpose(1, 2), is_causal=causal)
+        x = x.transpose(1, 2).reshape(b, s // w, m, h1 - h0, d)
+        out = out.view(b, s // w, w, h, d)
+        out[:, :, off::r, h0:h1] += x
+        out = out.view(b, s, h, d)
+    return out / n
+
+
+def _headsplit_reason(cfg: Config, dev):
+    if any(cfg.seqlen % min(w, cfg.seqlen) for w in cfg.segment_lengths):
+        return "head-split algorithm needs seqlen divisible by every segment length"
+    return None
+
+
+def _flex_dilated_build(cfg: Config, dev):
+    """FlexAttention with a LongNet head-split dilated mask (as in the anchors)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    segs = torch.tensor(cfg.segment_lengths, device=dev)
+    rates = torch.tensor(cfg.dilation_rates, device=dev)
+    n, h = len(cfg.segment_lengths), cfg.heads
+    branch_of_head = torch.tensor([min(i * n // h, n - 1) for i in range(h)], device=dev)
+
+    def mask_mod(b, hh, qi, ki):
+        br = branch_of_head[hh]
+        w, r = segs[br], rates[br]
+        off = br % r
+        ok = (qi // w == ki // w) & ((qi % w) % r == off) & ((ki % w) % r == off)
+        if cfg.causal:
+            ok = ok & (ki <= qi)
+        return ok
+
+    bm = create_block_mask(mask_mod, None, h, cfg.seqlen, cfg.seqlen, device=dev)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def fn(q, k, v):
+        return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                    enable_gqa=cfg.hkv != cfg.heads).transpose(1, 2)
+    return fn
+
+
+def _dilated(backend: str):
+    def build(cfg: Config, dev):
+        def fn(q, k, v):
+            return longattn.dilated_attention(q, k, v, segment_lengths=cfg.segment_lengths,
+                                              dilation_rates=cfg.dilation_rates, causal=cfg.causal, backend=backend)
+        return fn
+
+    def reason(cfg: Config, dev):
+        if backend == "triton" and not longattn.kernels_available(dev.type):
+            return "Triton kernels unavailable on this device"
+        return None
+    return build, reason
+
+
+def _dense_ours(backend: str):
+    def build(cfg: Config, dev):
+        def fn(q, k, v):
+            return longattn.attention(q, k, v, causal=cfg.causal, window_size=cfg.window, backend=backend)
+        return fn
+
+    def reason(cfg: Config, dev):
+        if backend == "triton" and not longattn.kernels_available(dev.type):
+            return "Triton kernels unavailable on this device"
+        if backend == "cudnn" and dev.type != "cuda":
+            return "cuDNN needs CUDA"
+        return None
+    return build, reason
+
+
+def _varlen_build(cfg: Config, dev):
+    cu = varlen_cu_seqlens(cfg, dev)
+    maxlen = int((cu[1:] - cu[:-1]).max())
+
+    def fn(q, k, v):
+        b, s, h, d = q.shape
+        o = longattn.attention_varlen(q.reshape(b * s, h, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d), cu,
+                                      max_seqlen=maxlen, causal=cfg.causal)
+        return o.view(b, s, h, d)
+    return fn
+
+
+def _sdpa_per_doc_build(cfg: Config, dev):
+    cu = varlen_cu_seqlens(cfg, dev).tolist()
+
+    def fn(q, k, v):
+        b, s, h, d = q.shape
+        qf, kf, vf = q.reshape(b * s, h, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d)
+        outs = []
+        for a, e in zip(cu[:-1], cu[1:]):
+            outs.append(F.scaled_dot_product_attention(qf[a:e].transpose(0, 1)[None], kf[a:e].transpose(0, 1)[None],
+                                                       vf[a:e].transpose(0, 1)[None], is_causal=cfg.causal,
+                                                       enable_gqa=cfg.hkv != cfg.heads)[0].transpose(0, 1))
+        return torch.cat(outs).view(b, s, h, d)
+    return fn
+
+
+def varlen_doc_lengths(cfg: Config) -> list[int]:
+    total, lens, i = cfg.batch * cfg.seqlen, [], 0
+    while sum(lens) < total:
+        lens.append(min(cfg.doc_lengths[i % len(cfg.doc_lengths)], total - sum(lens)))
+        i += 1
+    return lens
+
+
+def varlen_cu_seqlens(cfg: Config, dev) -> torch.Tensor:
+    lens = torch.tensor([0] + varlen_doc_lengths(cfg))
+    return lens.cumsum(0).to(torch.int32).to(dev)
+
+
+_b = {n: _sdpa(n) for n in ("cudnn", "flash", "efficient", "math")}
+_d = {n: _dense_ours(n) for n in ("auto", "triton", "cudnn")}
+_g = {n: _dilated(n) for n in ("auto", "triton")}
+
+
+def _gather_build(cfg, dev):
+    """The gather path with the local backend `auto` would pick for its dense
+    blocks, the Triton kernel excluded (it is the fused path's)."""
+    from longattn import backends as bk
+
+    def fn(q, k, v):
+        best = bk.select_backend(q, k, bk.BlockSpec(1.0, cfg.causal), exclude=("triton",)).name
+        return longattn.dilated_attention(q, k, v, segment_lengths=cfg.segment_lengths,
+                                          dilation_rates=cfg.dilation_rates, causal=cfg.causal, backend=best)
+    return fn
+
+
+IMPLS: dict[str, Impl] = {i.name: i for i in (
+    Impl("longattn", ("dense", "window"), _d["auto"][0], _d["auto"][1], "longattn.attention, backend auto"),
+    Impl("longattn-triton", ("dense", "window"), _d["triton"][0], _d["triton"][1], "our Triton kernel"),
+    Impl("sdpa-cudnn", ("dense",), *_b["cudnn"], note="torch SDPA, cuDNN backend"),
+    Impl("sdpa-flash", ("dense",), *_b["flash"], note="torch SDPA, flash backend (FA2)"),
+    Impl("sdpa-efficient", ("dense",), *_b["efficient"], note="torch SDPA, mem-efficient backend"),
+    Impl("sdpa-math", ("dense",), *_b["math"], note="torch SDPA, math backend"),
+    Impl("flex", ("dense", "window"), _flex_build, _flex_reason, "FlexAttention, compiled"),
+    Impl("longattn-dilated", ("dilated",), *_g["auto"], note="longattn.dilated_attention, auto (fused Triton on CUDA)"),
+    Impl("longattn-dilated-gather", ("dilated",), _gather_build, lambda c, d: None,
+         "LongNet-exact gather path + best local backend + lse merge"),
+    Impl("headsplit-gather", ("dilated",), lambda c, d: (lambda q, k, v: headsplit_dilated(
+        q, k, v, c.segment_lengths, c.dilation_rates, c.causal)), _headsplit_reason,
+        "dilated-attention-pytorch algorithm: heads split among branches, gather + SDPA"),
+    Impl("flex-dilated", ("dilated",), _flex_dilated_build, _flex_reason, "FlexAttention, head-split dilated mask"),
+    Impl("dense-same-length", ("dilated", "varlen"), lambda c, d: (lambda q, k, v: longattn.attention(
+        q, k, v, causal=c.causal)), lambda c, d: None, "dense attention at the same length (auto: cuDNN on CUDA)",
+        comparable=False),
+    Impl("longattn-varlen", ("varlen",), _varlen_build, lambda c, d: None, "longattn.attention_varlen"),
+    Impl("sdpa-per-doc", ("varlen",), _sdpa_per_doc_build, lambda c, d: None, "SDPA called once per document"),
+)}
+
+
+def impls_for(cfg: Config) -> list[Impl]:
+    kind = "window" if cfg.kind == "dense" and cfg.window != (-1, -1) else cfg.kind
+    return [i for i in IMPLS.values() if kind in i.kinds]
+
+
+def useful_pairs(cfg: Config) -> float:
+    """(query, key) pairs per (batch, head) counted as flash-attn does for
+    dense (S^2, half for causal) and exactly for sparse patterns."""
+    s = cfg.seqlen
+    if cfg.kind == "dilated":
+        return _dil.pair_count(s, cfg.segment_lengths, cfg.dilation_rates, cfg.heads, cfg.causal) / cfg.heads
+    if cfg.kind == "varlen":
+        lens = varlen_doc_lengths(cfg)
+        return sum(n * n / (2 if cfg.causal else 1) for n in lens) / cfg.batch
+    left, right = cfg.window
+    if left < 0 and right < 0:
+        return s * s / (2 if cfg.causal else 1)
+    i = torch.arange(s, dtype=torch.float64)
+    hi = torch.minimum(i + (0 if cfg.causal else (right if right >= 0 else s)), torch.tensor(s - 1.0))
+    lo = torch.clamp(i - (left if left >= 0 else s), min=0)
+    return float((hi - lo + 1).clamp(min=0).sum())
+
+
+def fwd_flops(cfg: Config) -> float:
+    return 4.0 * cfg.batch * cfg.heads * cfg.head_dim * useful_pairs(cfg)

@@ -1,0 +1,140 @@
+"""Timing, memory and environment capture: the honest parts of the suite.
+
+* Time: CUDA events around each call after warm-up, the median of many runs
+  (CPU: perf_counter medians). Inputs are made before timing, never inside.
+* Memory: peak allocated during the call minus what was allocated before it.
+  CUDA: the caching allocator's ``max_memory_allocated``. CPU: the profiler's
+  allocation events, summed in order (so the number is real there too).
+* A measurement that fails is recorded with its reason, never filled in.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 10,
+            min_time_s: float = 0.0) -> dict:
+    """Median and spread of ``fn``'s wall time in ms, CUDA events on GPU."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    t_end = time.perf_counter() + min_time_s
+    while len(times) < iters or time.perf_counter() < t_end:
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        if len(times) >= 1000:
+            break
+    times.sort()
+    return dict(median_ms=statistics.median(times), min_ms=times[0], max_ms=times[-1], runs=len(times))
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before."""
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        res = fn()
+        sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del res
+        return int(peak)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        res = fn()
+        del res
+    events = sorted((e for e in prof.events() if getattr(e, "cpu_memory_usage", 0)),
+                    key=lambda e: e.time_range.start)
+    cur = peak = 0
+    for e in events:
+        cur += e.cpu_memory_usage
+        peak = max(peak, cur)
+    return int(peak)
+
+
+def profile_top_kernels(fn: Callable[[], object], device: torch.device, top: int = 10) -> list[dict]:
+    """The profiler mode of ``--timing profiler``: the kernels that take the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    sync(device)
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = []
+    for e in sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]:
+        rows.append(dict(name=e.key[:90], calls=e.count, total_ms=getattr(e, key, 0) / 1e3))
+    return rows
+
+
+def git_commit() -> Optional[str]:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if out.returncode:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except Exception:
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    env = dict(torch=torch.__version__, python=platform.python_version(), platform=platform.platform(),
+               commit=git_commit(), command=" ".join([os.path.basename(sys.executable), "-m", "longattn.bench",
+                                                      *sys.argv[1:]]),
+               time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    if device.type == "cuda":
+        env.update(device=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version(), gpus=torch.cuda.device_count())
+    else:
+        env.update(device=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    return env
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    csv_path = os.path.splitext(path)[0] + ".csv"
+    rows = payload.get("results", [])
+    if rows:
+        keys = sorted({k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))})
+        with open(csv_path, "w") as f:
+            f.write(",".join(keys) + "\n")
+            for r in rows:
+                f.write(",".join("" if r.get(k) is None else str(r.get(k)).replace(",", ";") for k in keys) + "\n")

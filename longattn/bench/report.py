@@ -1,0 +1,108 @@
+"""`report`: a markdown summary and PNG plots from result JSON files."""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+
+def load(paths):
+    out = []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        d["_path"] = p
+        out.append(d)
+    return out
+
+
+def _mib(v):
+    return "–" if v is None else f"{v / 2**20:.0f}"
+
+
+def markdown(docs) -> str:
+    from .dist import format_table as dist_table
+    from .single import format_table as run_table
+
+    parts = ["# longattn benchmark report", ""]
+    for d in docs:
+        env = d.get("env", {})
+        parts.append(f"## {os.path.basename(d['_path'])} ({d.get('kind')})")
+        parts.append(f"device: {env.get('device')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN "
+                     f"{env.get('cudnn')}, Triton {env.get('triton')}, commit {env.get('commit')}")
+        parts.append(f"command: `{env.get('command')}`")
+        parts.append("")
+        if d.get("kind") == "dist":
+            parts.append(dist_table(d["results"]))
+        else:
+            parts.append(run_table(d["results"]))
+            if d.get("kind") == "scale":
+                parts.append("")
+                parts.append(f"longest sequence that ran: {d.get('longest_seqlen')}")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def plots(docs, outdir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(outdir, exist_ok=True)
+    written = []
+    # time and memory against sequence length (every run/scale row with a seqlen)
+    series = defaultdict(list)
+    for d in docs:
+        if d.get("kind") not in ("run", "scale"):
+            continue
+        for r in d["results"]:
+            if r.get("status") == "ok" and r.get("fwd_ms") is not None:
+                series[(r["impl"], r.get("causal"))].append(r)
+    if series:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for (impl, causal), rows in sorted(series.items(), key=lambda kv: str(kv[0])):
+            rows = sorted(rows, key=lambda r: r["seqlen"])
+            xs = [r["seqlen"] for r in rows]
+            lbl = f"{impl}{' causal' if causal else ''}"
+            t = [r.get("fwd_bwd_ms") or r["fwd_ms"] for r in rows]
+            m = [(r.get("fwd_bwd_peak_mem_bytes") or r.get("fwd_peak_mem_bytes") or 0) / 2**20 for r in rows]
+            axes[0].plot(xs, t, marker="o", label=lbl)
+            axes[1].plot(xs, m, marker="o", label=lbl)
+        for ax, yl in zip(axes, ("fwd+bwd time (ms; fwd where no bwd)", "peak extra memory (MiB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel(yl)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        p = os.path.join(outdir, "time_memory_vs_seqlen.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    # efficiency against GPUs
+    eff = defaultdict(dict)
+    for d in docs:
+        if d.get("kind") != "dist":
+            continue
+        for r in d["results"]:
+            if r.get("efficiency_fwd_bwd") is not None or r.get("efficiency_fwd") is not None:
+                key = (r["config"], r["impl"])
+                eff[key][r["world_size"]] = r.get("efficiency_fwd_bwd") or r.get("efficiency_fwd")
+    if eff:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for (cfg, impl), pts in sorted(eff.items()):
+            ws = sorted(pts)
+            ax.plot(ws, [pts[w] for w in ws], marker="o", label=f"{cfg} {impl}")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("parallel efficiency (fwd+bwd)")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.legend(fontsize=6)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        p = os.path.join(outdir, "efficiency_vs_gpus.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
