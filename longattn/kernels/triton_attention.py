@@ -389,25 +389,23 @@ def _blocks(d: int, device: torch.device, kind: str) -> dict:
     tests), tuned tiles on GPU (docs/performance.md records the sweep)."""
     if device.type == "cpu":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    cfg = _TUNED.get((kind, d if d <= 128 else 256))
-    if cfg is None:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-    return dict(cfg)
+    bucket = min((b for b in (32, 64, 96, 128, 256) if b >= d), default=256)
+    return dict(_TUNED[(kind, bucket)])
 
 
-# (kind, headdim bucket) -> launch config. Measured on H100/H200, see docs/performance.md.
-_TUNED = {
-    ("fwd", 32): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    ("fwd", 64): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    ("fwd", 96): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    ("fwd", 128): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    ("fwd", 256): dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-    ("bwd", 32): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-    ("bwd", 64): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-    ("bwd", 96): dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-    ("bwd", 128): dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
-    ("bwd", 256): dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
-}
+# (kind, headdim bucket) -> launch config; kinds: fwd, dkdv (BLOCK_M query
+# rows x BLOCK_N keys per program), dq. Starting points from the Triton
+# fused-attention tutorial's Hopper settings, refined by
+# benchmarks/tune_triton.py (docs/performance.md records the sweep).
+_TUNED = {}
+for _d in (32, 64, 96, 128, 256):
+    _big = _d > 128
+    _TUNED[("fwd", _d)] = dict(BLOCK_M=64 if _big else 128, BLOCK_N=32 if _big else 64,
+                               num_warps=4 if _d <= 64 or _big else 8, num_stages=2 if _big else 3)
+    _TUNED[("dkdv", _d)] = dict(BLOCK_M=32 if _big else 32, BLOCK_N=64 if _big else 128,
+                                num_warps=4 if not _big else 8, num_stages=1 if _big else 3)
+    _TUNED[("dq", _d)] = dict(BLOCK_M=64 if _big else 128, BLOCK_N=32, num_warps=4 if not _big else 8,
+                              num_stages=1 if _big else 3)
 
 
 def _d_pad(d: int) -> int:
@@ -448,13 +446,12 @@ def _ieee(x: torch.Tensor) -> bool:
 def launch_forward(q, k, v, out, lse, geo: Geometry, scale: float, merge: bool):
     b, _, h, d = q.shape
     cfg = _blocks(d, q.device, "fwd")
-    bm = cfg.pop("BLOCK_M")
-    grid = (triton.cdiv(geo.max_m, bm), b * h, geo.nseg)
+    grid = (triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)
     _fwd_kernel[grid](
         q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), h, h // k.shape[2], *geo.scalars(), scale * LOG2E,
-        D=d, D_PAD=_d_pad(d), BLOCK_M=bm, MERGE=merge, IEEE=_ieee(q), **geo.flags(), **cfg)
+        D=d, D_PAD=_d_pad(d), MERGE=merge, IEEE=_ieee(q), **geo.flags(), **cfg)
 
 
 def launch_preprocess(out, dout, dlse, delta):
@@ -470,20 +467,20 @@ def launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo: Geometry, scale:
     b, _, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
-    cfg = _blocks(d, q.device, "bwd")
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     ncls = geo.r if geo.dilated else 1
-    common = dict(D=d, D_PAD=_d_pad(d), BLOCK_M=bm, BLOCK_N=bn, ACCUM=accum, IEEE=_ieee(q), **geo.flags(), **cfg)
-    _dkdv_kernel[(triton.cdiv(geo.max_mk, bn), b * hkv * ncls, geo.nseg)](
+    flags = dict(D=d, D_PAD=_d_pad(d), ACCUM=accum, IEEE=_ieee(q), **geo.flags())
+    cfg = _blocks(d, q.device, "dkdv")
+    _dkdv_kernel[(triton.cdiv(geo.max_mk, cfg["BLOCK_N"]), b * hkv * ncls, geo.nseg)](
         q, k, v, dout, lse, delta, dk, dv, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-        dv.stride(2), h, hkv, g, ncls, *geo.scalars(), scale, scale * LOG2E, **common)
-    _dq_kernel[(triton.cdiv(geo.max_m, bm), b * h, geo.nseg)](
+        dv.stride(2), h, hkv, g, ncls, *geo.scalars(), scale, scale * LOG2E, **flags, **cfg)
+    cfg = _blocks(d, q.device, "dq")
+    _dq_kernel[(triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)](
         q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), h, g, *geo.scalars(), scale,
-        scale * LOG2E, **common)
+        scale * LOG2E, **flags, **cfg)
 
 
 def _contig(x):
