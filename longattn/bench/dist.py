@@ -107,7 +107,7 @@ def _torch_cp(cfg, q, k, v, dev, warmup, iters, backward):
         _cp_options.enable_load_balance = cfg.causal  # the head-tail balancer refuses non-causal
     try:
         with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
-                sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                sdpa_kernel([SDPBackend.CUDNN_ATTENTION] if dev.type == "cuda" else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
             fwd = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=cfg.causal)
             step = None
             if backward:

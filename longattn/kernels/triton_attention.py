@@ -400,12 +400,13 @@ def _blocks(d: int, device: torch.device, kind: str) -> dict:
 _TUNED = {}
 for _d in (32, 64, 96, 128, 256):
     _big = _d > 128
-    _TUNED[("fwd", _d)] = dict(BLOCK_M=64 if _big else 128, BLOCK_N=32 if _big else 64,
-                               num_warps=4 if _d <= 64 or _big else 8, num_stages=2 if _big else 3)
-    _TUNED[("dkdv", _d)] = dict(BLOCK_M=32 if _big else 32, BLOCK_N=64 if _big else 128,
-                                num_warps=4 if not _big else 8, num_stages=1 if _big else 3)
-    _TUNED[("dq", _d)] = dict(BLOCK_M=64 if _big else 128, BLOCK_N=32, num_warps=4 if not _big else 8,
-                              num_stages=1 if _big else 3)
+    # d <= 128: the H200 sweep of 2026-11-22 (benchmarks/results/tune_triton_h200.jsonl)
+    _TUNED[("fwd", _d)] = (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2) if _big else
+                           dict(BLOCK_M=128, BLOCK_N=128 if _d > 64 else 64, num_warps=8, num_stages=3))
+    _TUNED[("dkdv", _d)] = (dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1) if _big else
+                            dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3))
+    _TUNED[("dq", _d)] = (dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1) if _big else
+                          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
 
 
 def _d_pad(d: int) -> int:
