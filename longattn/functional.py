@@ -55,6 +55,9 @@ def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, q
 
 
 def _attention_setup(ctx, inputs, output):
+    # an unused lse must reach backward as None, not as zeros: a zero dlse
+    # would send the backward down the slower dlse-folding path
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
     ctx.kw = {n: inputs[i] for i, n in enumerate(
         ("q", "k", "v", "scale", "causal", "window_left", "window_right", "q_offset", "backend")) if i >= 3}
@@ -62,6 +65,8 @@ def _attention_setup(ctx, inputs, output):
 
 def _attention_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
     dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, dlse, **ctx.kw)
     return dq, dk, dv, None, None, None, None, None, None
 
@@ -151,6 +156,9 @@ def _(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, cau
 
 
 def _dilated_setup(ctx, inputs, output):
+    # an unused lse must reach backward as None, not as zeros: a zero dlse
+    # would send the backward down the slower dlse-folding path
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
     ctx.kw = dict(segment_lengths=inputs[3], dilation_rates=inputs[4], scale=inputs[5], causal=inputs[6],
                   backend=inputs[7])
@@ -158,6 +166,8 @@ def _dilated_setup(ctx, inputs, output):
 
 def _dilated_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
     dq, dk, dv = _dilated_bwd(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.kw)
     return dq, dk, dv, None, None, None, None, None
 

@@ -197,6 +197,9 @@ def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, l
 
 
 def _setup(ctx, inputs, output):
+    # an unused lse must reach backward as None, not as zeros: a zero dlse
+    # would send the backward down the slower dlse-folding path
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
     names = ("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend")
     ctx.kw = dict(zip(names, inputs[3:]))
@@ -204,6 +207,8 @@ def _setup(ctx, inputs, output):
 
 def _bwd(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
     dq, dk, dv = _ring_bwd(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.kw)
     return dq, dk, dv, None, None, None, None, None, None, None
 
