@@ -9,7 +9,10 @@
 """
 from .backends import BACKENDS, available_backends, use_backend
 from .functional import attention, dilated_attention
-from .distributed import ring_attention, shard, shard_positions, unshard
+from .varlen import attention_varlen
+from .distributed import (ring_attention, ring_attention_varlen, shard, shard_positions, shard_varlen, unshard,
+                          unshard_varlen)
+from . import nn
 
 __version__ = "0.1.0"
 
@@ -24,6 +27,7 @@ def kernels_available(device: str = "cpu") -> bool:
     return triton_attention.available(torch.device(device))
 
 __all__ = [
-    "attention", "dilated_attention", "ring_attention", "shard", "unshard", "shard_positions",
+    "attention", "attention_varlen", "dilated_attention", "nn", "ring_attention", "ring_attention_varlen", "shard", "unshard", "shard_positions",
+    "shard_varlen", "unshard_varlen",
     "use_backend", "available_backends", "kernels_available", "BACKENDS",
 ]

@@ -31,18 +31,23 @@ def group_from_name(name: str) -> dist.ProcessGroup:
 
 
 class P2P:
-    """Batched point-to-point exchange: send tensors to one peer, receive
-    same-shaped tensors from another, wait after the overlapping compute."""
+    """Batched point-to-point exchange over a ring of peers (group ranks;
+    default: the whole group in order): send tensors to one peer, receive
+    same-shaped tensors from another, wait after the overlapping compute.
+    Indices passed to ``start`` are positions in the peer ring."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        self.peers = list(range(dist.get_world_size(group))) if peers is None else list(peers)
+        self.rank = self.peers.index(me)
+        self.size = len(self.peers)
+        self.bytes_sent = 0
         self._reqs = None
         self._bufs = None
 
-    def global_rank(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank % self.size)
+    def global_rank(self, index: int) -> int:
+        return dist.get_global_rank(self.group, self.peers[index % self.size])
 
     def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int) -> None:
         assert self._reqs is None, "previous exchange not waited"
@@ -52,6 +57,8 @@ class P2P:
         for t, b in zip(tensors, bufs):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), dst, self.group))
             ops.append(dist.P2POp(dist.irecv, b, src, self.group))
+            self.bytes_sent += t.numel() * t.element_size()
+            traffic["bytes_sent"] += t.numel() * t.element_size()
         self._reqs = dist.batch_isend_irecv(ops)
         self._bufs = bufs
 
@@ -62,8 +69,12 @@ class P2P:
         return bufs
 
     def ring(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Send to the next rank, receive from the previous one."""
+        """Send to the next peer, receive from the previous one."""
         self.start(tensors, self.rank + 1, self.rank - 1)
+
+
+# Bytes this process sent through P2P exchanges (tests and the volume helper check it).
+traffic = {"bytes_sent": 0}
 
 
 _checked: set = set()

@@ -112,18 +112,17 @@ def num_steps(layout: str, world: int, local_len: int, causal: bool, window) -> 
     return last + 1
 
 
-def _forward(q, k, v, scale, causal, window, layout, group, backend):
-    comm = _comm.P2P(group)
-    rank, world = comm.rank, comm.size
+def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
+    """Generic ring forward: ``plan_fn(src)`` lists the dense calls this rank
+    makes on the K/V block that started at ring position ``src``."""
     b, l, h, d = q.shape
     out = torch.zeros(b, l, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
-    steps = num_steps(layout, world, l, causal, window)
     kc, vc = k, v
     for s in range(steps):
         if s + 1 < steps:
             comm.ring([kc, vc])
-        for c in plan(layout, rank, (rank - s) % world, world, l, causal, window, scale):
+        for c in plan_fn((comm.rank - s) % comm.size):
             ob, lb = bk.block_forward(q[:, c.q0:c.q1], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], c.spec, backend)
             merge_(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].transpose(1, 2), ob, lb.transpose(1, 2))
         if s + 1 < steps:
@@ -131,20 +130,19 @@ def _forward(q, k, v, scale, causal, window, layout, group, backend):
     return out.to(q.dtype), lse
 
 
-def _backward(dout, q, k, v, out, lse, dlse, scale, causal, window, layout, group, backend):
-    kv_comm, dkv_comm = _comm.P2P(group), _comm.P2P(group)
-    rank, world = kv_comm.rank, kv_comm.size
-    l = q.shape[1]
+def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps: int, backend: str):
+    """Generic ring backward; a second exchange object carries dK/dV."""
+    dkv_comm = _comm.P2P(comm.group, comm.peers)
+    rank = comm.rank
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    steps = num_steps(layout, world, l, causal, window)
     kc, vc = k, v
     dk_acc = dv_acc = None
     for s in range(steps):
         if s + 1 < steps:
-            kv_comm.ring([kc, vc])
+            comm.ring([kc, vc])
         dk_blk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv_blk = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        for c in plan(layout, rank, (rank - s) % world, world, l, causal, window, scale):
+        for c in plan_fn((rank - s) % comm.size):
             qs = slice(c.q0, c.q1)
             dqb, dkb, dvb = bk.block_backward(
                 dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous(),
@@ -160,12 +158,31 @@ def _backward(dout, q, k, v, out, lse, dlse, scale, causal, window, layout, grou
             dk_acc, dv_acc = dk_blk, dv_blk
         if s + 1 < steps:
             dkv_comm.ring([dk_acc, dv_acc])
-            kc, vc = kv_comm.wait()
-    # The accumulators now hold the gradient of rank (rank - steps + 1)'s K/V: send them home.
+            kc, vc = comm.wait()
+    # The accumulators now hold the gradient of ring position (rank - steps + 1)'s K/V: send them home.
     if steps > 1:
         dkv_comm.start([dk_acc, dv_acc], send_to=rank - steps + 1, recv_from=rank + steps - 1)
         dk_acc, dv_acc = dkv_comm.wait()
     return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+def _dense_plan(layout, comm, l, causal, window, scale):
+    return lambda src: plan(layout, comm.rank, src, comm.size, l, causal, window, scale)
+
+
+def _forward(q, k, v, scale, causal, window, layout, group, backend):
+    comm = _comm.P2P(group)
+    l = q.shape[1]
+    steps = num_steps(layout, comm.size, l, causal, window)
+    return ring_forward(q, k, v, comm, _dense_plan(layout, comm, l, causal, window, scale), steps, backend)
+
+
+def _backward(dout, q, k, v, out, lse, dlse, scale, causal, window, layout, group, backend):
+    comm = _comm.P2P(group)
+    l = q.shape[1]
+    steps = num_steps(layout, comm.size, l, causal, window)
+    return ring_backward(dout, q, k, v, out, lse, dlse, comm, _dense_plan(layout, comm, l, causal, window, scale),
+                         steps, backend)
 
 
 # ------------------------------------------------------------------ custom ops

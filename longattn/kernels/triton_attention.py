@@ -61,9 +61,13 @@ def unavailable_reason(device: torch.device) -> str:
 if HAS_TRITON:
 
     @triton.jit
-    def _geometry(seg, c, W, R, NFULL, TAIL, SQ, SK, DILATED: tl.constexpr):
+    def _geometry(seg, c, W, R, NFULL, TAIL, SQ, SK, CU, DILATED: tl.constexpr, VARLEN: tl.constexpr):
         """(first q row, first k row, #q rows, #k rows, row stride) of a program."""
-        if DILATED:
+        if VARLEN:  # program z is document z of cu_seqlens
+            start = tl.load(CU + seg)
+            n = tl.load(CU + seg + 1) - start
+            return start, start, n, n, 1 + seg * 0
+        elif DILATED:
             seg_len = tl.where(seg < NFULL, W, TAIL)
             m = (seg_len - c + R - 1) // R
             base = seg * W + c
@@ -166,18 +170,18 @@ if HAS_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, O, LSE, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+    def _fwd_kernel(Q, K, V, O, LSE, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                     H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, qk_scale,
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    DILATED: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr):
+                    DILATED: tl.constexpr, VARLEN: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         seg = tl.program_id(2)
         b = (pid_bh // H).to(tl.int64)
         h = pid_bh % H
         kh = h // G
-        qbase, kbase, MQ, MK, RS = _geometry(seg, h % R, W, R, NFULL, TAIL, SQ, SK, DILATED)
+        qbase, kbase, MQ, MK, RS = _geometry(seg, h % R, W, R, NFULL, TAIL, SQ, SK, CU, DILATED, VARLEN)
         i0 = pid_m * BLOCK_M
         offs_m = i0 + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
@@ -269,19 +273,19 @@ if HAS_TRITON:
         return dk, dv
 
     @triton.jit
-    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+    def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                      sdob, sdos, sdoh, slb, slh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                      H, HKV, G, NCLS, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                     DILATED: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+                     DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid = tl.program_id(1)
         seg = tl.program_id(2)
         c = pid % NCLS
         kh = (pid // NCLS) % HKV
         b = (pid // (NCLS * HKV)).to(tl.int64)
-        qbase, kbase, MQ, MK, RS = _geometry(seg, c, W, R, NFULL, TAIL, SQ, SK, DILATED)
+        qbase, kbase, MQ, MK, RS = _geometry(seg, c, W, R, NFULL, TAIL, SQ, SK, CU, DILATED, VARLEN)
         n0 = pid_n * BLOCK_N
         cols = n0 + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -340,19 +344,19 @@ if HAS_TRITON:
         return dq
 
     @triton.jit
-    def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+    def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                    sdob, sdos, sdoh, slb, slh, sdqb, sdqs, sdqh,
                    H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   DILATED: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+                   DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         seg = tl.program_id(2)
         b = (pid_bh // H).to(tl.int64)
         h = pid_bh % H
         kh = h // G
-        qbase, kbase, MQ, MK, RS = _geometry(seg, h % R, W, R, NFULL, TAIL, SQ, SK, DILATED)
+        qbase, kbase, MQ, MK, RS = _geometry(seg, h % R, W, R, NFULL, TAIL, SQ, SK, CU, DILATED, VARLEN)
         i0 = pid_m * BLOCK_M
         offs_m = i0 + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
@@ -416,11 +420,18 @@ def _d_pad(d: int) -> int:
 class Geometry:
     """Launch geometry of one dense call or one dilated branch."""
 
-    def __init__(self, sq, sk, *, w=None, r=1, causal=False, window=(-1, -1), q_offset=0):
+    def __init__(self, sq, sk, *, w=None, r=1, causal=False, window=(-1, -1), q_offset=0, cu_seqlens=None,
+                 max_seqlen=None):
         self.dilated = w is not None
+        self.varlen = cu_seqlens is not None
+        self.cu = cu_seqlens
         self.causal, self.window, self.q_offset = causal, window, q_offset
         self.sq, self.sk = sq, sk
-        if self.dilated:
+        if self.varlen:
+            self.w, self.r, self.nfull, self.tail = sq, 1, 1, 0
+            self.nseg = cu_seqlens.numel() - 1
+            self.max_m = self.max_mk = max_seqlen
+        elif self.dilated:
             self.w, self.r = w, r
             self.nfull, self.tail = sq // w, sq % w
             self.nseg = self.nfull + (1 if self.tail else 0)
@@ -437,7 +448,10 @@ class Geometry:
 
     def flags(self):
         return dict(CAUSAL=self.causal, HAS_LEFT=self.window[0] >= 0, HAS_RIGHT=self.window[1] >= 0,
-                    DILATED=self.dilated)
+                    DILATED=self.dilated, VARLEN=self.varlen)
+
+    def cu_arg(self, like: torch.Tensor) -> torch.Tensor:
+        return self.cu if self.varlen else like
 
 
 def _ieee(x: torch.Tensor) -> bool:
@@ -449,7 +463,7 @@ def launch_forward(q, k, v, out, lse, geo: Geometry, scale: float, merge: bool):
     cfg = _blocks(d, q.device, "fwd")
     grid = (triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)
     _fwd_kernel[grid](
-        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q, k, v, out, lse, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), h, h // k.shape[2], *geo.scalars(), scale * LOG2E,
         D=d, D_PAD=_d_pad(d), MERGE=merge, IEEE=_ieee(q), **geo.flags(), **cfg)
@@ -472,13 +486,13 @@ def launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo: Geometry, scale:
     flags = dict(D=d, D_PAD=_d_pad(d), ACCUM=accum, IEEE=_ieee(q), **geo.flags())
     cfg = _blocks(d, q.device, "dkdv")
     _dkdv_kernel[(triton.cdiv(geo.max_mk, cfg["BLOCK_N"]), b * hkv * ncls, geo.nseg)](
-        q, k, v, dout, lse, delta, dk, dv, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, dout, lse, delta, dk, dv, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
         dv.stride(2), h, hkv, g, ncls, *geo.scalars(), scale, scale * LOG2E, **flags, **cfg)
     cfg = _blocks(d, q.device, "dq")
     _dq_kernel[(triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)](
-        q, k, v, dout, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, dout, lse, delta, dq, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), h, g, *geo.scalars(), scale,
         scale * LOG2E, **flags, **cfg)
@@ -513,6 +527,29 @@ def backward(dout, q, k, v, out, lse, spec, dlse=None):
     geo = Geometry(q.shape[1], k.shape[1], causal=spec.causal, window=spec.window, q_offset=spec.q_offset)
     launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo, spec.scale, accum=False)
     return dq, dk, dv
+
+
+def varlen_forward(q, k, v, cu_seqlens, max_seqlen, spec):
+    """q (total, H, D), k/v (total, Hkv, D); returns out and lse (H, total)."""
+    q4, k4, v4 = (_contig(t).unsqueeze(0) for t in (q, k, v))
+    out = torch.empty_like(q4)
+    lse = torch.empty(1, q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    geo = Geometry(q.shape[0], k.shape[0], causal=spec.causal, window=spec.window, cu_seqlens=cu_seqlens,
+                   max_seqlen=max_seqlen)
+    launch_forward(q4, k4, v4, out, lse, geo, spec.scale, merge=False)
+    return out[0], lse[0]
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, spec, dlse=None):
+    q4, k4, v4, do4, o4 = (_contig(t).unsqueeze(0) for t in (q, k, v, dout, out))
+    lse4 = lse.contiguous().unsqueeze(0)
+    delta = torch.empty_like(lse4)
+    launch_preprocess(o4, do4, None if dlse is None else dlse.float().contiguous().unsqueeze(0), delta)
+    dq, dk, dv = torch.empty_like(q4), torch.empty_like(k4), torch.empty_like(v4)
+    geo = Geometry(q.shape[0], k.shape[0], causal=spec.causal, window=spec.window, cu_seqlens=cu_seqlens,
+                   max_seqlen=max_seqlen)
+    launch_backward(q4, k4, v4, do4, lse4, delta, dq, dk, dv, geo, spec.scale, accum=False)
+    return dq[0], dk[0], dv[0]
 
 
 del math
