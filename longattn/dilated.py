@@ -99,7 +99,8 @@ def _gather(part: Part, q, k, v):
     return qb, kb, vb, idx
 
 
-def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto"):
+def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto",
+            out_dtype=None):
     b, s, h, d = q.shape
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
@@ -112,7 +113,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
         ob = ob.view(b, part.nseg, part.m, -1, d)
         lb = lb.view(b, part.nseg, -1, part.m).transpose(2, 3)
         merge_(o_view, l_view, ob, lb)
-    return out.to(q.dtype), lse
+    return out.to(out_dtype or q.dtype), lse
 
 
 def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal: bool, scale: float,

@@ -1,4 +1,5 @@
-"""Run a function in spawned gloo processes; an exception on any rank fails the test."""
+"""Run a function in spawned processes (gloo; NCCL with LONGATTN_DIST_BACKEND=nccl on
+GPU machines); an exception on any rank fails the test."""
 from __future__ import annotations
 
 import os
@@ -16,10 +17,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+BACKEND = os.environ.get("LONGATTN_DIST_BACKEND", "gloo")
+
+
 def _entry(rank, world, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if BACKEND == "nccl":  # the same tests on GPUs: tensors are made on this rank's device
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
+    dist.init_process_group(BACKEND, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:

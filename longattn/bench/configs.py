@@ -100,10 +100,14 @@ for _c in (
     Config("dense_32k_causal", 1, 32768, 16, 128, causal=True),
     Config("dense_128k", 1, 131072, 16, 128),
     Config("dense_128k_causal", 1, 131072, 16, 128, causal=True),
+    Config("gqa_32q8kv_32k", 1, 32768, 32, 128, kv_heads=8, note="context-parallel GQA shape"),
+    Config("gqa_32q8kv_32k_causal", 1, 32768, 32, 128, kv_heads=8, causal=True),
+    Config("gqa_32q8kv_128k", 1, 131072, 32, 128, kv_heads=8),
+    Config("gqa_32q8kv_128k_causal", 1, 131072, 32, 128, kv_heads=8, causal=True),
 ):
     _add(_c)
 
-for _s, _tag in ((8192, "8k"), (32768, "32k"), (131072, "128k"), (1 << 20, "1m")):
+for _s, _tag in ((8192, "8k"), (32768, "32k"), (131072, "128k"), (1 << 20, "1m"), (1 << 22, "4m")):
     for _d in (128, 64):
         for _causal in (False, True):
             _add(Config(f"longnet_{_tag}{'_d64' if _d == 64 else ''}{'_causal' if _causal else ''}", 1, _s, 16, _d,

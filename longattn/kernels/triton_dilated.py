@@ -33,14 +33,14 @@ def _branches(seqlen, segment_lengths, dilation_rates, causal):
         yield ta.Geometry(seqlen, seqlen, w=w, r=r, causal=causal)
 
 
-def forward(q, k, v, segment_lengths, dilation_rates, causal, scale):
+def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, out_dtype=None):
     q, k, v = (ta._contig(t) for t in (q, k, v))
     b, s, h, d = q.shape
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     for geo in _branches(s, segment_lengths, dilation_rates, causal):
         ta.launch_forward(q, k, v, out, lse, geo, scale, merge=True)
-    return out.to(q.dtype), lse
+    return out.to(out_dtype or q.dtype), lse
 
 
 def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale):

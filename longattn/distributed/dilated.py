@@ -1,0 +1,249 @@
+"""LongNet dilated attention over a sequence sharded contiguously on p ranks.
+
+Rank j holds positions [j*L, (j+1)*L). For each branch (w, r):
+
+* ``L % w == 0``: every segment lies inside one rank. The branch runs locally
+  (fused kernel or gather path) with no communication.
+* ``w % L == 0`` (or ``w >= S``): a segment spans G = min(w, S) / L ranks.
+  Each rank takes its dilated rows (for head h, rows with ``i % r == h % r``;
+  ``L % r == 0`` makes that class the same on every rank), L/r rows per head,
+  and the G ranks of the segment run a ring over just those rows: each step
+  passes the dilated K/V (1/r of the tokens) to the next rank of the segment
+  while the local block is computed. Backward sends the dK/dV of the
+  exchanged rows back to their owners.
+
+All branches merge by lse in float32; the backward of every part uses the
+merged output and lse, so gradients are exact.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import backends as bk
+from .. import dilated as _dil
+from .._merge import merge_
+from .._validation import check_dilation, check_flag, check_qkv, check_scale
+from . import _comm
+from .ring import num_steps, plan, ring_backward, ring_forward
+
+
+def split_branches(local_len: int, world: int, segment_lengths, dilation_rates):
+    """(local branches, spanning branches); raises when a branch fits neither."""
+    total = local_len * world
+    local, span = [], []
+    for w, r in zip(segment_lengths, dilation_rates):
+        if local_len % w == 0:
+            local.append((w, r))
+        elif w % local_len == 0 or w >= total:
+            if local_len % r:
+                raise ValueError(f"dilation rate {r} must divide the shard length {local_len} for a segment "
+                                 f"({w}) that spans ranks")
+            if w < total and total % w:
+                raise ValueError(f"segment length {w} spans ranks but does not divide the sequence ({total})")
+            span.append((w, r))
+        else:
+            raise ValueError(f"segment length {w} must divide the shard length {local_len} or be a multiple of it "
+                             f"(sequence {total} over {world} ranks); choose segment lengths and a world size "
+                             f"that align")
+    return local, span
+
+
+def _heads(nheads: int, nheads_kv: int, r: int, device):
+    """Per query head: its offset class; per exchanged kv row: (class, kv head); and whether that is GQA-regular."""
+    g = nheads // nheads_kv
+    cls = torch.arange(nheads) % r
+    pairs = [(h % r, h // g) for h in range(nheads)]
+    uniq = list(dict.fromkeys(pairs))
+    run = nheads // len(uniq)
+    regular = nheads % len(uniq) == 0 and pairs == [u for u in uniq for _ in range(run)]
+    kv_pairs = uniq if regular else pairs
+    pcls = torch.tensor([p[0] for p in kv_pairs], device=device)
+    pkv = torch.tensor([p[1] for p in kv_pairs], device=device)
+    return cls.to(device), torch.arange(nheads, device=device), pcls, pkv
+
+
+def _rows(x: torch.Tensor, r: int):
+    b, l, h, d = x.shape
+    return x.view(b, l // r, r, h, d)
+
+
+def _span_setup(q, k, w, r, world, rank, causal, scale, group):
+    l = q.shape[1]
+    gsize = min(w, l * world) // l
+    first = (rank // gsize) * gsize
+    comm = _comm.P2P(group, list(range(first, first + gsize)))
+    m = l // r
+    steps = num_steps("contiguous", gsize, m, causal, (-1, -1))
+    plan_fn = lambda src: plan("contiguous", comm.rank, src, gsize, m, causal, (-1, -1), scale)
+    return comm, plan_fn, steps, _heads(q.shape[2], k.shape[2], r, q.device)
+
+
+def _local_fwd(q, k, v, segs, rates, causal, scale, backend):
+    from ..functional import _use_fused
+
+    if _use_fused(q, k, backend):
+        from ..kernels import triton_dilated
+
+        return triton_dilated.forward(q, k, v, segs, rates, causal, scale, out_dtype=torch.float32)
+    return _dil.forward(q, k, v, segs, rates, causal, scale, backend, out_dtype=torch.float32)
+
+
+def _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend):
+    from ..functional import _use_fused
+
+    if _use_fused(q, k, backend):
+        from ..kernels import triton_dilated
+
+        return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale)
+    return _dil.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend)
+
+
+def _forward(q, k, v, segs, rates, scale, causal, group, backend):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    b, l, h, d = q.shape
+    local, span = split_branches(l, world, segs, rates)
+    if local:
+        out, lse = _local_fwd(q, k, v, [w for w, _ in local], [r for _, r in local], causal, scale, backend)
+    else:
+        out = torch.zeros(b, l, h, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
+    lse_blh = lse.transpose(1, 2).contiguous()
+    for w, r in span:
+        comm, plan_fn, steps, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)
+        qd = _rows(q, r)[:, :, cls, hidx]                    # (B, L/r, H, D)
+        kd = _rows(k, r)[:, :, pcls, pkv].contiguous()       # (B, L/r, Hp, D)
+        vd = _rows(v, r)[:, :, pcls, pkv].contiguous()
+        ob, lb = ring_forward(qd, kd, vd, comm, plan_fn, steps, backend)
+        o_sel = _rows(out, r)[:, :, cls, hidx]
+        l_sel = lse_blh.view(b, l // r, r, h)[:, :, cls, hidx]
+        merge_(o_sel, l_sel, ob, lb.transpose(1, 2))
+        _rows(out, r)[:, :, cls, hidx] = o_sel
+        lse_blh.view(b, l // r, r, h)[:, :, cls, hidx] = l_sel
+    return out.to(q.dtype), lse_blh.transpose(1, 2).contiguous()
+
+
+def _backward(dout, q, k, v, out, lse, dlse, segs, rates, scale, causal, group, backend):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    b, l, h, d = q.shape
+    local, span = split_branches(l, world, segs, rates)
+    if local:
+        dq, dk, dv = (t.float() for t in _local_bwd(dout, q, k, v, out, lse, dlse, [w for w, _ in local],
+                                                      [r for _, r in local], causal, scale, backend))
+    else:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    lse_blh = lse.transpose(1, 2).contiguous()
+    dlse_blh = None if dlse is None else dlse.transpose(1, 2).contiguous()
+    for w, r in span:
+        comm, plan_fn, steps, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)
+        sel = lambda x: _rows(x, r)[:, :, cls, hidx]
+        lsel = lambda x: x.view(b, l // r, r, h)[:, :, cls, hidx].transpose(1, 2).contiguous()
+        kd = _rows(k, r)[:, :, pcls, pkv].contiguous()
+        vd = _rows(v, r)[:, :, pcls, pkv].contiguous()
+        dqd, dkd, dvd = ring_backward(sel(dout), sel(q), kd, vd, sel(out), lsel(lse_blh),
+                                      None if dlse_blh is None else lsel(dlse_blh), comm, plan_fn, steps, backend)
+        _add_rows(dq, r, cls, hidx, dqd)
+        _add_rows(dk, r, pcls, pkv, dkd)
+        _add_rows(dv, r, pcls, pkv, dvd)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _add_rows(acc: torch.Tensor, r: int, cls: torch.Tensor, heads: torch.Tensor, val: torch.Tensor) -> None:
+    """acc[rows of class cls[j], head heads[j]] += val[:, :, j] (repeated pairs add up)."""
+    view = _rows(acc, r)
+    b, m = view.shape[:2]
+    bi = torch.arange(b, device=acc.device)[:, None, None]
+    mi = torch.arange(m, device=acc.device)[None, :, None]
+    view.index_put_((bi, mi, cls[None, None, :], heads[None, None, :]), val.float(), accumulate=True)
+
+
+@torch.library.custom_op("longattn::dilated_dist_fwd", mutates_args=(), device_types=None)
+def _dist_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
+              dilation_rates: list[int], scale: float, causal: bool, group_name: str, backend: str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, segment_lengths, dilation_rates, scale, causal, _comm.group_from_name(group_name),
+                    backend)
+
+
+@_dist_fwd.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, scale, causal, group_name, backend):
+    b, l, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty(b, h, l, dtype=torch.float32)
+
+
+@torch.library.custom_op("longattn::dilated_dist_bwd", mutates_args=(), device_types=None)
+def _dist_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int], dilation_rates: list[int],
+              scale: float, causal: bool, group_name: str, backend: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, causal,
+                     _comm.group_from_name(group_name), backend)
+
+
+@_dist_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, causal, group_name, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
+    ctx.kw = dict(zip(("segment_lengths", "dilation_rates", "scale", "causal", "group_name", "backend"), inputs[3:]))
+
+
+def _bwd(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _dist_bwd(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.kw)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_dist_fwd.register_autograd(_bwd, setup_context=_setup)
+
+
+def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False, softmax_scale=None,
+                      return_lse=False, backend="auto", group=None):
+    """:func:`longattn.dilated_attention` on this rank's contiguous shard
+    ``(batch, seqlen // world, nheads, headdim)``; equals the single-device
+    result on the unsharded sequence. Every segment length must divide the
+    shard length or be a multiple of it (see :func:`split_branches`)."""
+    check_qkv(q, k, v, same_seqlen=True)
+    segs, rates = check_dilation(segment_lengths, dilation_rates)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    bk.check_backend_name(backend)
+    g = _comm.resolve_group(group)
+    split_branches(q.shape[1], dist.get_world_size(g), segs, rates)
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    if not torch.compiler.is_compiling():
+        _comm.check_consistent(g, "dilated_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
+                               segs=segs, rates=rates, causal=causal, scale=scale, backend=backend)
+    out, lse = _dist_fwd(q, k, v, list(segs), list(rates), scale, causal, _comm.group_name(g), backend)
+    return (out, lse) if return_lse else out
+
+
+def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batch: int, nheads: int,
+               nheads_kv: int, headdim: int, itemsize: int, causal: bool, backward: bool = False) -> int:
+    """Bytes one rank sends through P2P for one forward (or forward+backward):
+    per spanning branch, (steps - 1) ring hops of the dilated K and V
+    (B x L/r x Hp x D each); the backward adds the K/V ring again, the float32
+    dK/dV ring and the float32 dK/dV sent home."""
+    l = seqlen // world
+    _, span = split_branches(l, world, segment_lengths, dilation_rates)
+    total = 0
+    for w, r in span:
+        gsize = min(w, seqlen) // l
+        steps = num_steps("contiguous", gsize, l // r, causal, (-1, -1))
+        hp = _heads(nheads, nheads_kv, r, "cpu")[2].numel()
+        rows = batch * (l // r) * hp * headdim
+        fwd = (steps - 1) * 2 * rows * itemsize
+        total += fwd
+        if backward:
+            total += fwd + (steps - 1) * 2 * rows * 4 + (2 * rows * 4 if steps > 1 else 0)
+    return total

@@ -1,0 +1,66 @@
+"""Dilated attention over ranks (gloo, world 2, 3, 4) against the float64
+single-device definition, and its communication volume against the count."""
+import pytest
+import torch
+
+import longattn
+from dist_utils import run_world
+from longattn.distributed import _comm
+from longattn.distributed.dilated import comm_bytes, split_branches
+from reference import dilated_ref, rel_err
+
+TOL = 1e-4
+CASES = {
+    # world: (shard length, segments (smaller than, equal to, larger than the shard), rates)
+    2: (24, [8, 24, 48], [1, 2, 4]),
+    3: (24, [8, 24, 72, 144], [1, 2, 4, 8]),
+    4: (16, [8, 16, 32, 64], [1, 2, 4, 8]),
+}
+
+
+def _check(rank, world):
+    l, segs, rates = CASES[world]
+    s = l * world
+    for causal, h, hkv in ((False, 4, 4), (True, 4, 2), (True, 8, 1)):
+        torch.manual_seed(3)
+        q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
+        do, dl = torch.randn(1, s, h, 16), torch.randn(1, h, s)
+        qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+        ro, rl = dilated_ref(qr, kr, vr, segs, rates, causal=causal)
+        ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+        ql, kl, vl = (longattn.shard(x).requires_grad_() for x in (q, k, v))
+        _comm.traffic["bytes_sent"] = 0
+        out, lse = longattn.dilated_attention(ql, kl, vl, segment_lengths=segs, dilation_rates=rates, causal=causal,
+                                              return_lse=True, backend="math", group=torch.distributed.group.WORLD)
+        sent_fwd = _comm.traffic["bytes_sent"]
+        ((out * longattn.shard(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) *
+                                             longattn.shard(dl, seq_dim=2)).sum()).backward()
+        sent_all = _comm.traffic["bytes_sent"]
+        kw = dict(batch=1, nheads=h, nheads_kv=hkv, headdim=16, itemsize=4, causal=causal)
+        assert sent_fwd == comm_bytes(s, world, segs, rates, **kw)
+        assert sent_all == comm_bytes(s, world, segs, rates, backward=True, **kw)
+        us = lambda x, dim=1: longattn.unshard(x.detach(), seq_dim=dim)
+        errs = dict(out=rel_err(us(out), ro), lse=rel_err(us(lse, 2), rl), dq=rel_err(us(ql.grad), qr.grad),
+                    dk=rel_err(us(kl.grad), kr.grad), dv=rel_err(us(vl.grad), vr.grad))
+        bad = {n: e for n, e in errs.items() if not e < TOL}
+        assert not bad, f"world={world} causal={causal} h={h}/{hkv}: {bad}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_dilated_over_ranks(world):
+    run_world(_check, world)
+
+
+def test_branch_split_and_volume():
+    local, span = split_branches(1024, 4, [512, 1024, 2048, 8192], [1, 2, 4, 8])
+    assert local == [(512, 1), (1024, 2)] and span == [(2048, 4), (8192, 8)]
+    with pytest.raises(ValueError, match="divide the shard length"):
+        split_branches(1024, 4, [768], [1])
+    with pytest.raises(ValueError, match="dilation rate"):
+        split_branches(1000, 4, [2000], [3])
+    # only spanning branches communicate, 1/r of the shard per hop
+    kw = dict(batch=1, nheads=16, nheads_kv=16, headdim=128, itemsize=2, causal=False)
+    assert comm_bytes(4096, 4, [512, 1024], [1, 2], **kw) == 0
+    one = comm_bytes(4096, 4, [4096], [4], **kw)
+    assert one == 3 * 2 * (1024 // 4) * 16 * 128 * 2
