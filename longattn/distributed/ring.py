@@ -119,12 +119,18 @@ def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     out = torch.zeros(b, l, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
     kc, vc = k, v
+    written = []  # row ranges that already hold a partial result
     for s in range(steps):
         if s + 1 < steps:
             comm.ring([kc, vc])
         for c in plan_fn((comm.rank - s) % comm.size):
             ob, lb = bk.block_forward(q[:, c.q0:c.q1], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], c.spec, backend)
-            merge_(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].transpose(1, 2), ob, lb.transpose(1, 2))
+            if any(a < c.q1 and c.q0 < b for a, b in written):
+                merge_(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].transpose(1, 2), ob, lb.transpose(1, 2))
+            else:  # first result for these rows: a copy, not a merge with the empty state
+                out[:, c.q0:c.q1] = ob
+                lse[:, :, c.q0:c.q1] = lb
+                written.append((c.q0, c.q1))
         if s + 1 < steps:
             kc, vc = comm.wait()
     return out.to(q.dtype), lse
