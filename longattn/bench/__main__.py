@@ -114,7 +114,7 @@ def main(argv=None):
         from .dist import format_table, run_dist
 
         res = run_dist(_configs(a.config, a), a.impl, weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
-                       iters=a.iters)
+                       iters=a.iters, json_path=a.json)
         if dist.get_rank() == 0:
             _emit(res, a, format_table(res["results"]))
         dist.destroy_process_group()

@@ -139,7 +139,7 @@ def _from_rank0(x):
     return None if t.item() != t.item() else t.item()
 
 
-def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10) -> dict:
+def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10, json_path=None) -> dict:
     rank, world, dev = _init()
     env = measure.environment(dev)
     env["world_size"] = world
@@ -203,6 +203,8 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10)
                 _log(f"[dist] {cfg.name} {row['impl']}: {row['status']} {row.get('reason') or ''} "
                      f"fwd {row.get('fwd_ms')} fwd+bwd {row.get('fwd_bwd_ms')} eff {row.get('efficiency_fwd_bwd')}")
             results.append(row)
+        if json_path and rank == 0:  # partial results survive a run cut short
+            measure.write_json(json_path, dict(kind="dist", env=env, results=results, partial=True))
     return dict(kind="dist", env=env, results=results)
 
 
