@@ -166,10 +166,13 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
             dkv_comm.ring([dk_acc, dv_acc])
             kc, vc = comm.wait()
     # The accumulators now hold the gradient of ring position (rank - steps + 1)'s K/V: send them home.
+    # This last hop is not overlapped with compute; the sums are final, so it
+    # travels in the input dtype (the cast happens anyway), half of float32's bytes.
+    dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     if steps > 1:
-        dkv_comm.start([dk_acc, dv_acc], send_to=rank - steps + 1, recv_from=rank + steps - 1)
-        dk_acc, dv_acc = dkv_comm.wait()
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        dkv_comm.start([dk_out, dv_out], send_to=rank - steps + 1, recv_from=rank + steps - 1)
+        dk_out, dv_out = dkv_comm.wait()
+    return dq.to(q.dtype), dk_out, dv_out
 
 
 def _dense_plan(layout, comm, l, causal, window, scale):
