@@ -29,6 +29,8 @@ class Impl:
     note: str = ""
     comparable: bool = True
     """computes the config's function (its output is checked against ours)."""
+    pair_fraction: Callable[[Config], float] = lambda c: 1.0
+    """share of the config's useful pairs this implementation computes (FLOPs count only those)."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -255,10 +257,14 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          "LongNet-exact gather path + best local backend + lse merge"),
     Impl("headsplit-gather", ("dilated",), lambda c, d: (lambda q, k, v: headsplit_dilated(
         q, k, v, c.segment_lengths, c.dilation_rates, c.causal)), _headsplit_reason,
-        "dilated-attention-pytorch algorithm: heads split among branches, gather + SDPA"),
-    Impl("flex-dilated", ("dilated",), _flex_dilated_build, _flex_reason, "FlexAttention, head-split dilated mask"),
+        "dilated-attention-pytorch algorithm: heads split among branches, gather + SDPA",
+        pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
+    Impl("flex-dilated", ("dilated",), _flex_dilated_build, _flex_reason, "FlexAttention, head-split dilated mask",
+         pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
     Impl("dense-same-length", ("dilated", "varlen"), lambda c, d: (lambda q, k, v: longattn.attention(
-        q, k, v, causal=c.causal)), lambda c, d: None, "dense attention at the same length (auto: cuDNN on CUDA)",
+        q, k, v, causal=c.causal)), lambda c, d: ("dense attention above 256K tokens takes minutes per call (its cost grows"
+                                           " as S^2: see the 128K row)" if c.seqlen * c.batch > 262144 else None),
+        "dense attention at the same length (auto: cuDNN on CUDA)",
         comparable=False),
     Impl("longattn-varlen", ("varlen",), _varlen_build, lambda c, d: None, "longattn.attention_varlen"),
     Impl("sdpa-per-doc", ("varlen",), _sdpa_per_doc_build, lambda c, d: None, "SDPA called once per document"),

@@ -54,7 +54,8 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
     if why:
         row.update(status="unsupported", reason=why)
         return row
-    flops = fwd_flops(cfg)
+    # FLOPs of the pairs this implementation computes (head-split computes 1/n of LongNet's)
+    flops = fwd_flops(cfg) * impl.pair_fraction(cfg)
     row["fwd_flops"] = flops
     try:
         fn = impl.build(cfg, dev)
