@@ -95,6 +95,9 @@ def profile_top_kernels(fn: Callable[[], object], device: torch.device, top: int
 
 
 def git_commit() -> Optional[str]:
+    """HEAD (with -dirty), or $LONGATTN_COMMIT where the tree was copied without .git."""
+    if os.environ.get("LONGATTN_COMMIT"):
+        return os.environ["LONGATTN_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)

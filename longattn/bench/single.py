@@ -169,7 +169,7 @@ def scale(cfg: Config, impls: Sequence[str], *, device=None, backward=True, star
 
 
 def format_table(results: list[dict]) -> str:
-    cols = [("config", "config", "{}"), ("impl", "impl", "{}"), ("fwd ms", "fwd_ms", "{:.3f}"),
+    cols = [("config", "config", "{}"), ("impl", "impl", "{}"), ("seqlen", "seqlen", "{}"), ("fwd ms", "fwd_ms", "{:.3f}"),
             ("bwd ms", "bwd_ms", "{:.3f}"), ("fwd TF/s", "fwd_tflops", "{:.1f}"), ("bwd TF/s", "bwd_tflops", "{:.1f}"),
             ("tok/s fwd", "fwd_tokens_per_s", "{:.3g}"), ("fwd MiB", "fwd_peak_mem_bytes", "mib"),
             ("fwd+bwd MiB", "fwd_bwd_peak_mem_bytes", "mib"), ("rel diff", "rel_diff_vs_ref", "{:.1e}")]
