@@ -51,25 +51,29 @@ def plots(docs, outdir: str) -> list[str]:
 
     os.makedirs(outdir, exist_ok=True)
     written = []
-    # time and memory against sequence length (every run/scale row with a seqlen)
-    series = defaultdict(list)
+    # time and memory against sequence length: one series per implementation
+    # and shape family (heads, kv heads, head dim, causal); only real curves
+    series = defaultdict(dict)
     for d in docs:
         if d.get("kind") not in ("run", "scale"):
             continue
         for r in d["results"]:
             if r.get("status") == "ok" and r.get("fwd_ms") is not None:
-                series[(r["impl"], r.get("causal"))].append(r)
+                key = (r["impl"], r.get("heads"), r.get("kv_heads"), r.get("head_dim"), r.get("causal"))
+                series[key][r["seqlen"]] = r
+    series = {k: v for k, v in series.items() if len(v) >= 2}
     if series:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for (impl, causal), rows in sorted(series.items(), key=lambda kv: str(kv[0])):
-            rows = sorted(rows, key=lambda r: r["seqlen"])
-            xs = [r["seqlen"] for r in rows]
-            lbl = f"{impl}{' causal' if causal else ''}"
-            t = [r.get("fwd_bwd_ms") or r["fwd_ms"] for r in rows]
-            m = [(r.get("fwd_bwd_peak_mem_bytes") or r.get("fwd_peak_mem_bytes") or 0) / 2**20 for r in rows]
-            axes[0].plot(xs, t, marker="o", label=lbl)
-            axes[1].plot(xs, m, marker="o", label=lbl)
-        for ax, yl in zip(axes, ("fwd+bwd time (ms; fwd where no bwd)", "peak extra memory (MiB)")):
+        fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+        for (impl, h, hkv, hd, causal), pts in sorted(series.items(), key=lambda kv: str(kv[0])):
+            xs = sorted(pts)
+            lbl = f"{impl} H={h}{'/' + str(hkv) if hkv != h else ''} D={hd}{' causal' if causal else ''}"
+            axes[0].plot(xs, [pts[x]["fwd_ms"] for x in xs], marker="o", label=lbl)
+            xb = [x for x in xs if pts[x].get("fwd_bwd_ms") is not None]
+            axes[1].plot(xb, [pts[x]["fwd_bwd_ms"] for x in xb], marker="o", label=lbl)
+            xm = [x for x in xs if pts[x].get("fwd_bwd_peak_mem_bytes") is not None]
+            axes[2].plot(xm, [pts[x]["fwd_bwd_peak_mem_bytes"] / 2**20 for x in xm], marker="o", label=lbl)
+        for ax, yl in zip(axes, ("forward time (ms)", "forward+backward time (ms)",
+                                 "peak extra memory, fwd+bwd (MiB)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length")
@@ -78,7 +82,7 @@ def plots(docs, outdir: str) -> list[str]:
         axes[0].legend(fontsize=7)
         fig.tight_layout()
         p = os.path.join(outdir, "time_memory_vs_seqlen.png")
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=100)
         plt.close(fig)
         written.append(p)
     # efficiency against GPUs
@@ -87,18 +91,18 @@ def plots(docs, outdir: str) -> list[str]:
         if d.get("kind") != "dist":
             continue
         for r in d["results"]:
-            if r.get("efficiency_fwd_bwd") is not None or r.get("efficiency_fwd") is not None:
-                key = (r["config"], r["impl"])
-                eff[key][r["world_size"]] = r.get("efficiency_fwd_bwd") or r.get("efficiency_fwd")
+            if r.get("efficiency_fwd_bwd") is not None:  # only what the axis says
+                eff[(r["config"], r["impl"])][r["world_size"]] = r["efficiency_fwd_bwd"]
     if eff:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        styles = {"ring-zigzag": "-", "ring-contiguous": ":", "torch-cp": "--", "dilated-over-ranks": "-."}
         for (cfg, impl), pts in sorted(eff.items()):
             ws = sorted(pts)
-            ax.plot(ws, [pts[w] for w in ws], marker="o", label=f"{cfg} {impl}")
+            ax.plot(ws, [pts[w] for w in ws], marker="o", ls=styles.get(impl, "-"), label=f"{cfg} {impl}")
         ax.set_xlabel("GPUs")
         ax.set_ylabel("parallel efficiency (fwd+bwd)")
         ax.axhline(1.0, color="grey", lw=0.5)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         p = os.path.join(outdir, "efficiency_vs_gpus.png")
