@@ -14,6 +14,7 @@ import torch
 
 from . import backends as bk
 from . import dilated as _dil
+from ._ops import register_attention_autograd
 from ._validation import check_dilation, check_flag, check_qkv, check_scale, check_window
 
 __all__ = ["attention", "dilated_attention"]
@@ -54,24 +55,8 @@ def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, q
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _attention_setup(ctx, inputs, output):
-    # an unused lse must reach backward as None, not as zeros: a zero dlse
-    # would send the backward down the slower dlse-folding path
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
-    ctx.kw = {n: inputs[i] for i, n in enumerate(
-        ("q", "k", "v", "scale", "causal", "window_left", "window_right", "q_offset", "backend")) if i >= 3}
-
-
-def _attention_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:  # only lse was used
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, dlse, **ctx.kw)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup)
+register_attention_autograd(_attention_fwd, _attention_bwd,
+                            ("scale", "causal", "window_left", "window_right", "q_offset", "backend"))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -155,24 +140,8 @@ def _(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, cau
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _dilated_setup(ctx, inputs, output):
-    # an unused lse must reach backward as None, not as zeros: a zero dlse
-    # would send the backward down the slower dlse-folding path
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
-    ctx.kw = dict(segment_lengths=inputs[3], dilation_rates=inputs[4], scale=inputs[5], causal=inputs[6],
-                  backend=inputs[7])
-
-
-def _dilated_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:  # only lse was used
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _dilated_bwd(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.kw)
-    return dq, dk, dv, None, None, None, None, None
-
-
-_dilated_fwd.register_autograd(_dilated_backward, setup_context=_dilated_setup)
+register_attention_autograd(_dilated_fwd, _dilated_bwd,
+                            ("segment_lengths", "dilation_rates", "scale", "causal", "backend"))
 
 
 def _use_fused(q, k, backend: str) -> bool:

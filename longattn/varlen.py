@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from . import backends as bk
+from ._ops import register_attention_autograd
 from ._validation import check_flag, check_qkv, check_scale, check_window
 
 
@@ -137,21 +138,9 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, scale, causal, wind
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup(ctx, inputs, output):
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3], output[0], output[1])
-    ctx.kw = dict(zip(("max_seqlen", "scale", "causal", "window_left", "window_right", "backend"), inputs[4:]))
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, cu, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _varlen_bwd(dout.contiguous(), q, k, v, out, lse, dlse, cu, **ctx.kw)
-    return dq, dk, dv, None, None, None, None, None, None, None
-
-
-_varlen_fwd.register_autograd(_backward, setup_context=_setup)
+register_attention_autograd(_varlen_fwd, _varlen_bwd,
+                            ("max_seqlen", "scale", "causal", "window_left", "window_right", "backend"),
+                            extra_tensors=1)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .. import backends as bk
 from .. import dilated as _dil
 from .._merge import merge_
+from .._ops import register_attention_autograd
 from .._validation import check_dilation, check_flag, check_qkv, check_scale
 from . import _comm
 from .ring import num_steps, plan, ring_backward, ring_forward
@@ -189,21 +190,8 @@ def _(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, cau
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup(ctx, inputs, output):
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
-    ctx.kw = dict(zip(("segment_lengths", "dilation_rates", "scale", "causal", "group_name", "backend"), inputs[3:]))
-
-
-def _bwd(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _dist_bwd(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.kw)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_dist_fwd.register_autograd(_bwd, setup_context=_setup)
+register_attention_autograd(_dist_fwd, _dist_bwd, ("segment_lengths", "dilation_rates", "scale", "causal",
+                                                  "group_name", "backend"))
 
 
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False, softmax_scale=None,

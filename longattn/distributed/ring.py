@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .._merge import merge_
+from .._ops import register_attention_autograd
 from .._validation import check_flag, check_qkv, check_scale, check_window
 from . import _comm
 from .layout import check_layout, chunks
@@ -222,24 +223,8 @@ def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, l
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup(ctx, inputs, output):
-    # an unused lse must reach backward as None, not as zeros: a zero dlse
-    # would send the backward down the slower dlse-folding path
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1])
-    names = ("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend")
-    ctx.kw = dict(zip(names, inputs[3:]))
-
-
-def _bwd(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:  # only lse was used
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _ring_bwd(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.kw)
-    return dq, dk, dv, None, None, None, None, None, None, None
-
-
-_ring_fwd.register_autograd(_bwd, setup_context=_setup)
+register_attention_autograd(_ring_fwd, _ring_bwd, ("scale", "causal", "window_left", "window_right", "layout",
+                                                  "group_name", "backend"))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
+from .._ops import register_attention_autograd
 from .._validation import check_flag, check_qkv, check_scale, check_window
 from ..varlen import check_cu_seqlens
 from . import _comm
@@ -223,22 +224,9 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens, scale, causal, window_left, win
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup(ctx, inputs, output):
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3], output[0], output[1])
-    ctx.kw = dict(zip(("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend"),
-                      inputs[4:]))
-
-
-def _bwd(ctx, dout, dlse):
-    q, k, v, cu, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _ring_varlen_bwd(dout.contiguous(), q, k, v, out, lse, dlse, cu, **ctx.kw)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
-
-
-_ring_varlen_fwd.register_autograd(_bwd, setup_context=_setup)
+register_attention_autograd(_ring_varlen_fwd, _ring_varlen_bwd,
+                            ("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend"),
+                            extra_tensors=1)
 
 
 def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,

@@ -1,0 +1,38 @@
+"""Autograd wiring shared by every attention custom op.
+
+Each op is a pair of ``torch.library`` custom ops: ``fwd(q, k, v, *tensors,
+*args) -> (out, lse)`` and ``bwd(dout, q, k, v, out, lse, dlse, *tensors,
+**args) -> (dq, dk, dv)``, the backward taking the op's non-tensor arguments
+by name (so a signature change cannot silently shift them).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def register_attention_autograd(fwd_op, bwd_op, arg_names: Sequence[str], extra_tensors: int = 0) -> None:
+    """Attach ``bwd_op`` as the backward of ``fwd_op``.
+
+    ``arg_names`` are the names of fwd_op's inputs after q, k, v and the
+    ``extra_tensors`` tensor inputs (e.g. cu_seqlens), in order.
+    """
+    n_tensors = 3 + extra_tensors
+
+    def setup(ctx, inputs, output):
+        # An unused lse must reach backward as None, not as zeros: a zero dlse
+        # would send the backward down the slower dlse-folding path.
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs[:n_tensors], output[0], output[1])
+        ctx.kw = dict(zip(arg_names, inputs[n_tensors:]))
+        ctx.n_inputs = len(inputs)
+
+    def backward(ctx, dout, dlse):
+        *ins, out, lse = ctx.saved_tensors
+        if dout is None:  # only lse was used
+            dout = torch.zeros_like(out)
+        dq, dk, dv = bwd_op(dout.contiguous(), ins[0], ins[1], ins[2], out, lse, dlse, *ins[3:], **ctx.kw)
+        return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+
+    fwd_op.register_autograd(backward, setup_context=setup)
