@@ -79,3 +79,13 @@ def check_dilation(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
             f"segment_lengths ({len(segment_lengths)} entries) and dilation_rates "
             f"({len(dilation_rates)} entries) must have the same length: one (w, r) per branch")
     return tuple(int(x) for x in segment_lengths), tuple(int(x) for x in dilation_rates)
+
+
+def check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_lse, softmax_scale):
+    """Every argument check of dilated_attention, single-device or over ranks."""
+    check_qkv(q, k, v, same_seqlen=True)
+    segs, rates = check_dilation(segment_lengths, dilation_rates)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    return segs, rates

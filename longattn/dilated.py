@@ -20,7 +20,6 @@ of the whole.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
 
 import torch
 

@@ -15,7 +15,7 @@ import torch
 from . import backends as bk
 from . import dilated as _dil
 from ._ops import register_attention_autograd
-from ._validation import check_dilation, check_flag, check_qkv, check_scale, check_window
+from ._validation import check_dilated_call, check_flag, check_qkv, check_scale, check_window
 
 __all__ = ["attention", "dilated_attention"]
 
@@ -200,11 +200,7 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
         return _dist_dilated(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
                              causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                              backend=backend, group=group)
-    check_qkv(q, k, v, same_seqlen=True)
-    segs, rates = check_dilation(segment_lengths, dilation_rates)
-    check_flag(causal, "causal")
-    check_flag(return_lse, "return_lse")
-    check_scale(softmax_scale)
+    segs, rates = check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_lse, softmax_scale)
     bk.check_backend_name(backend)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     if torch.compiler.is_compiling():

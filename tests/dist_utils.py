@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -36,3 +35,15 @@ def _entry(rank, world, port, fn, args):
 def run_world(fn, world: int, *args) -> None:
     """fn(rank, world, *args) on `world` gloo ranks; must be a module-level function."""
     mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+
+
+def assert_unsharded_close(tag, unshard, out, lse, grads, ref_out, ref_lse, ref_grads, tol, lse_dim=2):
+    """Unshard this rank's output, lse and q/k/v gradients and compare each with
+    the float64 reference by relative norm; the message names what failed."""
+    from reference import rel_err
+
+    errs = dict(out=rel_err(unshard(out.detach()), ref_out), lse=rel_err(unshard(lse.detach(), lse_dim), ref_lse))
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        errs[name] = rel_err(unshard(g), rg)
+    bad = {n: e for n, e in errs.items() if not e < tol}
+    assert not bad, f"{tag}: {bad}"

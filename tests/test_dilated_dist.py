@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import longattn
-from dist_utils import run_world
+from dist_utils import assert_unsharded_close, run_world
 from longattn.distributed import _comm
 from longattn.distributed.dilated import comm_bytes, split_branches
-from reference import dilated_ref, rel_err
+from reference import dilated_ref
 
 TOL = 1e-4
 CASES = {
@@ -39,11 +39,9 @@ def _check(rank, world):
         kw = dict(batch=1, nheads=h, nheads_kv=hkv, headdim=16, itemsize=4, causal=causal)
         assert sent_fwd == comm_bytes(s, world, segs, rates, **kw)
         assert sent_all == comm_bytes(s, world, segs, rates, backward=True, **kw)
-        us = lambda x, dim=1: longattn.unshard(x.detach(), seq_dim=dim)
-        errs = dict(out=rel_err(us(out), ro), lse=rel_err(us(lse, 2), rl), dq=rel_err(us(ql.grad), qr.grad),
-                    dk=rel_err(us(kl.grad), kr.grad), dv=rel_err(us(vl.grad), vr.grad))
-        bad = {n: e for n, e in errs.items() if not e < TOL}
-        assert not bad, f"world={world} causal={causal} h={h}/{hkv}: {bad}"
+        us = lambda x, dim=1: longattn.unshard(x, seq_dim=dim)
+        assert_unsharded_close(f"world={world} causal={causal} h={h}/{hkv}", us, out, lse, (ql.grad, kl.grad, vl.grad),
+                               ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
 
 
 @pytest.mark.dist

@@ -4,7 +4,6 @@ import sys
 import pytest
 import torch
 
-import longattn
 from longattn.nn import DilatedAttention, LongNetLM, MultiheadDilatedAttention
 from reference import dilated_ref, rel_err
 

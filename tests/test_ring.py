@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import run_world
+from dist_utils import assert_unsharded_close, run_world
 from reference import attention_ref, rel_err
 
 TOL = 1e-4
@@ -42,11 +42,9 @@ def _check_configs(rank, world):
         out, lse = longattn.ring_attention(ql, kl, vl, causal=causal, window_size=window, layout=layout,
                                            return_lse=True, backend="math")
         ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl, 2)).sum()).backward()
-        us = lambda x, dim=1: longattn.unshard(x.detach(), layout=layout, seq_dim=dim)
-        errs = dict(out=rel_err(us(out), ro), lse=rel_err(us(lse, 2), rl), dq=rel_err(us(ql.grad), qr.grad),
-                    dk=rel_err(us(kl.grad), kr.grad), dv=rel_err(us(vl.grad), vr.grad))
-        bad = {n: e for n, e in errs.items() if not e < TOL}
-        assert not bad, f"world={world} {layout} causal={causal} window={window} hkv={hkv}: {bad}"
+        us = lambda x, dim=1: longattn.unshard(x, layout=layout, seq_dim=dim)
+        assert_unsharded_close(f"world={world} {layout} causal={causal} window={window} hkv={hkv}", us, out, lse,
+                               (ql.grad, kl.grad, vl.grad), ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
 
 
 @pytest.mark.dist

@@ -6,7 +6,6 @@ With no command: run the default small configs on whatever device is here
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 

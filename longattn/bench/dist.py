@@ -12,10 +12,8 @@ the config seqlen) W = FLOPs ratio, p^2 for dense attention, ~p for dilated.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-import sys
 
 import torch
 import torch.distributed as dist

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import math
 import sys
 from typing import Optional, Sequence
 

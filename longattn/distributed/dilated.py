@@ -26,7 +26,7 @@ from .. import backends as bk
 from .. import dilated as _dil
 from .._merge import merge_
 from .._ops import register_attention_autograd
-from .._validation import check_dilation, check_flag, check_qkv, check_scale
+from .._validation import check_dilated_call
 from . import _comm
 from .ring import num_steps, plan, ring_backward, ring_forward
 
@@ -200,11 +200,7 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False,
     ``(batch, seqlen // world, nheads, headdim)``; equals the single-device
     result on the unsharded sequence. Every segment length must divide the
     shard length or be a multiple of it (see :func:`split_branches`)."""
-    check_qkv(q, k, v, same_seqlen=True)
-    segs, rates = check_dilation(segment_lengths, dilation_rates)
-    check_flag(causal, "causal")
-    check_flag(return_lse, "return_lse")
-    check_scale(softmax_scale)
+    segs, rates = check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_lse, softmax_scale)
     bk.check_backend_name(backend)
     g = _comm.resolve_group(group)
     split_branches(q.shape[1], dist.get_world_size(g), segs, rates)

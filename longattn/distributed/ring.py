@@ -25,7 +25,6 @@ import dataclasses
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import backends as bk
 from .._merge import merge_
@@ -41,7 +40,7 @@ def classify(qs: int, ql: int, ks: int, kl: int, causal: bool, window) -> int:
     """Visibility of keys [ks, ks+kl) from queries [qs, qs+ql) (global positions)."""
     left, right = window
     q_lo, q_hi, k_lo, k_hi = qs, qs + ql - 1, ks, ks + kl - 1
-    none = full = False
+    none = False
     if causal:
         none |= k_lo > q_hi
         full_c = k_hi <= q_lo

@@ -1,7 +1,6 @@
 """Attention modules over the functional ops."""
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
