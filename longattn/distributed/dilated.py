@@ -98,7 +98,8 @@ def _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backen
     if _use_fused(q, k, backend):
         from ..kernels import triton_dilated
 
-        return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale)
+        return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale,
+                                       grad_dtype=torch.float32)
     return _dil.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend)
 
 

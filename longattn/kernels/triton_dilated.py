@@ -1,12 +1,12 @@
 """Fused dilated attention: one kernel launch per branch, no gathered copies.
 
-Forward: branch 1 writes a float32 running output and lse, each later branch
-merges into them in its epilogue (launches are ordered on the stream, and
+Forward: the first branch writes the running output and lse, each later
+branch merges into them in its epilogue (in float32 registers) (launches are ordered on the stream, and
 inside one launch each (row, head) has one owner). Backward: one
 ``delta = rowsum(dO * O) - dlse`` pass over the merged output, then per
-branch a dK/dV and a dQ launch that add into float32 accumulators.
-Extra memory beyond inputs, outputs and grads: the float32 accumulators
-(out, dq, dk, dv) and delta, i.e. O(S * H * D), independent of the branches.
+branch a dK/dV and a dQ launch that add into the gradients in place.
+Extra memory beyond inputs, outputs and grads: the float32 lse and delta,
+(B, H, S) each: the output and gradients are accumulated in place.
 """
 from __future__ import annotations
 
@@ -34,24 +34,32 @@ def _branches(seqlen, segment_lengths, dilation_rates, causal):
 
 
 def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, out_dtype=None):
+    """Branches merge into the output in place. By default the running output
+    is kept in the input dtype (the merge itself runs in float32 registers,
+    one rounding per branch), so the only extra memory is the lse; pass
+    ``out_dtype=torch.float32`` where the result is merged again (dilated
+    attention over ranks)."""
     q, k, v = (ta._contig(t) for t in (q, k, v))
     b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, s, h, d, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     for geo in _branches(s, segment_lengths, dilation_rates, causal):
         ta.launch_forward(q, k, v, out, lse, geo, scale, merge=True)
-    return out.to(out_dtype or q.dtype), lse
+    return out, lse
 
 
-def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale):
+def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, grad_dtype=None):
+    """Each branch adds into dQ/dK/dV in place (float32 registers, stored in
+    ``grad_dtype``, default the input dtype): no float32 copies of the
+    gradients; extra memory is the (B, H, S) float32 delta."""
     q, k, v, dout, out = (ta._contig(t) for t in (q, k, v, dout, out))
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     ta.launch_preprocess(out, dout, None if dlse is None else dlse.float().contiguous(), delta)
     s = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=grad_dtype or q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=grad_dtype or k.dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=grad_dtype or v.dtype, device=q.device)
     for geo in _branches(s, segment_lengths, dilation_rates, causal):
         ta.launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo, scale, accum=True)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
