@@ -1,8 +1,8 @@
 """Fused dilated attention: one kernel launch per branch, no gathered copies.
 
-Forward: the first branch writes the running output and lse, each later
-branch merges into them in its epilogue (in float32 registers) (launches are ordered on the stream, and
-inside one launch each (row, head) has one owner). Backward: one
+Forward: the first branch writes the running output and lse; each later
+branch merges into them in its epilogue, in float32 registers (launches are
+ordered on the stream, and inside one launch each (row, head) has one owner). Backward: one
 ``delta = rowsum(dO * O) - dlse`` pass over the merged output, then per
 branch a dK/dV and a dQ launch that add into the gradients in place.
 Extra memory beyond inputs, outputs and grads: the float32 lse and delta,
