@@ -4,10 +4,11 @@ Tokens of several documents are packed in one ``(total_tokens, nheads,
 headdim)`` tensor; ``cu_seqlens`` (int32, ``(ndocs + 1,)``) holds the
 cumulative document lengths. A token attends only within its document.
 
-Kernels, in order of preference: our Triton kernel (one launch for all
-documents; program z is document z), PyTorch's flash varlen kernel (CUDA,
-fp16/bf16), and a loop over documents through the dense backend layer
-(any device, any dtype; the CPU path).
+Kernels: a loop over documents through the dense backend layer (cuDNN on
+CUDA; any device and dtype), our Triton kernel (one launch for all
+documents; program z is document z) and PyTorch's flash varlen kernel
+(CUDA, fp16/bf16). ``auto`` on CUDA loops for up to 32 documents (measured
+faster) and launches the Triton kernel above that.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def check_cu_seqlens(cu_seqlens, total: int, name: str = "cu_seqlens") -> None:
         raise ValueError(f"{name}[-1] ({vals[-1]}) must equal the number of tokens ({total})")
 
 
-def _kernel(q, k, spec: bk.BlockSpec, backend: str) -> str:
+def _kernel(q, k, spec: bk.BlockSpec, backend: str, cu_len: int) -> str:
     from .kernels import triton_attention as ta
 
     triton_ok = (ta.available(q.device) and q.shape[-1] in ta.SUPPORTED_HEADDIMS and q.dtype != torch.float64
@@ -49,6 +50,11 @@ def _kernel(q, k, spec: bk.BlockSpec, backend: str) -> str:
             raise ValueError("backend='flash' varlen needs CUDA, fp16/bf16 and head dim % 8 == 0")
         return "flash"
     if backend == "auto":
+        # Few documents: one cuDNN call per document beat our Triton varlen kernel 2.4-2.7x in the
+        # forward on H200 (docs/performance.md, run_varlen_h200.json); many short documents: one launch.
+        few_docs = cu_len - 1 <= 32
+        if bk._forced() is None and few_docs and q.device.type == "cuda":
+            return "loop"
         if bk._forced() in (None, "triton") and triton_ok and q.device.type == "cuda":
             return "triton"
         if bk._forced() in (None, "flash") and flash_ok:
@@ -90,7 +96,7 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     spec = bk.BlockSpec(scale, causal, (window_left, window_right))
-    kind = _kernel(q, k, spec, backend)
+    kind = _kernel(q, k, spec, backend, cu_seqlens.numel())
     cu = cu_seqlens.to(q.device)
     if kind == "triton":
         from .kernels import triton_attention as ta
@@ -116,7 +122,7 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = bk.BlockSpec(scale, causal, (window_left, window_right))
-    kind = _kernel(q, k, spec, backend)
+    kind = _kernel(q, k, spec, backend, cu_seqlens.numel())
     cu = cu_seqlens.to(q.device)
     if kind == "triton":
         from .kernels import triton_attention as ta
