@@ -56,4 +56,5 @@ if rank == 0:
     for r in rows:
         print(f"world {world} {r['layout']:10s} causal={r['causal']!s:5s} hkv={r['kv_heads']} ring "
               + " ".join(f"{k}={v:.1e}" for k, v in r["ring_bf16"].items()) + f" | worst/sdpa {r['worst_ratio']:.2f}")
+dist.barrier()
 dist.destroy_process_group()

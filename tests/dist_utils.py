@@ -26,10 +26,12 @@ def _entry(rank, world, port, fn, args):
         torch.cuda.set_device(rank)
         torch.set_default_device(f"cuda:{rank}")
     dist.init_process_group(BACKEND, rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world, *args)
+    # Every rank finishes its traffic before any tears down: a rank that closes
+    # its sockets while a peer's gloo thread still reads them aborts that peer.
+    # (On failure the exception propagates and spawn terminates the others.)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_world(fn, world: int, *args) -> None:

@@ -116,6 +116,7 @@ def main(argv=None):
                        iters=a.iters, json_path=a.json)
         if dist.get_rank() == 0:
             _emit(res, a, format_table(res["results"]))
+        dist.barrier()  # no rank tears down while a peer still talks to it
         dist.destroy_process_group()
         return 0
     if a.cmd == "report":
