@@ -27,5 +27,6 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: tor
     lo = torch.minimum(lse, lse_b)
     new_lse = hi - F.logsigmoid(hi - lo)
     new_lse = torch.where(hi == float("-inf"), hi, new_lse)
-    out.sub_(w_b.unsqueeze(-1) * (out - out_b.float()))
+    # out - w_b * (out - out_b), as one fused pass over the output (lerp)
+    out.lerp_(out_b.to(out.dtype), w_b.unsqueeze(-1))
     lse.copy_(new_lse)
