@@ -125,3 +125,33 @@ def test_plan_skips_blocks():
     # a causal window of 5 over chunks of 8 needs only the diagonal and one previous step
     assert num_steps("contiguous", 4, 8, True, (5, 0)) == 2
     assert num_steps("contiguous", 4, 8, False, (-1, -1)) == 4
+
+
+def _check_bad_inputs(rank, world):
+    q = torch.randn(1, 6, 2, 8)
+    with pytest.raises(ValueError, match="layout"):
+        longattn.ring_attention(q, q, q, layout="striped")
+    with pytest.raises(ValueError, match="even local seqlen"):
+        longattn.ring_attention(q[:, :5], q[:, :5], q[:, :5], layout="zigzag")
+    with pytest.raises(ValueError, match="multiple of nheads"):
+        longattn.ring_attention(q, q[:, :, :1].expand(1, 6, 3, 8).contiguous(), q[:, :, :1].expand(1, 6, 3, 8).contiguous())
+    with pytest.raises(TypeError, match="window_size"):
+        longattn.ring_attention(q, q, q, window_size=3)
+    with pytest.raises(ValueError, match="divisible"):
+        longattn.shard(torch.randn(1, 10, 2, 8), layout="zigzag")  # 10 tokens over 2*3 chunks
+    cu = torch.tensor([0, 5, 30], dtype=torch.int32)  # zigzag over 3 ranks: 2 + 8 = 10 local tokens
+    with pytest.raises(ValueError, match="shard_varlen"):
+        longattn.ring_attention_varlen(q[0], q[0], q[0], cu)  # 6 local tokens given
+    with pytest.raises(ValueError, match="int32"):
+        longattn.ring_attention_varlen(q[0], q[0], q[0], cu.long())
+    with pytest.raises(ValueError, match="divide the shard length"):
+        longattn.dilated_attention(q, q, q, segment_lengths=[4], dilation_rates=[1], group=dist.group.WORLD)
+    # nothing half-started: the group still works
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world
+
+
+@pytest.mark.dist
+def test_bad_inputs_raise_before_any_collective():
+    run_world(_check_bad_inputs, 3)
