@@ -49,3 +49,10 @@ def assert_unsharded_close(tag, unshard, out, lse, grads, ref_out, ref_lse, ref_
         errs[name] = rel_err(unshard(g), rg)
     bad = {n: e for n, e in errs.items() if not e < tol}
     assert not bad, f"{tag}: {bad}"
+
+
+def assert_group_usable(world: int, group=None) -> None:
+    """After an error that must leave no collective half-started: one more all-reduce completes."""
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    assert t.item() == world

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_unsharded_close, run_world
+from dist_utils import assert_group_usable, assert_unsharded_close, run_world
 from reference import attention_ref, rel_err
 
 TOL = 1e-4
@@ -85,10 +85,7 @@ def _check_mismatch_raises(rank, world):
     q = torch.randn(1, 6, 2, 8)
     with pytest.raises(ValueError, match="differ across ranks"):
         longattn.ring_attention(q, q, q, causal=causal)
-    # the group still works afterwards (no half-finished collective)
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    assert t.item() == world
+    assert_group_usable(world)  # no half-finished collective
 
 
 @pytest.mark.dist
@@ -146,10 +143,7 @@ def _check_bad_inputs(rank, world):
         longattn.ring_attention_varlen(q[0], q[0], q[0], cu.long())
     with pytest.raises(ValueError, match="divide the shard length"):
         longattn.dilated_attention(q, q, q, segment_lengths=[4], dilation_rates=[1], group=dist.group.WORLD)
-    # nothing half-started: the group still works
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    assert t.item() == world
+    assert_group_usable(world)  # nothing half-started
 
 
 @pytest.mark.dist
