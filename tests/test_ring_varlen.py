@@ -48,6 +48,23 @@ def test_ring_varlen(world):
     run_world(_check, world)
 
 
+def _check_shard_metadata(rank, world):
+    cu = torch.tensor([0, 3, 40, 41], dtype=torch.int32)
+    x = torch.arange(41)
+    for layout in ("zigzag", "contiguous"):
+        local, meta = longattn.shard_varlen(x, cu, layout=layout)
+        v = meta.valid
+        assert torch.equal(local[v], meta.global_index[v]) and (local[~v] == 0).all()
+        starts = cu[:-1].long()[torch.searchsorted(cu.long(), meta.global_index[v], right=True) - 1]
+        assert torch.equal(meta.position_ids[v], meta.global_index[v] - starts)
+        assert torch.equal(longattn.unshard_varlen(local, cu, layout=layout), x)
+
+
+@pytest.mark.dist
+def test_shard_varlen_metadata():
+    run_world(_check_shard_metadata, 3)
+
+
 def test_plan_skips_cross_document_steps():
     from longattn.distributed.varlen import num_steps_varlen, plan_varlen
 

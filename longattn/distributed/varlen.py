@@ -83,17 +83,12 @@ class VarlenShard:
     local_tokens: int
     global_index: torch.Tensor
     """(local_tokens,) int64: global packed position of each local token, -1 for padding."""
+    position_ids: torch.Tensor
+    """(local_tokens,) int64: position of each local token inside its document (0 for padding), for RoPE."""
 
     @property
     def valid(self) -> torch.Tensor:
         return self.global_index >= 0
-
-    @property
-    def position_ids(self) -> torch.Tensor:
-        """Position of each local token inside its document (0 for padding), for RoPE."""
-        return self._doc_pos
-
-    _doc_pos: torch.Tensor = None
 
 
 def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, layout: str = "zigzag", group=None):
