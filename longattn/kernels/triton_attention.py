@@ -76,11 +76,15 @@ if HAS_TRITON:
             return seg * 0, seg * 0, SQ + seg * 0, SK + seg * 0, 1 + seg * 0
 
     @triton.jit
-    def _key_ranges(i0, MK, Q_OFF, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-        """Key blocks rows [i0, i0+BLOCK_M) may see: [lo, u0) masked, [u0, u1) unmasked, [u1, hi) masked."""
+        """Key blocks rows [i0, i0+BLOCK_M) may see: [lo, u0) masked, [u0, u1) unmasked, [u1, hi) masked.
+
+        A block past the program's last row (documents shorter than
+        max_seqlen, a partial last segment) sees nothing: without this it
+        would run the whole key loop for rows it never stores."""
         lo = i0 * 0
-        hi = MK + i0 * 0
+        hi = tl.where(i0 < MQ, MK, 0)
         flo = i0 * 0
         fhi = MK + i0 * 0
         if CAUSAL:
@@ -101,11 +105,11 @@ if HAS_TRITON:
         return lo, u0, u1, hi
 
     @triton.jit
-    def _query_ranges(n0, MQ, Q_OFF, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _query_ranges(n0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-        """Query blocks that may see keys [n0, n0+BLOCK_N): masked/unmasked split as above."""
+        """Query blocks that may see keys [n0, n0+BLOCK_N): masked/unmasked split as above (none past MK)."""
         lo = n0 * 0
-        hi = MQ + n0 * 0
+        hi = tl.where(n0 < MK, MQ, 0)
         flo = n0 * 0
         fhi = MQ + n0 * 0
         if CAUSAL:  # i + Q_OFF >= n
@@ -176,6 +180,8 @@ if HAS_TRITON:
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     DILATED: tl.constexpr, VARLEN: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
+        if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail wave is short
+            pid_m = tl.num_programs(0) - 1 - pid_m
         pid_bh = tl.program_id(1)
         seg = tl.program_id(2)
         b = (pid_bh // H).to(tl.int64)
@@ -196,7 +202,7 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        lo, u0, u1, hi = _key_ranges(i0, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, lo, u0, offs_m, offs_n,
                                    offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT,
                                    HAS_RIGHT, BLOCK_N, IEEE)
@@ -297,7 +303,7 @@ if HAS_TRITON:
         v = tl.load(V + b * svb + kh * svh + krows[:, None] * svs + offs_d[None, :], mask=kmask, other=0.0)
         dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-        lo, u0, u1, hi = _query_ranges(n0, MQ, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        lo, u0, u1, hi = _query_ranges(n0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
         # the query heads of this kv head's group whose offset class is c
         h_first = kh * G + (c - kh * G % R + R) % R
         for h in range(h_first, kh * G + G, R):
@@ -351,6 +357,8 @@ if HAS_TRITON:
                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
+        if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail wave is short
+            pid_m = tl.num_programs(0) - 1 - pid_m
         pid_bh = tl.program_id(1)
         seg = tl.program_id(2)
         b = (pid_bh // H).to(tl.int64)
@@ -373,7 +381,7 @@ if HAS_TRITON:
         k_ptr = K + b * skb + kh * skh
         v_ptr = V + b * svb + kh * svh
         dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        lo, u0, u1, hi = _key_ranges(i0, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, lo, u0, offs_m, offs_n, offs_d,
                        dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, u0, u1, offs_m, offs_n, offs_d,
