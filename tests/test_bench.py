@@ -88,13 +88,18 @@ def test_dist_under_torchrun(tmp_path):
     path = tmp_path / "d.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "longattn.bench", "dist",
-           "--config", "tiny", "dilated_tiny", "--seqlen", "256", "--heads", "2", "--batch", "1", "--iters", "1",
-           "--warmup", "1", "--json", str(path)]
+           "--config", "tiny", "dilated_tiny", "varlen_tiny", "--seqlen", "1024", "--heads", "2", "--batch", "1",
+           "--iters", "1", "--warmup", "1", "--json", str(path)]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     rows = json.loads(path.read_text())["results"]
-    impls = {r["impl"]: r for r in rows}
+    impls = {r["impl"]: r for r in rows if r["config"] == "tiny"}
     assert impls["ring-zigzag"]["status"] == "ok" and impls["ring-zigzag"]["efficiency_fwd"] > 0
-    assert impls["dilated-over-ranks"]["status"] == "ok"
+    assert [r["status"] for r in rows if r["impl"] == "dilated-over-ranks"] == ["ok"]
+    # packed documents (512 + 128 + 384 tokens): ring_attention_varlen in both layouts beside attention_varlen
+    varlen = {r["impl"]: r for r in rows if r["config"] == "varlen_tiny"}
+    assert set(varlen) == {"single:longattn-varlen", "ring-zigzag", "ring-contiguous"}
+    assert all(r["status"] == "ok" for r in varlen.values())
+    assert varlen["ring-zigzag"]["efficiency_fwd_bwd"] > 0
     assert impls["torch-cp"]["status"] in ("ok", "failed")  # on CPU it may fail; then it says why
     if impls["torch-cp"]["status"] == "failed":
         assert impls["torch-cp"]["reason"]

@@ -2,8 +2,9 @@
 
 Rows: our ring (contiguous and zigzag layouts), torch's context_parallel
 (cuDNN SDPA, its default head-tail balancing for causal, balancing off for
-non-causal which the balancer refuses), and for dilated configs our
-dilated attention over ranks. T_single is measured on rank 0 in the same run
+non-causal which the balancer refuses); for dilated configs our dilated
+attention over ranks; for varlen configs ``ring_attention_varlen`` in both
+layouts against ``attention_varlen`` (auto) on one GPU. T_single is measured on rank 0 in the same run
 (cuDNN through ``longattn.attention``; ``dense-same-length`` impl for dilated).
 Efficiency = W * T_single / (p * T_p) where W is the work of the parallel
 problem over the single-GPU one: 1 in strong scaling (the same global
@@ -23,7 +24,7 @@ import longattn
 from . import measure
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
-from .impls import fwd_flops
+from .impls import fwd_flops, varlen_cu_seqlens
 
 RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
 
@@ -64,10 +65,18 @@ def _ours(cfg, impl, q, k, v, dev, warmup, iters, backward):
         fn = lambda q_, k_, v_: longattn.dilated_attention(q_, k_, v_, segment_lengths=cfg.segment_lengths,
                                                             dilation_rates=cfg.dilation_rates, causal=cfg.causal,
                                                             group=dist.group.WORLD)
+    elif cfg.kind == "varlen":
+        # packed documents: global cu_seqlens over batch*seqlen tokens, each rank's tokens from shard_varlen
+        cu = varlen_cu_seqlens(cfg.with_overrides(seqlen=q.shape[1]), dev)
+        fn = lambda q_, k_, v_: longattn.ring_attention_varlen(q_, k_, v_, cu, layout=layout, causal=cfg.causal,
+                                                                window_size=cfg.window)
     else:
         fn = lambda q_, k_, v_: longattn.ring_attention(q_, k_, v_, causal=cfg.causal, window_size=cfg.window,
                                                          layout=layout)
-    ql, kl, vl = (longattn.shard(x, layout=layout) for x in (q, k, v))
+    if cfg.kind == "varlen":
+        ql, kl, vl = (longattn.shard_varlen(x.flatten(0, 1), cu, layout=layout)[0] for x in (q, k, v))
+    else:
+        ql, kl, vl = (longattn.shard(x, layout=layout) for x in (q, k, v))
     del q, k, v
     fwd = lambda: fn(ql, kl, vl)
     step = None
@@ -150,7 +159,7 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
                     causal=cfg.causal, fwd_flops=fwd_flops(gcfg))
         # T_single on rank 0: the same global problem (weak mode: the per-GPU problem)
         single_cfg = cfg if weak else gcfg
-        single_impl = "longattn-dilated" if cfg.kind == "dilated" else "longattn"
+        single_impl = {"dilated": "longattn-dilated", "varlen": "longattn-varlen"}.get(cfg.kind, "longattn")
         single = None
         if rank == 0:
             _log(f"[dist] {cfg.name} single-GPU {single_impl} S={single_cfg.seqlen}")
@@ -164,10 +173,13 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
         t1b = _from_rank0(single.get("fwd_bwd_ms") if single else None)
         # work of the parallel problem over the single-GPU one (1 in strong scaling)
         work = fwd_flops(gcfg) / fwd_flops(single_cfg)
-        names = impls or (("ring-contiguous",) if cfg.kind == "dilated" else RING_IMPLS)
+        names = impls or {"dilated": ("ring-contiguous",), "varlen": ("ring-zigzag", "ring-contiguous")}.get(
+            cfg.kind, RING_IMPLS)
         for impl in names:
             if cfg.kind == "dilated" and impl != "ring-contiguous":
                 continue
+            if cfg.kind == "varlen" and impl == "torch-cp":
+                continue  # torch's context_parallel has no packed-document (varlen) mode
             row = dict(base, impl="dilated-over-ranks" if cfg.kind == "dilated" else impl, status="ok")
             q, k, v = _inputs(cfg, s_global, dev, dt)
             err = None

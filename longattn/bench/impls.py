@@ -187,16 +187,25 @@ def _dense_ours(backend: str):
     return build, reason
 
 
-def _varlen_build(cfg: Config, dev):
-    cu = varlen_cu_seqlens(cfg, dev)
-    maxlen = int((cu[1:] - cu[:-1]).max())
+def _varlen(backend: str):
+    def build(cfg: Config, dev):
+        cu = varlen_cu_seqlens(cfg, dev)
+        maxlen = int((cu[1:] - cu[:-1]).max())
 
-    def fn(q, k, v):
-        b, s, h, d = q.shape
-        o = longattn.attention_varlen(q.reshape(b * s, h, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d), cu,
-                                      max_seqlen=maxlen, causal=cfg.causal)
-        return o.view(b, s, h, d)
-    return fn
+        def fn(q, k, v):
+            b, s, h, d = q.shape
+            o = longattn.attention_varlen(q.reshape(b * s, h, d), k.reshape(b * s, -1, d), v.reshape(b * s, -1, d),
+                                          cu, max_seqlen=maxlen, causal=cfg.causal, backend=backend)
+            return o.view(b, s, h, d)
+        return fn
+
+    def reason(cfg: Config, dev):
+        if backend == "triton" and dev.type != "cuda":
+            return "the Triton varlen kernel is timed on CUDA only (the CPU interpreter is for tests)"
+        if backend == "flash" and dev.type != "cuda":
+            return "flash varlen needs CUDA"
+        return None
+    return build, reason
 
 
 def _sdpa_per_doc_build(cfg: Config, dev):
@@ -266,7 +275,9 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
                                            " as S^2: see the 128K row)" if c.seqlen * c.batch > 262144 else None),
         "dense attention at the same length (auto: cuDNN on CUDA)",
         comparable=False),
-    Impl("longattn-varlen", ("varlen",), _varlen_build, lambda c, d: None, "longattn.attention_varlen"),
+    Impl("longattn-varlen", ("varlen",), *_varlen("auto"), note="longattn.attention_varlen, backend auto"),
+    Impl("longattn-varlen-triton", ("varlen",), *_varlen("triton"), note="attention_varlen, our Triton varlen kernel"),
+    Impl("longattn-varlen-flash", ("varlen",), *_varlen("flash"), note="attention_varlen, PyTorch's flash varlen"),
     Impl("sdpa-per-doc", ("varlen",), _sdpa_per_doc_build, lambda c, d: None, "SDPA called once per document"),
 )}
 
