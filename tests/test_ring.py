@@ -149,3 +149,23 @@ def _check_bad_inputs(rank, world):
 @pytest.mark.dist
 def test_bad_inputs_raise_before_any_collective():
     run_world(_check_bad_inputs, 3)
+
+
+def test_accumulate_into_empty_buffer_handles_partial_overlaps():
+    """The backward's float32 accumulators start as torch.empty: every row must
+    end as the plain sum of the calls that touched it, 0 where none did, for
+    call ranges that repeat, nest or partly overlap (window plans mix whole-shard
+    and chunk ranges)."""
+    from longattn.distributed.ring import _accumulate, _zero_unwritten
+
+    n = 12
+    calls = [(2, 6), (2, 6), (4, 10), (0, 3), (8, 9)]
+    acc = torch.full((1, n, 1), float("nan"))
+    want = torch.zeros(1, n, 1)
+    written = []
+    for i, (a, b) in enumerate(calls):
+        x = torch.full((1, b - a, 1), float(i + 1))
+        _accumulate(acc, written, a, b, x)
+        want[:, a:b] += x
+    _zero_unwritten(acc, written)
+    torch.testing.assert_close(acc, want, rtol=0, atol=0)

@@ -112,6 +112,39 @@ def num_steps(layout: str, world: int, local_len: int, causal: bool, window) -> 
     return last + 1
 
 
+def _gaps(written: list, a: int, b: int) -> list:
+    """Sub-ranges of rows [a, b) that no range in ``written`` covers."""
+    gaps, pos = [], a
+    for lo, hi in sorted(written):
+        if hi <= pos or lo >= b:
+            continue
+        if lo > pos:
+            gaps.append((pos, lo))
+        pos = max(pos, hi)
+    if pos < b:
+        gaps.append((pos, b))
+    return gaps
+
+
+def _accumulate(acc: torch.Tensor, written: list, a: int, b: int, x: torch.Tensor) -> None:
+    """acc[:, a:b] += x on an accumulator made with ``torch.empty``: rows no
+    earlier call wrote (``written``, updated here) are copied, not added, so
+    the buffer needs no zero-fill pass."""
+    gaps = _gaps(written, a, b)
+    if gaps == [(a, b)]:
+        acc[:, a:b] = x
+    else:
+        for lo, hi in gaps:
+            acc[:, lo:hi] = 0
+        acc[:, a:b] += x
+    written.append((a, b))
+
+
+def _zero_unwritten(acc: torch.Tensor, written: list) -> None:
+    for lo, hi in _gaps(written, 0, acc.shape[1]):
+        acc[:, lo:hi] = 0
+
+
 def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     """Generic ring forward: ``plan_fn(src)`` lists the dense calls this rank
     makes on the K/V block that started at ring position ``src``."""
@@ -140,31 +173,42 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
     """Generic ring backward; a second exchange object carries dK/dV."""
     dkv_comm = _comm.P2P(comm.group, comm.peers)
     rank = comm.rank
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dq_written = []
     kc, vc = k, v
     dk_acc = dv_acc = None
     for s in range(steps):
         if s + 1 < steps:
             comm.ring([kc, vc])
-        dk_blk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv_blk = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        grads = []
         for c in plan_fn((rank - s) % comm.size):
             qs = slice(c.q0, c.q1)
             dqb, dkb, dvb = bk.block_backward(
                 dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous(),
                 c.spec, backend, dlse=None if dlse is None else dlse[:, :, qs].contiguous())
-            dq[:, qs] += dqb
-            dk_blk[:, c.k0:c.k1] += dkb
-            dv_blk[:, c.k0:c.k1] += dvb
+            _accumulate(dq, dq_written, c.q0, c.q1, dqb)
+            grads.append((c.k0, c.k1, dkb, dvb))
+        # This step's dK/dV go straight into the float32 accumulators that arrived
+        # from the previous rank (no per-step staging buffer: one pass each).
         if s > 0:
             dk_acc, dv_acc = dkv_comm.wait()
-            dk_acc += dk_blk
-            dv_acc += dv_blk
+            written = [(0, k.shape[1])]
         else:
-            dk_acc, dv_acc = dk_blk, dv_blk
+            dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+            dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+            written = []
+        kv_written = list(written)
+        for k0, k1, dkb, dvb in grads:
+            _accumulate(dk_acc, written, k0, k1, dkb)
+            _accumulate(dv_acc, kv_written, k0, k1, dvb)
+        del grads
+        if s == 0:
+            _zero_unwritten(dk_acc, written)
+            _zero_unwritten(dv_acc, kv_written)
         if s + 1 < steps:
             dkv_comm.ring([dk_acc, dv_acc])
             kc, vc = comm.wait()
+    _zero_unwritten(dq, dq_written)
     # The accumulators now hold the gradient of ring position (rank - steps + 1)'s K/V: send them home.
     # This last hop is not overlapped with compute; the sums are final, so it
     # travels in the input dtype (the cast happens anyway), half of float32's bytes.
