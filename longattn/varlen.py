@@ -7,8 +7,8 @@ cumulative document lengths. A token attends only within its document.
 Kernels: a loop over documents through the dense backend layer (cuDNN on
 CUDA; any device and dtype), our Triton kernel (one launch for all
 documents; program z is document z) and PyTorch's flash varlen kernel
-(CUDA, fp16/bf16). ``auto`` on CUDA loops for up to 32 documents (measured
-faster) and launches the Triton kernel above that.
+(CUDA, fp16/bf16). ``auto`` on CUDA loops over long documents (mean length
+>= 4096, measured fastest there), else takes flash varlen, else Triton.
 """
 from __future__ import annotations
 
@@ -50,15 +50,16 @@ def _kernel(q, k, spec: bk.BlockSpec, backend: str, cu_len: int) -> str:
             raise ValueError("backend='flash' varlen needs CUDA, fp16/bf16 and head dim % 8 == 0")
         return "flash"
     if backend == "auto":
-        # Few documents: one cuDNN call per document beat our Triton varlen kernel 2.4-2.7x in the
-        # forward on H200 (docs/performance.md, run_varlen_h200.json); many short documents: one launch.
-        few_docs = cu_len - 1 <= 32
-        if bk._forced() is None and few_docs and q.device.type == "cuda":
+        # Measured on H200 (docs/performance.md, run_varlen_h200_e12dbda.json): long documents
+        # (mean >= 4K tokens) run fastest as one cuDNN call each; shorter ones through PyTorch's
+        # flash varlen kernel (its backward beat our Triton varlen 1.6x); Triton where flash cannot run.
+        long_docs = q.shape[0] >= 4096 * max(cu_len - 1, 1)
+        if bk._forced() is None and long_docs and q.device.type == "cuda":
             return "loop"
-        if bk._forced() in (None, "triton") and triton_ok and q.device.type == "cuda":
-            return "triton"
         if bk._forced() in (None, "flash") and flash_ok:
             return "flash"
+        if bk._forced() in (None, "triton") and triton_ok and q.device.type == "cuda":
+            return "triton"
         if bk._forced() == "triton" and triton_ok:
             return "triton"
     return "loop"
