@@ -35,12 +35,16 @@ p.add_argument("--heads", type=int, default=16)
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--iters", type=int, default=5)
 p.add_argument("--tag", default="default")
+p.add_argument("--high-priority", action="store_true", help="NCCL streams at high priority (pg_options)")
 args = p.parse_args()
 
 GPU = torch.cuda.is_available()  # CPU + gloo runs the same script as a smoke test
 if GPU:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-dist.init_process_group("nccl" if GPU else "gloo")
+pg_options = None
+if GPU and args.high_priority:
+    pg_options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+dist.init_process_group("nccl" if GPU else "gloo", pg_options=pg_options)
 rank, world = dist.get_rank(), dist.get_world_size()
 dev = torch.device("cuda", torch.cuda.current_device()) if GPU else torch.device("cpu")
 DT = torch.bfloat16 if GPU else torch.float32
@@ -91,7 +95,7 @@ for S in args.seqlens:
     for causal, layout in ((False, "contiguous"), (True, "zigzag")):
         g = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(1, S, H, D, device=dev, dtype=DT, generator=g) for _ in range(3))
-        res = dict(tag=args.tag, world=world, seqlen=S, heads=H, causal=causal, layout=layout,
+        res = dict(tag=args.tag, high_priority_streams=args.high_priority, world=world, seqlen=S, heads=H, causal=causal, layout=layout,
                    device=torch.cuda.get_device_name(dev) if GPU else "cpu", torch=torch.__version__,
                    commit=os.environ.get("LONGATTN_COMMIT", "unknown"),
                    nccl_env={k_: v_ for k_, v_ in os.environ.items() if k_.startswith("NCCL_")})

@@ -24,6 +24,11 @@ CONFIGS = [
 
 
 def _check_configs(rank, world):
+    # Split the own block at these tiny sizes too, so the held-back piece (computed
+    # during the final dK/dV hop) is checked in every unwindowed config.
+    from longattn.distributed import ring
+
+    ring.HOLD_BACK_MIN_ROWS = 2
     for layout, causal, window, hkv in CONFIGS:
         torch.manual_seed(1234)
         b, s, h, d = 2, 2 * world * 5, 4, 16
@@ -169,3 +174,21 @@ def test_accumulate_into_empty_buffer_handles_partial_overlaps():
         want[:, a:b] += x
     _zero_unwritten(acc, written)
     torch.testing.assert_close(acc, want, rtol=0, atol=0)
+
+
+def test_hold_back_splits_the_own_block():
+    """The piece held back for the final hop: first half of the largest call's
+    rows, keys trimmed to what causal rows see, masks re-offset; windows untouched."""
+    from longattn import backends as bk
+    from longattn.distributed.ring import Call, _hold_back, plan
+
+    calls = plan("zigzag", 0, 0, 2, 4096, True, (-1, -1), 1.0)  # the causal diagonal over chunks 0 and 3
+    early, late = _hold_back(calls)
+    assert early == [Call(2048, 4096, 0, 4096, bk.BlockSpec(1.0, True, (-1, -1), 2048))]
+    assert late == [Call(0, 2048, 0, 2048, bk.BlockSpec(1.0, True))]
+    full = [Call(0, 4096, 0, 4096, bk.BlockSpec(1.0))]
+    assert _hold_back(full) == ([Call(2048, 4096, 0, 4096, bk.BlockSpec(1.0))],
+                                [Call(0, 2048, 0, 4096, bk.BlockSpec(1.0))])
+    windowed = [Call(0, 4096, 0, 4096, bk.BlockSpec(1.0, True, (64, 0)))]
+    assert _hold_back(windowed) == (windowed, [])
+    assert _hold_back(plan("zigzag", 0, 0, 2, 512, True, (-1, -1), 1.0))[1] == []  # too small to split

@@ -169,53 +169,109 @@ def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     return out.to(q.dtype), lse
 
 
+# Own-block work held back to the end of the backward, to cover the final dK/dV hop;
+# calls with fewer query rows are not split (two launches cost more than the hop).
+HOLD_BACK_MIN_ROWS = 2048
+
+
+def _hold_back(calls: list) -> tuple[list, list]:
+    """Split step 0's calls (this rank's own K/V block) into the work done
+    first and a piece done last, while the accumulated dK/dV of the other
+    blocks travel their final hop home (the own block's gradient comes back
+    on that hop, so the piece's dK/dV are added after it).
+
+    The largest call gives up its first half of query rows (for a causal
+    diagonal that is a quarter of its pairs, with the keys trimmed to those
+    rows can see). Windowed calls are left whole.
+    """
+    if not calls:
+        return calls, []
+    big = max(calls, key=lambda c: (c.q1 - c.q0) * (c.k1 - c.k0))
+    n, sp = big.q1 - big.q0, big.spec
+    if n < HOLD_BACK_MIN_ROWS or sp.has_window:
+        return calls, []
+    m = big.q0 + n // 2
+    early = Call(m, big.q1, big.k0, big.k1,
+                 dataclasses.replace(sp, q_offset=sp.q_offset + (m - big.q0)) if sp.causal else sp)
+    k1 = min(big.k1, big.k0 + (m - big.q0) + sp.q_offset) if sp.causal else big.k1
+    late = [Call(big.q0, m, big.k0, k1, sp)] if k1 > big.k0 else []
+    return [early if c is big else c for c in calls], late
+
+
 def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps: int, backend: str):
-    """Generic ring backward; a second exchange object carries dK/dV."""
+    """Generic ring backward; a second exchange object carries dK/dV.
+
+    Step s works on the K/V block that started on ring position rank - s with
+    that block's float32 dK/dV accumulator, then passes both on. After the last
+    step each accumulator is one hop from its owner; part of the own block's
+    work (``_hold_back``) runs during that hop.
+    """
     dkv_comm = _comm.P2P(comm.group, comm.peers)
     rank = comm.rank
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dq_written = []
-    kc, vc = k, v
-    dk_acc = dv_acc = None
-    for s in range(steps):
-        if s + 1 < steps:
-            comm.ring([kc, vc])
+
+    def run(calls, kc, vc):
         grads = []
-        for c in plan_fn((rank - s) % comm.size):
+        for c in calls:
             qs = slice(c.q0, c.q1)
             dqb, dkb, dvb = bk.block_backward(
                 dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous(),
                 c.spec, backend, dlse=None if dlse is None else dlse[:, :, qs].contiguous())
             _accumulate(dq, dq_written, c.q0, c.q1, dqb)
             grads.append((c.k0, c.k1, dkb, dvb))
-        # This step's dK/dV go straight into the float32 accumulators that arrived
-        # from the previous rank (no per-step staging buffer: one pass each).
-        if s > 0:
-            dk_acc, dv_acc = dkv_comm.wait()
-            written = [(0, k.shape[1])]
-        else:
-            dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-            dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
-            written = []
+        return grads
+
+    def add(dk_acc, dv_acc, written, grads):
         kv_written = list(written)
         for k0, k1, dkb, dvb in grads:
             _accumulate(dk_acc, written, k0, k1, dkb)
             _accumulate(dv_acc, kv_written, k0, k1, dvb)
-        del grads
-        if s == 0:
+
+    kc, vc = k, v
+    dk_acc = dv_acc = None
+    late = []
+    for s in range(steps):
+        if s + 1 < steps:
+            comm.ring([kc, vc])
+        calls = list(plan_fn((rank - s) % comm.size))
+        if s == 0 and steps > 1:
+            calls, late = _hold_back(calls)
+        grads = run(calls, kc, vc)
+        # This step's dK/dV go straight into the float32 accumulators that arrived
+        # from the previous rank (no per-step staging buffer: one pass each).
+        if s > 0:
+            dk_acc, dv_acc = dkv_comm.wait()
+            add(dk_acc, dv_acc, [(0, k.shape[1])], grads)
+        else:
+            dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+            dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+            written = []
+            add(dk_acc, dv_acc, written, grads)
             _zero_unwritten(dk_acc, written)
-            _zero_unwritten(dv_acc, kv_written)
+            _zero_unwritten(dv_acc, written)
+        del grads
         if s + 1 < steps:
             dkv_comm.ring([dk_acc, dv_acc])
             kc, vc = comm.wait()
-    _zero_unwritten(dq, dq_written)
-    # The accumulators now hold the gradient of ring position (rank - steps + 1)'s K/V: send them home.
-    # This last hop is not overlapped with compute; the sums are final, so it
-    # travels in the input dtype (the cast happens anyway), half of float32's bytes.
-    dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     if steps > 1:
-        dkv_comm.start([dk_out, dv_out], send_to=rank - steps + 1, recv_from=rank + steps - 1)
-        dk_out, dv_out = dkv_comm.wait()
+        # The accumulators hold the gradient of ring position (rank - steps + 1)'s K/V: send them home.
+        home, back = rank - steps + 1, rank + steps - 1
+        if late:
+            # float32 on the wire: the held-back piece is added after the hop, before the one rounding
+            dkv_comm.start([dk_acc, dv_acc], send_to=home, recv_from=back)
+            grads = run(late, k, v)
+            dk_acc, dv_acc = dkv_comm.wait()
+            add(dk_acc, dv_acc, [(0, k.shape[1])], grads)
+            del grads
+            dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        else:
+            # nothing to overlap: the sums are final, so the hop carries the input dtype (half the bytes)
+            dkv_comm.start([dk_acc.to(k.dtype), dv_acc.to(v.dtype)], send_to=home, recv_from=back)
+            dk_out, dv_out = dkv_comm.wait()
+    else:
+        dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    _zero_unwritten(dq, dq_written)
     return dq.to(q.dtype), dk_out, dv_out
 
 
