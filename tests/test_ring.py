@@ -177,18 +177,20 @@ def test_accumulate_into_empty_buffer_handles_partial_overlaps():
 
 
 def test_hold_back_splits_the_own_block():
-    """The piece held back for the final hop: first half of the largest call's
-    rows, keys trimmed to what causal rows see, masks re-offset; windows untouched."""
+    """The piece held back for the final hop: the first half of the largest
+    call's rows; every piece keeps a mask cuDNN runs (none, or causal on a
+    square); windows and offset causal blocks stay whole."""
     from longattn import backends as bk
     from longattn.distributed.ring import Call, _hold_back, plan
 
+    full, causal = bk.BlockSpec(1.0), bk.BlockSpec(1.0, True)
     calls = plan("zigzag", 0, 0, 2, 4096, True, (-1, -1), 1.0)  # the causal diagonal over chunks 0 and 3
-    early, late = _hold_back(calls)
-    assert early == [Call(2048, 4096, 0, 4096, bk.BlockSpec(1.0, True, (-1, -1), 2048))]
-    assert late == [Call(0, 2048, 0, 2048, bk.BlockSpec(1.0, True))]
-    full = [Call(0, 4096, 0, 4096, bk.BlockSpec(1.0))]
-    assert _hold_back(full) == ([Call(2048, 4096, 0, 4096, bk.BlockSpec(1.0))],
-                                [Call(0, 2048, 0, 4096, bk.BlockSpec(1.0))])
-    windowed = [Call(0, 4096, 0, 4096, bk.BlockSpec(1.0, True, (64, 0)))]
-    assert _hold_back(windowed) == (windowed, [])
-    assert _hold_back(plan("zigzag", 0, 0, 2, 512, True, (-1, -1), 1.0))[1] == []  # too small to split
+    assert calls == [Call(0, 4096, 0, 4096, causal)]
+    assert _hold_back(calls) == ([Call(2048, 4096, 0, 2048, full), Call(2048, 4096, 2048, 4096, causal)],
+                                 [Call(0, 2048, 0, 2048, causal)])
+    assert _hold_back([Call(0, 4096, 0, 4096, full)]) == ([Call(2048, 4096, 0, 4096, full)],
+                                                          [Call(0, 2048, 0, 4096, full)])
+    for whole in ([Call(0, 4096, 0, 4096, bk.BlockSpec(1.0, True, (64, 0)))],
+                  [Call(0, 4096, 0, 8192, bk.BlockSpec(1.0, True, (-1, -1), 4096))],
+                  plan("zigzag", 0, 0, 2, 512, True, (-1, -1), 1.0)):  # too small to split
+        assert _hold_back(whole) == (whole, [])

@@ -180,22 +180,31 @@ def _hold_back(calls: list) -> tuple[list, list]:
     blocks travel their final hop home (the own block's gradient comes back
     on that hop, so the piece's dK/dV are added after it).
 
-    The largest call gives up its first half of query rows (for a causal
-    diagonal that is a quarter of its pairs, with the keys trimmed to those
-    rows can see). Windowed calls are left whole.
+    The largest call gives up its first half of query rows. Every piece keeps
+    a mask cuDNN runs (no mask, or causal on a square block): a causal
+    diagonal of n rows becomes the causal square [0, n/2) held back, then the
+    full block rows [n/2, n) x keys [0, n/2) and the causal square [n/2, n)
+    first. Other masked calls (windows, offset causal blocks) stay whole.
     """
     if not calls:
         return calls, []
     big = max(calls, key=lambda c: (c.q1 - c.q0) * (c.k1 - c.k0))
     n, sp = big.q1 - big.q0, big.spec
-    if n < HOLD_BACK_MIN_ROWS or sp.has_window:
+    if n < HOLD_BACK_MIN_ROWS:
         return calls, []
-    m = big.q0 + n // 2
-    early = Call(m, big.q1, big.k0, big.k1,
-                 dataclasses.replace(sp, q_offset=sp.q_offset + (m - big.q0)) if sp.causal else sp)
-    k1 = min(big.k1, big.k0 + (m - big.q0) + sp.q_offset) if sp.causal else big.k1
-    late = [Call(big.q0, m, big.k0, k1, sp)] if k1 > big.k0 else []
-    return [early if c is big else c for c in calls], late
+    h = n // 2
+    if not sp.masked:
+        early = [Call(big.q0 + h, big.q1, big.k0, big.k1, sp)]
+        late = [Call(big.q0, big.q0 + h, big.k0, big.k1, sp)]
+    elif sp.causal and not sp.has_window and sp.q_offset == 0 and big.k1 - big.k0 == n:
+        full = bk.BlockSpec(sp.scale)
+        early = [Call(big.q0 + h, big.q1, big.k0, big.k0 + h, full),
+                 Call(big.q0 + h, big.q1, big.k0 + h, big.k1, sp)]
+        late = [Call(big.q0, big.q0 + h, big.k0, big.k0 + h, sp)]
+    else:
+        return calls, []
+    i = calls.index(big)
+    return calls[:i] + early + calls[i + 1:], late
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps: int, backend: str):
