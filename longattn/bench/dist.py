@@ -59,8 +59,9 @@ def _time_pair(fwd, step, dev, warmup, iters):
     return tf, tb, mf, mb
 
 
-def _ours(cfg, impl, q, k, v, dev, warmup, iters, backward):
+def _ours(cfg, impl, make, dev, warmup, iters, backward):
     layout = "zigzag" if impl == "ring-zigzag" else "contiguous"
+    q, k, v = make()
     if cfg.kind == "dilated":
         fn = lambda q_, k_, v_: longattn.dilated_attention(q_, k_, v_, segment_lengths=cfg.segment_lengths,
                                                             dilation_rates=cfg.dilation_rates, causal=cfg.causal,
@@ -90,7 +91,7 @@ def _ours(cfg, impl, q, k, v, dev, warmup, iters, backward):
     return _time_pair(fwd, step, dev, warmup, iters)
 
 
-def _torch_cp(cfg, q, k, v, dev, warmup, iters, backward):
+def _torch_cp(cfg, make, dev, warmup, iters, backward):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -103,6 +104,7 @@ def _torch_cp(cfg, q, k, v, dev, warmup, iters, backward):
         raise NotImplementedError("torch context_parallel has no sliding window")
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     g = cfg.heads // cfg.hkv
+    q, k, v = make()
     # torch's CP has no GQA: K/V are repeated to all query heads
     qb = q.transpose(1, 2).contiguous()
     kb = k.repeat_interleave(g, 2).transpose(1, 2).contiguous()
@@ -164,6 +166,9 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
         if rank == 0:
             _log(f"[dist] {cfg.name} single-GPU {single_impl} S={single_cfg.seqlen}")
             single = bench_impl(single_cfg, single_impl, dev, dt, backward=backward, warmup=warmup, iters=iters)
+            gc.collect()
+            if dev.type == "cuda":  # the single-GPU run's cached blocks are not the ring's to keep
+                torch.cuda.empty_cache()
             results.append(dict(base, impl=f"single:{single_impl}", world_size=1, seqlen=single_cfg.seqlen,
                                 status=single["status"], reason=single.get("reason"), fwd_ms=single.get("fwd_ms"),
                                 fwd_bwd_ms=single.get("fwd_bwd_ms"),
@@ -181,17 +186,18 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
             if cfg.kind == "varlen" and impl == "torch-cp":
                 continue  # torch's context_parallel has no packed-document (varlen) mode
             row = dict(base, impl="dilated-over-ranks" if cfg.kind == "dilated" else impl, status="ok")
-            q, k, v = _inputs(cfg, s_global, dev, dt)
+            # The global inputs are made inside the timed helpers and dropped once
+            # sharded: held here they would sit beside the run (3 x 16 GiB at 4M tokens).
+            make = lambda: _inputs(cfg, s_global, dev, dt)
             err = None
             try:
                 if impl == "torch-cp":
-                    tf, tb, mf, mb = _torch_cp(cfg, q, k, v, dev, warmup, iters, backward)
+                    tf, tb, mf, mb = _torch_cp(cfg, make, dev, warmup, iters, backward)
                 else:
-                    tf, tb, mf, mb = _ours(cfg, impl, q, k, v, dev, warmup, iters, backward)
+                    tf, tb, mf, mb = _ours(cfg, impl, make, dev, warmup, iters, backward)
             except Exception as e:  # noqa: BLE001 - recorded
                 err = _failure(e)
                 tf = tb = mf = mb = None
-            del q, k, v
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
