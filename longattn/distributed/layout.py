@@ -59,7 +59,8 @@ def shard(x: torch.Tensor, *, layout: str = "contiguous", group=None, seq_dim: i
     n = _parts(x.shape[seq_dim], layout, world)
     pieces = x.chunk(n, dim=seq_dim)
     if layout == "contiguous":
-        return pieces[rank].contiguous()
+        # clone: with batch 1 the slice is already contiguous, and a view would keep the full tensor alive
+        return pieces[rank].clone(memory_format=torch.contiguous_format)
     return torch.cat([pieces[rank], pieces[2 * world - 1 - rank]], dim=seq_dim).contiguous()
 
 
