@@ -48,6 +48,84 @@ def test_ring_varlen(world):
     run_world(_check, world)
 
 
+def _emulate_flash_varlen():
+    """Stand-ins for the FlashAttention-2 varlen calls of the fused ring step
+    (CUDA only): the same segments, one math-backend call each, so the fused
+    path's planning, gathers and scatters run in the gloo tests."""
+    from longattn import backends as bk
+    from longattn.distributed import varlen as dv
+
+    def segs(cu_q, cu_k):
+        return zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
+
+    def fwd(self, q, k, v, cu_q, cu_k, mq, mk, causal):
+        out = torch.zeros_like(q)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+        for a, b, c, d in segs(cu_q, cu_k):
+            spec = bk.BlockSpec(self.scale, causal, (-1, -1), (d - c) - (b - a))
+            o, l = bk.block_forward(q[None, a:b], k[None, c:d], v[None, c:d], spec, "math")
+            out[a:b], lse[:, a:b] = o[0], l[0]
+        return out, lse
+
+    def bwd(self, do, q, k, v, o, lse, cu_q, cu_k, mq, mk, causal):
+        dq, dk, dvv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a, b, c, d in segs(cu_q, cu_k):
+            spec = bk.BlockSpec(self.scale, causal, (-1, -1), (d - c) - (b - a))
+            g = bk.block_backward(do[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], o[None, a:b],
+                                  lse[None, :, a:b].contiguous(), spec, "math")
+            dq[a:b], dk[c:d], dvv[c:d] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dvv
+
+    dv._fusable = lambda *a: True
+    dv.FusedVarlenStep._kernel_fwd = fwd
+    dv.FusedVarlenStep._kernel_bwd = bwd
+
+
+def _check_fused(rank, world):
+    _emulate_flash_varlen()
+    from longattn.distributed import varlen as dv
+
+    used = []
+    real_init = dv.FusedVarlenStep.__init__
+
+    def init(self, *a, **kw):
+        used.append(1)
+        real_init(self, *a, **kw)
+    dv.FusedVarlenStep.__init__ = init
+    for lens in DOCS:
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        total = int(cu[-1])
+        for layout in ("zigzag", "contiguous"):
+            for causal, hkv, with_lse in ((True, 2, False), (False, 4, False), (True, 4, True)):
+                torch.manual_seed(3)
+                q, k, v = torch.randn(total, 4, 16), torch.randn(total, hkv, 16), torch.randn(total, hkv, 16)
+                do, dl = torch.randn(total, 4, 16), torch.randn(4, total) * with_lse
+                qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+                ro, rl = varlen_ref(qr, kr, vr, cu, causal, (-1, -1))
+                ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+                sh = lambda x: longattn.shard_varlen(x, cu, layout=layout)[0]
+                ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+                out, lse = longattn.ring_attention_varlen(ql, kl, vl, cu, layout=layout, causal=causal,
+                                                          return_lse=True)
+                loss = (out * sh(do)).sum()
+                if with_lse:  # the lse gradient takes the block-by-block backward
+                    loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl.t()).t()).sum()
+                loss.backward()
+                us = lambda x: longattn.unshard_varlen(x.detach(), cu, layout=layout)
+                errs = dict(out=rel_err(us(out), ro), lse=rel_err(us(lse.t()).t(), rl), dq=rel_err(us(ql.grad), qr.grad),
+                            dk=rel_err(us(kl.grad), kr.grad), dv=rel_err(us(vl.grad), vr.grad))
+                bad = {n: e for n, e in errs.items() if not e < TOL}
+                assert not bad, f"fused: world={world} docs={lens} {layout} causal={causal}: {bad}"
+    assert used, "no step was fused"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_varlen_fused_steps(world):
+    """The one-launch-per-step path (flash varlen on CUDA) with emulated kernels."""
+    run_world(_check_fused, world)
+
+
 def _check_shard_metadata(rank, world):
     cu = torch.tensor([0, 3, 40, 41], dtype=torch.int32)
     x = torch.arange(41)

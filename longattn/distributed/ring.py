@@ -65,6 +65,10 @@ class Call:
     k0: int
     k1: int
     spec: bk.BlockSpec
+    # Optional executor replacing the backend call for this block (forward(q, k, v)
+    # and backward(dout, q, k, v, out, lse, dlse) on the sliced tensors): a step of
+    # many small document blocks fused into one varlen kernel launch.
+    run: Optional[object] = dataclasses.field(default=None, compare=False)
 
 
 def plan(layout: str, rank: int, src: int, world: int, local_len: int, causal: bool, window, scale: float
@@ -157,7 +161,8 @@ def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
         if s + 1 < steps:
             comm.ring([kc, vc])
         for c in plan_fn((comm.rank - s) % comm.size):
-            ob, lb = bk.block_forward(q[:, c.q0:c.q1], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], c.spec, backend)
+            args = (q[:, c.q0:c.q1], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1])
+            ob, lb = c.run.forward(*args) if c.run is not None else bk.block_forward(*args, c.spec, backend)
             if any(a < c.q1 and c.q0 < b for a, b in written):
                 merge_(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].transpose(1, 2), ob, lb.transpose(1, 2))
             else:  # first result for these rows: a copy, not a merge with the empty state
@@ -190,7 +195,7 @@ def _hold_back(calls: list) -> tuple[list, list]:
         return calls, []
     big = max(calls, key=lambda c: (c.q1 - c.q0) * (c.k1 - c.k0))
     n, sp = big.q1 - big.q0, big.spec
-    if n < HOLD_BACK_MIN_ROWS:
+    if n < HOLD_BACK_MIN_ROWS or big.run is not None:
         return calls, []
     h = n // 2
     if not sp.masked:
@@ -224,9 +229,10 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
         grads = []
         for c in calls:
             qs = slice(c.q0, c.q1)
-            dqb, dkb, dvb = bk.block_backward(
-                dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous(),
-                c.spec, backend, dlse=None if dlse is None else dlse[:, :, qs].contiguous())
+            args = (dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous())
+            dl = None if dlse is None else dlse[:, :, qs].contiguous()
+            dqb, dkb, dvb = (c.run.backward(*args, dl) if c.run is not None else
+                             bk.block_backward(*args, c.spec, backend, dlse=dl))
             _accumulate(dq, dq_written, c.q0, c.q1, dqb)
             grads.append((c.k0, c.k1, dkb, dvb))
         return grads

@@ -170,6 +170,149 @@ def plan_varlen(cu: tuple, layout: str, world: int, rank: int, src: int, causal:
     return tuple(calls)
 
 
+class FusedVarlenStep:
+    """The document blocks of one ring step as one flash-varlen launch per mask
+    kind (full, causal), instead of one backend call (and merge) per block.
+
+    Each segment is a range of local query rows with the key rows it sees in
+    the visiting block, gathered by index (a query piece that sees two key
+    pieces sees their concatenation, its causal part bottom-right aligned as
+    FlashAttention-2 does). Rows in no segment get output 0 and lse -inf.
+    """
+
+    def __init__(self, calls, segs, scale: float, device):
+        self.calls, self.scale = calls, scale
+        self.launches = []
+        for causal in (False, True):
+            mine = [sg for sg in segs if sg[2] == causal]
+            if not mine:
+                continue
+            q_idx = torch.cat([torch.arange(q0, q1) for (q0, q1), _, _ in mine])
+            k_idx = torch.cat([torch.cat([torch.arange(a, b) for a, b in ks]) for _, ks, _ in mine])
+            lq = [q1 - q0 for (q0, q1), _, _ in mine]
+            lk = [sum(b - a for a, b in ks) for _, ks, _ in mine]
+            cu = lambda ls: torch.tensor([0] + ls, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+            self.launches.append((q_idx.to(device), k_idx.to(device), cu(lq), cu(lk), max(lq), max(lk), causal))
+
+    def forward(self, q, k, v):
+        _, l, h, _ = q.shape
+        out = torch.zeros_like(q)
+        lse = torch.full((1, h, l), float("-inf"), dtype=torch.float32, device=q.device)
+        for q_idx, k_idx, cu_q, cu_k, mq, mk, causal in self.launches:
+            o, ls = self._kernel_fwd(q[0].index_select(0, q_idx), k[0].index_select(0, k_idx),
+                                     v[0].index_select(0, k_idx), cu_q, cu_k, mq, mk, causal)
+            out[0].index_copy_(0, q_idx, o)
+            lse[0].index_copy_(1, q_idx, ls)
+        return out, lse
+
+    def _kernel_fwd(self, q, k, v, cu_q, cu_k, mq, mk, causal):
+        """FlashAttention-2 varlen: (total_q, H, D) -> out, lse (H, total_q) with -inf for dead rows."""
+        o, ls, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, mq, mk, 0.0, causal, False, scale=self.scale, window_size_left=-1,
+            window_size_right=0 if causal else -1)
+        return o, bk._pos_inf_rows_to_dead(ls.float())
+
+    def _kernel_bwd(self, do, q, k, v, o, lse, cu_q, cu_k, mq, mk, causal):
+        rng = torch.zeros(2, dtype=torch.int64, device=q.device)
+        return torch.ops.aten._flash_attention_backward(
+            do, q, k, v, o, bk._dead_rows_to_pos_inf(lse).contiguous(), cu_q, cu_k, mq, mk, 0.0, causal, rng,
+            torch.empty(0, device=q.device), scale=self.scale, window_size_left=-1,
+            window_size_right=0 if causal else -1)
+
+    def backward(self, dout, q, k, v, out, lse, dlse):
+        if dlse is not None:  # FlashAttention-2 has no lse gradient: the blocks one by one
+            return self._backward_blocks(dout, q, k, v, out, lse, dlse)
+        dq = torch.zeros_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for q_idx, k_idx, cu_q, cu_k, mq, mk, causal in self.launches:
+            sel = lambda t: t[0].index_select(0, q_idx)
+            g_q, g_k, g_v = self._kernel_bwd(sel(dout), sel(q), k[0].index_select(0, k_idx),
+                                             v[0].index_select(0, k_idx), sel(out), lse[0].index_select(1, q_idx),
+                                             cu_q, cu_k, mq, mk, causal)
+            dq[0].index_copy_(0, q_idx, g_q)
+            dk[0].index_add_(0, k_idx, g_k.float())  # a key row may serve two segments: add
+            dv[0].index_add_(0, k_idx, g_v.float())
+        return dq, dk, dv
+
+    def _backward_blocks(self, dout, q, k, v, out, lse, dlse):
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for c in self.calls:
+            qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+            g = bk.block_backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs].contiguous(),
+                                  c.spec, "auto", dlse=dlse[:, :, qs].contiguous())
+            dq[:, qs] += g[0]
+            dk[:, ks] += g[1]
+            dv[:, ks] += g[2]
+        return dq, dk, dv
+
+
+def fuse_segments(calls) -> Optional[list]:
+    """Group a step's calls into segments ((q0, q1), [(k0, k1), ...], causal) one
+    flash-varlen launch can run, or None when some block's mask does not fit
+    (windows, a causal block that is not bottom-right over its keys)."""
+    groups: dict = {}
+    for c in calls:
+        groups.setdefault((c.q0, c.q1), []).append(c)
+    segs, last = [], -1
+    for (q0, q1), cs in sorted(groups.items()):
+        if q0 < last:
+            return None  # overlapping query ranges would write the same rows twice
+        last = q1
+        if any(c.spec.has_window for c in cs):
+            return None
+        full = [c for c in cs if not c.spec.causal]
+        masked = [c for c in cs if c.spec.causal]
+        ks = [(c.k0, c.k1) for c in full + masked]  # the masked block last: its mask is the bottom-right one
+        klen = sum(b - a for a, b in ks)
+        if len(masked) > 1:
+            return None
+        if masked:
+            m = masked[0]
+            if m.spec.q_offset < 0 or m.spec.q_offset + (klen - (m.k1 - m.k0)) != klen - (q1 - q0):
+                return None
+        segs.append(((q0, q1), ks, bool(masked)))
+    return segs
+
+
+# Cost model of one ring step, from H200 measurements (docs/performance.md):
+# a backend call costs ~0.2 ms of host time (dispatch + merge) and runs near
+# cuDNN's ~500 TF/s; one FlashAttention-2 varlen launch runs these blocks at
+# ~260 TF/s. Many short documents: fuse; a few long ones: one cuDNN call each.
+_CALL_S, _CALL_FLOPS, _FUSED_FLOPS = 2e-4, 500e12, 260e12
+
+
+def _worth_fusing(calls, heads_x_dim: int) -> bool:
+    flops = [4.0 * heads_x_dim * (c.q1 - c.q0) * (c.k1 - c.k0) * (0.5 if c.spec.causal else 1.0) for c in calls]
+    t_calls = sum(max(_CALL_S, f / _CALL_FLOPS) for f in flops)
+    t_fused = 2 * _CALL_S + sum(flops) / _FUSED_FLOPS
+    return t_fused < t_calls
+
+
+@functools.lru_cache(maxsize=256)
+def _fused_call(cu: tuple, layout: str, world: int, rank: int, src: int, causal: bool, window: tuple, scale: float,
+                device: str, heads_x_dim: int) -> Optional[tuple]:
+    calls = plan_varlen(cu, layout, world, rank, src, causal, window, scale)
+    if len(calls) < 2 or not _worth_fusing(calls, heads_x_dim):
+        return None
+    segs = fuse_segments(calls)
+    if segs is None:
+        return None
+    length = local_length(cu, layout, world)
+    step = FusedVarlenStep(calls, segs, scale, torch.device(device))
+    return (Call(0, length, 0, length, bk.BlockSpec(scale), run=step),)
+
+
+def _fusable(q: torch.Tensor, k: torch.Tensor, window: tuple, backend: str) -> bool:
+    """One flash-varlen launch per step: CUDA (sm80+), fp16/bf16, head dim % 8 == 0 and <= 256,
+    no window, and the backend left to ``auto`` (or ``flash``)."""
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and window == (-1, -1) and backend in ("auto", "flash")
+            and bk._forced() in (None, "flash") and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
 @functools.lru_cache(maxsize=64)
 def num_steps_varlen(cu: tuple, layout: str, world: int, causal: bool, window: tuple) -> int:
     last = 0
@@ -179,12 +322,16 @@ def num_steps_varlen(cu: tuple, layout: str, world: int, causal: bool, window: t
     return last + 1
 
 
-def _run(cu_seqlens, layout, causal, window, scale, group_name):
+def _run(cu_seqlens, layout, causal, window, scale, group_name, fused: bool, q):
     g = _comm.group_from_name(group_name)
     comm = _comm.P2P(g)
     cu = tuple(int(v) for v in cu_seqlens.tolist())
     steps = num_steps_varlen(cu, layout, comm.size, causal, window)
-    plan_fn = lambda src: plan_varlen(cu, layout, comm.size, comm.rank, src, causal, window, scale)
+
+    def plan_fn(src):
+        one = fused and _fused_call(cu, layout, comm.size, comm.rank, src, causal, window, scale, str(q.device),
+                                    q.shape[1] * q.shape[2])
+        return one or plan_varlen(cu, layout, comm.size, comm.rank, src, causal, window, scale)
     return comm, plan_fn, steps
 
 
@@ -192,7 +339,9 @@ def _run(cu_seqlens, layout, causal, window, scale, group_name):
 def _ring_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                      causal: bool, window_left: int, window_right: int, layout: str, group_name: str, backend: str
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    comm, plan_fn, steps = _run(cu_seqlens, layout, causal, (window_left, window_right), scale, group_name)
+    window = (window_left, window_right)
+    comm, plan_fn, steps = _run(cu_seqlens, layout, causal, window, scale, group_name,
+                                _fusable(q, k, window, backend), q)
     out, lse = ring_forward(q[None], k[None], v[None], comm, plan_fn, steps, backend)
     return out[0], lse[0]
 
@@ -207,7 +356,9 @@ def _ring_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, scale: float,
                      causal: bool, window_left: int, window_right: int, layout: str, group_name: str, backend: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    comm, plan_fn, steps = _run(cu_seqlens, layout, causal, (window_left, window_right), scale, group_name)
+    window = (window_left, window_right)
+    comm, plan_fn, steps = _run(cu_seqlens, layout, causal, window, scale, group_name,
+                                _fusable(q, k, window, backend), q)
     dq, dk, dv = ring_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                None if dlse is None else dlse[None], comm, plan_fn, steps, backend)
     return dq[0], dk[0], dv[0]
