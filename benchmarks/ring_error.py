@@ -49,6 +49,38 @@ for layout, causal, hkv in (("zigzag", True, 8), ("contiguous", False, 8), ("zig
                      sdpa_bf16_single_gpu=bar, worst_ratio=max(errs[n] / bar[n] for n in bar)))
     del qr, kr, vr, ro, rl
     torch.cuda.empty_cache()
+# Packed documents: ring_attention_varlen (one flash-varlen launch per step on
+# GPU) against the float64 block-diagonal reference; the bar is attention_varlen
+# (flash) in bf16 on one GPU.
+from test_varlen import varlen_ref  # noqa: E402
+
+for layout in ("zigzag", "contiguous"):
+    lens = [300, 900, 1500, 2400, 700, 64, 33]
+    cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+    g = torch.Generator(device=dev).manual_seed(1)
+    q, k, v = (torch.randn(int(cu[-1]), h, D, device=dev, generator=g).bfloat16() for h in (H, 2, 2))
+    do = torch.randn(int(cu[-1]), H, D, device=dev, generator=g).bfloat16()
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ro, rl = varlen_ref(qr, kr, vr, cu.cpu(), True, (-1, -1))
+    ro.backward(do.double())
+    sh = lambda x: longattn.shard_varlen(x, cu, layout=layout)[0]
+    ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+    out = longattn.ring_attention_varlen(ql, kl, vl, cu, layout=layout, causal=True)
+    out.backward(sh(do))
+    us = lambda x: longattn.unshard_varlen(x.detach(), cu, layout=layout)
+    errs = dict(out=rel_err(us(out), ro), dq=rel_err(us(ql.grad), qr.grad), dk=rel_err(us(kl.grad), kr.grad),
+                dv=rel_err(us(vl.grad), vr.grad))
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    so = longattn.attention_varlen(qs, ks, vs, cu, causal=True, backend="flash")
+    so.backward(do)
+    bar = dict(out=rel_err(so, ro), dq=rel_err(qs.grad, qr.grad), dk=rel_err(ks.grad, kr.grad),
+               dv=rel_err(vs.grad, vr.grad))
+    rows.append(dict(world=world, layout=f"varlen-{layout}", causal=True, heads=H, kv_heads=2, seqlen=int(cu[-1]),
+                     docs=lens, ring_bf16=errs, varlen_flash_bf16_single_gpu=bar,
+                     worst_ratio=max(errs[n] / bar[n] for n in bar)))
+    del qr, kr, vr, ro, rl
+    torch.cuda.empty_cache()
+
 if rank == 0:
     with open(os.path.join(os.environ.get("OUT", "."), "ring_error.jsonl"), "a") as f:
         for r in rows:

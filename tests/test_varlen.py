@@ -15,7 +15,7 @@ def varlen_ref(q, k, v, cu, causal=False, window=(-1, -1)):
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         doc[a:b] = i
     same = doc[:, None] == doc[None, :]
-    m = same & window_mask(total, total, causal=causal, window=window, q_offset=0)
+    m = (same & window_mask(total, total, causal=causal, window=window, q_offset=0)).to(q.device)
     # window_mask works in packed positions; inside one document they equal doc positions
     out, lse = masked_attention(q[None], k[None], v[None], m, q.shape[-1] ** -0.5)
     return out[0], lse[0]
