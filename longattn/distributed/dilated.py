@@ -82,33 +82,40 @@ def _span_setup(q, k, w, r, world, rank, causal, scale, group):
     return comm, plan_fn, steps, _heads(q.shape[2], k.shape[2], r, q.device)
 
 
-def _local_fwd(q, k, v, segs, rates, causal, scale, backend):
+# The local branches' results stay in float32 only when spanning branches
+# merge into them afterwards; with none, they are final and kept in the input
+# dtype (at 2M tokens per GPU the float32 copies were 50 GiB of the peak).
+def _local_fwd(q, k, v, segs, rates, causal, scale, backend, acc_dtype):
     from ..functional import _use_fused
 
     if _use_fused(q, k, backend):
         from ..kernels import triton_dilated
 
-        return triton_dilated.forward(q, k, v, segs, rates, causal, scale, out_dtype=torch.float32)
-    return _dil.forward(q, k, v, segs, rates, causal, scale, backend, out_dtype=torch.float32)
+        return triton_dilated.forward(q, k, v, segs, rates, causal, scale, out_dtype=acc_dtype)
+    return _dil.forward(q, k, v, segs, rates, causal, scale, backend, out_dtype=acc_dtype)
 
 
-def _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend):
+def _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend, acc_dtype):
     from ..functional import _use_fused
 
     if _use_fused(q, k, backend):
         from ..kernels import triton_dilated
 
         return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale,
-                                       grad_dtype=torch.float32)
-    return _dil.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend)
+                                       grad_dtype=acc_dtype)
+    return tuple(g.to(acc_dtype) for g in _dil.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale,
+                                                         backend))
 
 
 def _forward(q, k, v, segs, rates, scale, causal, group, backend):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, l, h, d = q.shape
     local, span = split_branches(l, world, segs, rates)
+    if local and not span:
+        return _local_fwd(q, k, v, segs, rates, causal, scale, backend, q.dtype)
     if local:
-        out, lse = _local_fwd(q, k, v, [w for w, _ in local], [r for _, r in local], causal, scale, backend)
+        out, lse = _local_fwd(q, k, v, [w for w, _ in local], [r for _, r in local], causal, scale, backend,
+                              torch.float32)
     else:
         out = torch.zeros(b, l, h, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
@@ -131,9 +138,11 @@ def _backward(dout, q, k, v, out, lse, dlse, segs, rates, scale, causal, group, 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, l, h, d = q.shape
     local, span = split_branches(l, world, segs, rates)
+    if local and not span:
+        return _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend, q.dtype)
     if local:
-        dq, dk, dv = (t.float() for t in _local_bwd(dout, q, k, v, out, lse, dlse, [w for w, _ in local],
-                                                      [r for _, r in local], causal, scale, backend))
+        dq, dk, dv = _local_bwd(dout, q, k, v, out, lse, dlse, [w for w, _ in local], [r for _, r in local],
+                                causal, scale, backend, torch.float32)
     else:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
