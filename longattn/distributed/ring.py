@@ -67,7 +67,9 @@ class Call:
     spec: bk.BlockSpec
     # Optional executor replacing the backend call for this block (forward(q, k, v)
     # and backward(dout, q, k, v, out, lse, dlse) on the sliced tensors): a step of
-    # many small document blocks fused into one varlen kernel launch.
+    # many small document blocks fused into one varlen kernel launch. Its backward
+    # may return None (e.g. given an lse gradient); its plain blocks ``run.calls``
+    # then go through the backend one by one.
     run: Optional[object] = dataclasses.field(default=None, compare=False)
 
 
@@ -231,8 +233,11 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
             qs = slice(c.q0, c.q1)
             args = (dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous())
             dl = None if dlse is None else dlse[:, :, qs].contiguous()
-            dqb, dkb, dvb = (c.run.backward(*args, dl) if c.run is not None else
-                             bk.block_backward(*args, c.spec, backend, dlse=dl))
+            g = c.run.backward(*args, dl) if c.run is not None else bk.block_backward(*args, c.spec, backend, dlse=dl)
+            if g is None:
+                grads += run(c.run.calls, kc, vc)
+                continue
+            dqb, dkb, dvb = g
             _accumulate(dq, dq_written, c.q0, c.q1, dqb)
             grads.append((c.k0, c.k1, dkb, dvb))
         return grads

@@ -220,8 +220,8 @@ class FusedVarlenStep:
             window_size_right=0 if causal else -1)
 
     def backward(self, dout, q, k, v, out, lse, dlse):
-        if dlse is not None:  # FlashAttention-2 has no lse gradient: the blocks one by one
-            return self._backward_blocks(dout, q, k, v, out, lse, dlse)
+        if dlse is not None:  # FlashAttention-2 has no lse gradient: the ring runs self.calls one by one
+            return None
         dq = torch.zeros_like(q)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -233,19 +233,6 @@ class FusedVarlenStep:
             dq[0].index_copy_(0, q_idx, g_q)
             dk[0].index_add_(0, k_idx, g_k.float())  # a key row may serve two segments: add
             dv[0].index_add_(0, k_idx, g_v.float())
-        return dq, dk, dv
-
-    def _backward_blocks(self, dout, q, k, v, out, lse, dlse):
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for c in self.calls:
-            qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
-            g = bk.block_backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs].contiguous(),
-                                  c.spec, "auto", dlse=dlse[:, :, qs].contiguous())
-            dq[:, qs] += g[0]
-            dk[:, ks] += g[1]
-            dv[:, ks] += g[2]
         return dq, dk, dv
 
 
