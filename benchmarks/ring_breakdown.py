@@ -7,6 +7,8 @@ zigzag) it times, forward and forward+backward:
 
 * ``single``: ``longattn.attention`` (cuDNN) on the whole sequence, rank 0 alone;
 * ``ring``: ``ring_attention`` as shipped;
+* ``ring_<transport>``: the same with another transport (``--transports nccl copy``:
+  NCCL send/recv, then copy engines over peer memory);
 * ``nocomm``: the same ring with its P2P exchange replaced by a no-op (every
   rank keeps its own K/V and dK/dV buffers): the same calls and merges, no
   traffic and no NCCL kernels beside the attention kernels.
@@ -35,6 +37,8 @@ p.add_argument("--heads", type=int, default=16)
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--iters", type=int, default=5)
 p.add_argument("--tag", default="default")
+p.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy", "auto"],
+               help="ring transports to time; the first is reported as 'ring'")
 p.add_argument("--high-priority", action="store_true", help="NCCL streams at high priority (pg_options)")
 args = p.parse_args()
 
@@ -49,6 +53,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 dev = torch.device("cuda", torch.cuda.current_device()) if GPU else torch.device("cpu")
 DT = torch.bfloat16 if GPU else torch.float32
 H, D = args.heads, 128
+TRANSPORTS = tuple(args.transports)
 
 
 class _NoComm:
@@ -128,13 +133,18 @@ for S in args.seqlens:
             longattn.ring_attention(qg, kg, vg, causal=causal, layout=layout).backward(do)
             qg.grad = kg.grad = vg.grad = None
 
-        res["ring_fwd_ms"], res["ring_fwd_bwd_ms"] = _timed(r_fwd), _timed(r_step)
-        res["ring_classes_ms"] = _classes(r_step)
+        for tr in TRANSPORTS:
+            with _comm.use_transport(tr):
+                key = "ring" if tr == TRANSPORTS[0] else f"ring_{tr}"
+                res[f"{key}_fwd_ms"], res[f"{key}_fwd_bwd_ms"] = _timed(r_fwd), _timed(r_step)
+                res[f"{key}_classes_ms"] = _classes(r_step)
+        res["transports"] = list(TRANSPORTS)
         real_start, real_wait = _comm.P2P.start, _comm.P2P.wait
         try:
             _comm.P2P.start, _comm.P2P.wait = _NoComm.start, _NoComm.wait
-            res["nocomm_fwd_ms"], res["nocomm_fwd_bwd_ms"] = _timed(r_fwd), _timed(r_step)
-            res["nocomm_classes_ms"] = _classes(r_step)
+            with _comm.use_transport("nccl"):  # a plain P2P object, whose exchange is the no-op
+                res["nocomm_fwd_ms"], res["nocomm_fwd_bwd_ms"] = _timed(r_fwd), _timed(r_step)
+                res["nocomm_classes_ms"] = _classes(r_step)
         finally:
             _comm.P2P.start, _comm.P2P.wait = real_start, real_wait
         t1 = torch.tensor([res.get("single_fwd_ms", 0.0), res.get("single_fwd_bwd_ms", 0.0)], device=dev,
@@ -142,6 +152,8 @@ for S in args.seqlens:
         dist.broadcast(t1, 0)
         for m, t in (("fwd", t1[0].item()), ("fwd_bwd", t1[1].item())):
             res[f"eff_ring_{m}"] = t / (world * res[f"ring_{m}_ms"])
+            for tr in TRANSPORTS[1:]:
+                res[f"eff_ring_{tr}_{m}"] = t / (world * res[f"ring_{tr}_{m}_ms"])
             res[f"eff_nocomm_{m}"] = t / (world * res[f"nocomm_{m}_ms"])
         rows.append(res)
         del ql, kl, vl, qg, kg, vg, do
@@ -161,5 +173,10 @@ if rank == 0:
               f"{r['eff_ring_fwd']:.3f} / {r['eff_ring_fwd_bwd']:.3f} | {r['nocomm_fwd_ms']:.2f} / "
               f"{r['nocomm_fwd_bwd_ms']:.2f} | {r['eff_nocomm_fwd']:.3f} / {r['eff_nocomm_fwd_bwd']:.3f} | "
               f"{c['attention']:.1f}/{c['nccl']:.1f}/{c['other']:.1f} |")
+        for tr in TRANSPORTS[1:]:
+            c = r[f"ring_{tr}_classes_ms"]
+            print(f"|   ring over {tr} | | | | | {r[f'ring_{tr}_fwd_ms']:.2f} / {r[f'ring_{tr}_fwd_bwd_ms']:.2f} | "
+                  f"{r[f'eff_ring_{tr}_fwd']:.3f} / {r[f'eff_ring_{tr}_fwd_bwd']:.3f} | | | "
+                  f"{c['attention']:.1f}/{c['nccl']:.1f}/{c['other']:.1f} |")
 dist.barrier()
 dist.destroy_process_group()

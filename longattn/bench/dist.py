@@ -25,6 +25,7 @@ from . import measure
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
 from .impls import fwd_flops, varlen_cu_seqlens
+from ..distributed import _comm
 
 RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
 
@@ -60,6 +61,16 @@ def _time_pair(fwd, step, dev, warmup, iters):
 
 
 def _ours(cfg, impl, make, dev, warmup, iters, backward):
+    impl, _, transport = impl.partition("+")
+    with _comm.use_transport(transport or "auto"):
+        _comm.release_slots()
+        tf, tb, mf, mb = _ours_timed(cfg, impl, make, dev, warmup, iters, backward)
+        # exchange slots in symmetric memory live outside the allocator's counters
+        held = _comm.symmetric_bytes()
+    return tf, tb, mf + held, None if mb is None else mb + held
+
+
+def _ours_timed(cfg, impl, make, dev, warmup, iters, backward):
     layout = "zigzag" if impl == "ring-zigzag" else "contiguous"
     q, k, v = make()
     if cfg.kind == "dilated":
@@ -181,7 +192,7 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
         names = impls or {"dilated": ("ring-contiguous",), "varlen": ("ring-zigzag", "ring-contiguous")}.get(
             cfg.kind, RING_IMPLS)
         for impl in names:
-            if cfg.kind == "dilated" and impl != "ring-contiguous":
+            if cfg.kind == "dilated" and impl.partition("+")[0] != "ring-contiguous":
                 continue
             if cfg.kind == "varlen" and impl == "torch-cp":
                 continue  # torch's context_parallel has no packed-document (varlen) mode

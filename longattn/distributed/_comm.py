@@ -2,7 +2,10 @@
 and the cross-rank consistency check that turns would-be hangs into errors."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -75,6 +78,202 @@ class P2P:
 
 # Bytes this process sent through P2P exchanges (tests and the volume helper check it).
 traffic = {"bytes_sent": 0}
+
+
+class CopyEngineP2P(P2P):
+    """The same exchange through CUDA peer memory, for ranks of one host.
+
+    NCCL's send/recv kernels occupy SMs while the attention kernels run (2.5%
+    of a 128K ring step on 2 H200s, docs/performance.md); here the receiver
+    pulls the sender's block with ``cudaMemcpyAsync`` from a symmetric-memory
+    buffer, which the copy engines carry over NVLink with no SM. The only SM
+    work is one tiny barrier kernel per exchange.
+
+    Two slots per rank, alternating: exchange n sends from slot n % 2 and
+    receives into slot (n + 1) % 2, so a block received at exchange n is sent
+    at n + 1 without a copy (the ring's K/V, the backward's dK/dV). Tensors
+    not already in the send slot are copied into it first. Contract (what the
+    ring does): once ``start`` is called, the tensors an earlier ``wait``
+    returned are dead except those being sent.
+
+    Ordering of exchange n, on a side stream that first waits for the compute
+    stream: fill the send slot; barrier (every rank's send slot is ready, and
+    every rank has finished pulling at exchange n - 1 from the slot about to
+    be overwritten); pull the previous rank's send slot into the receive slot;
+    ``wait`` makes the compute stream wait for that pull.
+    """
+
+    ALIGN = 256
+
+    def __init__(self, group: dist.ProcessGroup, tag: str):
+        super().__init__(group)
+        self.tag = tag
+        self._n = 0
+        self._event = None
+        self._hold = None
+        self._stream = _side_stream(torch.cuda.current_device())
+
+    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int) -> None:
+        assert self._event is None, "previous exchange not waited"
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        buf, hdl, cap = _symmetric_slots(self.group, self.tag, total)
+        send, recv = self._n % 2, (self._n + 1) % 2
+        self._n += 1
+        src_rank = self.peers[recv_from % self.size]
+        cur = torch.cuda.current_stream()
+        self._stream.wait_stream(cur)
+        views = []
+        with torch.cuda.stream(self._stream):
+            for t, off in zip(tensors, offsets):
+                nbytes = t.numel() * t.element_size()
+                mine = _as(buf[send * cap + off: send * cap + off + nbytes], t)
+                if not (t.is_contiguous() and t.data_ptr() == mine.data_ptr()):
+                    mine.copy_(t)
+                self.bytes_sent += nbytes
+                traffic["bytes_sent"] += nbytes
+            hdl.barrier(channel=0)
+            for t, off in zip(tensors, offsets):
+                nbytes = t.numel() * t.element_size()
+                theirs = _as(hdl.get_buffer(src_rank, (nbytes,), torch.uint8, send * cap + off), t)
+                dst = _as(buf[recv * cap + off: recv * cap + off + nbytes], t)
+                dst.copy_(theirs)  # peer memory -> local: a copy-engine transfer
+                views.append(dst)
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+        self._hold = (list(tensors), views)
+
+    def wait(self) -> list[torch.Tensor]:
+        torch.cuda.current_stream().wait_event(self._event)
+        views = self._hold[1]
+        self._event = self._hold = None
+        return views
+
+
+def _as(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return raw.view(like.dtype).view(like.shape)
+
+
+_streams: dict = {}
+
+
+def _side_stream(device: int) -> torch.cuda.Stream:
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
+
+# (group name, tag) -> (uint8 buffer of 2 slots, handle, slot bytes); grown, never shrunk.
+_slots: dict = {}
+
+
+def _symmetric_slots(group, tag: str, nbytes: int):
+    """A rank's two exchange slots in symmetric memory (a collective the
+    first time and when a larger block arrives: every rank asks for the
+    same sizes in the same order, since shapes were checked consistent)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    key = (group.group_name, tag)
+    have = _slots.get(key)
+    if have is not None and have[2] >= nbytes:
+        return have
+    cap = max(nbytes, have[2] if have else 0)
+    _slots.pop(key, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op after
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+    buf = symm_mem.empty(2 * cap, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    hdl = symm_mem.rendezvous(buf, group)
+    _slots[key] = (buf, hdl, cap)
+    return _slots[key]
+
+
+def release_slots() -> None:
+    """Drop the exchange slots (the next exchange allocates them again)."""
+    if _slots:
+        torch.cuda.synchronize()
+        _slots.clear()
+
+
+def symmetric_bytes() -> int:
+    """Bytes this process holds in exchange slots (benchmarks add them to peak memory:
+    they live outside the caching allocator's counters)."""
+    return sum(2 * cap for _, _, cap in _slots.values())
+
+
+_TRANSPORTS = ("auto", "nccl", "copy")
+_transport_override: list = []
+
+
+@contextlib.contextmanager
+def use_transport(name: str):
+    """Force the ring transport: ``"copy"`` (peer memory, copy engines),
+    ``"nccl"`` (send/recv through the process group) or ``"auto"``."""
+    if name not in _TRANSPORTS:
+        raise ValueError(f"transport must be one of {_TRANSPORTS}, got {name!r}")
+    _transport_override.append(name)
+    try:
+        yield
+    finally:
+        _transport_override.pop()
+
+
+def transport() -> str:
+    name = _transport_override[-1] if _transport_override else os.environ.get("LONGATTN_RING_TRANSPORT", "auto")
+    if name not in _TRANSPORTS:
+        raise ValueError(f"LONGATTN_RING_TRANSPORT must be one of {_TRANSPORTS}, got {name!r}")
+    return name
+
+
+_peer_ok: dict = {}
+
+
+def copy_engine_refusal(group) -> str:
+    """Why the copy-engine transport cannot serve ``group`` ('' when it can).
+    A collective the first time per group (every rank must agree)."""
+    if dist.get_backend(group) != "nccl":
+        return f"backend {dist.get_backend(group)} (needs nccl on CUDA)"
+    key = group.group_name
+    if key not in _peer_ok:
+        import socket
+
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401
+            have = True
+        except Exception:  # pragma: no cover - builds without symmetric memory
+            have = False
+        me = (socket.gethostname(), torch.cuda.current_device(), have)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, me, group=group)
+        if not all(e[2] for e in everyone):
+            _peer_ok[key] = "torch.distributed._symmetric_memory unavailable on some rank"
+        elif len({e[0] for e in everyone}) != 1:
+            _peer_ok[key] = "ranks span several hosts"
+        else:
+            devs = [e[1] for e in everyone]
+            bad = [d for d in devs if d != me[1] and not torch.cuda.can_device_access_peer(me[1], d)]
+            local_bad = torch.tensor([1 if bad else 0], device=torch.device("cuda", me[1]))
+            dist.all_reduce(local_bad, group=group)
+            _peer_ok[key] = "no peer access between some GPUs" if int(local_bad.item()) else ""
+    return _peer_ok[key]
+
+
+def exchange(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None, tag: str = "kv") -> P2P:
+    """The ring's exchange object: copy engines over peer memory when every
+    rank of a whole-group ring sits on one host with peer access (and the
+    transport is ``auto`` or ``copy``), else batched send/recv."""
+    name = transport()
+    whole = peers is None or list(peers) == list(range(dist.get_world_size(group)))
+    if name != "nccl" and whole:
+        why = copy_engine_refusal(group)
+        if not why:
+            return CopyEngineP2P(group, tag)
+        if name == "copy":
+            raise ValueError(f"LONGATTN_RING_TRANSPORT=copy refused: {why}")
+    return P2P(group, peers)
 
 
 _checked: set = set()

@@ -222,7 +222,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
     step each accumulator is one hop from its owner; part of the own block's
     work (``_hold_back``) runs during that hop.
     """
-    dkv_comm = _comm.P2P(comm.group, comm.peers)
+    dkv_comm = _comm.exchange(comm.group, comm.peers, tag="dkv")
     rank = comm.rank
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dq_written = []
@@ -300,14 +300,14 @@ def _dense_plan(layout, comm, l, causal, window, scale):
 
 
 def _forward(q, k, v, scale, causal, window, layout, group, backend):
-    comm = _comm.P2P(group)
+    comm = _comm.exchange(group)
     l = q.shape[1]
     steps = num_steps(layout, comm.size, l, causal, window)
     return ring_forward(q, k, v, comm, _dense_plan(layout, comm, l, causal, window, scale), steps, backend)
 
 
 def _backward(dout, q, k, v, out, lse, dlse, scale, causal, window, layout, group, backend):
-    comm = _comm.P2P(group)
+    comm = _comm.exchange(group)
     l = q.shape[1]
     steps = num_steps(layout, comm.size, l, causal, window)
     return ring_backward(dout, q, k, v, out, lse, dlse, comm, _dense_plan(layout, comm, l, causal, window, scale),

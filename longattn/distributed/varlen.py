@@ -311,7 +311,7 @@ def num_steps_varlen(cu: tuple, layout: str, world: int, causal: bool, window: t
 
 def _run(cu_seqlens, layout, causal, window, scale, group_name, fused: bool, q):
     g = _comm.group_from_name(group_name)
-    comm = _comm.P2P(g)
+    comm = _comm.exchange(g)
     cu = tuple(int(v) for v in cu_seqlens.tolist())
     steps = num_steps_varlen(cu, layout, comm.size, causal, window)
 
