@@ -23,6 +23,7 @@ case to $OUT/ring_breakdown.jsonl and prints a table.
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ p.add_argument("--iters", type=int, default=5)
 p.add_argument("--tag", default="default")
 p.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy", "auto"],
                help="ring transports to time; the first is reported as 'ring'")
+p.add_argument("--timeline", action="store_true", help="also record one forward's GPU timeline (gaps)")
 p.add_argument("--high-priority", action="store_true", help="NCCL streams at high priority (pg_options)")
 args = p.parse_args()
 
@@ -59,8 +61,8 @@ TRANSPORTS = tuple(args.transports)
 class _NoComm:
     """Stand-in for P2P.start/wait: hands back the tensors it was given."""
 
-    def start(self, tensors, send_to, recv_from):
-        self._bufs = list(tensors)
+    def start(self, tensors, send_to, recv_from, fresh=False):
+        self._bufs = [t.clone() for t in tensors] if fresh else list(tensors)
 
     def wait(self):
         bufs, self._bufs = self._bufs, None
@@ -95,6 +97,46 @@ def _classes(fn):
     return agg
 
 
+def _timeline(fn):
+    try:
+        return _timeline_of(fn)
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not end the run
+        return dict(cpu_issue_ms=float("nan"), error=repr(e)[:300])
+
+
+def _timeline_of(fn):
+    """GPU timeline of one call: when the first kernel starts after the call
+    begins on the CPU, how long the GPU is busy, the largest idle gaps, and the
+    CPU time until the call returns (issue time, no sync)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    fn()
+    measure.sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("timed_call"):
+            t0 = time.perf_counter()
+            fn()
+            issue = (time.perf_counter() - t0) * 1e3
+        measure.sync(dev)
+    evs = prof.events()
+    call = next(e for e in evs if e.name == "timed_call" and e.device_type == DeviceType.CPU)
+    kern = sorted((e for e in evs if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not kern:
+        return dict(cpu_issue_ms=issue)
+    busy, gaps, end = 0.0, [], kern[0].time_range.start
+    for e in kern:
+        a, b = e.time_range.start, e.time_range.end
+        if a > end:
+            gaps.append(((a - end) / 1e3, e.name[:60]))
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    gaps.sort(reverse=True)
+    return dict(cpu_issue_ms=issue, first_kernel_after_ms=(kern[0].time_range.start - call.time_range.start) / 1e3,
+                span_ms=(end - call.time_range.start) / 1e3, gpu_busy_ms=busy / 1e3, top_gaps=gaps[:6],
+                first_kernels=[e.name[:50] for e in kern[:6]])
+
+
 rows = []
 for S in args.seqlens:
     for causal, layout in ((False, "contiguous"), (True, "zigzag")):
@@ -118,6 +160,8 @@ for S in args.seqlens:
             res["single_fwd_ms"] = measure.time_ms(s_fwd, dev, warmup=args.warmup, iters=args.iters)["median_ms"]
             res["single_fwd_bwd_ms"] = measure.time_ms(s_step, dev, warmup=args.warmup,
                                                        iters=args.iters)["median_ms"]
+            if args.timeline and GPU:
+                res["single_timeline_fwd"] = _timeline(s_fwd)
             del qg, kg, vg, do
         dist.barrier()
         ql, kl, vl = (longattn.shard(x, layout=layout) for x in (q, k, v))
@@ -138,6 +182,8 @@ for S in args.seqlens:
                 key = "ring" if tr == TRANSPORTS[0] else f"ring_{tr}"
                 res[f"{key}_fwd_ms"], res[f"{key}_fwd_bwd_ms"] = _timed(r_fwd), _timed(r_step)
                 res[f"{key}_classes_ms"] = _classes(r_step)
+            if args.timeline and GPU:
+                res[f"{key}_timeline_fwd"] = _timeline(r_fwd)
         res["transports"] = list(TRANSPORTS)
         real_start, real_wait = _comm.P2P.start, _comm.P2P.wait
         try:
@@ -173,6 +219,12 @@ if rank == 0:
               f"{r['eff_ring_fwd']:.3f} / {r['eff_ring_fwd_bwd']:.3f} | {r['nocomm_fwd_ms']:.2f} / "
               f"{r['nocomm_fwd_bwd_ms']:.2f} | {r['eff_nocomm_fwd']:.3f} / {r['eff_nocomm_fwd_bwd']:.3f} | "
               f"{c['attention']:.1f}/{c['nccl']:.1f}/{c['other']:.1f} |")
+        for key in ["ring"] + [f"ring_{tr}" for tr in TRANSPORTS[1:]]:
+            if f"{key}_timeline_fwd" in r:
+                t = r[f"{key}_timeline_fwd"]
+                print(f"|   {key} fwd timeline: cpu issue {t['cpu_issue_ms']:.2f} ms, first kernel at "
+                      f"{t.get('first_kernel_after_ms', 0):.2f}, span {t.get('span_ms', 0):.2f}, busy "
+                      f"{t.get('gpu_busy_ms', 0):.2f}, gaps {[(round(g, 3), n) for g, n in t.get('top_gaps', [])[:4]]}")
         for tr in TRANSPORTS[1:]:
             c = r[f"ring_{tr}_classes_ms"]
             print(f"|   ring over {tr} | | | | | {r[f'ring_{tr}_fwd_ms']:.2f} / {r[f'ring_{tr}_fwd_bwd_ms']:.2f} | "

@@ -52,7 +52,9 @@ class P2P:
     def global_rank(self, index: int) -> int:
         return dist.get_global_rank(self.group, self.peers[index % self.size])
 
-    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int) -> None:
+    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, fresh: bool = False) -> None:
+        """``fresh``: the received tensors must not share memory with anything
+        (they are returned to the caller); NCCL receives are always fresh."""
         assert self._reqs is None, "previous exchange not waited"
         bufs = [torch.empty_like(t) for t in tensors]
         dst, src = self.global_rank(send_to), self.global_rank(recv_from)
@@ -113,7 +115,7 @@ class CopyEngineP2P(P2P):
         self._hold = None
         self._stream = _side_stream(torch.cuda.current_device())
 
-    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int) -> None:
+    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, fresh: bool = False) -> None:
         assert self._event is None, "previous exchange not waited"
         offsets, total = [], 0
         for t in tensors:
@@ -124,6 +126,8 @@ class CopyEngineP2P(P2P):
         self._n += 1
         src_rank = self.peers[recv_from % self.size]
         cur = torch.cuda.current_stream()
+        # fresh receives are allocated on the compute stream, which waits for the pull before any use
+        outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors] if fresh else None
         self._stream.wait_stream(cur)
         views = []
         with torch.cuda.stream(self._stream):
@@ -138,7 +142,7 @@ class CopyEngineP2P(P2P):
             for t, off in zip(tensors, offsets):
                 nbytes = t.numel() * t.element_size()
                 theirs = _as(hdl.get_buffer(src_rank, (nbytes,), torch.uint8, send * cap + off), t)
-                dst = _as(buf[recv * cap + off: recv * cap + off + nbytes], t)
+                dst = outs[len(views)] if fresh else _as(buf[recv * cap + off: recv * cap + off + nbytes], t)
                 dst.copy_(theirs)  # peer memory -> local: a copy-engine transfer
                 views.append(dst)
             self._event = torch.cuda.Event()

@@ -287,7 +287,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
             dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
         else:
             # nothing to overlap: the sums are final, so the hop carries the input dtype (half the bytes)
-            dkv_comm.start([dk_acc.to(k.dtype), dv_acc.to(v.dtype)], send_to=home, recv_from=back)
+            dkv_comm.start([dk_acc.to(k.dtype), dv_acc.to(v.dtype)], send_to=home, recv_from=back, fresh=True)
             dk_out, dv_out = dkv_comm.wait()
     else:
         dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
