@@ -19,13 +19,14 @@ def _free_port() -> int:
 BACKEND = os.environ.get("LONGATTN_DIST_BACKEND", "gloo")
 
 
-def _entry(rank, world, port, fn, args):
+def _entry(rank, world, port, fn, args, backend=None):
+    backend = backend or BACKEND
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    if BACKEND == "nccl":  # the same tests on GPUs: tensors are made on this rank's device
+    if backend == "nccl":  # the same tests on GPUs: tensors are made on this rank's device
         torch.cuda.set_device(rank)
         torch.set_default_device(f"cuda:{rank}")
-    dist.init_process_group(BACKEND, rank=rank, world_size=world)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     fn(rank, world, *args)
     # Every rank finishes its traffic before any tears down: a rank that closes
     # its sockets while a peer's gloo thread still reads them aborts that peer.
@@ -34,9 +35,10 @@ def _entry(rank, world, port, fn, args):
     dist.destroy_process_group()
 
 
-def run_world(fn, world: int, *args) -> None:
-    """fn(rank, world, *args) on `world` gloo ranks; must be a module-level function."""
-    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+def run_world(fn, world: int, *args, backend=None) -> None:
+    """fn(rank, world, *args) on `world` ranks (gloo, or LONGATTN_DIST_BACKEND, or
+    ``backend``); fn must be a module-level function."""
+    mp.spawn(_entry, args=(world, _free_port(), fn, args, backend), nprocs=world, join=True)
 
 
 def assert_unsharded_close(tag, unshard, out, lse, grads, ref_out, ref_lse, ref_grads, tol, lse_dim=2):

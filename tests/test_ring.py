@@ -58,6 +58,51 @@ def test_ring_matches_reference(world):
     run_world(_check_configs, world)
 
 
+def _check_copy_transport(rank, world):
+    """The copy-engine transport (peer memory) under both of its orderings:
+    stream memory operations, and the barrier kernel it falls back to."""
+    import os
+
+    from longattn.distributed import _comm
+
+    for sync in ("memops", "barrier"):
+        os.environ["LONGATTN_COPY_SYNC"] = sync
+        _comm.release_slots()
+        with _comm.use_transport("copy"):
+            _check_configs(rank, world)
+            ex = _comm.exchange(dist.group.WORLD)
+            assert isinstance(ex, _comm.CopyEngineP2P)
+            for sl in _comm._slots.values():  # Hopper drivers run stream memory operations
+                assert sl.memops == (sync == "memops"), (sync, sl.memops)
+
+
+@pytest.mark.gpu
+@pytest.mark.dist
+def test_ring_copy_transport_matches_reference():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (peer memory between ranks)")
+    run_world(_check_copy_transport, 2, backend="nccl")
+
+
+def _check_transport_choice(rank, world):
+    from longattn.distributed import _comm
+
+    q = torch.randn(1, 4, 2, 8)
+    with _comm.use_transport("copy"):
+        with pytest.raises(ValueError, match="transport 'copy' refused: backend gloo"):
+            longattn.ring_attention(q, q, q)
+    assert_group_usable(world)
+    assert type(_comm.exchange(dist.group.WORLD)) is _comm.P2P  # auto: send/recv
+    with pytest.raises(ValueError, match="transport must be one of"):
+        with _comm.use_transport("nvlink"):
+            pass
+
+
+@pytest.mark.dist
+def test_ring_transport_choice():
+    run_world(_check_transport_choice, 2)
+
+
 def _check_default_backend_and_positions(rank, world):
     torch.manual_seed(0)
     s = 4 * world

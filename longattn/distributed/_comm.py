@@ -88,21 +88,27 @@ class CopyEngineP2P(P2P):
     NCCL's send/recv kernels occupy SMs while the attention kernels run (2.5%
     of a 128K ring step on 2 H200s, docs/performance.md); here the receiver
     pulls the sender's block with ``cudaMemcpyAsync`` from a symmetric-memory
-    buffer, which the copy engines carry over NVLink with no SM. The only SM
-    work is one tiny barrier kernel per exchange.
+    buffer, which the copy engines carry over NVLink, and the ranks signal
+    each other with stream memory operations (``cuStreamWriteValue32`` into
+    the peer's flag, ``cuStreamWaitValue32`` on one's own), which the GPU's
+    front end executes: no SM takes part. Where the driver refuses stream
+    memory operations, a barrier kernel of symmetric memory orders the
+    exchange instead.
 
-    Two slots per rank, alternating: exchange n sends from slot n % 2 and
-    receives into slot (n + 1) % 2, so a block received at exchange n is sent
-    at n + 1 without a copy (the ring's K/V, the backward's dK/dV). Tensors
-    not already in the send slot are copied into it first. Contract (what the
-    ring does): once ``start`` is called, the tensors an earlier ``wait``
-    returned are dead except those being sent.
+    Two slots per rank, alternating with the exchange number n (counted per
+    slot set, across calls): exchange n sends from slot n % 2 and receives into
+    slot (n + 1) % 2, so a block received at exchange n is sent at n + 1
+    without a copy (the ring's K/V, the backward's dK/dV). Tensors not already
+    in the send slot are copied into it first. Contract (what the ring does):
+    once ``start`` is called, the tensors an earlier ``wait`` returned are dead
+    except those being sent.
 
-    Ordering of exchange n, on a side stream that first waits for the compute
-    stream: fill the send slot; barrier (every rank's send slot is ready, and
-    every rank has finished pulling at exchange n - 1 from the slot about to
-    be overwritten); pull the previous rank's send slot into the receive slot;
-    ``wait`` makes the compute stream wait for that pull.
+    Exchange n, on a side stream that first waits for the compute stream:
+    fill the send slot; READY(receiver) := n + 1; wait READY(mine) >= n + 1
+    (the sender's slot holds block n); wait DONE(mine) >= n (whoever pulls
+    from me finished exchange n - 1, which read the slot I now receive into);
+    pull; DONE(sender) := n + 1. ``wait`` makes the compute stream wait for
+    the pull.
     """
 
     ALIGN = 256
@@ -110,7 +116,6 @@ class CopyEngineP2P(P2P):
     def __init__(self, group: dist.ProcessGroup, tag: str):
         super().__init__(group)
         self.tag = tag
-        self._n = 0
         self._event = None
         self._hold = None
         self._stream = _side_stream(torch.cuda.current_device())
@@ -121,10 +126,12 @@ class CopyEngineP2P(P2P):
         for t in tensors:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
-        buf, hdl, cap = _symmetric_slots(self.group, self.tag, total)
-        send, recv = self._n % 2, (self._n + 1) % 2
-        self._n += 1
+        sl = _symmetric_slots(self.group, self.tag, total)
+        buf, hdl, cap, n = sl.buf, sl.hdl, sl.cap, sl.n
+        sl.n += 1
+        send, recv = n % 2, (n + 1) % 2
         src_rank = self.peers[recv_from % self.size]
+        dst_rank = self.peers[send_to % self.size]
         cur = torch.cuda.current_stream()
         # fresh receives are allocated on the compute stream, which waits for the pull before any use
         outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors] if fresh else None
@@ -138,13 +145,21 @@ class CopyEngineP2P(P2P):
                     mine.copy_(t)
                 self.bytes_sent += nbytes
                 traffic["bytes_sent"] += nbytes
-            hdl.barrier(channel=0)
+            if sl.memops:
+                ops, st = _memops(), self._stream
+                ops.write(st, sl.flag(dst_rank, _READY), n + 1)
+                ops.wait_geq(st, sl.flag(sl.rank, _READY), n + 1)
+                ops.wait_geq(st, sl.flag(sl.rank, _DONE), n)
+            else:
+                hdl.barrier(channel=0)
             for t, off in zip(tensors, offsets):
                 nbytes = t.numel() * t.element_size()
                 theirs = _as(hdl.get_buffer(src_rank, (nbytes,), torch.uint8, send * cap + off), t)
                 dst = outs[len(views)] if fresh else _as(buf[recv * cap + off: recv * cap + off + nbytes], t)
                 dst.copy_(theirs)  # peer memory -> local: a copy-engine transfer
                 views.append(dst)
+            if sl.memops:
+                _memops().write(self._stream, sl.flag(src_rank, _DONE), n + 1)
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
         self._hold = (list(tensors), views)
@@ -169,43 +184,118 @@ def _side_stream(device: int) -> torch.cuda.Stream:
     return _streams[device]
 
 
-# (group name, tag) -> (uint8 buffer of 2 slots, handle, slot bytes); grown, never shrunk.
+class _MemOps:
+    """cuStreamWriteValue32 / cuStreamWaitValue32 from the driver (ctypes: torch exposes no wait)."""
+
+    def __init__(self):
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+        for f in (self._write, self._wait):
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"{what} failed with CUresult {code}")
+
+    def write(self, stream, addr: int, value: int) -> None:
+        self._check(self._write(stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+    def wait_geq(self, stream, addr: int, value: int) -> None:  # CU_STREAM_WAIT_VALUE_GEQ = 0
+        self._check(self._wait(stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWaitValue32")
+
+
+_memops_obj: list = []
+
+
+def _memops() -> _MemOps:
+    if not _memops_obj:
+        _memops_obj.append(_MemOps())
+    return _memops_obj[0]
+
+
+_READY, _DONE, _FLAG_BYTES = 0, 128, 256
+
+
+class _Slots:
+    """A rank's two exchange slots and its READY/DONE flags in one symmetric buffer."""
+
+    def __init__(self, buf, hdl, cap: int, rank: int, memops: bool):
+        self.buf, self.hdl, self.cap, self.rank, self.memops = buf, hdl, cap, rank, memops
+        self.n = 0  # exchanges made with these slots (flags count them; both survive calls)
+
+    def flag(self, rank: int, which: int) -> int:
+        return int(self.hdl.buffer_ptrs[rank]) + 2 * self.cap + which
+
+
+# (group name, tag) -> _Slots; grown, never shrunk.
 _slots: dict = {}
 
 
-def _symmetric_slots(group, tag: str, nbytes: int):
-    """A rank's two exchange slots in symmetric memory (a collective the
-    first time and when a larger block arrives: every rank asks for the
-    same sizes in the same order, since shapes were checked consistent)."""
+def _memops_usable(device: torch.device, flag: torch.Tensor) -> bool:
+    """Whether the driver runs stream memory operations here (one write + wait on a local flag)."""
+    if os.environ.get("LONGATTN_COPY_SYNC", "memops") == "barrier":
+        return False
+    try:
+        ops, st = _memops(), torch.cuda.current_stream(device)
+        ops.write(st, flag.data_ptr(), 1)
+        ops.wait_geq(st, flag.data_ptr(), 1)
+        torch.cuda.synchronize(device)
+        ok = int(flag.view(torch.int32)[0].item()) == 1
+        flag.zero_()
+        torch.cuda.synchronize(device)
+        return ok
+    except (OSError, AttributeError, RuntimeError):
+        return False
+
+
+def _symmetric_slots(group, tag: str, nbytes: int) -> _Slots:
+    """A rank's exchange slots in symmetric memory (a collective the first time
+    and when a larger block arrives: every rank asks for the same sizes in the
+    same order, since shapes were checked consistent)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     key = (group.group_name, tag)
     have = _slots.get(key)
-    if have is not None and have[2] >= nbytes:
+    if have is not None and have.cap >= nbytes:
         return have
-    cap = max(nbytes, have[2] if have else 0)
-    _slots.pop(key, None)
+    cap = max(nbytes, have.cap if have else 0)
+    if have is not None:  # no peer may still be pulling from the old slots when they are freed
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        del _slots[key], have
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op after
             symm_mem.enable_symm_mem_for_group(group.group_name)
-    buf = symm_mem.empty(2 * cap, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = symm_mem.empty(2 * cap + _FLAG_BYTES, dtype=torch.uint8, device=dev)
+    buf[2 * cap:].zero_()
+    memops = _memops_usable(dev, buf[2 * cap: 2 * cap + 4])
     hdl = symm_mem.rendezvous(buf, group)
-    _slots[key] = (buf, hdl, cap)
+    # every rank must take the same path (and have zeroed its flags before any peer writes them)
+    agree = torch.tensor([1 if memops else 0], device=dev)
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+    _slots[key] = _Slots(buf, hdl, cap, dist.get_rank(group), bool(agree.item()))
     return _slots[key]
 
 
 def release_slots() -> None:
     """Drop the exchange slots (the next exchange allocates them again)."""
-    if _slots:
+    if _slots:  # called by every rank at the same point; no peer may still be pulling
         torch.cuda.synchronize()
+        dist.barrier()
         _slots.clear()
 
 
 def symmetric_bytes() -> int:
     """Bytes this process holds in exchange slots (benchmarks add them to peak memory:
     they live outside the caching allocator's counters)."""
-    return sum(2 * cap for _, _, cap in _slots.values())
+    return sum(sl.buf.numel() for sl in _slots.values())
 
 
 _TRANSPORTS = ("auto", "nccl", "copy")
@@ -266,17 +356,17 @@ def copy_engine_refusal(group) -> str:
 
 
 def exchange(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None, tag: str = "kv") -> P2P:
-    """The ring's exchange object: copy engines over peer memory when every
-    rank of a whole-group ring sits on one host with peer access (and the
-    transport is ``auto`` or ``copy``), else batched send/recv."""
+    """The ring's exchange object: batched send/recv through the process group,
+    or (transport ``"copy"``, whole-group rings on one host) copy engines over
+    peer memory. ``"auto"`` is send/recv: docs/performance.md has the copy
+    transport's measurements (faster on long non-causal rings only)."""
     name = transport()
     whole = peers is None or list(peers) == list(range(dist.get_world_size(group)))
-    if name != "nccl" and whole:
+    if name == "copy" and whole:
         why = copy_engine_refusal(group)
-        if not why:
-            return CopyEngineP2P(group, tag)
-        if name == "copy":
-            raise ValueError(f"LONGATTN_RING_TRANSPORT=copy refused: {why}")
+        if why:
+            raise ValueError(f"ring transport 'copy' refused: {why} (use 'nccl' or 'auto')")
+        return CopyEngineP2P(group, tag)
     return P2P(group, peers)
 
 

@@ -279,7 +279,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
         home, back = rank - steps + 1, rank + steps - 1
         if late:
             # float32 on the wire: the held-back piece is added after the hop, before the one rounding
-            dkv_comm.start([dk_acc, dv_acc], send_to=home, recv_from=back)
+            dkv_comm.start([dk_acc, dv_acc], send_to=home, recv_from=back, fresh=True)
             grads = run(late, k, v)
             dk_acc, dv_acc = dkv_comm.wait()
             add(dk_acc, dv_acc, [(0, k.shape[1])], grads)
