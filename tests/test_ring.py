@@ -92,7 +92,7 @@ def _check_transport_choice(rank, world):
         with pytest.raises(ValueError, match="transport 'copy' refused: backend gloo"):
             longattn.ring_attention(q, q, q)
     assert_group_usable(world)
-    assert type(_comm.exchange(dist.group.WORLD)) is _comm.P2P  # auto: send/recv
+    assert type(_comm.exchange(dist.group.WORLD)) is _comm.P2P  # auto on gloo: send/recv
     with pytest.raises(ValueError, match="transport must be one of"):
         with _comm.use_transport("nvlink"):
             pass

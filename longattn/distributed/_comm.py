@@ -276,7 +276,7 @@ def _symmetric_slots(group, tag: str, nbytes: int) -> _Slots:
     buf = symm_mem.empty(2 * cap + _FLAG_BYTES, dtype=torch.uint8, device=dev)
     buf[2 * cap:].zero_()
     memops = _memops_usable(dev, buf[2 * cap: 2 * cap + 4])
-    hdl = symm_mem.rendezvous(buf, group)
+    hdl = symm_mem.rendezvous(buf, group.group_name)
     # every rank must take the same path (and have zeroed its flags before any peer writes them)
     agree = torch.tensor([1 if memops else 0], device=dev)
     dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
@@ -355,18 +355,29 @@ def copy_engine_refusal(group) -> str:
     return _peer_ok[key]
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    v = torch.__version__.split("+")[0].split(".")
+    return (int(v[0]), int(v[1])) >= (major, minor)
+
+
 def exchange(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None, tag: str = "kv") -> P2P:
-    """The ring's exchange object: batched send/recv through the process group,
-    or (transport ``"copy"``, whole-group rings on one host) copy engines over
-    peer memory. ``"auto"`` is send/recv: docs/performance.md has the copy
-    transport's measurements (faster on long non-causal rings only)."""
+    """The ring's exchange object.
+
+    ``"copy"``: copy engines over peer memory (whole-group rings whose ranks
+    share one host with peer access); ``"nccl"``: batched send/recv through
+    the process group. ``"auto"`` takes copy where it can (torch >= 2.9, whose
+    symmetric-memory API this was tested with) and send/recv elsewhere
+    (other backends, several hosts, sub-rings). docs/performance.md has both
+    measured side by side."""
     name = transport()
     whole = peers is None or list(peers) == list(range(dist.get_world_size(group)))
-    if name == "copy" and whole:
-        why = copy_engine_refusal(group)
-        if why:
-            raise ValueError(f"ring transport 'copy' refused: {why} (use 'nccl' or 'auto')")
+    if name == "nccl" or not whole or (name == "auto" and not _torch_at_least(2, 9)):
+        return P2P(group, peers)
+    why = copy_engine_refusal(group)
+    if not why:
         return CopyEngineP2P(group, tag)
+    if name == "copy":
+        raise ValueError(f"ring transport 'copy' refused: {why} (use 'nccl' or 'auto')")
     return P2P(group, peers)
 
 
