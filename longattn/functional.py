@@ -144,6 +144,41 @@ register_attention_autograd(_dilated_fwd, _dilated_bwd,
                             ("segment_lengths", "dilation_rates", "scale", "causal", "backend"))
 
 
+# The fused kernels as ``triton_op``s: torch.compile and export trace into them
+# (Inductor sees the Triton launches, not an opaque call). Under the Triton
+# interpreter a launch cannot be traced (FakeTensors have no data), so there
+# the fused path stays inside the opaque ``dilated_fwd`` op above.
+_HAS_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
+if _HAS_TRITON_OP:
+
+    @torch.library.triton_op("longattn::dilated_fused_fwd", mutates_args=())
+    def _dilated_fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
+                           dilation_rates: list[int], scale: float, causal: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        from .kernels import triton_dilated
+
+        return triton_dilated.forward(q, k, v, segment_lengths, dilation_rates, causal, scale)
+
+    @torch.library.triton_op("longattn::dilated_fused_bwd", mutates_args=())
+    def _dilated_fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                           segment_lengths: list[int], dilation_rates: list[int], scale: float, causal: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from .kernels import triton_dilated
+
+        return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal,
+                                       scale)
+
+    register_attention_autograd(_dilated_fused_fwd, _dilated_fused_bwd,
+                                ("segment_lengths", "dilation_rates", "scale", "causal"))
+
+
+def _traceable_fused(q, k, backend: str) -> bool:
+    from .kernels import triton_attention as ta
+
+    return _HAS_TRITON_OP and q.device.type == "cuda" and not ta._interpret() and _use_fused(q, k, backend)
+
+
 def _use_fused(q, k, backend: str) -> bool:
     """The fused Triton dilated kernel runs when asked for, or under auto on
     CUDA when it can (it needs no gathered copies and wins at every size we
@@ -214,5 +249,8 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
     elif backend != "auto":
         # The gather path hands dense blocks to this backend; check it can take them.
         bk.select_backend(q, k, bk.BlockSpec(scale, causal), backend)
-    out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)
+    if _traceable_fused(q, k, backend):
+        out, lse = _dilated_fused_fwd(q, k, v, list(segs), list(rates), scale, causal)
+    else:
+        out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)
     return (out, lse) if return_lse else out
