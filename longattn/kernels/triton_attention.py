@@ -179,6 +179,8 @@ if HAS_TRITON:
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     DILATED: tl.constexpr, VARLEN: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr):
+        # torch.compile's launcher may pass Python floats as float64 scalars
+        qk_scale = tl.full([], qk_scale, tl.float32)
         pid_m = tl.program_id(0)
         if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail wave is short
             pid_m = tl.num_programs(0) - 1 - pid_m
@@ -285,6 +287,8 @@ if HAS_TRITON:
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                      DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+        qk_scale = tl.full([], qk_scale, tl.float32)
+        scale = tl.full([], scale, tl.float32)
         pid_n = tl.program_id(0)
         pid = tl.program_id(1)
         seg = tl.program_id(2)
@@ -356,6 +360,8 @@ if HAS_TRITON:
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+        qk_scale = tl.full([], qk_scale, tl.float32)
+        scale = tl.full([], scale, tl.float32)
         pid_m = tl.program_id(0)
         if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail wave is short
             pid_m = tl.num_programs(0) - 1 - pid_m
