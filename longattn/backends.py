@@ -371,10 +371,13 @@ class CudnnBackend(Backend):
             return alt.backward(dout, q, k, v, out, lse, spec, dlse)
         h, hkv = q.shape[2], k.shape[2]
         kx, vx = _expand_kv(k, h), _expand_kv(v, h)
-        # cuDNN wants grad_out with the strides of the out it produced (B, S, H, D memory).
+        # cuDNN wants grad_out laid out like out: strided views that already agree
+        # (dilated parts) pass as they are, anything else as (B, S, H, D) memory.
+        if dout.stride() != out.stride():
+            dout, out = dout.contiguous(), out.contiguous()
         res = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout.contiguous().transpose(1, 2), q.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
-            out.contiguous().transpose(1, 2), _dead_rows_to_pos_inf(lse).unsqueeze(-1).contiguous(),
+            dout.transpose(1, 2), q.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
+            out.transpose(1, 2), _dead_rows_to_pos_inf(lse).unsqueeze(-1).contiguous(),
             None, None, None, None, None, q.shape[1], k.shape[1], 0.0, spec.causal, scale=spec.scale)
         dq, dk, dv = (t.transpose(1, 2) for t in res[:3])
         return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)

@@ -98,8 +98,56 @@ def _gather(part: Part, q, k, v):
     return qb, kb, vb, idx
 
 
+# A part's cuDNN call is cut into pieces of at most this many bytes of output, so
+# the transient per-call tensors stay small beside the (B, S, H, D) result.
+PIECE_BYTES = 256 << 20
+
+
+def _views(part: Part, xs, bi: int):
+    """Batch element ``bi`` of the part as (nseg, m, Hc, D) strided views: no copies."""
+    return [part.q_view(x[bi: bi + 1]).flatten(0, 1) for x in xs]
+
+
+def _pieces(part: Part, h: int, d: int, esize: int):
+    hc = len(range(part.c, h, part.r))
+    per = max(1, PIECE_BYTES // max(1, part.m * hc * d * esize))
+    return [slice(a, min(a + per, part.nseg)) for a in range(0, part.nseg, per)]
+
+
+def _merge_into(out_v, lse_v, ob, lb) -> None:
+    from .kernels import triton_merge
+
+    if triton_merge.usable(out_v):
+        triton_merge.merge_into(out_v, lse_v, ob, lb)
+    else:
+        merge_(out_v, lse_v, ob.float(), lb)
+
+
 def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto",
             out_dtype=None):
+    b, s, h, d = q.shape
+    if k.shape[2] != h:
+        return _gather_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, out_dtype)
+    # MHA: every part is a strided view of q/k/v (no gathered copies); each
+    # piece's result merges into the output in place (float32 arithmetic, the
+    # output kept in its dtype where the Triton merge runs).
+    from .kernels import triton_merge
+
+    acc = (out_dtype or q.dtype) if triton_merge.usable(q) else torch.float32
+    out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    spec = bk.BlockSpec(scale=scale, causal=causal)
+    for part in schedule(s, segment_lengths, dilation_rates, h):
+        for bi in range(b):
+            qv, kv, vv, ov = _views(part, (q, k, v, out), bi)
+            lv = part.lse_view(lse[bi: bi + 1]).flatten(0, 1)  # (nseg, m, Hc)
+            for sl in _pieces(part, h, d, q.element_size()):
+                ob, lb = bk.block_forward(qv[sl], kv[sl], vv[sl], spec, backend)
+                _merge_into(ov[sl], lv[sl], ob, lb.transpose(1, 2))
+    return out.to(out_dtype or q.dtype), lse
+
+
+def _gather_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, out_dtype):
     b, s, h, d = q.shape
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
@@ -117,6 +165,31 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
 
 def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal: bool, scale: float,
              backend: str = "auto"):
+    b, s, h, d = q.shape
+    if k.shape[2] != h:
+        return _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale,
+                                backend)
+    # MHA: views of every tensor; each piece's gradients add into dQ/dK/dV in
+    # place, in the input dtype (one rounding per branch, as the fused kernels).
+    dq, dk, dv = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    spec = bk.BlockSpec(scale=scale, causal=causal)
+    for part in schedule(s, segment_lengths, dilation_rates, h):
+        for bi in range(b):
+            qv, kv, vv, dov, ov, dqv, dkv, dvv = _views(part, (q, k, v, dout, out, dq, dk, dv), bi)
+            lv = part.lse_view(lse[bi: bi + 1]).flatten(0, 1)
+            dlv = None if dlse is None else part.lse_view(dlse[bi: bi + 1]).flatten(0, 1)
+            for sl in _pieces(part, h, d, q.element_size()):
+                lb = lv[sl].transpose(1, 2).contiguous()  # (n, Hc, m)
+                dlb = None if dlv is None else dlv[sl].transpose(1, 2).contiguous()
+                dqb, dkb, dvb = bk.block_backward(dov[sl], qv[sl], kv[sl], vv[sl], ov[sl], lb, spec, backend,
+                                                  dlse=dlb)
+                dqv[sl].add_(dqb)
+                dkv[sl].add_(dkb)
+                dvv[sl].add_(dvb)
+    return dq, dk, dv
+
+
+def _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend):
     b, s, h, d = q.shape
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)

@@ -180,16 +180,24 @@ def _traceable_fused(q, k, backend: str) -> bool:
 
 
 def _use_fused(q, k, backend: str) -> bool:
-    """The fused Triton dilated kernel runs when asked for, or under auto on
-    CUDA when it can (it needs no gathered copies and wins at every size we
-    measured, docs/performance.md)."""
+    """The fused Triton dilated kernels run when asked for, or under auto on
+    CUDA when they can and cuDNN cannot take the parts as strided views (GQA,
+    head dims or dtypes cuDNN refuses): on Hopper cuDNN on the views is
+    1.3-1.7x the fused kernels (docs/performance.md)."""
     if backend == "triton":
         return True
     if backend != "auto" or q.device.type != "cuda" or bk._forced() not in (None, "triton"):
         return False
+    if bk._forced() is None and _cudnn_views(q, k):
+        return False
     from .kernels import triton_dilated
 
     return not triton_dilated.refusals(q, k)
+
+
+def _cudnn_views(q, k) -> bool:
+    """MHA parts are plain strided views; cuDNN takes them without copies."""
+    return q.shape[2] == k.shape[2] and not bk.BACKENDS["cudnn"].refusals(bk.BlockSpec(1.0), q, k)
 
 
 def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_lengths: Sequence[int],

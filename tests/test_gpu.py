@@ -38,11 +38,12 @@ def test_dense_bf16(backend, causal):
     assert all(x <= 2 * y for x, y in zip(got, bar)), (got, bar)
 
 
-@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "auto", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dilated_bf16(backend, causal):
+@pytest.mark.parametrize("hkv", [4, 8])  # GQA: fused Triton under auto; MHA: cuDNN on strided views
+def test_dilated_bf16(backend, causal, hkv):
     segs, rates = [512, 1024, 2048, 8192], [1, 2, 4, 8]
-    q, k, v, do = _inputs(1, 6000, 8, 4, 128)
+    q, k, v, do = _inputs(1, 6000, 8, hkv, 128)
     ref = grads_of(lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal),
                    [q.double(), k.double(), v.double()], do)
     bar = _sdpa_errors(q, k, v, do, causal, grads_of(lambda q, k, v: attention_ref(q, k, v, causal=causal),
@@ -50,7 +51,7 @@ def test_dilated_bf16(backend, causal):
     o, _, g = grads_of(lambda q, k, v: longattn.dilated_attention(
         q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal, backend=backend), [q, k, v], do)
     got = [rel_err(o, ref[0])] + [rel_err(a, b) for a, b in zip(g, ref[2])]
-    print(f"dilated {backend} causal={causal} out/dq/dk/dv {['%.1e' % x for x in got]} sdpa {['%.1e' % x for x in bar]}")
+    print(f"dilated {backend} hkv={hkv} causal={causal} out/dq/dk/dv {['%.1e' % x for x in got]} sdpa {['%.1e' % x for x in bar]}")
     assert all(x <= 2 * y for x, y in zip(got, bar)), (got, bar)
 
 

@@ -261,9 +261,11 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("sdpa-efficient", ("dense",), *_b["efficient"], note="torch SDPA, mem-efficient backend"),
     Impl("sdpa-math", ("dense",), *_b["math"], note="torch SDPA, math backend"),
     Impl("flex", ("dense", "window"), _flex_build, _flex_reason, "FlexAttention, compiled"),
-    Impl("longattn-dilated", ("dilated",), *_g["auto"], note="longattn.dilated_attention, auto (fused Triton on CUDA)"),
+    Impl("longattn-dilated", ("dilated",), *_g["auto"],
+         note="longattn.dilated_attention, auto (MHA on Hopper: cuDNN on strided views; else fused Triton)"),
+    Impl("longattn-dilated-triton", ("dilated",), *_g["triton"], note="fused Triton dilated kernels"),
     Impl("longattn-dilated-gather", ("dilated",), _gather_build, lambda c, d: None,
-         "LongNet-exact gather path + best local backend + lse merge"),
+         "LongNet-exact per-part path + best local backend + lse merge (MHA: strided views, GQA: gathered copies)"),
     Impl("headsplit-gather", ("dilated",), lambda c, d: (lambda q, k, v: headsplit_dilated(
         q, k, v, c.segment_lengths, c.dilation_rates, c.causal)), _headsplit_reason,
         "dilated-attention-pytorch algorithm: heads split among branches, gather + SDPA",
