@@ -100,7 +100,7 @@ def _gather(part: Part, q, k, v):
 
 # A part's cuDNN call is cut into pieces of at most this many bytes of output, so
 # the transient per-call tensors stay small beside the (B, S, H, D) result.
-PIECE_BYTES = 256 << 20
+PIECE_BYTES = 128 << 20
 
 
 def _views(part: Part, xs, bi: int):

@@ -144,51 +144,22 @@ register_attention_autograd(_dilated_fwd, _dilated_bwd,
                             ("segment_lengths", "dilation_rates", "scale", "causal", "backend"))
 
 
-# The fused kernels as ``triton_op``s: torch.compile and export trace into them
-# (Inductor sees the Triton launches, not an opaque call). Under the Triton
-# interpreter a launch cannot be traced (FakeTensors have no data), so there
-# the fused path stays inside the opaque ``dilated_fwd`` op above.
-_HAS_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
-if _HAS_TRITON_OP:
-
-    @torch.library.triton_op("longattn::dilated_fused_fwd", mutates_args=())
-    def _dilated_fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
-                           dilation_rates: list[int], scale: float, causal: bool
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        from .kernels import triton_dilated
-
-        return triton_dilated.forward(q, k, v, segment_lengths, dilation_rates, causal, scale)
-
-    @torch.library.triton_op("longattn::dilated_fused_bwd", mutates_args=())
-    def _dilated_fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                           segment_lengths: list[int], dilation_rates: list[int], scale: float, causal: bool
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from .kernels import triton_dilated
-
-        return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal,
-                                       scale)
-
-    register_attention_autograd(_dilated_fused_fwd, _dilated_fused_bwd,
-                                ("segment_lengths", "dilation_rates", "scale", "causal"))
-
-
-def _traceable_fused(q, k, backend: str) -> bool:
-    from .kernels import triton_attention as ta
-
-    return _HAS_TRITON_OP and q.device.type == "cuda" and not ta._interpret() and _use_fused(q, k, backend)
+# From this many tokens (batch x seqlen) auto runs MHA dilated attention as cuDNN
+# calls on strided views: measured on one H200 (run_dilated_d128_h200_d97482a.json)
+# at 1M tokens 0.72x / 0.65x the fused kernels' fwd / bwd time, at 128K 0.80x
+# fwd+bwd, at 32K 3.8x (per-call overheads dominate short sequences).
+CUDNN_VIEWS_MIN_TOKENS = 131072
 
 
 def _use_fused(q, k, backend: str) -> bool:
     """The fused Triton dilated kernels run when asked for, or under auto on
-    CUDA when they can and cuDNN cannot take the parts as strided views (GQA,
-    head dims or dtypes cuDNN refuses): on Hopper cuDNN on the views is
-    1.3-1.7x the fused kernels (docs/performance.md)."""
+    CUDA when they can, except for long MHA sequences, where cuDNN on the
+    parts' strided views is faster (docs/performance.md)."""
     if backend == "triton":
         return True
     if backend != "auto" or q.device.type != "cuda" or bk._forced() not in (None, "triton"):
         return False
-    if bk._forced() is None and _cudnn_views(q, k):
+    if bk._forced() is None and q.shape[0] * q.shape[1] >= CUDNN_VIEWS_MIN_TOKENS and _cudnn_views(q, k):
         return False
     from .kernels import triton_dilated
 
@@ -257,8 +228,5 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
     elif backend != "auto":
         # The gather path hands dense blocks to this backend; check it can take them.
         bk.select_backend(q, k, bk.BlockSpec(scale, causal), backend)
-    if _traceable_fused(q, k, backend):
-        out, lse = _dilated_fused_fwd(q, k, v, list(segs), list(rates), scale, causal)
-    else:
-        out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)
+    out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)
     return (out, lse) if return_lse else out

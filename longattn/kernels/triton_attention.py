@@ -468,14 +468,6 @@ class Geometry:
         return self.cu if self.varlen else like
 
 
-def _launch(kernel):
-    """The kernel as torch.compile can trace it (``wrap_triton``: the launch
-    becomes a node of the graph) where tracing works; the interpreter's
-    launches cannot be traced (FakeTensors have no data), so they stay plain."""
-    wrap = getattr(torch.library, "wrap_triton", None)
-    return kernel if wrap is None or _interpret() else wrap(kernel)
-
-
 def _ieee(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32
 
@@ -484,7 +476,7 @@ def launch_forward(q, k, v, out, lse, geo: Geometry, scale: float, merge: bool):
     b, _, h, d = q.shape
     cfg = _blocks(d, q.device, "fwd")
     grid = (triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)
-    _launch(_fwd_kernel)[grid](
+    _fwd_kernel[grid](
         q, k, v, out, lse, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), h, h // k.shape[2], *geo.scalars(), scale * LOG2E,
@@ -495,7 +487,7 @@ def launch_preprocess(out, dout, dlse, delta):
     b, s, h, d = out.shape
     block = 16 if out.device.type == "cpu" else 64
     grid = (triton.cdiv(s, block), b * h)
-    _launch(_bwd_preprocess)[grid](out, dout, dlse if dlse is not None else delta, delta, out.stride(0), out.stride(1),
+    _bwd_preprocess[grid](out, dout, dlse if dlse is not None else delta, delta, out.stride(0), out.stride(1),
                           out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), delta.stride(0),
                           delta.stride(1), h, s, D=d, D_PAD=_d_pad(d), BLOCK=block, HAS_DLSE=dlse is not None)
 
@@ -507,13 +499,13 @@ def launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo: Geometry, scale:
     ncls = geo.r if geo.dilated else 1
     flags = dict(D=d, D_PAD=_d_pad(d), ACCUM=accum, IEEE=_ieee(q), **geo.flags())
     cfg = _blocks(d, q.device, "dkdv")
-    _launch(_dkdv_kernel)[(triton.cdiv(geo.max_mk, cfg["BLOCK_N"]), b * hkv * ncls, geo.nseg)](
+    _dkdv_kernel[(triton.cdiv(geo.max_mk, cfg["BLOCK_N"]), b * hkv * ncls, geo.nseg)](
         q, k, v, dout, lse, delta, dk, dv, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
         dv.stride(2), h, hkv, g, ncls, *geo.scalars(), scale, scale * LOG2E, **flags, **cfg)
     cfg = _blocks(d, q.device, "dq")
-    _launch(_dq_kernel)[(triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)](
+    _dq_kernel[(triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)](
         q, k, v, dout, lse, delta, dq, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), h, g, *geo.scalars(), scale,

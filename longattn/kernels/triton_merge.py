@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_attention import HAS_TRITON, _d_pad, _launch, available
+from .triton_attention import HAS_TRITON, _d_pad, available
 
 if HAS_TRITON:
     import triton
@@ -56,6 +56,6 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
     assert out.stride(-1) == 1 and out_b.stride(-1) == 1
     block = 16 if out.device.type == "cpu" else 64
     grid = (triton.cdiv(m, block), n * hc)
-    _launch(_merge_kernel)[grid](out, lse, out_b, lse_b, *out.stride()[:3], *lse.stride(), *out_b.stride()[:3],
+    _merge_kernel[grid](out, lse, out_b, lse_b, *out.stride()[:3], *lse.stride(), *out_b.stride()[:3],
                                  *lse_b.stride(), m, hc, D=d, D_PAD=_d_pad(d), BLOCK=block,
                                  num_warps=4 if d <= 128 else 8)
