@@ -127,7 +127,7 @@ def _dilated_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int],
                  dilation_rates: list[int], scale: float, causal: bool, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_fused(q, k, backend):
+    if _use_fused(q, k, backend, "bwd"):
         from .kernels import triton_dilated
 
         return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates,
@@ -145,13 +145,14 @@ register_attention_autograd(_dilated_fwd, _dilated_bwd,
 
 
 # From this many tokens (batch x seqlen) auto runs MHA dilated attention as cuDNN
-# calls on strided views: measured on one H200 (run_dilated_d128_h200_d97482a.json)
-# at 1M tokens 0.72x / 0.65x the fused kernels' fwd / bwd time, at 128K 0.80x
-# fwd+bwd, at 32K 3.8x (per-call overheads dominate short sequences).
-CUDNN_VIEWS_MIN_TOKENS = 131072
+# calls on strided views, forward and backward separately (the backward needs
+# only the merged out/lse). One H200 (run_dilated_d128_h200_fb90005.json), views
+# over fused Triton time: forward 1.14x at 128K, 0.72x at 1M; backward 0.67x at
+# 128K, 0.64x at 1M; at 32K the views path was slower in both.
+CUDNN_VIEWS_MIN_TOKENS = {"fwd": 524288, "bwd": 131072}
 
 
-def _use_fused(q, k, backend: str) -> bool:
+def _use_fused(q, k, backend: str, pass_: str = "fwd") -> bool:
     """The fused Triton dilated kernels run when asked for, or under auto on
     CUDA when they can, except for long MHA sequences, where cuDNN on the
     parts' strided views is faster (docs/performance.md)."""
@@ -159,7 +160,7 @@ def _use_fused(q, k, backend: str) -> bool:
         return True
     if backend != "auto" or q.device.type != "cuda" or bk._forced() not in (None, "triton"):
         return False
-    if bk._forced() is None and q.shape[0] * q.shape[1] >= CUDNN_VIEWS_MIN_TOKENS and _cudnn_views(q, k):
+    if bk._forced() is None and q.shape[0] * q.shape[1] >= CUDNN_VIEWS_MIN_TOKENS[pass_] and _cudnn_views(q, k):
         return False
     from .kernels import triton_dilated
 

@@ -98,7 +98,7 @@ def _local_fwd(q, k, v, segs, rates, causal, scale, backend, acc_dtype):
 def _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend, acc_dtype):
     from ..functional import _use_fused
 
-    if _use_fused(q, k, backend):
+    if _use_fused(q, k, backend, "bwd"):
         from ..kernels import triton_dilated
 
         return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale,
