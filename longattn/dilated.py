@@ -38,6 +38,10 @@ class Part:
     nseg: int
     seg_len: int
 
+    def nheads(self, h: int) -> int:
+        """Query heads of this part's offset class among ``h``: c, c + r, ..."""
+        return len(range(self.c, h, self.r))
+
     @property
     def m(self) -> int:
         return -(-(self.seg_len - self.c) // self.r)
@@ -109,8 +113,7 @@ def _views(part: Part, xs, bi: int):
 
 
 def _pieces(part: Part, h: int, d: int, esize: int):
-    hc = len(range(part.c, h, part.r))
-    per = max(1, PIECE_BYTES // max(1, part.m * hc * d * esize))
+    per = max(1, PIECE_BYTES // max(1, part.m * part.nheads(h) * d * esize))
     return [slice(a, min(a + per, part.nseg)) for a in range(0, part.nseg, per)]
 
 
@@ -213,7 +216,7 @@ def pair_count(seqlen: int, segment_lengths, dilation_rates, nheads: int, causal
     'useful' work FLOP counts are based on (x 4 x headdim for a forward)."""
     total = 0
     for part in schedule(seqlen, segment_lengths, dilation_rates, nheads):
-        hc = len(range(part.c, nheads, part.r))
+        hc = part.nheads(nheads)
         m = part.m
         per_seg = m * (m + 1) // 2 if causal else m * m
         total += per_seg * part.nseg * hc

@@ -1,23 +1,58 @@
 """The float32 lse merge against logaddexp, with rows that saw no key."""
+import pytest
 import torch
 
 from longattn._merge import merge_
 
 
-def test_merge_matches_logaddexp_and_handles_empty_rows():
+def _case():
     o, ob = torch.randn(2, 5, 3, 4), torch.randn(2, 5, 3, 4)
     l, lb = torch.randn(2, 5, 3) * 30, torch.randn(2, 5, 3) * 30  # large gaps: stability
     l[0, 0, 0] = float("-inf")                                      # a saw nothing
     lb[0, 0, 1] = float("-inf")                                     # b saw nothing
     l[1, 1, 1] = lb[1, 1, 1] = float("-inf")                        # neither
     o[0, 0, 0] = o[1, 1, 1] = ob[0, 0, 1] = ob[1, 1, 1] = 0.0      # empty rows carry 0
+    return o, l, ob, lb
+
+
+def _want(o, l, ob, lb):
     want_l = torch.logaddexp(l.double(), lb.double())
     fin = torch.isfinite(want_l)
     wa = torch.exp(l.double() - want_l).nan_to_num(0.0)[..., None]
     wb = torch.exp(lb.double() - want_l).nan_to_num(0.0)[..., None]
     want_o = torch.where(fin[..., None], o.double() * wa + ob.double() * wb, 0.0)
+    return want_o, want_l, fin
+
+
+def test_merge_matches_logaddexp_and_handles_empty_rows():
+    o, l, ob, lb = _case()
+    want_o, want_l, fin = _want(o, l, ob, lb)
     merge_(o, l, ob, lb)
     assert not torch.isnan(o).any() and not torch.isnan(l).any()
     assert torch.equal(torch.isneginf(l), ~fin)
     assert torch.allclose(l[fin].double(), want_l[fin], atol=1e-5)
     assert torch.allclose(o.double(), want_o, atol=1e-6)
+
+
+def test_triton_merge_on_strided_views():
+    """The one-pass Triton merge (dilated attention's MHA path) on views strided
+    like a dilated part of (B, S, H, D) / (B, H, S) buffers: same results."""
+    from longattn.kernels import triton_merge
+
+    if not triton_merge.usable(torch.empty(1)):
+        pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
+    o, l, ob, lb = _case()
+    want_o, want_l, fin = _want(o, l, ob, lb)
+    # (N, M, Hc, D) as every other row and head of a bigger buffer, lse laid out (N, Hc, M)
+    big = torch.full((2, 10, 6, 4), 7.0)
+    big[:, ::2, ::2] = o
+    lbig = torch.full((2, 6, 10), 7.0)
+    lbig[:, ::2, ::2] = l.transpose(1, 2)
+    ov, lv = big[:, ::2, ::2], lbig[:, ::2, ::2].transpose(1, 2)
+    triton_merge.merge_into(ov, lv, ob, lb)
+    assert torch.equal(torch.isneginf(lv), ~fin)
+    assert torch.allclose(lv[fin].double(), want_l[fin], atol=1e-5)
+    assert torch.allclose(ov.double(), want_o, atol=1e-6)
+    big[:, ::2, ::2] = 7.0  # the rows and heads between were left alone
+    lbig[:, ::2, ::2] = 7.0
+    assert (big == 7.0).all() and (lbig == 7.0).all()

@@ -174,6 +174,19 @@ if HAS_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
+    def _lse_merge(o_old, l_old, o_new, l_new):
+        """Rows (BLOCK, D) of two partial results merged by their lse, in float32;
+        rows where neither side saw a key keep output 0 and lse -inf."""
+        top = tl.maximum(l_old, l_new)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        w_old = tl.exp(l_old - top_safe)
+        w_new = tl.exp(l_new - top_safe)
+        tot = w_old + w_new
+        tot_safe = tl.where(tot == 0.0, 1.0, tot)
+        out = (o_old.to(tl.float32) * w_old[:, None] + o_new.to(tl.float32) * w_new[:, None]) / tot_safe[:, None]
+        return out, tl.where(tot == 0.0, float("-inf"), top_safe + tl.log(tot_safe))
+
+    @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                     H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, qk_scale,
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -222,16 +235,8 @@ if HAS_TRITON:
         l_ptrs = LSE + b * slb + h * slh + qrows
         st_mask = row_ok[:, None] & dmask[None, :]
         if MERGE:
-            o_old = tl.load(o_ptrs, mask=st_mask, other=0.0)
-            l_old = tl.load(l_ptrs, mask=row_ok, other=float("-inf"))
-            top = tl.maximum(l_old, lse)
-            top_safe = tl.where(top == float("-inf"), 0.0, top)
-            w_old = tl.exp(l_old - top_safe)
-            w_new = tl.exp(lse - top_safe)
-            tot = w_old + w_new
-            tot_safe = tl.where(tot == 0.0, 1.0, tot)
-            out = (o_old * w_old[:, None] + out * w_new[:, None]) / tot_safe[:, None]
-            lse = tl.where(tot == 0.0, float("-inf"), top_safe + tl.log(tot_safe))
+            out, lse = _lse_merge(tl.load(o_ptrs, mask=st_mask, other=0.0),
+                                  tl.load(l_ptrs, mask=row_ok, other=float("-inf")), out, lse)
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=st_mask)
         tl.store(l_ptrs, lse, mask=row_ok)
 

@@ -16,6 +16,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .triton_attention import _lse_merge
+
     @triton.jit
     def _merge_kernel(O, L, OB, LB, so0, so1, so2, sl0, sl1, sl2, sb0, sb1, sb2, slb0, slb1, slb2, M, HC,
                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
@@ -29,21 +31,13 @@ if HAS_TRITON:
         offs_d = tl.arange(0, D_PAD)
         msk = rm[:, None] & (offs_d < D)[None, :]
         l_ptr = L + n * sl0 + r64 * sl1 + hc * sl2
-        l_old = tl.load(l_ptr, mask=rm, other=float("-inf"))
-        l_new = tl.load(LB + n * slb0 + r64 * slb1 + hc * slb2, mask=rm, other=float("-inf"))
-        top = tl.maximum(l_old, l_new)
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        w_old = tl.exp(l_old - top_safe)
-        w_new = tl.exp(l_new - top_safe)
-        tot = w_old + w_new
-        tot_safe = tl.where(tot == 0.0, 1.0, tot)
         o_ptr = O + n * so0 + r64[:, None] * so1 + hc * so2 + offs_d[None, :]
-        o_old = tl.load(o_ptr, mask=msk, other=0.0).to(tl.float32)
-        o_new = tl.load(OB + n * sb0 + r64[:, None] * sb1 + hc * sb2 + offs_d[None, :], mask=msk,
-                        other=0.0).to(tl.float32)
-        res = (o_old * w_old[:, None] + o_new * w_new[:, None]) / tot_safe[:, None]
+        res, lse = _lse_merge(tl.load(o_ptr, mask=msk, other=0.0), tl.load(l_ptr, mask=rm, other=float("-inf")),
+                              tl.load(OB + n * sb0 + r64[:, None] * sb1 + hc * sb2 + offs_d[None, :], mask=msk,
+                                      other=0.0),
+                              tl.load(LB + n * slb0 + r64 * slb1 + hc * slb2, mask=rm, other=float("-inf")))
         tl.store(o_ptr, res.to(O.dtype.element_ty), mask=msk)
-        tl.store(l_ptr, tl.where(tot == 0.0, float("-inf"), top_safe + tl.log(tot_safe)), mask=rm)
+        tl.store(l_ptr, lse, mask=rm)
 
 
 def usable(x: torch.Tensor) -> bool:
