@@ -83,6 +83,7 @@ def _classes(fn):
         fn()
         measure.sync(dev)
     agg = {"attention": 0.0, "nccl": 0.0, "other": 0.0}
+    others = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if e.key.startswith("ProfilerStep") or us <= 0:
@@ -94,6 +95,8 @@ def _classes(fn):
             agg["attention"] += us / 1e3
         else:
             agg["other"] += us / 1e3
+            others.append((round(us / 1e3, 3), e.count, e.key[:70]))
+    agg["top_other"] = sorted(others, reverse=True)[:8]  # (ms, calls, kernel): merges, casts, accumulation
     return agg
 
 
@@ -184,6 +187,7 @@ for S in args.seqlens:
                 res[f"{key}_classes_ms"] = _classes(r_step)
             if args.timeline and GPU:
                 res[f"{key}_timeline_fwd"] = _timeline(r_fwd)
+                res[f"{key}_timeline_fwd_bwd"] = _timeline(r_step)
         res["transports"] = list(TRANSPORTS)
         real_start, real_wait = _comm.P2P.start, _comm.P2P.wait
         try:
@@ -191,6 +195,8 @@ for S in args.seqlens:
             with _comm.use_transport("nccl"):  # a plain P2P object, whose exchange is the no-op
                 res["nocomm_fwd_ms"], res["nocomm_fwd_bwd_ms"] = _timed(r_fwd), _timed(r_step)
                 res["nocomm_classes_ms"] = _classes(r_step)
+                if args.timeline and GPU:
+                    res["nocomm_timeline_fwd_bwd"] = _timeline(r_step)
         finally:
             _comm.P2P.start, _comm.P2P.wait = real_start, real_wait
         t1 = torch.tensor([res.get("single_fwd_ms", 0.0), res.get("single_fwd_bwd_ms", 0.0)], device=dev,
@@ -219,10 +225,12 @@ if rank == 0:
               f"{r['eff_ring_fwd']:.3f} / {r['eff_ring_fwd_bwd']:.3f} | {r['nocomm_fwd_ms']:.2f} / "
               f"{r['nocomm_fwd_bwd_ms']:.2f} | {r['eff_nocomm_fwd']:.3f} / {r['eff_nocomm_fwd_bwd']:.3f} | "
               f"{c['attention']:.1f}/{c['nccl']:.1f}/{c['other']:.1f} |")
-        for key in ["ring"] + [f"ring_{tr}" for tr in TRANSPORTS[1:]]:
-            if f"{key}_timeline_fwd" in r:
-                t = r[f"{key}_timeline_fwd"]
-                print(f"|   {key} fwd timeline: cpu issue {t['cpu_issue_ms']:.2f} ms, first kernel at "
+        print(f"|   ring top other kernels (ms, calls): {c['top_other'][:5]}")
+        for key, m in [(k_, m_) for k_ in ["ring"] + [f"ring_{tr}" for tr in TRANSPORTS[1:]] + ["nocomm"]
+                       for m_ in ("fwd", "fwd_bwd")]:
+            if f"{key}_timeline_{m}" in r:
+                t = r[f"{key}_timeline_{m}"]
+                print(f"|   {key} {m} timeline: cpu issue {t['cpu_issue_ms']:.2f} ms, first kernel at "
                       f"{t.get('first_kernel_after_ms', 0):.2f}, span {t.get('span_ms', 0):.2f}, busy "
                       f"{t.get('gpu_busy_ms', 0):.2f}, gaps {[(round(g, 3), n) for g, n in t.get('top_gaps', [])[:4]]}")
         for tr in TRANSPORTS[1:]:

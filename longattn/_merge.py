@@ -30,3 +30,26 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: tor
     # out - w_b * (out - out_b), as one fused pass over the output (lerp)
     out.lerp_(out_b.to(out.dtype), w_b.unsqueeze(-1))
     lse.copy_(new_lse)
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
+               use_triton: bool) -> None:
+    """:func:`merge_` for an ``out`` of any floating dtype: float32 arithmetic, the
+    result stored in ``out``'s dtype (one rounding per merge).
+
+    out, out_b: (N, M, H, D) (strided views allowed); lse, lse_b: (N, M, H)
+    float32. With ``use_triton`` (and a device the kernel runs on) one Triton
+    pass reads both sides and writes the merged result; otherwise torch passes.
+    """
+    if use_triton and out.stride(-1) == 1 and out_b.stride(-1) == 1:
+        from .kernels import triton_merge
+
+        if triton_merge.usable(out):
+            triton_merge.merge_into(out, lse, out_b, lse_b)
+            return
+    if out.dtype == torch.float32:
+        merge_(out, lse, out_b, lse_b)
+    else:
+        acc = out.float()
+        merge_(acc, lse, out_b, lse_b)
+        out.copy_(acc)

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from . import backends as bk
-from ._merge import merge_
+from ._merge import merge_, merge_into
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,15 +117,6 @@ def _pieces(part: Part, h: int, d: int, esize: int):
     return [slice(a, min(a + per, part.nseg)) for a in range(0, part.nseg, per)]
 
 
-def _merge_into(out_v, lse_v, ob, lb) -> None:
-    from .kernels import triton_merge
-
-    if triton_merge.usable(out_v):
-        triton_merge.merge_into(out_v, lse_v, ob, lb)
-    else:
-        merge_(out_v, lse_v, ob.float(), lb)
-
-
 def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto",
             out_dtype=None):
     b, s, h, d = q.shape
@@ -146,7 +137,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
             lv = part.lse_view(lse[bi: bi + 1]).flatten(0, 1)  # (nseg, m, Hc)
             for sl in _pieces(part, h, d, q.element_size()):
                 ob, lb = bk.block_forward(qv[sl], kv[sl], vv[sl], spec, backend)
-                _merge_into(ov[sl], lv[sl], ob, lb.transpose(1, 2))
+                merge_into(ov[sl], lv[sl], ob, lb.transpose(1, 2), use_triton=True)
     return out.to(out_dtype or q.dtype), lse
 
 

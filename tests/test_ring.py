@@ -78,10 +78,11 @@ def _check_copy_transport(rank, world):
 
 @pytest.mark.gpu
 @pytest.mark.dist
-def test_ring_copy_transport_matches_reference():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs (peer memory between ranks)")
-    run_world(_check_copy_transport, 2, backend="nccl")
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_copy_transport_matches_reference(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs (peer memory between ranks)")
+    run_world(_check_copy_transport, world, backend="nccl")
 
 
 def _check_transport_choice(rank, world):
@@ -239,3 +240,52 @@ def test_hold_back_splits_the_own_block():
                   [Call(0, 4096, 0, 8192, bk.BlockSpec(1.0, True, (-1, -1), 4096))],
                   plan("zigzag", 0, 0, 2, 512, True, (-1, -1), 1.0)):  # too small to split
         assert _hold_back(whole) == (whole, [])
+
+
+def test_forward_keeps_output_dtype_only_for_one_merge():
+    """Rows merged at most once accumulate in the output dtype (one rounding,
+    as the float32 accumulator's final cast); rings with more merges per row
+    accumulate in float32."""
+    from longattn.distributed.ring import _max_cover, plan
+
+    def cover(layout, world, causal):
+        return max(_max_cover([plan(layout, r, (r - s) % world, world, 64, causal, (-1, -1), 1.0)
+                               for s in range(world)], 64) for r in range(world))
+
+    assert cover("zigzag", 2, True) == 2 and cover("contiguous", 2, False) == 2
+    assert cover("zigzag", 4, True) == 4 and cover("contiguous", 3, False) == 3
+
+
+def _check_bf16(rank, world):
+    """bf16 through the output-dtype accumulator (world 2) or float32 (world 3),
+    with the held-back own-block piece: the ring's errors against float64
+    (output and gradients) stay within 2x single-device bf16's."""
+    from longattn.distributed import ring
+
+    ring.HOLD_BACK_MIN_ROWS = 2
+    for layout, causal in (("zigzag", True), ("contiguous", False)):
+        torch.manual_seed(7)
+        b, s, h, d = 1, 24 * world, 4, 32
+        q, k, v, do = (torch.randn(b, s, h, d) for _ in range(4))
+        ref = [x.double().requires_grad_() for x in (q, k, v)]
+        ro = attention_ref(*ref, causal=causal)[0]
+        ro.backward(do.double())
+        one = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+        so = longattn.attention(*one, causal=causal, backend="math")
+        so.backward(do.bfloat16())
+        sh = lambda x: longattn.shard(x.bfloat16(), layout=layout)
+        loc = [sh(x).requires_grad_() for x in (q, k, v)]
+        out = longattn.ring_attention(*loc, causal=causal, layout=layout, backend="math")
+        out.backward(sh(do))
+        assert out.dtype == torch.bfloat16 and all(x.grad.dtype == torch.bfloat16 for x in loc)
+        us = lambda x: longattn.unshard(x, layout=layout)
+        for name, got, single, want in zip(("out", "dq", "dk", "dv"), [out.detach()] + [x.grad for x in loc],
+                                           [so.detach()] + [x.grad for x in one], [ro.detach()] + [x.grad for x in ref]):
+            e, base = rel_err(us(got), want), rel_err(single, want)
+            assert e < 2 * base, (world, layout, causal, name, e, base)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_bf16_error_within_single_device(world):
+    run_world(_check_bf16, world)

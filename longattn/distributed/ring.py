@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import backends as bk
-from .._merge import merge_
+from .._merge import merge_into
 from .._ops import register_attention_autograd
 from .._validation import check_flag, check_qkv, check_scale, check_window
 from . import _comm
@@ -151,28 +151,79 @@ def _zero_unwritten(acc: torch.Tensor, written: list) -> None:
         acc[:, lo:hi] = 0
 
 
+def _finish(acc: torch.Tensor, written: list, last: list, dtype) -> torch.Tensor:
+    """The sum in ``dtype`` of the float32 accumulator (rows ``written`` hold
+    sums, the others count as 0) and the pieces ``last = [(a, b, x)]`` (rows
+    [a, b)). A piece over rows that already hold sums and that no other piece
+    overlaps is added in the cast's pass (float32 arithmetic, one rounding);
+    the others are accumulated first."""
+    alone = [(a, b, x) for i, (a, b, x) in enumerate(last)
+             if not _gaps(written, a, b) and all(b <= a2 or b2 <= a for j, (a2, b2, _) in enumerate(last) if j != i)]
+    for a, b, x in last:
+        if all(x is not y for _, _, y in alone):
+            _accumulate(acc, written, a, b, x)
+    _zero_unwritten(acc, written)
+    if not alone:
+        return acc.to(dtype)
+    res = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    for a, b, x in alone:
+        torch.add(acc[:, a:b], x, out=res[:, a:b])
+    for lo, hi in _gaps([(a, b) for a, b, _ in alone], 0, acc.shape[1]):
+        res[:, lo:hi] = acc[:, lo:hi]
+    return res
+
+
+def _max_cover(plans: list, length: int) -> int:
+    """Most partial results any query row receives over the whole ring."""
+    ev = sorted([(c.q0, 1) for calls in plans for c in calls] + [(c.q1, -1) for calls in plans for c in calls])
+    most = depth = 0
+    for _, d in ev:  # at equal positions ends (-1) sort before starts
+        depth += d
+        most = max(most, depth)
+    return most
+
+
 def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     """Generic ring forward: ``plan_fn(src)`` lists the dense calls this rank
     makes on the K/V block that started at ring position ``src``."""
     b, l, h, d = q.shape
-    out = torch.zeros(b, l, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
+    plans = [list(plan_fn((comm.rank - s) % comm.size)) for s in range(steps)]
+    # Rows merged at most once (every 2-step ring, zigzag's diagonal included)
+    # keep the output dtype: the first partial is already rounded to it and the
+    # one merge (float32 arithmetic) rounds once, as a float32 accumulator's
+    # final cast would. More merges accumulate in float32.
+    acc_dtype = q.dtype if _max_cover(plans, l) <= 2 else torch.float32
+    triton = q.is_cuda  # one fused merge pass per block; CPU keeps torch's (the interpreter is slow)
+    out = lse = None
     kc, vc = k, v
     written = []  # row ranges that already hold a partial result
     for s in range(steps):
         if s + 1 < steps:
             comm.ring([kc, vc])
-        for c in plan_fn((comm.rank - s) % comm.size):
+        for c in plans[s]:
             args = (q[:, c.q0:c.q1], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1])
             ob, lb = c.run.forward(*args) if c.run is not None else bk.block_forward(*args, c.spec, backend)
-            if any(a < c.q1 and c.q0 < b for a, b in written):
-                merge_(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].transpose(1, 2), ob, lb.transpose(1, 2))
+            if out is None and (c.q0, c.q1) == (0, l):
+                # the first block covers every row: it becomes the accumulator (no zero-fill, no copy
+                # where the dtype agrees)
+                out, lse = ob.to(acc_dtype), lb.contiguous()
+                written.append((0, l))
+                continue
+            if out is None:
+                out = torch.zeros(b, l, h, d, dtype=acc_dtype, device=q.device)
+                lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
+            if any(w0 < c.q1 and c.q0 < w1 for w0, w1 in written):
+                merge_into(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].transpose(1, 2), ob, lb.transpose(1, 2),
+                           use_triton=triton)
             else:  # first result for these rows: a copy, not a merge with the empty state
                 out[:, c.q0:c.q1] = ob
                 lse[:, :, c.q0:c.q1] = lb
                 written.append((c.q0, c.q1))
         if s + 1 < steps:
             kc, vc = comm.wait()
+    if out is None:  # no block had a visible key: every row is empty
+        out = torch.zeros(b, l, h, d, dtype=q.dtype, device=q.device)
+        lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
     return out.to(q.dtype), lse
 
 
@@ -227,7 +278,9 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dq_written = []
 
-    def run(calls, kc, vc):
+    def run(calls, kc, vc, dq_pieces=None):
+        """Backward of ``calls``; returns their (k0, k1, dK, dV). dQ goes into the
+        accumulator, or into ``dq_pieces`` (q0, q1, dQ) when given."""
         grads = []
         for c in calls:
             qs = slice(c.q0, c.q1)
@@ -235,10 +288,13 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
             dl = None if dlse is None else dlse[:, :, qs].contiguous()
             g = c.run.backward(*args, dl) if c.run is not None else bk.block_backward(*args, c.spec, backend, dlse=dl)
             if g is None:
-                grads += run(c.run.calls, kc, vc)
+                grads += run(c.run.calls, kc, vc, dq_pieces)
                 continue
             dqb, dkb, dvb = g
-            _accumulate(dq, dq_written, c.q0, c.q1, dqb)
+            if dq_pieces is None:
+                _accumulate(dq, dq_written, c.q0, c.q1, dqb)
+            else:
+                dq_pieces.append((c.q0, c.q1, dqb))
             grads.append((c.k0, c.k1, dkb, dvb))
         return grads
 
@@ -274,25 +330,27 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
         if s + 1 < steps:
             dkv_comm.ring([dk_acc, dv_acc])
             kc, vc = comm.wait()
+    dq_last = []
     if steps > 1:
         # The accumulators hold the gradient of ring position (rank - steps + 1)'s K/V: send them home.
         home, back = rank - steps + 1, rank + steps - 1
         if late:
-            # float32 on the wire: the held-back piece is added after the hop, before the one rounding
+            # float32 on the wire: the held-back piece is added after the hop, in the pass
+            # that makes the one rounding to the input dtype
             dkv_comm.start([dk_acc, dv_acc], send_to=home, recv_from=back, fresh=True)
-            grads = run(late, k, v)
+            grads = run(late, k, v, dq_last)
             dk_acc, dv_acc = dkv_comm.wait()
-            add(dk_acc, dv_acc, [(0, k.shape[1])], grads)
+            whole = [(0, k.shape[1])]
+            dk_out = _finish(dk_acc, list(whole), [(a, b, dkb) for a, b, dkb, _ in grads], k.dtype)
+            dv_out = _finish(dv_acc, list(whole), [(a, b, dvb) for a, b, _, dvb in grads], v.dtype)
             del grads
-            dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
         else:
             # nothing to overlap: the sums are final, so the hop carries the input dtype (half the bytes)
             dkv_comm.start([dk_acc.to(k.dtype), dv_acc.to(v.dtype)], send_to=home, recv_from=back, fresh=True)
             dk_out, dv_out = dkv_comm.wait()
     else:
         dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-    _zero_unwritten(dq, dq_written)
-    return dq.to(q.dtype), dk_out, dv_out
+    return _finish(dq, dq_written, dq_last, q.dtype), dk_out, dv_out
 
 
 def _dense_plan(layout, comm, l, causal, window, scale):
