@@ -16,6 +16,7 @@ CONFIGS = [
     # (layout, causal, window, nheads_kv)
     *[(lay, c, (-1, -1), hkv) for lay, c, hkv in itertools.product(("contiguous", "zigzag"), (False, True), (4, 2, 1))],
     ("contiguous", True, (5, 0), 2),
+    ("contiguous", True, (15, 0), 2),  # 3 steps at world 4: dK/dV's last hop skips a rank
     ("zigzag", True, (9, 0), 4),
     ("contiguous", False, (7, 3), 1),
     ("zigzag", False, (-1, 6), 2),

@@ -104,11 +104,14 @@ class CopyEngineP2P(P2P):
     except those being sent.
 
     Exchange n, on a side stream that first waits for the compute stream:
-    fill the send slot; READY(receiver) := n + 1; wait READY(mine) >= n + 1
-    (the sender's slot holds block n); wait DONE(mine) >= n (whoever pulls
-    from me finished exchange n - 1, which read the slot I now receive into);
-    pull; DONE(sender) := n + 1. ``wait`` makes the compute stream wait for
-    the pull.
+    fill the send slot; READY(receiver)[me] := n + 1; wait READY(mine)[sender]
+    >= n + 1 (the sender's slot holds block n); wait DONE(mine)[p] >= n, p the
+    rank that pulled from me at exchange n - 1 (it finished reading the slot I
+    now receive into); pull; DONE(sender)[me] := n + 1. ``wait`` makes the
+    compute stream wait for the pull. Flags are per (rank, peer): partners
+    change (the backward's last hop goes straight home when the ring stops
+    early), and one counter per rank would let a later sender's write satisfy
+    a wait meant for another.
     """
 
     ALIGN = 256
@@ -132,6 +135,7 @@ class CopyEngineP2P(P2P):
         send, recv = n % 2, (n + 1) % 2
         src_rank = self.peers[recv_from % self.size]
         dst_rank = self.peers[send_to % self.size]
+        last_dst, sl.last_dst = sl.last_dst, dst_rank
         cur = torch.cuda.current_stream()
         # fresh receives are allocated on the compute stream, which waits for the pull before any use
         outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors] if fresh else None
@@ -147,9 +151,10 @@ class CopyEngineP2P(P2P):
                 traffic["bytes_sent"] += nbytes
             if sl.memops:
                 ops, st = _memops(), self._stream
-                ops.write(st, sl.flag(dst_rank, _READY), n + 1)
-                ops.wait_geq(st, sl.flag(sl.rank, _READY), n + 1)
-                ops.wait_geq(st, sl.flag(sl.rank, _DONE), n)
+                ops.write(st, sl.flag(dst_rank, _READY, sl.rank), n + 1)
+                ops.wait_geq(st, sl.flag(sl.rank, _READY, src_rank), n + 1)
+                if last_dst is not None:
+                    ops.wait_geq(st, sl.flag(sl.rank, _DONE, last_dst), n)
             else:
                 hdl.barrier(channel=0)
             for t, off in zip(tensors, offsets):
@@ -159,7 +164,7 @@ class CopyEngineP2P(P2P):
                 dst.copy_(theirs)  # peer memory -> local: a copy-engine transfer
                 views.append(dst)
             if sl.memops:
-                _memops().write(self._stream, sl.flag(src_rank, _DONE), n + 1)
+                _memops().write(self._stream, sl.flag(src_rank, _DONE, sl.rank), n + 1)
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
         self._hold = (list(tensors), views)
@@ -218,7 +223,12 @@ def _memops() -> _MemOps:
     return _memops_obj[0]
 
 
-_READY, _DONE, _FLAG_BYTES = 0, 128, 256
+_READY, _DONE = 0, 1
+
+
+def _flag_bytes(world: int) -> int:
+    """READY and DONE: one int32 per peer each, padded to 256 bytes."""
+    return -(-8 * world // 256) * 256
 
 
 class _Slots:
@@ -227,9 +237,12 @@ class _Slots:
     def __init__(self, buf, hdl, cap: int, rank: int, memops: bool):
         self.buf, self.hdl, self.cap, self.rank, self.memops = buf, hdl, cap, rank, memops
         self.n = 0  # exchanges made with these slots (flags count them; both survive calls)
+        self.last_dst = None  # who pulled from these slots at exchange n - 1
+        self.world = len(hdl.buffer_ptrs)
 
-    def flag(self, rank: int, which: int) -> int:
-        return int(self.hdl.buffer_ptrs[rank]) + 2 * self.cap + which
+    def flag(self, rank: int, which: int, peer: int) -> int:
+        """Address of ``rank``'s READY or DONE flag for ``peer``."""
+        return int(self.hdl.buffer_ptrs[rank]) + 2 * self.cap + 4 * (which * self.world + peer)
 
 
 # (group name, tag) -> _Slots; grown, never shrunk.
@@ -273,7 +286,7 @@ def _symmetric_slots(group, tag: str, nbytes: int) -> _Slots:
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op after
             symm_mem.enable_symm_mem_for_group(group.group_name)
     dev = torch.device("cuda", torch.cuda.current_device())
-    buf = symm_mem.empty(2 * cap + _FLAG_BYTES, dtype=torch.uint8, device=dev)
+    buf = symm_mem.empty(2 * cap + _flag_bytes(dist.get_world_size(group)), dtype=torch.uint8, device=dev)
     buf[2 * cap:].zero_()
     memops = _memops_usable(dev, buf[2 * cap: 2 * cap + 4])
     hdl = symm_mem.rendezvous(buf, group.group_name)
