@@ -20,6 +20,7 @@ of the whole.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -107,14 +108,78 @@ def _gather(part: Part, q, k, v):
 PIECE_BYTES = 128 << 20
 
 
-def _views(part: Part, xs, bi: int):
-    """Batch element ``bi`` of the part as (nseg, m, Hc, D) strided views: no copies."""
-    return [part.q_view(x[bi: bi + 1]).flatten(0, 1) for x in xs]
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One local-backend call of the MHA views path: a (N, M, Hc, D) strided
+    view of every (B, S, H, D) tensor and (N, M, Hc) of every (B, H, S) one.
+
+    ``part`` set: the part's (nseg, m, Hc, D) rows. Otherwise the full segments
+    of a whole branch (w, r) whose offset classes share m = w / r and Hc = H / r:
+    class c reads rows ``s*w + c + i*r`` of heads ``c + j*r``, an address linear
+    in (s, c, i, j), so the classes stack into one view with the class as a
+    batch (``seg`` = s: one call per segment, (r, m, Hc)) or, with one head per
+    class, as the head dim (``seg`` = -1: (nseg, m, r)). Fewer, larger calls
+    than one per class: the high-rate branches are tiny per class.
+    """
+
+    part: Optional[Part] = None
+    w: int = 0
+    r: int = 0
+    nseg: int = 0
+    seg: int = -1
+
+    @property
+    def n(self) -> int:
+        if self.part is not None:
+            return self.part.nseg
+        return self.nseg if self.seg < 0 else self.r
+
+    def _five(self, x: torch.Tensor, bi: int, h: int) -> torch.Tensor:
+        """(B, S, H, D) -> (nseg, r, m, Hc, D); (B, H, S) -> (nseg, r, m, Hc)."""
+        w, r, m, hc = self.w, self.r, self.w // self.r, h // self.r
+        if x.dim() == 4:
+            sb, ss, sh, sd = x.stride()
+            return x.as_strided((self.nseg, r, m, hc, x.shape[3]), (w * ss, ss + sh, r * ss, r * sh, sd),
+                                x.storage_offset() + bi * sb)
+        sb, sh, ss = x.stride()
+        return x.as_strided((self.nseg, r, m, hc), (w * ss, ss + sh, r * ss, r * sh), x.storage_offset() + bi * sb)
+
+    def view(self, x: torch.Tensor, bi: int, h: int) -> torch.Tensor:
+        if self.part is not None:
+            if x.dim() == 4:
+                return self.part.q_view(x[bi: bi + 1]).flatten(0, 1)
+            return self.part.lse_view(x[bi: bi + 1]).flatten(0, 1)
+        v = self._five(x, bi, h)
+        if self.seg >= 0:
+            return v[self.seg]
+        return v[:, :, :, 0].transpose(1, 2)  # one head per class: the classes are the heads
 
 
-def _pieces(part: Part, h: int, d: int, esize: int):
-    per = max(1, PIECE_BYTES // max(1, part.m * part.nheads(h) * d * esize))
-    return [slice(a, min(a + per, part.nseg)) for a in range(0, part.nseg, per)]
+def units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[Unit]:
+    """The views path's calls: each branch's full segments as few stacked views
+    as its shape allows (see :class:`Unit`), other parts (partial last
+    segments, classes of unequal size) one call each."""
+    out = []
+    for part in schedule(seqlen, segment_lengths, dilation_rates, nheads):
+        w, r = part.w, part.r
+        stack = part.start == 0 and part.seg_len == w and w % r == 0 and nheads % r == 0 and r > 1
+        if not stack:
+            out.append(Unit(part))
+        elif part.c == 0:  # the branch's first class stands for all of them
+            nseg = part.nseg
+            if nheads == r:
+                out.append(Unit(w=w, r=r, nseg=nseg))
+            elif nseg < r:
+                out += [Unit(w=w, r=r, nseg=nseg, seg=i) for i in range(nseg)]
+            else:
+                out += [Unit(p) for p in schedule(seqlen, [w], [r], nheads) if p.start == 0]
+    return out
+
+
+def _pieces(u: Unit, v: torch.Tensor, esize: int):
+    """Slices of the unit's batch dim whose output stays under PIECE_BYTES."""
+    per = max(1, PIECE_BYTES // max(1, v[0].numel() * esize))
+    return [slice(a, min(a + per, u.n)) for a in range(0, u.n, per)]
 
 
 def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto",
@@ -131,11 +196,10 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
     out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     spec = bk.BlockSpec(scale=scale, causal=causal)
-    for part in schedule(s, segment_lengths, dilation_rates, h):
+    for u in units(s, segment_lengths, dilation_rates, h):
         for bi in range(b):
-            qv, kv, vv, ov = _views(part, (q, k, v, out), bi)
-            lv = part.lse_view(lse[bi: bi + 1]).flatten(0, 1)  # (nseg, m, Hc)
-            for sl in _pieces(part, h, d, q.element_size()):
+            qv, kv, vv, ov, lv = (u.view(x, bi, h) for x in (q, k, v, out, lse))  # (N, M, Hc, D) / (N, M, Hc)
+            for sl in _pieces(u, qv, q.element_size()):
                 ob, lb = bk.block_forward(qv[sl], kv[sl], vv[sl], spec, backend)
                 merge_into(ov[sl], lv[sl], ob, lb.transpose(1, 2), use_triton=True)
     return out.to(out_dtype or q.dtype), lse
@@ -167,12 +231,12 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
     # place, in the input dtype (one rounding per branch, as the fused kernels).
     dq, dk, dv = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     spec = bk.BlockSpec(scale=scale, causal=causal)
-    for part in schedule(s, segment_lengths, dilation_rates, h):
+    for u in units(s, segment_lengths, dilation_rates, h):
         for bi in range(b):
-            qv, kv, vv, dov, ov, dqv, dkv, dvv = _views(part, (q, k, v, dout, out, dq, dk, dv), bi)
-            lv = part.lse_view(lse[bi: bi + 1]).flatten(0, 1)
-            dlv = None if dlse is None else part.lse_view(dlse[bi: bi + 1]).flatten(0, 1)
-            for sl in _pieces(part, h, d, q.element_size()):
+            qv, kv, vv, dov, ov, dqv, dkv, dvv, lv = (u.view(x, bi, h) for x in (q, k, v, dout, out, dq, dk, dv,
+                                                                                 lse))
+            dlv = None if dlse is None else u.view(dlse, bi, h)
+            for sl in _pieces(u, qv, q.element_size()):
                 lb = lv[sl].transpose(1, 2).contiguous()  # (n, Hc, m)
                 dlb = None if dlv is None else dlv[sl].transpose(1, 2).contiguous()
                 dqb, dkb, dvb = bk.block_backward(dov[sl], qv[sl], kv[sl], vv[sl], ov[sl], lb, spec, backend,

@@ -128,3 +128,24 @@ def test_triton_kernel_padded_and_large_head_dims(d):
     assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
     for a, b in zip(g, rg):
         assert rel_err(a, b) < TOL
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_views_path_stacks_branch_classes(causal):
+    """The MHA views path stacks a branch's offset classes into one strided
+    view per segment (Hc > 1) or one for the branch (one head per class);
+    batch > 1 checks the views' batch offsets. Against float64."""
+    s, h, segs, rates = 64, 8, [8, 32, 64], [2, 4, 8]
+    kinds = {(u.part is not None, u.seg >= 0) for u in dilated.units(s, segs, rates, h)}
+    assert kinds == {(True, False), (False, True), (False, False)}  # per class, per segment, whole branch
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(2, s, h, 16) for _ in range(4))
+    dl = torch.randn(2, h, s)
+    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                    causal=causal, return_lse=True, backend="math")
+    ref = lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal)
+    (o, l, g) = grads_of(fn, [q, k, v], do, dl)
+    (ro, rl, rg) = grads_of(ref, [q.double(), k.double(), v.double()], do, dl)
+    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
+    for a, b in zip(g, rg):
+        assert rel_err(a, b) < TOL

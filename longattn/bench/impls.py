@@ -9,6 +9,7 @@ dilated-attention-pytorch (heads divided among branches).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Optional
 
 import torch
@@ -253,6 +254,10 @@ def _gather_build(cfg, dev):
     return fn
 
 
+def _dense_max_tokens() -> int:
+    return int(os.environ.get("LONGATTN_BENCH_DENSE_MAX_TOKENS", 262144))
+
+
 IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("longattn", ("dense", "window"), _d["auto"][0], _d["auto"][1], "longattn.attention, backend auto"),
     Impl("longattn-triton", ("dense", "window"), _d["triton"][0], _d["triton"][1], "our Triton kernel"),
@@ -274,7 +279,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
     Impl("dense-same-length", ("dilated", "varlen"), lambda c, d: (lambda q, k, v: longattn.attention(
         q, k, v, causal=c.causal)), lambda c, d: ("dense attention above 256K tokens takes minutes per call (its cost grows"
-                                           " as S^2: see the 128K row)" if c.seqlen * c.batch > 262144 else None),
+                                           " as S^2: see the 128K row; LONGATTN_BENCH_DENSE_MAX_TOKENS raises the limit)"
+                                           if c.seqlen * c.batch > _dense_max_tokens() else None),
         "dense attention at the same length (auto: cuDNN on CUDA)",
         comparable=False),
     Impl("longattn-varlen", ("varlen",), *_varlen("auto"), note="longattn.attention_varlen, backend auto"),
