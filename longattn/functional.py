@@ -146,10 +146,10 @@ register_attention_autograd(_dilated_fwd, _dilated_bwd,
 
 # From this many tokens (batch x seqlen) auto runs MHA dilated attention as cuDNN
 # calls on strided views, forward and backward separately (the backward needs
-# only the merged out/lse). One H200 (run_dilated_d128_h200_fb90005.json), views
-# over fused Triton time: forward 1.14x at 128K, 0.72x at 1M; backward 0.67x at
-# 128K, 0.64x at 1M; at 32K the views path was slower in both.
-CUDNN_VIEWS_MIN_TOKENS = {"fwd": 524288, "bwd": 131072}
+# only the merged out/lse). One H200, LongNet config (run_dilated_d128_h200_95be340.json,
+# offset classes stacked into few views), views over fused Triton time: forward
+# 0.73x at 32K, 0.69x at 128K, 0.73x at 1M; backward 0.68x, 0.66x, 0.65x.
+CUDNN_VIEWS_MIN_TOKENS = {"fwd": 32768, "bwd": 32768}
 
 
 def _use_fused(q, k, backend: str, pass_: str = "fwd") -> bool:
