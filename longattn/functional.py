@@ -146,10 +146,16 @@ register_attention_autograd(_dilated_fwd, _dilated_bwd,
 
 # From this many tokens (batch x seqlen) auto runs MHA dilated attention as cuDNN
 # calls on strided views, forward and backward separately (the backward needs
-# only the merged out/lse). One H200, LongNet config (run_dilated_d128_h200_95be340.json,
-# offset classes stacked into few views), views over fused Triton time: forward
-# 0.73x at 32K, 0.69x at 128K, 0.73x at 1M; backward 0.68x, 0.66x, 0.65x.
-CUDNN_VIEWS_MIN_TOKENS = {"fwd": 32768, "bwd": 32768}
+# only the merged out/lse), per head dim. One H200, LongNet config, offset
+# classes stacked into few views (run_dilated_d128_h200_6fbc591.json,
+# run_dilated_d64_h200_6fbc591.json), views over fused Triton time:
+#   D=128: forward 0.72x at 32K, 0.66x at 128K, 0.73x at 1M; backward 0.69x, 0.67x, 0.64x
+#   D=64:  forward 1.94x at 32K, 0.97x at 128K, 0.90x at 1M; backward 0.84x, 0.56x, 0.58x
+CUDNN_VIEWS_MIN_TOKENS = {("fwd", 128): 32768, ("bwd", 128): 32768, ("fwd", 64): 131072, ("bwd", 64): 32768}
+
+
+def _views_min_tokens(pass_: str, head_dim: int) -> int:
+    return CUDNN_VIEWS_MIN_TOKENS[(pass_, 64 if head_dim <= 64 else 128)]
 
 
 def _use_fused(q, k, backend: str, pass_: str = "fwd") -> bool:
@@ -160,7 +166,7 @@ def _use_fused(q, k, backend: str, pass_: str = "fwd") -> bool:
         return True
     if backend != "auto" or q.device.type != "cuda" or bk._forced() not in (None, "triton"):
         return False
-    if bk._forced() is None and q.shape[0] * q.shape[1] >= CUDNN_VIEWS_MIN_TOKENS[pass_] and _cudnn_views(q, k):
+    if bk._forced() is None and q.shape[0] * q.shape[1] >= _views_min_tokens(pass_, q.shape[-1]) and _cudnn_views(q, k):
         return False
     from .kernels import triton_dilated
 

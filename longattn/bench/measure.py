@@ -115,6 +115,10 @@ def environment(device: torch.device) -> dict:
                commit=git_commit(), command=" ".join([os.path.basename(sys.executable), "-m", "longattn.bench",
                                                       *sys.argv[1:]]),
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    # settings that change what runs (transport, thresholds, forced backends) belong to the command
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("LONGATTN_") and k != "LONGATTN_COMMIT"}
+    if knobs:
+        env["command"] = " ".join(f"{k}={v}" for k, v in knobs.items()) + " " + env["command"]
     if device.type == "cuda":
         env.update(device=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
                    cudnn=torch.backends.cudnn.version(), gpus=torch.cuda.device_count())
