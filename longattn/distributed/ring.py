@@ -22,6 +22,7 @@ stop the ring after the last step any rank needs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -229,7 +230,7 @@ def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
 
 # Own-block work held back to the end of the backward, to cover the final dK/dV hop;
 # calls with fewer query rows are not split (two launches cost more than the hop).
-HOLD_BACK_MIN_ROWS = 2048
+HOLD_BACK_MIN_ROWS = int(os.environ.get("LONGATTN_RING_HOLD_BACK_MIN_ROWS", 2048))
 
 
 def _hold_back(calls: list) -> tuple[list, list]:
