@@ -182,6 +182,28 @@ def _pieces(u: Unit, v: torch.Tensor, esize: int):
     return [slice(a, min(a + per, u.n)) for a in range(0, u.n, per)]
 
 
+def _ordered_units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> tuple[list[Unit], int]:
+    """The views path's units with the first rate-1 branch's parts first, and
+    their count. Those parts cover every (row, head) exactly once, so their
+    results are copied into the output (or become it) instead of merging with
+    an empty one: no zero-fill pass, no read of it."""
+    us = units(seqlen, segment_lengths, dilation_rates, nheads)
+    if 1 not in list(dilation_rates):
+        return us, 0
+    w = list(segment_lengths)[list(dilation_rates).index(1)]
+    base = [Unit(p) for p in schedule(seqlen, [w], [1], nheads)]
+    for u in base:
+        us.remove(u)  # its first occurrence: a repeated (w, 1) branch still merges
+    return base + us, len(base)
+
+
+def _adoptable(order: list, nbase: int, x: torch.Tensor) -> bool:
+    """One base unit, one piece, batch 1: the backend's result for it is the
+    whole (1, S, H, D) output, taken as it is."""
+    return nbase == 1 and x.shape[0] == 1 and len(_pieces(order[0], order[0].view(x, 0, x.shape[2]),
+                                                          x.element_size())) == 1
+
+
 def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto",
             out_dtype=None):
     b, s, h, d = q.shape
@@ -193,15 +215,28 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
     from .kernels import triton_merge
 
     acc = (out_dtype or q.dtype) if triton_merge.usable(q) else torch.float32
-    out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
-    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h)
+    adopt = _adoptable(order, nbase, q)
+    if nbase:
+        out = torch.empty(b, s, h, d, dtype=acc, device=q.device)
+        lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
+        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     spec = bk.BlockSpec(scale=scale, causal=causal)
-    for u in units(s, segment_lengths, dilation_rates, h):
+    for i, u in enumerate(order):
         for bi in range(b):
             qv, kv, vv, ov, lv = (u.view(x, bi, h) for x in (q, k, v, out, lse))  # (N, M, Hc, D) / (N, M, Hc)
             for sl in _pieces(u, qv, q.element_size()):
                 ob, lb = bk.block_forward(qv[sl], kv[sl], vv[sl], spec, backend)
-                merge_into(ov[sl], lv[sl], ob, lb.transpose(1, 2), use_triton=True)
+                if i == 0 and adopt and ob.dtype == acc and ob.is_contiguous():
+                    out = ob.view(b, s, h, d)
+                    lse = lb.transpose(0, 1).reshape(b, h, s)  # (nseg, H, m) -> (1, H, S)
+                elif i < nbase:
+                    ov[sl].copy_(ob)
+                    lv[sl].copy_(lb.transpose(1, 2))
+                else:
+                    merge_into(ov[sl], lv[sl], ob, lb.transpose(1, 2), use_triton=True)
     return out.to(out_dtype or q.dtype), lse
 
 
@@ -228,23 +263,32 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
         return _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale,
                                 backend)
     # MHA: views of every tensor; each piece's gradients add into dQ/dK/dV in
-    # place, in the input dtype (one rounding per branch, as the fused kernels).
-    dq, dk, dv = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    # place, in the input dtype (one rounding per branch, as the fused kernels);
+    # the base branch's (see _ordered_units) are copied, or become the gradients.
+    order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h)
+    grads = None
+    if not _adoptable(order, nbase, q):
+        new = torch.empty_like if nbase else torch.zeros_like
+        grads = [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
     spec = bk.BlockSpec(scale=scale, causal=causal)
-    for u in units(s, segment_lengths, dilation_rates, h):
+    for i, u in enumerate(order):
         for bi in range(b):
-            qv, kv, vv, dov, ov, dqv, dkv, dvv, lv = (u.view(x, bi, h) for x in (q, k, v, dout, out, dq, dk, dv,
-                                                                                 lse))
+            qv, kv, vv, dov, ov, lv = (u.view(x, bi, h) for x in (q, k, v, dout, out, lse))
             dlv = None if dlse is None else u.view(dlse, bi, h)
             for sl in _pieces(u, qv, q.element_size()):
                 lb = lv[sl].transpose(1, 2).contiguous()  # (n, Hc, m)
                 dlb = None if dlv is None else dlv[sl].transpose(1, 2).contiguous()
-                dqb, dkb, dvb = bk.block_backward(dov[sl], qv[sl], kv[sl], vv[sl], ov[sl], lb, spec, backend,
-                                                  dlse=dlb)
-                dqv[sl].add_(dqb)
-                dkv[sl].add_(dkb)
-                dvv[sl].add_(dvb)
-    return dq, dk, dv
+                gb = bk.block_backward(dov[sl], qv[sl], kv[sl], vv[sl], ov[sl], lb, spec, backend, dlse=dlb)
+                if grads is None:  # the one base piece: its gradients are the whole (1, S, H, D) tensors
+                    grads = [g.reshape(b, s, h, d).to(x.dtype) for g, x in zip(gb, (q, k, v))]
+                    continue
+                for g, x in zip(gb, grads):
+                    gv = u.view(x, bi, h)[sl]
+                    if i < nbase:
+                        gv.copy_(g)
+                    else:
+                        gv.add_(g)
+    return tuple(grads)
 
 
 def _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend):

@@ -41,12 +41,12 @@ def test_dense_bf16(backend, causal):
 @pytest.mark.parametrize("backend", ["triton", "auto", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [4, 8])  # GQA: fused Triton under auto; MHA: cuDNN on strided views
-# the views path stacks offset classes per segment (2048, r=4) and per branch (4096, r=8 = heads);
-# 8192 > seqlen: partial segments only
-@pytest.mark.parametrize("segs", [[512, 1024, 2048, 8192], [512, 1024, 2048, 4096]])
-def test_dilated_bf16(backend, causal, hkv, segs):
+# 6000 tokens: partial segments (8192 > seqlen); 8192: the views path stacks offset classes per
+# segment (4096, r=4) and per branch (8192, r=8 = heads), and the rate-1 branch's result is the output
+@pytest.mark.parametrize("segs,seqlen", [([512, 1024, 2048, 8192], 6000), ([512, 1024, 4096, 8192], 8192)])
+def test_dilated_bf16(backend, causal, hkv, segs, seqlen):
     rates = [1, 2, 4, 8]
-    q, k, v, do = _inputs(1, 6000, 8, hkv, 128)
+    q, k, v, do = _inputs(1, seqlen, 8, hkv, 128)
     ref = grads_of(lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal),
                    [q.double(), k.double(), v.double()], do)
     bar = _sdpa_errors(q, k, v, do, causal, grads_of(lambda q, k, v: attention_ref(q, k, v, causal=causal),
