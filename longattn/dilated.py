@@ -264,12 +264,10 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
                                 backend)
     # MHA: views of every tensor; each piece's gradients add into dQ/dK/dV in
     # place, in the input dtype (one rounding per branch, as the fused kernels);
-    # the base branch's (see _ordered_units) are copied, or become the gradients.
+    # the base branch's (see _ordered_units) are copied in.
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h)
-    grads = None
-    if not _adoptable(order, nbase, q):
-        new = torch.empty_like if nbase else torch.zeros_like
-        grads = [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
+    new = torch.empty_like if nbase else torch.zeros_like
+    grads = [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
     spec = bk.BlockSpec(scale=scale, causal=causal)
     for i, u in enumerate(order):
         for bi in range(b):
@@ -279,9 +277,6 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
                 lb = lv[sl].transpose(1, 2).contiguous()  # (n, Hc, m)
                 dlb = None if dlv is None else dlv[sl].transpose(1, 2).contiguous()
                 gb = bk.block_backward(dov[sl], qv[sl], kv[sl], vv[sl], ov[sl], lb, spec, backend, dlse=dlb)
-                if grads is None:  # the one base piece: its gradients are the whole (1, S, H, D) tensors
-                    grads = [g.reshape(b, s, h, d).to(x.dtype) for g, x in zip(gb, (q, k, v))]
-                    continue
                 for g, x in zip(gb, grads):
                     gv = u.view(x, bi, h)[sl]
                     if i < nbase:
