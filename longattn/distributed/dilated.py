@@ -227,8 +227,7 @@ def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batc
     """Bytes one rank sends through P2P for one forward (or forward+backward):
     per spanning branch, (steps - 1) ring hops of the dilated K and V
     (B x L/r x Hp x D each); the backward adds the K/V ring again, the float32
-    dK/dV ring and the final dK/dV sent home in the input dtype (a ring of two
-    steps sends only the next rank's float32 dK/dV home, once)."""
+    dK/dV ring and the final dK/dV sent home in the input dtype."""
     l = seqlen // world
     _, span = split_branches(l, world, segment_lengths, dilation_rates)
     total = 0
@@ -240,8 +239,5 @@ def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batc
         fwd = (steps - 1) * 2 * rows * itemsize
         total += fwd
         if backward:
-            if steps == 2:
-                total += fwd + 2 * rows * 4
-            else:
-                total += fwd + (steps - 1) * 2 * rows * 4 + (2 * rows * itemsize if steps > 1 else 0)
+            total += fwd + (steps - 1) * 2 * rows * 4 + (2 * rows * itemsize if steps > 1 else 0)
     return total

@@ -266,84 +266,6 @@ def _hold_back(calls: list) -> tuple[list, list]:
     return calls[:i] + early + calls[i + 1:], late
 
 
-def _run_calls(calls, kc, vc, dout, q, out, lse, dlse, backend: str, dq_sink) -> list:
-    """Backward of ``calls`` on the K/V block (kc, vc); returns their (k0, k1, dK, dV)
-    and hands every (q0, q1, dQ) to ``dq_sink``."""
-    grads = []
-    for c in calls:
-        qs = slice(c.q0, c.q1)
-        args = (dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous())
-        dl = None if dlse is None else dlse[:, :, qs].contiguous()
-        g = c.run.backward(*args, dl) if c.run is not None else bk.block_backward(*args, c.spec, backend, dlse=dl)
-        if g is None:
-            grads += _run_calls(c.run.calls, kc, vc, dout, q, out, lse, dlse, backend, dq_sink)
-            continue
-        dqb, dkb, dvb = g
-        dq_sink(c.q0, c.q1, dqb)
-        grads.append((c.k0, c.k1, dkb, dvb))
-    return grads
-
-
-def _sum_pieces(like: torch.Tensor, dtype, pieces: list, triton: bool) -> torch.Tensor:
-    """A tensor shaped like ``like`` whose rows [a, b) hold the sum of the pieces
-    ``(a, b, x)`` covering them (0 where none): float32 arithmetic, one rounding
-    to ``dtype``, one pass over each piece (a Triton kernel sums up to four)."""
-    res = torch.empty(like.shape, dtype=dtype, device=like.device)
-    cuts = sorted({0, like.shape[1]} | {a for a, _, _ in pieces} | {b for _, b, _ in pieces})
-    for lo, hi in zip(cuts, cuts[1:]):
-        xs = [x[:, lo - a: hi - a] for a, b, x in pieces if a <= lo and hi <= b]
-        dst = res[:, lo:hi]
-        if not xs:
-            dst.zero_()
-        elif len(xs) == 1:
-            dst.copy_(xs[0])
-        elif triton and len(xs) <= 4 and dst.dim() == 4 and all(x.stride(-1) == 1 for x in xs):
-            from ..kernels import triton_merge
-
-            triton_merge.sum_into(dst, xs)
-        else:
-            acc = xs[0].float()
-            acc = acc.clone() if acc is xs[0] else acc  # float32 pieces: .float() returns the piece itself
-            for x in xs[1:]:
-                acc += x
-            dst.copy_(acc)
-    return res
-
-
-def _two_step_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, backend: str):
-    """The backward of a ring of two steps (two ranks, or a window that ends the
-    ring after one hop). The only contribution to this rank's dK/dV made
-    elsewhere is the next rank's; it travels home once, summed in float32. Every
-    other gradient piece stays the backend's output until one pass sums each of
-    dQ, dK, dV in float32 arithmetic and rounds once: the arithmetic of the
-    float32 accumulators of longer rings, with one dK/dV exchange instead of two
-    and about a third of their memory passes."""
-    rank = comm.rank
-    dkv_comm = _comm.exchange(comm.group, comm.peers, tag="dkv")
-    triton = q.is_cuda
-    dq_pieces = []
-
-    def run(calls, kc, vc):
-        return _run_calls(calls, kc, vc, dout, q, out, lse, dlse, backend,
-                          lambda a, b, x: dq_pieces.append((a, b, x)))
-
-    comm.ring([k, v])
-    early, late = _hold_back(list(plan_fn(rank)))
-    mine = run(early, k, v)
-    kc, vc = comm.wait()
-    theirs = run(plan_fn((rank - 1) % comm.size), kc, vc)  # gradients of ring position rank - 1's K/V
-    dk_t = _sum_pieces(k, torch.float32, [(a, b, x) for a, b, x, _ in theirs], triton)
-    dv_t = _sum_pieces(v, torch.float32, [(a, b, x) for a, b, _, x in theirs], triton)
-    del theirs
-    dkv_comm.start([dk_t, dv_t], send_to=rank - 1, recv_from=rank + 1, fresh=True)
-    mine += run(late, k, v)  # the held-back piece covers the hop
-    dk_in, dv_in = dkv_comm.wait()
-    whole = k.shape[1]
-    dk = _sum_pieces(k, k.dtype, [(0, whole, dk_in)] + [(a, b, x) for a, b, x, _ in mine], triton)
-    dv = _sum_pieces(v, v.dtype, [(0, whole, dv_in)] + [(a, b, x) for a, b, _, x in mine], triton)
-    return _sum_pieces(q, q.dtype, dq_pieces, triton), dk, dv
-
-
 def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     """Generic ring backward; a second exchange object carries dK/dV.
 
@@ -352,18 +274,30 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
     step each accumulator is one hop from its owner; part of the own block's
     work (``_hold_back``) runs during that hop.
     """
-    if steps == 2:
-        return _two_step_backward(dout, q, k, v, out, lse, dlse, comm, plan_fn, backend)
     dkv_comm = _comm.exchange(comm.group, comm.peers, tag="dkv")
     rank = comm.rank
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dq_written = []
 
     def run(calls, kc, vc, dq_pieces=None):
-        """Backward of ``calls``: dQ into the accumulator, or into ``dq_pieces``."""
-        sink = ((lambda a, b, x: _accumulate(dq, dq_written, a, b, x)) if dq_pieces is None
-                else (lambda a, b, x: dq_pieces.append((a, b, x))))
-        return _run_calls(calls, kc, vc, dout, q, out, lse, dlse, backend, sink)
+        """Backward of ``calls``; returns their (k0, k1, dK, dV). dQ goes into the
+        accumulator, or into ``dq_pieces`` (q0, q1, dQ) when given."""
+        grads = []
+        for c in calls:
+            qs = slice(c.q0, c.q1)
+            args = (dout[:, qs], q[:, qs], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1], out[:, qs], lse[:, :, qs].contiguous())
+            dl = None if dlse is None else dlse[:, :, qs].contiguous()
+            g = c.run.backward(*args, dl) if c.run is not None else bk.block_backward(*args, c.spec, backend, dlse=dl)
+            if g is None:
+                grads += run(c.run.calls, kc, vc, dq_pieces)
+                continue
+            dqb, dkb, dvb = g
+            if dq_pieces is None:
+                _accumulate(dq, dq_written, c.q0, c.q1, dqb)
+            else:
+                dq_pieces.append((c.q0, c.q1, dqb))
+            grads.append((c.k0, c.k1, dkb, dvb))
+        return grads
 
     def add(dk_acc, dv_acc, written, grads):
         kv_written = list(written)

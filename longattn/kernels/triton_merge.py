@@ -40,41 +40,6 @@ if HAS_TRITON:
         tl.store(l_ptr, lse, mask=rm)
 
 
-    @triton.jit
-    def _sum_kernel(O, X0, X1, X2, X3, so0, so1, so2, s00, s01, s02, s10, s11, s12, s20, s21, s22, s30, s31, s32,
-                    M, HC, K: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        nh = tl.program_id(1)
-        n = (nh // HC).to(tl.int64)
-        hc = (nh % HC).to(tl.int64)
-        rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        offs_d = tl.arange(0, D_PAD)
-        msk = (rows < M)[:, None] & (offs_d < D)[None, :]
-        acc = tl.load(X0 + n * s00 + rows[:, None] * s01 + hc * s02 + offs_d[None, :], mask=msk,
-                      other=0.0).to(tl.float32)
-        if K > 1:
-            acc += tl.load(X1 + n * s10 + rows[:, None] * s11 + hc * s12 + offs_d[None, :], mask=msk, other=0.0)
-        if K > 2:
-            acc += tl.load(X2 + n * s20 + rows[:, None] * s21 + hc * s22 + offs_d[None, :], mask=msk, other=0.0)
-        if K > 3:
-            acc += tl.load(X3 + n * s30 + rows[:, None] * s31 + hc * s32 + offs_d[None, :], mask=msk, other=0.0)
-        tl.store(O + n * so0 + rows[:, None] * so1 + hc * so2 + offs_d[None, :], acc.to(O.dtype.element_ty), mask=msk)
-
-
-def sum_into(out: torch.Tensor, xs) -> None:
-    """out <- sum(xs) for 1 to 4 tensors laid out as (N, M, Hc, D) with unit
-    stride in D (any other strides, any float dtypes): one pass, float32
-    arithmetic, one rounding to out's dtype."""
-    n, m, hc, d = out.shape
-    assert 1 <= len(xs) <= 4 and out.stride(-1) == 1 and all(x.stride(-1) == 1 for x in xs)
-    strides = [x.stride()[:3] for x in xs] + [(0, 0, 0)] * (4 - len(xs))
-    ptrs = list(xs) + [xs[0]] * (4 - len(xs))
-    block = 16 if out.device.type == "cpu" else 64
-    grid = (triton.cdiv(m, block), n * hc)
-    _sum_kernel[grid](out, *ptrs, *out.stride()[:3], *[v for st in strides for v in st], m, hc, K=len(xs), D=d,
-                      D_PAD=_d_pad(d), BLOCK=block, num_warps=4 if d <= 128 else 8)
-
-
 def usable(x: torch.Tensor) -> bool:
     return HAS_TRITON and available(x.device) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
