@@ -20,6 +20,7 @@ of the whole.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -146,9 +147,16 @@ class Unit:
 
     def view(self, x: torch.Tensor, bi: int, h: int) -> torch.Tensor:
         if self.part is not None:
+            # Part.q_view / lse_view of batch element bi, as one as_strided call: this runs
+            # for every tensor of every call, and short sequences are bound by host time
+            p, hc = self.part, self.part.nheads(h)
             if x.dim() == 4:
-                return self.part.q_view(x[bi: bi + 1]).flatten(0, 1)
-            return self.part.lse_view(x[bi: bi + 1]).flatten(0, 1)
+                sb, ss, sh, sd = x.stride()
+                return x.as_strided((p.nseg, p.m, hc, x.shape[3]), (p.seg_len * ss, p.r * ss, p.r * sh, sd),
+                                    x.storage_offset() + bi * sb + (p.start + p.c) * ss + p.c * sh)
+            sb, sh, ss = x.stride()
+            return x.as_strided((p.nseg, p.m, hc), (p.seg_len * ss, p.r * ss, p.r * sh),
+                                x.storage_offset() + bi * sb + (p.start + p.c) * ss + p.c * sh)
         v = self._five(x, bi, h)
         if self.seg >= 0:
             return v[self.seg]
@@ -182,19 +190,25 @@ def _pieces(u: Unit, v: torch.Tensor, esize: int):
     return [slice(a, min(a + per, u.n)) for a in range(0, u.n, per)]
 
 
-def _ordered_units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> tuple[list[Unit], int]:
+def _ordered_units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> tuple[tuple[Unit, ...], int]:
     """The views path's units with the first rate-1 branch's parts first, and
     their count. Those parts cover every (row, head) exactly once, so their
     results are copied into the output (or become it) instead of merging with
-    an empty one: no zero-fill pass, no read of it."""
+    an empty one: no zero-fill pass, no read of it. Cached: planning is host
+    time on every call."""
+    return _ordered_units_cached(seqlen, tuple(segment_lengths), tuple(dilation_rates), nheads)
+
+
+@functools.lru_cache(maxsize=256)
+def _ordered_units_cached(seqlen: int, segment_lengths: tuple, dilation_rates: tuple, nheads: int):
     us = units(seqlen, segment_lengths, dilation_rates, nheads)
-    if 1 not in list(dilation_rates):
-        return us, 0
-    w = list(segment_lengths)[list(dilation_rates).index(1)]
+    if 1 not in dilation_rates:
+        return tuple(us), 0
+    w = segment_lengths[dilation_rates.index(1)]
     base = [Unit(p) for p in schedule(seqlen, [w], [1], nheads)]
     for u in base:
         us.remove(u)  # its first occurrence: a repeated (w, 1) branch still merges
-    return base + us, len(base)
+    return tuple(base + us), len(base)
 
 
 def _adoptable(order: list, nbase: int, x: torch.Tensor) -> bool:
