@@ -1,4 +1,5 @@
-"""LongNet dilated attention on one device: the schedule and the gather path.
+"""LongNet dilated attention on one device: the schedule, the views path (MHA)
+and the gather path (GQA).
 
 Semantics (pinned by tests/reference.py):
   branch i has segment length w_i and dilation rate r_i; for query head h it
@@ -11,9 +12,12 @@ Semantics (pinned by tests/reference.py):
 The schedule cuts every branch into *parts*: for each offset class
 ``c = h % r`` the full segments (batched as one dense call) and the partial
 last segment. A part's rows are ``c, c + r, ...`` inside each segment, which
-are plain strided views of (B, S, H, D) tensors; the gather path copies them
-into dense blocks, runs the local backend and merges into float32
-accumulators through the same views. The backward reruns each part's local
+are plain strided views of (B, S, H, D) tensors. The views path (MHA) hands
+those views to the local backend without copies, a branch's classes stacked
+into few calls (:class:`Unit`), and merges each result into the output in
+place (one Triton pass, float32 arithmetic); the gather path (GQA, whose kv
+heads do not follow the query heads' strides) copies parts into dense blocks
+and merges into float32 accumulators. The backward reruns each part's local
 backward with the *merged* output and lse, so its gradients are exact pieces
 of the whole.
 """
