@@ -199,9 +199,11 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
             head ``h // (nheads // nheads_kv)`` at the positions its offset selects.
         segment_lengths, dilation_rates: one ``(w, r)`` per branch, positive ints.
         causal, softmax_scale, return_lse: as in :func:`attention`.
-        backend: ``"triton"`` (fused kernel, no copies), a local backend name for
-            the gather path (``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``), or
-            ``"auto"``.
+        backend: ``"triton"`` (fused kernels, no copies), a local backend name
+            (``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``) run on every part
+            (MHA: strided views, no copies; GQA: gathered blocks), or ``"auto"``: on
+            CUDA, cuDNN on the views for MHA from 32K tokens (D <= 64: forward from
+            128K), the fused Triton kernels otherwise (see ``CUDNN_VIEWS_MIN_TOKENS``).
         group: a ProcessGroup; when given, q/k/v are this rank's contiguous shard
             of the sequence (see :func:`longattn.distributed.dilated_attention`).
 
