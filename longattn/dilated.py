@@ -58,14 +58,29 @@ class Part:
         span = x[:, self.start : self.start + self.nseg * self.seg_len]
         return span.view(b, self.nseg, self.seg_len, h, d)[:, :, self.c :: self.r]
 
-    def q_view(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rows(x)[:, :, :, self.c :: self.r]
+    def q_view(self, x: torch.Tensor, bi: Optional[int] = None) -> torch.Tensor:
+        """(B, S, H, D) -> strided view (B, nseg, m, Hc, D) of the part's rows and
+        heads, or (nseg, m, Hc, D) of batch element ``bi``. One ``as_strided``
+        call: the views path makes these for every tensor of every call, and
+        short sequences are bound by host time."""
+        sb, ss, sh, sd = x.stride()
+        size = (self.nseg, self.m, self.nheads(x.shape[2]), x.shape[3])
+        stride = (self.seg_len * ss, self.r * ss, self.r * sh, sd)
+        return self._view(x, sb, ss, sh, size, stride, bi)
 
-    def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
-        """(B, H, S) -> strided view (B, nseg, m, Hc) aligned with q_view."""
-        span = lse[:, self.c :: self.r, self.start : self.start + self.nseg * self.seg_len]
-        v = span.unflatten(2, (self.nseg, self.seg_len))[..., self.c :: self.r]  # (B, Hc, nseg, m)
-        return v.permute(0, 2, 3, 1)
+    def lse_view(self, lse: torch.Tensor, bi: Optional[int] = None) -> torch.Tensor:
+        """(B, H, S) -> strided view (B, nseg, m, Hc) aligned with q_view (or
+        (nseg, m, Hc) of batch element ``bi``)."""
+        sb, sh, ss = lse.stride()
+        size = (self.nseg, self.m, self.nheads(lse.shape[1]))
+        stride = (self.seg_len * ss, self.r * ss, self.r * sh)
+        return self._view(lse, sb, ss, sh, size, stride, bi)
+
+    def _view(self, x, sb, ss, sh, size, stride, bi):
+        first = x.storage_offset() + (self.start + self.c) * ss + self.c * sh  # row start + c, head c
+        if bi is None:
+            return x.as_strided((x.shape[0], *size), (sb, *stride), first)
+        return x.as_strided(size, stride, first + bi * sb)
 
 
 def schedule(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[Part]:
@@ -151,16 +166,7 @@ class Unit:
 
     def view(self, x: torch.Tensor, bi: int, h: int) -> torch.Tensor:
         if self.part is not None:
-            # Part.q_view / lse_view of batch element bi, as one as_strided call: this runs
-            # for every tensor of every call, and short sequences are bound by host time
-            p, hc = self.part, self.part.nheads(h)
-            if x.dim() == 4:
-                sb, ss, sh, sd = x.stride()
-                return x.as_strided((p.nseg, p.m, hc, x.shape[3]), (p.seg_len * ss, p.r * ss, p.r * sh, sd),
-                                    x.storage_offset() + bi * sb + (p.start + p.c) * ss + p.c * sh)
-            sb, sh, ss = x.stride()
-            return x.as_strided((p.nseg, p.m, hc), (p.seg_len * ss, p.r * ss, p.r * sh),
-                                x.storage_offset() + bi * sb + (p.start + p.c) * ss + p.c * sh)
+            return self.part.q_view(x, bi) if x.dim() == 4 else self.part.lse_view(x, bi)
         v = self._five(x, bi, h)
         if self.seg >= 0:
             return v[self.seg]
