@@ -13,6 +13,14 @@ import torch
 import torch.nn.functional as F
 
 
+def empty_state(like: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge's identity for ``like`` (B, S, H, D): output 0 in ``dtype`` and
+    lse -inf (B, H, S) float32, the state of rows that have seen no key."""
+    b, s, h, d = like.shape
+    return (torch.zeros(b, s, h, d, dtype=dtype, device=like.device),
+            torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=like.device))
+
+
 def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """In place: (out, lse) <- merge((out, lse), (out_b, lse_b)).
 

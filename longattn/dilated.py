@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from . import backends as bk
-from ._merge import merge_, merge_into
+from ._merge import empty_state, merge_, merge_into
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,8 +245,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
         out = torch.empty(b, s, h, d, dtype=acc, device=q.device)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     else:
-        out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
-        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = empty_state(q, acc)
     spec = bk.BlockSpec(scale=scale, causal=causal)
     for i, u in enumerate(order):
         for bi in range(b):
@@ -266,8 +265,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
 
 def _gather_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, out_dtype):
     b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    out, lse = empty_state(q, torch.float32)
     spec = bk.BlockSpec(scale=scale, causal=causal)
     for part in schedule(s, segment_lengths, dilation_rates, h):
         qb, kb, vb, _ = _gather(part, q, k, v)

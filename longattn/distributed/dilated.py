@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .. import dilated as _dil
-from .._merge import merge_
+from .._merge import empty_state, merge_
 from .._ops import register_attention_autograd
 from .._validation import check_dilated_call
 from . import _comm
@@ -117,8 +117,7 @@ def _forward(q, k, v, segs, rates, scale, causal, group, backend):
         out, lse = _local_fwd(q, k, v, [w for w, _ in local], [r for _, r in local], causal, scale, backend,
                               torch.float32)
     else:
-        out = torch.zeros(b, l, h, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = empty_state(q, torch.float32)
     lse_blh = lse.transpose(1, 2).contiguous()
     for w, r in span:
         comm, plan_fn, steps, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)

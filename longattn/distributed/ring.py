@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .. import backends as bk
-from .._merge import merge_into
+from .._merge import empty_state, merge_into
 from .._ops import register_attention_autograd
 from .._validation import check_flag, check_qkv, check_scale, check_window
 from . import _comm
@@ -174,7 +174,7 @@ def _finish(acc: torch.Tensor, written: list, last: list, dtype) -> torch.Tensor
     return res
 
 
-def _max_cover(plans: list, length: int) -> int:
+def _max_cover(plans: list) -> int:
     """Most partial results any query row receives over the whole ring."""
     ev = sorted([(c.q0, 1) for calls in plans for c in calls] + [(c.q1, -1) for calls in plans for c in calls])
     most = depth = 0
@@ -187,13 +187,13 @@ def _max_cover(plans: list, length: int) -> int:
 def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     """Generic ring forward: ``plan_fn(src)`` lists the dense calls this rank
     makes on the K/V block that started at ring position ``src``."""
-    b, l, h, d = q.shape
+    l = q.shape[1]
     plans = [list(plan_fn((comm.rank - s) % comm.size)) for s in range(steps)]
     # Rows merged at most once (every 2-step ring, zigzag's diagonal included)
     # keep the output dtype: the first partial is already rounded to it and the
     # one merge (float32 arithmetic) rounds once, as a float32 accumulator's
     # final cast would. More merges accumulate in float32.
-    acc_dtype = q.dtype if _max_cover(plans, l) <= 2 else torch.float32
+    acc_dtype = q.dtype if _max_cover(plans) <= 2 else torch.float32
     triton = q.is_cuda  # one fused merge pass per block; CPU keeps torch's (the interpreter is slow)
     out = lse = None
     kc, vc = k, v
@@ -211,8 +211,7 @@ def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
                 written.append((0, l))
                 continue
             if out is None:
-                out = torch.zeros(b, l, h, d, dtype=acc_dtype, device=q.device)
-                lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
+                out, lse = empty_state(q, acc_dtype)
             if any(w0 < c.q1 and c.q0 < w1 for w0, w1 in written):
                 merge_into(out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1].transpose(1, 2), ob, lb.transpose(1, 2),
                            use_triton=triton)
@@ -223,8 +222,7 @@ def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
         if s + 1 < steps:
             kc, vc = comm.wait()
     if out is None:  # no block had a visible key: every row is empty
-        out = torch.zeros(b, l, h, d, dtype=q.dtype, device=q.device)
-        lse = torch.full((b, h, l), float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = empty_state(q, q.dtype)
     return out.to(q.dtype), lse
 
 
