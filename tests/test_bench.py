@@ -67,6 +67,22 @@ def test_scale_and_report(tmp_path):
     assert (out / "report.md").exists() and (out / "time_memory_vs_seqlen.png").stat().st_size > 1000
 
 
+def test_timing_modes_are_recorded(tmp_path):
+    """Every timed row says how it was timed; on CPU "queued" falls back to cold
+    wall time (it needs a GPU stream) and says so."""
+    from longattn.bench.measure import time_ms
+
+    t = time_ms(lambda: torch.ones(10).sum(), torch.device("cpu"), warmup=1, iters=2, queued=True)
+    assert t["timing"] == "cold" and t["host_ms"] > 0 and t["median_ms"] > 0
+    path = tmp_path / "q.json"
+    main(["run", "--config", "tiny", "--impl", "longattn", "--seqlen", "128", "--heads", "2", "--iters", "1",
+          "--warmup", "1", "--timing", "queued", "--json", str(path)])
+    d = json.loads(path.read_text())
+    assert d["env"]["timing"] == "cold"
+    row = d["results"][0]
+    assert row["timing"] == "cold" and row["fwd_host_ms"] > 0 and row["fwd_bwd_host_ms"] > 0
+
+
 def test_memory_reports_known_allocation():
     n = 32 << 20
     got = peak_memory_bytes(lambda: torch.empty(n, dtype=torch.uint8).fill_(1), torch.device("cpu"))
@@ -89,9 +105,11 @@ def test_dist_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "longattn.bench", "dist",
            "--config", "tiny", "dilated_tiny", "varlen_tiny", "--seqlen", "1024", "--heads", "2", "--batch", "1",
-           "--iters", "1", "--warmup", "1", "--json", str(path)]
+           "--iters", "1", "--warmup", "1", "--timing", "queued", "--json", str(path)]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
-    rows = json.loads(path.read_text())["results"]
+    d = json.loads(path.read_text())
+    assert d["env"]["timing"] == "cold"  # queued asked for, no GPU stream here: recorded as cold
+    rows = d["results"]
     impls = {r["impl"]: r for r in rows if r["config"] == "tiny"}
     assert impls["ring-zigzag"]["status"] == "ok" and impls["ring-zigzag"]["efficiency_fwd"] > 0
     assert [r["status"] for r in rows if r["impl"] == "dilated-over-ranks"] == ["ok"]

@@ -90,3 +90,23 @@ def test_peak_memory_reports_known_allocation():
     n = 64 << 20
     got = peak_memory_bytes(lambda: torch.empty(n, dtype=torch.uint8, device=DEV), torch.device(DEV))
     assert n <= got < n + (2 << 20)
+
+
+def test_queued_timing_hides_host_time():
+    """Cold timing counts the host's time to issue a launch-bound call; queued
+    timing (behind a GPU spin-wait) measures the GPU alone."""
+    import time
+
+    from longattn.bench.measure import time_ms
+
+    x = torch.randn(256, device=DEV)
+
+    def many_launches():
+        for _ in range(200):
+            x.add_(1e-6)
+        time.sleep(0.002)  # host work the GPU should not wait for
+
+    cold = time_ms(many_launches, torch.device(DEV), warmup=2, iters=5)
+    queued = time_ms(many_launches, torch.device(DEV), warmup=2, iters=5, queued=True)
+    assert cold["timing"] == "cold" and queued["timing"] == "queued" and queued["host_ms"] >= 2.0
+    assert queued["median_ms"] < 0.5 * cold["median_ms"], (cold, queued)

@@ -53,7 +53,9 @@ def main(argv=None):
     pr.add_argument("--impl", nargs="+", help="implementations (default: all that apply)")
     pr.add_argument("--json")
     pr.add_argument("--no-backward", action="store_true")
-    pr.add_argument("--timing", choices=["warmup", "profiler"], default="warmup")
+    pr.add_argument("--timing", choices=["warmup", "profiler", "queued"], default="warmup",
+                    help="warmup: cold calls (host time to the first kernel counts); profiler: also top kernels; "
+                         "queued: each call issued behind a GPU spin-wait (host ahead, as in a training step)")
     pr.add_argument("--warmup", type=int, default=3)
     pr.add_argument("--iters", type=int, default=10)
     pr.add_argument("--device")
@@ -66,6 +68,8 @@ def main(argv=None):
     pd.add_argument("--no-backward", action="store_true")
     pd.add_argument("--warmup", type=int, default=3)
     pd.add_argument("--iters", type=int, default=10)
+    pd.add_argument("--timing", choices=["cold", "queued"], default="cold",
+                    help="cold: host time to the first kernel counts; queued: host ahead of the GPU")
     _add_overrides(pd)
     ps = sub.add_parser("scale", help="double the seqlen until out of memory")
     ps.add_argument("--config", required=True)
@@ -113,7 +117,7 @@ def main(argv=None):
         from .dist import format_table, run_dist
 
         res = run_dist(_configs(a.config, a), a.impl, weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
-                       iters=a.iters, json_path=a.json)
+                       iters=a.iters, json_path=a.json, timing=a.timing)
         if dist.get_rank() == 0:
             _emit(res, a, format_table(res["results"]))
         dist.barrier()  # no rank tears down while a peer still talks to it

@@ -49,25 +49,33 @@ def _inputs(cfg: Config, seqlen: int, dev, dt, seed=0):
     return q, k, v
 
 
+# "cold" or "queued" (see measure.time_ms), set by run_dist for every timed call of a run
+_TIMING = {"queued": False}
+
+
 def _time_pair(fwd, step, dev, warmup, iters):
+    """(fwd ms, fwd+bwd ms, peak bytes fwd, fwd+bwd, host ms of one fwd, fwd+bwd call)."""
+    q = _TIMING["queued"]
     with torch.no_grad():
-        tf = measure.time_ms(fwd, dev, warmup=warmup, iters=iters)["median_ms"]
+        t = measure.time_ms(fwd, dev, warmup=warmup, iters=iters, queued=q)
+        tf, hf = t["median_ms"], t["host_ms"]
         mf = measure.peak_memory_bytes(fwd, dev)
-    tb = mb = None
+    tb = mb = hb = None
     if step is not None:
-        tb = measure.time_ms(step, dev, warmup=warmup, iters=iters)["median_ms"]
+        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, queued=q)
+        tb, hb = t["median_ms"], t["host_ms"]
         mb = measure.peak_memory_bytes(step, dev)
-    return tf, tb, mf, mb
+    return tf, tb, mf, mb, hf, hb
 
 
 def _ours(cfg, impl, make, dev, warmup, iters, backward):
     impl, _, transport = impl.partition("+")
     with _comm.use_transport(transport or "auto"):
         _comm.release_slots()
-        tf, tb, mf, mb = _ours_timed(cfg, impl, make, dev, warmup, iters, backward)
+        tf, tb, mf, mb, hf, hb = _ours_timed(cfg, impl, make, dev, warmup, iters, backward)
         # exchange slots in symmetric memory live outside the allocator's counters
         held = _comm.symmetric_bytes()
-    return tf, tb, mf + held, None if mb is None else mb + held
+    return tf, tb, mf + held, None if mb is None else mb + held, hf, hb
 
 
 def _ours_timed(cfg, impl, make, dev, warmup, iters, backward):
@@ -159,10 +167,18 @@ def _from_rank0(x):
     return None if t.item() != t.item() else t.item()
 
 
-def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10, json_path=None) -> dict:
+def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10, json_path=None,
+             timing="cold") -> dict:
+    """``timing``: "cold" (an idle GPU at each call's start: host time to the first
+    kernel counts) or "queued" (host ahead of the GPU), see ``measure.time_ms``;
+    T_single, ours and torch's are timed the same way."""
+    if timing not in ("cold", "queued"):
+        raise ValueError(f"timing must be 'cold' or 'queued', got {timing!r}")
     rank, world, dev = _init()
     env = measure.environment(dev)
     env["world_size"] = world
+    env["timing"] = timing if dev.type == "cuda" else "cold"  # queued needs a GPU stream
+    _TIMING["queued"] = timing == "queued"
     results = []
     for cfg in cfgs:
         _, dt = device_and_dtype(cfg, dev.type)
@@ -176,13 +192,15 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
         single = None
         if rank == 0:
             _log(f"[dist] {cfg.name} single-GPU {single_impl} S={single_cfg.seqlen}")
-            single = bench_impl(single_cfg, single_impl, dev, dt, backward=backward, warmup=warmup, iters=iters)
+            single = bench_impl(single_cfg, single_impl, dev, dt, backward=backward, warmup=warmup, iters=iters,
+                                timing="queued" if timing == "queued" else "warmup")
             gc.collect()
             if dev.type == "cuda":  # the single-GPU run's cached blocks are not the ring's to keep
                 torch.cuda.empty_cache()
             results.append(dict(base, impl=f"single:{single_impl}", world_size=1, seqlen=single_cfg.seqlen,
                                 status=single["status"], reason=single.get("reason"), fwd_ms=single.get("fwd_ms"),
-                                fwd_bwd_ms=single.get("fwd_bwd_ms"),
+                                fwd_bwd_ms=single.get("fwd_bwd_ms"), fwd_host_ms=single.get("fwd_host_ms"),
+                                fwd_bwd_host_ms=single.get("fwd_bwd_host_ms"),
                                 peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes") or single.get("fwd_peak_mem_bytes")))
         dist.barrier()
         t1f = _from_rank0(single.get("fwd_ms") if single else None)
@@ -203,12 +221,12 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
             err = None
             try:
                 if impl == "torch-cp":
-                    tf, tb, mf, mb = _torch_cp(cfg, make, dev, warmup, iters, backward)
+                    tf, tb, mf, mb, hf, hb = _torch_cp(cfg, make, dev, warmup, iters, backward)
                 else:
-                    tf, tb, mf, mb = _ours(cfg, impl, make, dev, warmup, iters, backward)
+                    tf, tb, mf, mb, hf, hb = _ours(cfg, impl, make, dev, warmup, iters, backward)
             except Exception as e:  # noqa: BLE001 - recorded
                 err = _failure(e)
-                tf = tb = mf = mb = None
+                tf = tb = mf = mb = hf = hb = None
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -218,7 +236,8 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
                 row.update(status="failed", reason=err or "failed on another rank")
             else:
                 tf, tb, mf, mb = _allmax(tf), _allmax(tb), _allmax(mf), _allmax(mb)
-                row.update(fwd_ms=tf, fwd_bwd_ms=tb, peak_mem_fwd_bytes=mf, peak_mem_fwd_bwd_bytes=mb)
+                row.update(fwd_ms=tf, fwd_bwd_ms=tb, peak_mem_fwd_bytes=mf, peak_mem_fwd_bwd_bytes=mb,
+                           fwd_host_ms=_allmax(hf), fwd_bwd_host_ms=_allmax(hb))
                 if t1f:
                     row["efficiency_fwd"] = work * t1f / (world * tf)
                     row["speedup_fwd"] = work * t1f / tf

@@ -64,9 +64,10 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
             if reference is not None and impl.comparable:
                 row["rel_diff_vs_ref"] = float((out.float() - reference.float()).norm() / reference.float().norm())
             del out
-            t = measure.time_ms(lambda: fn(q, k, v), dev, warmup=warmup, iters=iters)
+            t = measure.time_ms(lambda: fn(q, k, v), dev, warmup=warmup, iters=iters, queued=timing == "queued")
             row["fwd_ms"] = t["median_ms"]
             row["fwd_runs"] = t["runs"]
+            row["timing"], row["fwd_host_ms"] = t["timing"], t["host_ms"]
             row["fwd_peak_mem_bytes"] = measure.peak_memory_bytes(lambda: fn(q, k, v), dev)
             if timing == "profiler":
                 row["fwd_top_kernels"] = measure.profile_top_kernels(lambda: fn(q, k, v), dev)
@@ -89,8 +90,9 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
             out.backward(dout)
             q.grad = k.grad = v.grad = None
 
-        t = measure.time_ms(step, dev, warmup=warmup, iters=iters)
+        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, queued=timing == "queued")
         row["fwd_bwd_ms"] = t["median_ms"]
+        row["fwd_bwd_host_ms"] = t["host_ms"]
         row["bwd_ms"] = max(t["median_ms"] - row["fwd_ms"], 0.0)
         row["fwd_bwd_peak_mem_bytes"] = measure.peak_memory_bytes(step, dev)
         row["bwd_tflops"] = 2.5 * flops / (row["bwd_ms"] * 1e-3) / 1e12 if row["bwd_ms"] > 0 else None
@@ -130,7 +132,8 @@ def run(cfgs: Sequence[Config], impls: Optional[Sequence[str]] = None, *, device
     env = None
     for cfg in cfgs:
         dev, dt = device_and_dtype(cfg, device)
-        env = env or measure.environment(dev)
+        if env is None:
+            env = dict(measure.environment(dev), timing="queued" if timing == "queued" and dev.type == "cuda" else "cold")
         names = [i.name for i in impls_for(cfg)] if not impls else [n for n in impls if cfg.kind in IMPLS[n].kinds
                                                                     or (cfg.window != (-1, -1) and "window" in IMPLS[n].kinds)]
         ref = reference_output(cfg, dev, dt) if check and cfg.seqlen * cfg.batch <= (1 << 17) else None

@@ -225,8 +225,9 @@ def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batc
                nheads_kv: int, headdim: int, itemsize: int, causal: bool, backward: bool = False) -> int:
     """Bytes one rank sends through P2P for one forward (or forward+backward):
     per spanning branch, (steps - 1) ring hops of the dilated K and V
-    (B x L/r x Hp x D each); the backward adds the K/V ring again, the float32
-    dK/dV ring and the final dK/dV sent home in the input dtype."""
+    (B x L/r x Hp x D each); the backward adds the K/V ring again and the
+    other ranks' dK/dV: one hop home in the input dtype for a two-step ring
+    (one contributor), else steps - 1 float32 hops (ring, then home)."""
     l = seqlen // world
     _, span = split_branches(l, world, segment_lengths, dilation_rates)
     total = 0
@@ -238,5 +239,5 @@ def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batc
         fwd = (steps - 1) * 2 * rows * itemsize
         total += fwd
         if backward:
-            total += fwd + (steps - 1) * 2 * rows * 4 + (2 * rows * itemsize if steps > 1 else 0)
+            total += fwd + (2 * rows * itemsize if steps == 2 else (steps - 1) * 2 * rows * 4)
     return total

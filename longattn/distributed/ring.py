@@ -22,6 +22,7 @@ stop the ring after the last step any rank needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional
 
@@ -74,9 +75,14 @@ class Call:
     run: Optional[object] = dataclasses.field(default=None, compare=False)
 
 
+@functools.lru_cache(maxsize=4096)  # pure function of its arguments, called every step of every call
 def plan(layout: str, rank: int, src: int, world: int, local_len: int, causal: bool, window, scale: float
-         ) -> list[Call]:
+         ) -> tuple[Call, ...]:
     """Dense calls rank ``rank`` makes on the K/V block of rank ``src``."""
+    return tuple(_plan(layout, rank, src, world, local_len, causal, tuple(window), scale))
+
+
+def _plan(layout, rank, src, world, local_len, causal, window, scale) -> list[Call]:
     qc = chunks(layout, rank, world, local_len)
     kc = chunks(layout, src, world, local_len)
     kinds = [[classify(qg, ql, kg, kl, causal, window) for kg, _, kl in kc] for qg, _, ql in qc]
@@ -110,6 +116,7 @@ def plan(layout: str, rank: int, src: int, world: int, local_len: int, causal: b
     return calls
 
 
+@functools.lru_cache(maxsize=1024)
 def num_steps(layout: str, world: int, local_len: int, causal: bool, window) -> int:
     """Ring steps needed: the last step at which any rank has a block to compute."""
     last = 0
@@ -264,13 +271,38 @@ def _hold_back(calls: list) -> tuple[list, list]:
     return calls[:i] + early + calls[i + 1:], late
 
 
+def _disjoint(grads: list) -> bool:
+    """Pieces over distinct key rows, one dtype: they assemble without arithmetic."""
+    spans = sorted((k0, k1) for k0, k1, _, _ in grads)
+    return (all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+            and len({g[i].dtype for g in grads for i in (2, 3)}) <= 1)
+
+
+def _assemble(grads: list, i: int, like: torch.Tensor) -> torch.Tensor:
+    """The pieces ``grads[*][i]`` (key-disjoint) as one tensor shaped like
+    ``like``, in their own dtype: no arithmetic, so nothing is rounded."""
+    pieces = [(g[0], g[1], g[i]) for g in grads]
+    if len(pieces) == 1 and pieces[0][:2] == (0, like.shape[1]):
+        return pieces[0][2]
+    res = torch.empty(like.shape, dtype=pieces[0][2].dtype if pieces else like.dtype, device=like.device)
+    for k0, k1, x in pieces:
+        res[:, k0:k1] = x
+    _zero_unwritten(res, [(k0, k1) for k0, k1, _ in pieces])
+    return res
+
+
 def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     """Generic ring backward; a second exchange object carries dK/dV.
 
-    Step s works on the K/V block that started on ring position rank - s with
-    that block's float32 dK/dV accumulator, then passes both on. After the last
-    step each accumulator is one hop from its owner; part of the own block's
-    work (``_hold_back``) runs during that hop.
+    Step s works on the K/V block that started on ring position rank - s. The
+    own block's dK/dV (step 0) stay home in float32 accumulators; the other
+    blocks' dK/dV start at step 1 and travel with the K/V, gathering each
+    rank's contribution, then go home after the last step, where part of the
+    own block's work (``_hold_back``) runs during that hop. A two-step ring has
+    one contributor per travelling block: its pieces go home as cuDNN returned
+    them (the input dtype, half the bytes of float32) and are summed there with
+    the own accumulator in float32 arithmetic, one rounding. Longer rings
+    accumulate the travelling dK/dV in float32.
     """
     dkv_comm = _comm.exchange(comm.group, comm.peers, tag="dkv")
     rank = comm.rank
@@ -303,8 +335,17 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
             _accumulate(dk_acc, written, k0, k1, dkb)
             _accumulate(dv_acc, kv_written, k0, k1, dvb)
 
+    def fresh_acc(grads):
+        dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+        dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+        written = []
+        add(dk_acc, dv_acc, written, grads)
+        _zero_unwritten(dk_acc, written)
+        _zero_unwritten(dv_acc, written)
+        return dk_acc, dv_acc
+
     kc, vc = k, v
-    dk_acc = dv_acc = None
+    own = travel = None
     late = []
     for s in range(steps):
         if s + 1 < steps:
@@ -313,42 +354,39 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
         if s == 0 and steps > 1:
             calls, late = _hold_back(calls)
         grads = run(calls, kc, vc)
-        # This step's dK/dV go straight into the float32 accumulators that arrived
-        # from the previous rank (no per-step staging buffer: one pass each).
-        if s > 0:
-            dk_acc, dv_acc = dkv_comm.wait()
-            add(dk_acc, dv_acc, [(0, k.shape[1])], grads)
+        if s == 0:
+            own = fresh_acc(grads)
+        elif s == 1 and steps == 2 and _disjoint(grads):
+            travel = _assemble(grads, 2, k), _assemble(grads, 3, v)
+        elif s == 1:
+            travel = fresh_acc(grads)
         else:
-            dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-            dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
-            written = []
-            add(dk_acc, dv_acc, written, grads)
-            _zero_unwritten(dk_acc, written)
-            _zero_unwritten(dv_acc, written)
+            # this step's dK/dV go straight into the float32 accumulators that arrived from the
+            # previous rank (no per-step staging buffer: one pass each)
+            travel = dkv_comm.wait()
+            add(*travel, [(0, k.shape[1])], grads)
         del grads
+        if 1 <= s < steps - 1:
+            dkv_comm.ring(list(travel))
         if s + 1 < steps:
-            dkv_comm.ring([dk_acc, dv_acc])
             kc, vc = comm.wait()
     dq_last = []
-    if steps > 1:
-        # The accumulators hold the gradient of ring position (rank - steps + 1)'s K/V: send them home.
-        home, back = rank - steps + 1, rank + steps - 1
-        if late:
-            # float32 on the wire: the held-back piece is added after the hop, in the pass
-            # that makes the one rounding to the input dtype
-            dkv_comm.start([dk_acc, dv_acc], send_to=home, recv_from=back, fresh=True)
-            grads = run(late, k, v, dq_last)
-            dk_acc, dv_acc = dkv_comm.wait()
-            whole = [(0, k.shape[1])]
-            dk_out = _finish(dk_acc, list(whole), [(a, b, dkb) for a, b, dkb, _ in grads], k.dtype)
-            dv_out = _finish(dv_acc, list(whole), [(a, b, dvb) for a, b, _, dvb in grads], v.dtype)
-            del grads
-        else:
-            # nothing to overlap: the sums are final, so the hop carries the input dtype (half the bytes)
-            dkv_comm.start([dk_acc.to(k.dtype), dv_acc.to(v.dtype)], send_to=home, recv_from=back, fresh=True)
-            dk_out, dv_out = dkv_comm.wait()
-    else:
-        dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    dk_own, dv_own = own
+    if steps == 1:
+        return _finish(dq, dq_written, dq_last, q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+    # The travelling dK/dV hold ring position (rank - steps + 1)'s gradient from every other rank: send them home.
+    home, back = rank - steps + 1, rank + steps - 1
+    dkv_comm.start(list(travel), send_to=home, recv_from=back, fresh=True)
+    del travel
+    whole = [(0, k.shape[1])]
+    if late:
+        grads = run(late, k, v, dq_last)
+        add(dk_own, dv_own, list(whole), grads)
+        del grads
+    dk_in, dv_in = dkv_comm.wait()
+    # one pass each: own float32 sum + what came home, rounded once to the input dtype
+    dk_out = _finish(dk_own, list(whole), [(0, k.shape[1], dk_in)], k.dtype)
+    dv_out = _finish(dv_own, list(whole), [(0, v.shape[1], dv_in)], v.dtype)
     return _finish(dq, dq_written, dq_last, q.dtype), dk_out, dv_out
 
 
