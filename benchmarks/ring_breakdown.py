@@ -40,7 +40,7 @@ p.add_argument("--iters", type=int, default=5)
 p.add_argument("--tag", default="default")
 p.add_argument("--transports", nargs="+", default=["nccl"], choices=["nccl", "copy", "auto"],
                help="ring transports to time; the first is reported as 'ring'")
-p.add_argument("--queued", action="store_true", help="time with the host ahead (measure.time_ms queued)")
+p.add_argument("--batched", action="store_true", help="calls back to back, time per call (measure.time_ms)")
 p.add_argument("--timeline", action="store_true", help="also record one forward's GPU timeline (gaps)")
 p.add_argument("--high-priority", action="store_true", help="NCCL streams at high priority (pg_options)")
 args = p.parse_args()
@@ -70,8 +70,14 @@ class _NoComm:
         return bufs
 
 
+def _agree(reps):
+    t = torch.tensor([reps], device=dev, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _timed(fn):
-    t = measure.time_ms(fn, dev, warmup=args.warmup, iters=args.iters, queued=args.queued)["median_ms"]
+    t = measure.time_ms(fn, dev, warmup=args.warmup, iters=args.iters, batched=args.batched, agree=_agree)["median_ms"]
     out = torch.tensor([t], device=dev, dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out.item()
@@ -146,7 +152,7 @@ for S in args.seqlens:
     for causal, layout in ((False, "contiguous"), (True, "zigzag")):
         g = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(1, S, H, D, device=dev, dtype=DT, generator=g) for _ in range(3))
-        res = dict(tag=args.tag, queued=args.queued, high_priority_streams=args.high_priority, world=world, seqlen=S, heads=H, causal=causal, layout=layout,
+        res = dict(tag=args.tag, batched=args.batched, high_priority_streams=args.high_priority, world=world, seqlen=S, heads=H, causal=causal, layout=layout,
                    device=torch.cuda.get_device_name(dev) if GPU else "cpu", torch=torch.__version__,
                    commit=os.environ.get("LONGATTN_COMMIT", "unknown"),
                    nccl_env={k_: v_ for k_, v_ in os.environ.items() if k_.startswith("NCCL_")})
@@ -161,8 +167,8 @@ for S in args.seqlens:
             def s_step():
                 longattn.attention(qg, kg, vg, causal=causal).backward(do)
                 qg.grad = kg.grad = vg.grad = None
-            res["single_fwd_ms"] = measure.time_ms(s_fwd, dev, warmup=args.warmup, iters=args.iters, queued=args.queued)["median_ms"]
-            res["single_fwd_bwd_ms"] = measure.time_ms(s_step, dev, warmup=args.warmup, queued=args.queued,
+            res["single_fwd_ms"] = measure.time_ms(s_fwd, dev, warmup=args.warmup, iters=args.iters, batched=args.batched)["median_ms"]
+            res["single_fwd_bwd_ms"] = measure.time_ms(s_step, dev, warmup=args.warmup, batched=args.batched,
                                                        iters=args.iters)["median_ms"]
             if args.timeline and GPU:
                 res["single_timeline_fwd"] = _timeline(s_fwd)

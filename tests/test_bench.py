@@ -68,15 +68,15 @@ def test_scale_and_report(tmp_path):
 
 
 def test_timing_modes_are_recorded(tmp_path):
-    """Every timed row says how it was timed; on CPU "queued" falls back to cold
-    wall time (it needs a GPU stream) and says so."""
+    """Every timed row says how it was timed; on CPU "batched" falls back to cold
+    wall time (it is for GPU streams) and says so."""
     from longattn.bench.measure import time_ms
 
-    t = time_ms(lambda: torch.ones(10).sum(), torch.device("cpu"), warmup=1, iters=2, queued=True)
+    t = time_ms(lambda: torch.ones(10).sum(), torch.device("cpu"), warmup=1, iters=2, batched=True)
     assert t["timing"] == "cold" and t["host_ms"] > 0 and t["median_ms"] > 0
     path = tmp_path / "q.json"
     main(["run", "--config", "tiny", "--impl", "longattn", "--seqlen", "128", "--heads", "2", "--iters", "1",
-          "--warmup", "1", "--timing", "queued", "--json", str(path)])
+          "--warmup", "1", "--timing", "batched", "--json", str(path)])
     d = json.loads(path.read_text())
     assert d["env"]["timing"] == "cold"
     row = d["results"][0]
@@ -105,10 +105,10 @@ def test_dist_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "longattn.bench", "dist",
            "--config", "tiny", "dilated_tiny", "varlen_tiny", "--seqlen", "1024", "--heads", "2", "--batch", "1",
-           "--iters", "1", "--warmup", "1", "--timing", "queued", "--json", str(path)]
+           "--iters", "1", "--warmup", "1", "--timing", "batched", "--json", str(path)]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     d = json.loads(path.read_text())
-    assert d["env"]["timing"] == "cold"  # queued asked for, no GPU stream here: recorded as cold
+    assert d["env"]["timing"] == "cold"  # batched asked for, no GPU stream here: recorded as cold
     rows = d["results"]
     impls = {r["impl"]: r for r in rows if r["config"] == "tiny"}
     assert impls["ring-zigzag"]["status"] == "ok" and impls["ring-zigzag"]["efficiency_fwd"] > 0

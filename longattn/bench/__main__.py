@@ -53,9 +53,9 @@ def main(argv=None):
     pr.add_argument("--impl", nargs="+", help="implementations (default: all that apply)")
     pr.add_argument("--json")
     pr.add_argument("--no-backward", action="store_true")
-    pr.add_argument("--timing", choices=["warmup", "profiler", "queued"], default="warmup",
-                    help="warmup: cold calls (host time to the first kernel counts); profiler: also top kernels; "
-                         "queued: each call issued behind a GPU spin-wait (host ahead, as in a training step)")
+    pr.add_argument("--timing", choices=["warmup", "profiler", "batched"], default="warmup",
+                    help="warmup: one cold call per sample (host time to the first kernel counts); profiler: "
+                         "also top kernels; batched: calls back to back, time per call (host ahead, as in training)")
     pr.add_argument("--warmup", type=int, default=3)
     pr.add_argument("--iters", type=int, default=10)
     pr.add_argument("--device")
@@ -68,8 +68,9 @@ def main(argv=None):
     pd.add_argument("--no-backward", action="store_true")
     pd.add_argument("--warmup", type=int, default=3)
     pd.add_argument("--iters", type=int, default=10)
-    pd.add_argument("--timing", choices=["cold", "queued"], default="cold",
-                    help="cold: host time to the first kernel counts; queued: host ahead of the GPU")
+    pd.add_argument("--timing", choices=["cold", "batched"], default="cold",
+                    help="cold: one call per sample, host time to the first kernel counts; batched: calls back to "
+                         "back, time per call (host ahead of the GPU)")
     _add_overrides(pd)
     ps = sub.add_parser("scale", help="double the seqlen until out of memory")
     ps.add_argument("--config", required=True)

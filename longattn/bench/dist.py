@@ -49,20 +49,20 @@ def _inputs(cfg: Config, seqlen: int, dev, dt, seed=0):
     return q, k, v
 
 
-# "cold" or "queued" (see measure.time_ms), set by run_dist for every timed call of a run
-_TIMING = {"queued": False}
+# "cold" or "batched" (see measure.time_ms), set by run_dist for every timed call of a run
+_TIMING = {"batched": False}
 
 
 def _time_pair(fwd, step, dev, warmup, iters):
     """(fwd ms, fwd+bwd ms, peak bytes fwd, fwd+bwd, host ms of one fwd, fwd+bwd call)."""
-    q = _TIMING["queued"]
+    q = _TIMING["batched"]
     with torch.no_grad():
-        t = measure.time_ms(fwd, dev, warmup=warmup, iters=iters, queued=q)
+        t = measure.time_ms(fwd, dev, warmup=warmup, iters=iters, batched=q, agree=_agree)
         tf, hf = t["median_ms"], t["host_ms"]
         mf = measure.peak_memory_bytes(fwd, dev)
     tb = mb = hb = None
     if step is not None:
-        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, queued=q)
+        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=q, agree=_agree)
         tb, hb = t["median_ms"], t["host_ms"]
         mb = measure.peak_memory_bytes(step, dev)
     return tf, tb, mf, mb, hf, hb
@@ -151,6 +151,11 @@ def _torch_cp(cfg, make, dev, warmup, iters, backward):
             _cp_options.enable_load_balance = old
 
 
+def _agree(reps: int) -> int:
+    """Every rank runs the same number of calls per sample (each holds collectives)."""
+    return int(_allmax(reps))
+
+
 def _allmax(x):
     t = torch.tensor([float("nan") if x is None else float(x)], dtype=torch.float64,
                      device="cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -170,15 +175,15 @@ def _from_rank0(x):
 def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10, json_path=None,
              timing="cold") -> dict:
     """``timing``: "cold" (an idle GPU at each call's start: host time to the first
-    kernel counts) or "queued" (host ahead of the GPU), see ``measure.time_ms``;
+    kernel counts) or "batched" (calls back to back, host ahead), see ``measure.time_ms``;
     T_single, ours and torch's are timed the same way."""
-    if timing not in ("cold", "queued"):
-        raise ValueError(f"timing must be 'cold' or 'queued', got {timing!r}")
+    if timing not in ("cold", "batched"):
+        raise ValueError(f"timing must be 'cold' or 'batched', got {timing!r}")
     rank, world, dev = _init()
     env = measure.environment(dev)
     env["world_size"] = world
-    env["timing"] = timing if dev.type == "cuda" else "cold"  # queued needs a GPU stream
-    _TIMING["queued"] = timing == "queued"
+    env["timing"] = timing if dev.type == "cuda" else "cold"  # batching is for GPU streams
+    _TIMING["batched"] = timing == "batched"
     results = []
     for cfg in cfgs:
         _, dt = device_and_dtype(cfg, dev.type)
@@ -193,7 +198,7 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
         if rank == 0:
             _log(f"[dist] {cfg.name} single-GPU {single_impl} S={single_cfg.seqlen}")
             single = bench_impl(single_cfg, single_impl, dev, dt, backward=backward, warmup=warmup, iters=iters,
-                                timing="queued" if timing == "queued" else "warmup")
+                                timing="batched" if timing == "batched" else "warmup")
             gc.collect()
             if dev.type == "cuda":  # the single-GPU run's cached blocks are not the ring's to keep
                 torch.cuda.empty_cache()

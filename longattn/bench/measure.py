@@ -3,7 +3,7 @@
 * Time: CUDA events around each call after warm-up, the median of many runs
   (CPU: perf_counter medians). Inputs are made before timing, never inside.
   "cold" timing (default) includes the host's time to the first kernel;
-  "queued" timing issues the call behind a GPU spin-wait (host ahead).
+  "batched" timing runs calls back to back (host ahead, GPU never idle).
 * Memory: peak allocated during the call minus what was allocated before it.
   CUDA: the caching allocator's ``max_memory_allocated``. CPU: the profiler's
   allocation events, summed in order (so the number is real there too).
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -28,37 +29,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-_SLEEP_CYCLES_PER_MS: dict = {}
-
-
-def _sleep_cycles_per_ms(device: torch.device) -> float:
-    """``torch.cuda._sleep`` spins a number of GPU clock cycles: calibrate once per device."""
-    key = str(device)
-    if key not in _SLEEP_CYCLES_PER_MS:
-        n = 2_000_000
-        torch.cuda._sleep(n)  # warm
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(n)
-        b.record()
-        b.synchronize()
-        _SLEEP_CYCLES_PER_MS[key] = n / max(a.elapsed_time(b), 1e-3)
-    return _SLEEP_CYCLES_PER_MS[key]
-
-
 def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 10,
-            min_time_s: float = 0.0, queued: bool = False) -> dict:
+            min_time_s: float = 0.0, batched: bool = False, agree: Optional[Callable[[int], int]] = None) -> dict:
     """Median and spread of ``fn``'s wall time in ms, CUDA events on GPU.
 
-    Default ("cold"): the GPU is idle when the start event is recorded, so the
-    time includes the host's work until the first kernel starts (and any
-    point where the GPU waits for the host): what one isolated call costs.
+    Default ("cold"): one call between the events, the GPU idle when the start
+    event is recorded, so the time includes the host's work until the first
+    kernel starts (and any point where the GPU waits for the host): what one
+    isolated call costs.
 
-    ``queued=True`` (CUDA only): a GPU spin-wait longer than ``fn``'s host
-    time is queued before the start event, so ``fn`` is issued while the GPU
-    is busy and the events measure GPU time with the host ahead, as inside a
-    training step whose previous work is still running. ``host_ms`` (the
-    host time of one call, measured in warm-up) is returned either way.
+    ``batched=True`` (CUDA only): several calls back to back between the events
+    (enough for 10 ms of work, 3 to 10), time per call: after the first call
+    the host runs ahead while the GPU works, as in a training loop, and the GPU
+    never rests between calls. (A GPU spin-wait queued before each call hides
+    host time too, but it rests the chip: a chain of matrix products then ran
+    7-17% faster per product than back to back on an H200,
+    benchmarks/cold_start_probe.py, so that is not used.) ``agree`` maps this
+    process's batch size to one every rank uses (calls with collectives).
+    ``host_ms`` (the host time of one call, measured in warm-up) is returned
+    either way.
     """
     host = []
     for _ in range(warmup):
@@ -67,23 +56,28 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
         host.append((time.perf_counter() - t0) * 1e3)
     sync(device)
     host_ms = host[-1] if host else None
-    queued = queued and device.type == "cuda"
-    lead = 0
-    if queued:
-        # twice the host time plus 1 ms covers jitter; a call that blocks the host gains nothing (cap)
-        lead = int(min(2 * (host_ms or 0.0) + 1.0, 100.0) * _sleep_cycles_per_ms(device))
+    cuda = device.type == "cuda"
+    reps = 1
+    if batched and cuda:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        reps = min(10, max(3, math.ceil(10.0 / max(a.elapsed_time(b), 1e-3))))
+    if agree is not None:
+        reps = agree(reps)
     times = []
     t_end = time.perf_counter() + min_time_s
     while len(times) < iters or time.perf_counter() < t_end:
-        if device.type == "cuda":
+        if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if queued:
-                torch.cuda._sleep(lead)
             a.record()
-            fn()
+            for _ in range(reps):
+                fn()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b))
+            times.append(a.elapsed_time(b) / reps)
         else:
             t0 = time.perf_counter()
             fn()
@@ -92,7 +86,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             break
     times.sort()
     return dict(median_ms=statistics.median(times), min_ms=times[0], max_ms=times[-1], runs=len(times),
-                host_ms=host_ms, timing="queued" if queued else "cold")
+                host_ms=host_ms, timing="batched" if reps > 1 else "cold", calls_per_sample=reps)
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:

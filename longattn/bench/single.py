@@ -64,7 +64,7 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
             if reference is not None and impl.comparable:
                 row["rel_diff_vs_ref"] = float((out.float() - reference.float()).norm() / reference.float().norm())
             del out
-            t = measure.time_ms(lambda: fn(q, k, v), dev, warmup=warmup, iters=iters, queued=timing == "queued")
+            t = measure.time_ms(lambda: fn(q, k, v), dev, warmup=warmup, iters=iters, batched=timing == "batched")
             row["fwd_ms"] = t["median_ms"]
             row["fwd_runs"] = t["runs"]
             row["timing"], row["fwd_host_ms"] = t["timing"], t["host_ms"]
@@ -90,7 +90,7 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
             out.backward(dout)
             q.grad = k.grad = v.grad = None
 
-        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, queued=timing == "queued")
+        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=timing == "batched")
         row["fwd_bwd_ms"] = t["median_ms"]
         row["fwd_bwd_host_ms"] = t["host_ms"]
         row["bwd_ms"] = max(t["median_ms"] - row["fwd_ms"], 0.0)
@@ -133,7 +133,7 @@ def run(cfgs: Sequence[Config], impls: Optional[Sequence[str]] = None, *, device
     for cfg in cfgs:
         dev, dt = device_and_dtype(cfg, device)
         if env is None:
-            env = dict(measure.environment(dev), timing="queued" if timing == "queued" and dev.type == "cuda" else "cold")
+            env = dict(measure.environment(dev), timing="batched" if timing == "batched" and dev.type == "cuda" else "cold")
         names = [i.name for i in impls_for(cfg)] if not impls else [n for n in impls if cfg.kind in IMPLS[n].kinds
                                                                     or (cfg.window != (-1, -1) and "window" in IMPLS[n].kinds)]
         ref = reference_output(cfg, dev, dt) if check and cfg.seqlen * cfg.batch <= (1 << 17) else None
