@@ -258,8 +258,8 @@ def test_forward_keeps_output_dtype_only_for_one_merge():
 
 
 def _check_bf16(rank, world):
-    """bf16 through the output-dtype accumulator (world 2) or float32 (world 3),
-    with the held-back own-block piece: the ring's errors against float64
+    """bf16 through the output-dtype accumulator and the input-dtype dK/dV hop
+    (world 2) or float32 with the held-back own-block piece (world 3): the ring's errors against float64
     (output and gradients) stay within 2x single-device bf16's."""
     from longattn.distributed import ring
 
