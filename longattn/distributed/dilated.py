@@ -225,9 +225,11 @@ def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batc
                nheads_kv: int, headdim: int, itemsize: int, causal: bool, backward: bool = False) -> int:
     """Bytes one rank sends through P2P for one forward (or forward+backward):
     per spanning branch, (steps - 1) ring hops of the dilated K and V
-    (B x L/r x Hp x D each); the backward adds the K/V ring again and the
-    other ranks' dK/dV: one hop home in the input dtype for a two-step ring
-    (one contributor), else steps - 1 float32 hops (ring, then home)."""
+    (B x L/r x Hp x D each); the backward adds the K/V ring again and dK/dV:
+    a two-step ring sends the other rank's pieces home in the input dtype;
+    longer rings pass float32 accumulators round (steps - 1 hops) and send
+    the sums home in the input dtype (float32 where own-block work is held
+    back to cover that hop: shards of 2048+ rows)."""
     l = seqlen // world
     _, span = split_branches(l, world, segment_lengths, dilation_rates)
     total = 0
@@ -239,5 +241,6 @@ def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batc
         fwd = (steps - 1) * 2 * rows * itemsize
         total += fwd
         if backward:
-            total += fwd + (2 * rows * itemsize if steps == 2 else (steps - 1) * 2 * rows * 4)
+            total += fwd + (2 * rows * itemsize if steps == 2 else
+                            (steps - 1) * 2 * rows * 4 + 2 * rows * itemsize if steps > 2 else 0)
     return total

@@ -296,15 +296,14 @@ def _assemble(grads: list, i: int, like: torch.Tensor) -> torch.Tensor:
 def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     """Generic ring backward; a second exchange object carries dK/dV.
 
-    Step s works on the K/V block that started on ring position rank - s. The
-    own block's dK/dV (step 0) stay home in float32 accumulators; the other
-    blocks' dK/dV start at step 1 and travel with the K/V, gathering each
-    rank's contribution, then go home after the last step. A two-step ring has
-    one contributor per travelling block: its pieces go home as cuDNN returned
-    them (the input dtype, half the bytes of float32) and are summed there with
-    the own accumulator in float32 arithmetic, one rounding. Longer rings
-    accumulate the travelling dK/dV in float32, and there part of the own
-    block's work (``_hold_back``) runs during the final hop.
+    Step s works on the K/V block that started on ring position rank - s with
+    that block's float32 dK/dV accumulator, then passes both on; after the last
+    step each accumulator is one hop from its owner, and part of the own
+    block's work (``_hold_back``) runs during that hop. A two-step ring has one
+    contributor per block besides its owner: the own sums stay home, and the
+    contributor's pieces go home as the kernel returned them (the input dtype:
+    a quarter of the float32 bytes of two hops) to be summed with them in
+    float32 arithmetic, one rounding.
     """
     dkv_comm = _comm.exchange(comm.group, comm.peers, tag="dkv")
     rank = comm.rank
@@ -349,6 +348,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
     kc, vc = k, v
     own = travel = None
     late = []
+    whole = [(0, k.shape[1])]
     for s in range(steps):
         if s + 1 < steps:
             comm.ring([kc, vc])
@@ -357,38 +357,45 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
             calls, late = _hold_back(calls)
         grads = run(calls, kc, vc)
         if s == 0:
-            own = fresh_acc(grads)
-        elif s == 1 and steps == 2 and _disjoint(grads):
-            travel = _assemble(grads, 2, k), _assemble(grads, 3, v)
-        elif s == 1:
-            travel = fresh_acc(grads)
+            # the own block's sums: kept home in a 2-step ring, else they ride the ring
+            # (one float32 pair per rank instead of two)
+            acc = fresh_acc(grads)
+            own, travel = (acc, None) if steps == 2 else (None, acc)
+        elif steps == 2:
+            travel = (_assemble(grads, 2, k), _assemble(grads, 3, v)) if _disjoint(grads) else fresh_acc(grads)
         else:
             # this step's dK/dV go straight into the float32 accumulators that arrived from the
             # previous rank (no per-step staging buffer: one pass each)
             travel = dkv_comm.wait()
-            add(*travel, [(0, k.shape[1])], grads)
+            add(*travel, list(whole), grads)
         del grads
-        if 1 <= s < steps - 1:
+        if s + 1 < steps and steps > 2:
             dkv_comm.ring(list(travel))
         if s + 1 < steps:
             kc, vc = comm.wait()
     dq_last = []
-    dk_own, dv_own = own
     if steps == 1:
-        return _finish(dq, dq_written, dq_last, q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
-    # The travelling dK/dV hold ring position (rank - steps + 1)'s gradient from every other rank: send them home.
+        return _finish(dq, dq_written, dq_last, q.dtype), travel[0].to(k.dtype), travel[1].to(v.dtype)
+    # The travelling dK/dV hold ring position (rank - steps + 1)'s gradient: send them home.
     home, back = rank - steps + 1, rank + steps - 1
+    if steps > 2 and not late:
+        # the sums are final and nothing overlaps the hop: it carries the input dtype (half the bytes)
+        dkv_comm.start([travel[0].to(k.dtype), travel[1].to(v.dtype)], send_to=home, recv_from=back, fresh=True)
+        del travel
+        dk_out, dv_out = dkv_comm.wait()
+        return _finish(dq, dq_written, dq_last, q.dtype), dk_out, dv_out
     dkv_comm.start(list(travel), send_to=home, recv_from=back, fresh=True)
     del travel
-    whole = [(0, k.shape[1])]
-    if late:
-        grads = run(late, k, v, dq_last)
-        add(dk_own, dv_own, list(whole), grads)
-        del grads
+    grads = run(late, k, v, dq_last) if late else []
     dk_in, dv_in = dkv_comm.wait()
-    # one pass each: own float32 sum + what came home, rounded once to the input dtype
-    dk_out = _finish(dk_own, list(whole), [(0, k.shape[1], dk_in)], k.dtype)
-    dv_out = _finish(dv_own, list(whole), [(0, v.shape[1], dv_in)], v.dtype)
+    if steps == 2:
+        # one pass each: the own float32 sums + the one contributor's pieces, rounded once
+        dk_out = _finish(own[0], list(whole), [(0, k.shape[1], dk_in)], k.dtype)
+        dv_out = _finish(own[1], list(whole), [(0, v.shape[1], dv_in)], v.dtype)
+    else:
+        # the float32 sums came home; the held-back pieces are added in the pass that casts
+        dk_out = _finish(dk_in, list(whole), [(a, b, dkb) for a, b, dkb, _ in grads], k.dtype)
+        dv_out = _finish(dv_in, list(whole), [(a, b, dvb) for a, b, _, dvb in grads], v.dtype)
     return _finish(dq, dq_written, dq_last, q.dtype), dk_out, dv_out
 
 
