@@ -70,17 +70,17 @@ class _NoComm:
         return bufs
 
 
-def _agree(reps):
-    t = torch.tensor([reps], device=dev, dtype=torch.float64)
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], device=dev, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return t.item()
 
 
 def _timed(fn):
-    t = measure.time_ms(fn, dev, warmup=args.warmup, iters=args.iters, batched=args.batched, agree=_agree)["median_ms"]
-    out = torch.tensor([t], device=dev, dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out.item()
+    # every rank runs the same number of calls per sample (each holds collectives)
+    agree = lambda reps: int(_max_over_ranks(reps))
+    return _max_over_ranks(measure.time_ms(fn, dev, warmup=args.warmup, iters=args.iters, batched=args.batched,
+                                           agree=agree)["median_ms"])
 
 
 def _classes(fn):
