@@ -1,9 +1,11 @@
 """Autograd wiring shared by every attention custom op.
 
 Each op is a pair of ``torch.library`` custom ops: ``fwd(q, k, v, *tensors,
-*args) -> (out, lse)`` and ``bwd(dout, q, k, v, out, lse, dlse, *tensors,
-**args) -> (dq, dk, dv)``, the backward taking the op's non-tensor arguments
-by name (so a signature change cannot silently shift them).
+*args) -> (out, lse, *kept)`` and ``bwd(dout, q, k, v, out, lse, dlse,
+*tensors, *kept, **args) -> (dq, dk, dv)``, the backward taking the op's
+non-tensor arguments by name (so a signature change cannot silently shift
+them). ``kept`` are forward results only the backward needs (the ring's last
+K/V block); they carry no gradient.
 """
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from typing import Sequence
 import torch
 
 
-def register_attention_autograd(fwd_op, bwd_op, arg_names: Sequence[str], extra_tensors: int = 0) -> None:
+def register_attention_autograd(fwd_op, bwd_op, arg_names: Sequence[str], extra_tensors: int = 0,
+                                kept_outputs: int = 0) -> None:
     """Attach ``bwd_op`` as the backward of ``fwd_op``.
 
     ``arg_names`` are the names of fwd_op's inputs after q, k, v and the
-    ``extra_tensors`` tensor inputs (e.g. cu_seqlens), in order.
+    ``extra_tensors`` tensor inputs (e.g. cu_seqlens), in order;
+    ``kept_outputs`` counts the outputs after (out, lse) handed to the backward.
     """
     n_tensors = 3 + extra_tensors
 
@@ -24,11 +28,13 @@ def register_attention_autograd(fwd_op, bwd_op, arg_names: Sequence[str], extra_
         # An unused lse must reach backward as None, not as zeros: a zero dlse
         # would send the backward down the slower dlse-folding path.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*inputs[:n_tensors], output[0], output[1])
+        kept = output[2:2 + kept_outputs]
+        ctx.mark_non_differentiable(*kept)
+        ctx.save_for_backward(*inputs[:n_tensors], *kept, output[0], output[1])
         ctx.kw = dict(zip(arg_names, inputs[n_tensors:]))
         ctx.n_inputs = len(inputs)
 
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, *_):
         *ins, out, lse = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)

@@ -25,11 +25,6 @@ CONFIGS = [
 
 
 def _check_configs(rank, world):
-    # Split the own block at these tiny sizes too, so the held-back piece (computed
-    # during the final dK/dV hop) is checked in every unwindowed config.
-    from longattn.distributed import ring
-
-    ring.HOLD_BACK_MIN_ROWS = 2
     for layout, causal, window, hkv in CONFIGS:
         torch.manual_seed(1234)
         b, s, h, d = 2, 2 * world * 5, 4, 16
@@ -51,6 +46,16 @@ def _check_configs(rank, world):
         us = lambda x, dim=1: longattn.unshard(x, layout=layout, seq_dim=dim)
         assert_unsharded_close(f"world={world} {layout} causal={causal} window={window} hkv={hkv}", us, out, lse,
                                (ql.grad, kl.grad, vl.grad), ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
+        # Without the K/V block the forward kept (the packed-document and dilated ops), the backward
+        # fetches it first: the same blocks in the same order, so the same gradients to the bit.
+        from longattn.distributed import ring
+
+        dl_used = torch.where(torch.isfinite(lse), sh(dl, 2), 0).detach()
+        fetched = ring._backward(sh(do), ql.detach(), kl.detach(), vl.detach(), out.detach(), lse.detach(), dl_used,
+                                 k.new_empty(0), v.new_empty(0), d ** -0.5, causal, window, layout,
+                                 dist.group.WORLD, "math")
+        for got, want in zip(fetched, (ql.grad, kl.grad, vl.grad)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.dist
@@ -103,6 +108,29 @@ def _check_transport_choice(rank, world):
 @pytest.mark.dist
 def test_ring_transport_choice():
     run_world(_check_transport_choice, 2)
+
+
+def _check_compiled(rank, world):
+    """torch.compile traces the ring op through its fake kernels (including the
+    kept K/V block, present only in rings of more than one step) and gives the
+    eager values and gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4 * world, 2, 8) for _ in range(3))
+    for window in ((-1, -1), (1, 0)):  # the second: a one-step ring, nothing kept
+        f = lambda q, k, v: longattn.ring_attention(q, k, v, causal=True, window_size=window, layout="zigzag")
+        grads = []
+        for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*x)
+            out.square().sum().backward()
+            grads.append([out.detach()] + [t.grad for t in x])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.dist
+def test_ring_under_torch_compile():
+    run_world(_check_compiled, 2)
 
 
 def _check_default_backend_and_positions(rank, world):
@@ -223,26 +251,6 @@ def test_accumulate_into_empty_buffer_handles_partial_overlaps():
     torch.testing.assert_close(acc, want, rtol=0, atol=0)
 
 
-def test_hold_back_splits_the_own_block():
-    """The piece held back for the final hop: the first half of the largest
-    call's rows; every piece keeps a mask cuDNN runs (none, or causal on a
-    square); windows and offset causal blocks stay whole."""
-    from longattn import backends as bk
-    from longattn.distributed.ring import Call, _hold_back, plan
-
-    full, causal = bk.BlockSpec(1.0), bk.BlockSpec(1.0, True)
-    calls = list(plan("zigzag", 0, 0, 2, 4096, True, (-1, -1), 1.0))  # the causal diagonal over chunks 0 and 3
-    assert calls == [Call(0, 4096, 0, 4096, causal)]
-    assert _hold_back(calls) == ([Call(2048, 4096, 0, 2048, full), Call(2048, 4096, 2048, 4096, causal)],
-                                 [Call(0, 2048, 0, 2048, causal)])
-    assert _hold_back([Call(0, 4096, 0, 4096, full)]) == ([Call(2048, 4096, 0, 4096, full)],
-                                                          [Call(0, 2048, 0, 4096, full)])
-    for whole in ([Call(0, 4096, 0, 4096, bk.BlockSpec(1.0, True, (64, 0)))],
-                  [Call(0, 4096, 0, 8192, bk.BlockSpec(1.0, True, (-1, -1), 4096))],
-                  list(plan("zigzag", 0, 0, 2, 512, True, (-1, -1), 1.0))):  # too small to split
-        assert _hold_back(whole) == (whole, [])
-
-
 def test_forward_keeps_output_dtype_only_for_one_merge():
     """Rows merged at most once accumulate in the output dtype (one rounding,
     as the float32 accumulator's final cast); rings with more merges per row
@@ -258,12 +266,10 @@ def test_forward_keeps_output_dtype_only_for_one_merge():
 
 
 def _check_bf16(rank, world):
-    """bf16 through the output-dtype accumulator and the input-dtype dK/dV hop
-    (world 2) or float32 with the held-back own-block piece (world 3): the ring's errors against float64
-    (output and gradients) stay within 2x single-device bf16's."""
-    from longattn.distributed import ring
-
-    ring.HOLD_BACK_MIN_ROWS = 2
+    """bf16 through the output-dtype accumulators (output, dQ) and the
+    input-dtype dK/dV hop (world 2) or float32 sums (world 3): the ring's
+    errors against float64 (output and gradients) stay within 2x
+    single-device bf16's."""
     for layout, causal in (("zigzag", True), ("contiguous", False)):
         torch.manual_seed(7)
         b, s, h, d = 1, 24 * world, 4, 32

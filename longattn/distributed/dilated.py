@@ -124,7 +124,7 @@ def _forward(q, k, v, segs, rates, scale, causal, group, backend):
         qd = _rows(q, r)[:, :, cls, hidx]                    # (B, L/r, H, D)
         kd = _rows(k, r)[:, :, pcls, pkv].contiguous()       # (B, L/r, Hp, D)
         vd = _rows(v, r)[:, :, pcls, pkv].contiguous()
-        ob, lb = ring_forward(qd, kd, vd, comm, plan_fn, steps, backend)
+        ob, lb, _ = ring_forward(qd, kd, vd, comm, plan_fn, steps, backend)
         o_sel = _rows(out, r)[:, :, cls, hidx]
         l_sel = lse_blh.view(b, l // r, r, h)[:, :, cls, hidx]
         merge_(o_sel, l_sel, ob, lb.transpose(1, 2))
@@ -225,11 +225,11 @@ def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batc
                nheads_kv: int, headdim: int, itemsize: int, causal: bool, backward: bool = False) -> int:
     """Bytes one rank sends through P2P for one forward (or forward+backward):
     per spanning branch, (steps - 1) ring hops of the dilated K and V
-    (B x L/r x Hp x D each); the backward adds the K/V ring again and dK/dV:
-    a two-step ring sends the other rank's pieces home in the input dtype;
-    longer rings pass float32 accumulators round (steps - 1 hops) and send
-    the sums home in the input dtype (float32 where own-block work is held
-    back to cover that hop: shards of 2048+ rows)."""
+    (B x L/r x Hp x D each); the backward (which runs the ring in reverse,
+    see ``ring_backward``) first fetches the block the forward ended on (this
+    op does not keep it), then the K/V ring again and dK/dV: one hop of the
+    other rank's pieces in the input dtype in a two-step ring, else (steps -
+    1) hops of float32 sums."""
     l = seqlen // world
     _, span = split_branches(l, world, segment_lengths, dilation_rates)
     total = 0
@@ -240,7 +240,6 @@ def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batc
         rows = batch * (l // r) * hp * headdim
         fwd = (steps - 1) * 2 * rows * itemsize
         total += fwd
-        if backward:
-            total += fwd + (2 * rows * itemsize if steps == 2 else
-                            (steps - 1) * 2 * rows * 4 + 2 * rows * itemsize if steps > 2 else 0)
+        if backward and steps > 1:
+            total += 2 * rows * itemsize + fwd + (2 * rows * itemsize if steps == 2 else (steps - 1) * 2 * rows * 4)
     return total

@@ -7,9 +7,11 @@ Memory per rank stays O(seqlen / p): the local shard, one K/V block in
 flight and the float32 accumulators. The ring carries only ``nheads_kv``
 heads (GQA/MQA send 1/g of MHA's bytes).
 
-Backward: K/V go round again; each step's local backward uses the merged
-output and lse (exact pieces of the full gradient); dK/dV accumulate in
-float32 in buffers that travel with their K/V and are sent home at the end.
+Backward: K/V go round again, in the reverse order, starting on the block
+the forward ended on (kept by the forward); each step's local backward uses
+the merged output and lse (exact pieces of the full gradient); dK/dV
+accumulate (float32 where a block has more than one other contributor) in
+buffers that travel with their K/V and reach the owner at its last step.
 
 Block planning: every rank holds one or two chunks of known global
 position. For each (query chunk, key chunk) pair the planner decides: no
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -191,9 +192,12 @@ def _max_cover(plans: list) -> int:
     return most
 
 
-def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
+def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str, keep_last: bool = False):
     """Generic ring forward: ``plan_fn(src)`` lists the dense calls this rank
-    makes on the K/V block that started at ring position ``src``."""
+    makes on the K/V block that started at ring position ``src``. Returns
+    (out, lse, kv_last): with ``keep_last`` and more than one step,
+    ``kv_last`` is the last K/V block received (ring position rank - steps +
+    1) in tensors of its own, for :func:`ring_backward` to start on; else None."""
     l = q.shape[1]
     plans = [list(plan_fn((comm.rank - s) % comm.size)) for s in range(steps)]
     # Rows merged at most once (every 2-step ring, zigzag's diagonal included)
@@ -207,7 +211,7 @@ def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
     written = []  # row ranges that already hold a partial result
     for s in range(steps):
         if s + 1 < steps:
-            comm.ring([kc, vc])
+            comm.start([kc, vc], comm.rank + 1, comm.rank - 1, fresh=keep_last and s + 2 == steps)
         for c in plans[s]:
             args = (q[:, c.q0:c.q1], kc[:, c.k0:c.k1], vc[:, c.k0:c.k1])
             ob, lb = c.run.forward(*args) if c.run is not None else bk.block_forward(*args, c.spec, backend)
@@ -230,47 +234,7 @@ def ring_forward(q, k, v, comm: _comm.P2P, plan_fn, steps: int, backend: str):
             kc, vc = comm.wait()
     if out is None:  # no block had a visible key: every row is empty
         out, lse = empty_state(q, q.dtype)
-    return out.to(q.dtype), lse
-
-
-# Own-block work held back to the end of the backward, to cover the final float32 dK/dV
-# hop of a ring of 3+ steps; calls with fewer query rows are not split (two launches
-# cost more than the hop). A 2-step ring's hop carries the input dtype and is not
-# covered: splitting measured no faster there and held ~100 MiB more at 32K on 2 GPUs.
-HOLD_BACK_MIN_ROWS = int(os.environ.get("LONGATTN_RING_HOLD_BACK_MIN_ROWS", 2048))
-
-
-def _hold_back(calls: list) -> tuple[list, list]:
-    """Split step 0's calls (this rank's own K/V block) into the work done
-    first and a piece done last, while the accumulated dK/dV of the other
-    blocks travel their final hop home (the own block's gradient comes back
-    on that hop, so the piece's dK/dV are added after it).
-
-    The largest call gives up its first half of query rows. Every piece keeps
-    a mask cuDNN runs (no mask, or causal on a square block): a causal
-    diagonal of n rows becomes the causal square [0, n/2) held back, then the
-    full block rows [n/2, n) x keys [0, n/2) and the causal square [n/2, n)
-    first. Other masked calls (windows, offset causal blocks) stay whole.
-    """
-    if not calls:
-        return calls, []
-    big = max(calls, key=lambda c: (c.q1 - c.q0) * (c.k1 - c.k0))
-    n, sp = big.q1 - big.q0, big.spec
-    if n < HOLD_BACK_MIN_ROWS or big.run is not None:
-        return calls, []
-    h = n // 2
-    if not sp.masked:
-        early = [Call(big.q0 + h, big.q1, big.k0, big.k1, sp)]
-        late = [Call(big.q0, big.q0 + h, big.k0, big.k1, sp)]
-    elif sp.causal and not sp.has_window and sp.q_offset == 0 and big.k1 - big.k0 == n:
-        full = bk.BlockSpec(sp.scale)
-        early = [Call(big.q0 + h, big.q1, big.k0, big.k0 + h, full),
-                 Call(big.q0 + h, big.q1, big.k0 + h, big.k1, sp)]
-        late = [Call(big.q0, big.q0 + h, big.k0, big.k0 + h, sp)]
-    else:
-        return calls, []
-    i = calls.index(big)
-    return calls[:i] + early + calls[i + 1:], late
+    return out.to(q.dtype), lse, ((kc, vc) if keep_last and steps > 1 else None)
 
 
 def _disjoint(grads: list) -> bool:
@@ -293,26 +257,38 @@ def _assemble(grads: list, i: int, like: torch.Tensor) -> torch.Tensor:
     return res
 
 
-def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps: int, backend: str):
-    """Generic ring backward; a second exchange object carries dK/dV.
+def _flat(calls) -> list:
+    """Calls as the backward may run them (a fused executor can fall back to its plain blocks)."""
+    return [x for c in calls for x in (c.run.calls if c.run is not None else [c])]
 
-    Step s works on the K/V block that started on ring position rank - s with
-    that block's float32 dK/dV accumulator, then passes both on; after the last
-    step each accumulator is one hop from its owner, and part of the own
-    block's work (``_hold_back``) runs during that hop. A two-step ring has one
-    contributor per block besides its owner: the own sums stay home, and the
-    contributor's pieces go home as the kernel returned them (the input dtype:
-    a quarter of the float32 bytes of two hops) to be summed with them in
-    float32 arithmetic, one rounding.
+
+def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps: int, backend: str,
+                  kv_last=None):
+    """Generic ring backward, in the reverse order of the forward.
+
+    The forward ends holding the K/V block of ring position rank - steps + 1
+    (``kv_last``, which the forward op saves); the backward starts on it and
+    walks back towards its own block: step t works on the block of position
+    rank - steps + 1 + t, then passes the block and its dK/dV sums to
+    rank - 1, which works on that block next. So every block's sums end on
+    their owner with the owner's own contribution, at the last step: no hop
+    home and no hop before the first step. A two-step ring's one hop carries
+    the other rank's pieces in the input dtype (summed with the owner's in
+    float32 arithmetic, one rounding); longer rings pass float32 sums.
+    Without ``kv_last`` (callers that do not save it) that block is fetched
+    first, a hop nothing overlaps.
     """
+    rank, size = comm.rank, comm.size
+    first = rank - steps + 1
+    plans = [list(plan_fn((first + t) % size)) for t in range(steps)]
     dkv_comm = _comm.exchange(comm.group, comm.peers, tag="dkv")
-    rank = comm.rank
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dq_written = []
+    # Rows with at most two dQ pieces are summed in the input dtype (copy, then one
+    # add in float32 arithmetic: one rounding, as a float32 accumulator's cast).
+    dq_dtype = q.dtype if _max_cover([_flat(p) for p in plans]) <= 2 else torch.float32
+    dq_state = {"acc": None, "written": []}
 
-    def run(calls, kc, vc, dq_pieces=None):
-        """Backward of ``calls``; returns their (k0, k1, dK, dV). dQ goes into the
-        accumulator, or into ``dq_pieces`` (q0, q1, dQ) when given."""
+    def run(calls, kc, vc):
+        """Backward of ``calls``; dQ goes into the accumulator, (k0, k1, dK, dV) are returned."""
         grads = []
         for c in calls:
             qs = slice(c.q0, c.q1)
@@ -320,83 +296,80 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
             dl = None if dlse is None else dlse[:, :, qs].contiguous()
             g = c.run.backward(*args, dl) if c.run is not None else bk.block_backward(*args, c.spec, backend, dlse=dl)
             if g is None:
-                grads += run(c.run.calls, kc, vc, dq_pieces)
+                grads += run(c.run.calls, kc, vc)
                 continue
             dqb, dkb, dvb = g
-            if dq_pieces is None:
-                _accumulate(dq, dq_written, c.q0, c.q1, dqb)
+            acc = dq_state["acc"]
+            if acc is None and (c.q0, c.q1) == (0, q.shape[1]) and dqb.dtype == dq_dtype and dqb.stride() == q.stride():
+                dq_state["acc"] = dqb  # the first piece covers every row: it becomes the accumulator
+                dq_state["written"].append((0, q.shape[1]))
             else:
-                dq_pieces.append((c.q0, c.q1, dqb))
+                if acc is None:
+                    acc = dq_state["acc"] = torch.empty(q.shape, dtype=dq_dtype, device=q.device)
+                _accumulate(acc, dq_state["written"], c.q0, c.q1, dqb)
             grads.append((c.k0, c.k1, dkb, dvb))
         return grads
+
+    def fresh_acc(grads):
+        dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+        dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+        add(dk_acc, dv_acc, [], grads)
+        return dk_acc, dv_acc
 
     def add(dk_acc, dv_acc, written, grads):
         kv_written = list(written)
         for k0, k1, dkb, dvb in grads:
             _accumulate(dk_acc, written, k0, k1, dkb)
             _accumulate(dv_acc, kv_written, k0, k1, dvb)
-
-    def fresh_acc(grads):
-        dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-        dv_acc = torch.empty(v.shape, dtype=torch.float32, device=q.device)
-        written = []
-        add(dk_acc, dv_acc, written, grads)
         _zero_unwritten(dk_acc, written)
-        _zero_unwritten(dv_acc, written)
-        return dk_acc, dv_acc
+        _zero_unwritten(dv_acc, kv_written)
 
-    kc, vc = k, v
-    own = travel = None
-    late = []
-    whole = [(0, k.shape[1])]
-    for s in range(steps):
-        if s + 1 < steps:
-            comm.ring([kc, vc])
-        calls = list(plan_fn((rank - s) % comm.size))
-        if s == 0 and steps > 2:
-            calls, late = _hold_back(calls)
-        grads = run(calls, kc, vc)
-        if s == 0:
-            # the own block's sums: kept home in a 2-step ring, else they ride the ring
-            # (one float32 pair per rank instead of two)
-            acc = fresh_acc(grads)
-            own, travel = (acc, None) if steps == 2 else (None, acc)
-        elif steps == 2:
-            travel = (_assemble(grads, 2, k), _assemble(grads, 3, v)) if _disjoint(grads) else fresh_acc(grads)
+    if steps > 1 and kv_last is None:
+        comm.start([k, v], send_to=rank + steps - 1, recv_from=first, fresh=True)
+        kv_last = comm.wait()
+    kc, vc = kv_last if steps > 1 else (k, v)
+    travel = None
+    for t in range(steps):
+        last = t == steps - 1
+        if not last:
+            comm.start([kc, vc], send_to=rank - 1, recv_from=rank + 1)
+        grads = run(plans[t], kc, vc)
+        if last:
+            break
+        if t == 0 and steps == 2 and _disjoint(grads):
+            # the block's one contributor besides its owner: its pieces as the kernel returned them
+            travel = (_assemble(grads, 2, k), _assemble(grads, 3, v))
+        elif t == 0:
+            travel = fresh_acc(grads)
         else:
-            # this step's dK/dV go straight into the float32 accumulators that arrived from the
-            # previous rank (no per-step staging buffer: one pass each)
+            # this step's dK/dV go straight into the float32 sums that arrived from rank + 1
             travel = dkv_comm.wait()
-            add(*travel, list(whole), grads)
+            add(*travel, [(0, k.shape[1])], grads)
         del grads
-        if s + 1 < steps and steps > 2:
-            dkv_comm.ring(list(travel))
-        if s + 1 < steps:
-            kc, vc = comm.wait()
-    dq_last = []
-    if steps == 1:
-        return _finish(dq, dq_written, dq_last, q.dtype), travel[0].to(k.dtype), travel[1].to(v.dtype)
-    # The travelling dK/dV hold ring position (rank - steps + 1)'s gradient: send them home.
-    home, back = rank - steps + 1, rank + steps - 1
-    if steps > 2 and not late:
-        # the sums are final and nothing overlaps the hop: it carries the input dtype (half the bytes)
-        dkv_comm.start([travel[0].to(k.dtype), travel[1].to(v.dtype)], send_to=home, recv_from=back, fresh=True)
+        dkv_comm.start(list(travel), send_to=rank - 1, recv_from=rank + 1, fresh=t == steps - 2)
         del travel
-        dk_out, dv_out = dkv_comm.wait()
-        return _finish(dq, dq_written, dq_last, q.dtype), dk_out, dv_out
-    dkv_comm.start(list(travel), send_to=home, recv_from=back, fresh=True)
-    del travel
-    grads = run(late, k, v, dq_last) if late else []
+        kc, vc = comm.wait()
+    # ``grads``: the own block's pieces; the other contributors' sums arrive from rank + 1
+    acc = dq_state["acc"]
+    dq = _finish(acc, dq_state["written"], [], q.dtype) if acc is not None else torch.zeros_like(q)
+    if steps == 1:
+        if _disjoint(grads) and all(g[2].dtype == k.dtype for g in grads):
+            return dq, _assemble(grads, 2, k).contiguous(), _assemble(grads, 3, v).contiguous()
+        dk_acc, dv_acc = fresh_acc(grads)
+        return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     dk_in, dv_in = dkv_comm.wait()
-    if steps == 2:
-        # one pass each: the own float32 sums + the one contributor's pieces, rounded once
-        dk_out = _finish(own[0], list(whole), [(0, k.shape[1], dk_in)], k.dtype)
-        dv_out = _finish(own[1], list(whole), [(0, v.shape[1], dv_in)], v.dtype)
-    else:
-        # the float32 sums came home; the held-back pieces are added in the pass that casts
-        dk_out = _finish(dk_in, list(whole), [(a, b, dkb) for a, b, dkb, _ in grads], k.dtype)
-        dv_out = _finish(dv_in, list(whole), [(a, b, dvb) for a, b, _, dvb in grads], v.dtype)
-    return _finish(dq, dq_written, dq_last, q.dtype), dk_out, dv_out
+    return dq, _home(dk_in, grads, 2, k.dtype), _home(dv_in, grads, 3, v.dtype)
+
+
+def _home(incoming: torch.Tensor, own: list, i: int, dtype) -> torch.Tensor:
+    """The owner's final dK (i=2) or dV (i=3) in ``dtype``: what came round the
+    ring (float32 sums, or one contributor's pieces in the input dtype) plus
+    its own pieces. Key-disjoint own pieces are added in the pass that writes
+    the result (float32 arithmetic, one rounding); otherwise the incoming
+    tensor is widened to float32 first, so no partial sum is rounded."""
+    if incoming.dtype != torch.float32 and not _disjoint(own):
+        incoming = incoming.float()
+    return _finish(incoming, [(0, incoming.shape[1])], [(g[0], g[1], g[i]) for g in own], dtype)
 
 
 def _dense_plan(layout, comm, l, causal, window, scale):
@@ -407,21 +380,30 @@ def _forward(q, k, v, scale, causal, window, layout, group, backend):
     comm = _comm.exchange(group)
     l = q.shape[1]
     steps = num_steps(layout, comm.size, l, causal, window)
-    return ring_forward(q, k, v, comm, _dense_plan(layout, comm, l, causal, window, scale), steps, backend)
+    out, lse, kv_last = ring_forward(q, k, v, comm, _dense_plan(layout, comm, l, causal, window, scale), steps,
+                                     backend, keep_last=True)
+    if kv_last is None:
+        kv_last = (k.new_empty(0), v.new_empty(0))
+    return out, lse, *kv_last
 
 
-def _backward(dout, q, k, v, out, lse, dlse, scale, causal, window, layout, group, backend):
+def _backward(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, window, layout, group, backend):
     comm = _comm.exchange(group)
     l = q.shape[1]
     steps = num_steps(layout, comm.size, l, causal, window)
+    kv_last = (k_last, v_last) if k_last.numel() else None
     return ring_backward(dout, q, k, v, out, lse, dlse, comm, _dense_plan(layout, comm, l, causal, window, scale),
-                         steps, backend)
+                         steps, backend, kv_last)
 
 
 # ------------------------------------------------------------------ custom ops
+# The forward also returns the last K/V block it received (empty when the ring
+# has one step): the backward starts on it (see ring_backward). It is saved for
+# the backward like q, k and v: one more local K/V block per call.
 @torch.library.custom_op("longattn::ring_fwd", mutates_args=(), device_types=None)
 def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window_left: int,
-              window_right: int, layout: str, group_name: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+              window_right: int, layout: str, group_name: str, backend: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _comm.group_from_name(group_name)
     return _forward(q, k, v, scale, causal, (window_left, window_right), layout, g, backend)
 
@@ -429,25 +411,31 @@ def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
 @_ring_fwd.register_fake
 def _(q, k, v, scale, causal, window_left, window_right, layout, group_name, backend):
     b, l, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty(b, h, l, dtype=torch.float32)
+    world = _comm.group_from_name(group_name).size()
+    # int(): the step count depends on the length and window, so a traced graph specialises on them
+    kept = num_steps(layout, world, int(l), causal, (int(window_left), int(window_right))) > 1
+    return (torch.empty_like(q), q.new_empty(b, h, l, dtype=torch.float32),
+            torch.empty_like(k) if kept else k.new_empty(0), torch.empty_like(v) if kept else v.new_empty(0))
 
 
 @torch.library.custom_op("longattn::ring_bwd", mutates_args=(), device_types=None)
 def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, dlse: Optional[torch.Tensor], scale: float, causal: bool, window_left: int,
-              window_right: int, layout: str, group_name: str, backend: str
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              lse: torch.Tensor, dlse: Optional[torch.Tensor], k_last: torch.Tensor, v_last: torch.Tensor,
+              scale: float, causal: bool, window_left: int, window_right: int, layout: str, group_name: str,
+              backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _comm.group_from_name(group_name)
-    return _backward(dout, q, k, v, out, lse, dlse, scale, causal, (window_left, window_right), layout, g, backend)
+    return _backward(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, (window_left, window_right),
+                     layout, g, backend)
 
 
 @_ring_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, layout, group_name, backend):
+def _(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, window_left, window_right, layout, group_name,
+      backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 register_attention_autograd(_ring_fwd, _ring_bwd, ("scale", "causal", "window_left", "window_right", "layout",
-                                                  "group_name", "backend"))
+                                                  "group_name", "backend"), kept_outputs=2)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -491,5 +479,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     if not torch.compiler.is_compiling():
         _comm.check_consistent(g, "ring_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                                causal=causal, window=window, layout=layout, scale=scale, backend=backend)
-    out, lse = _ring_fwd(q, k, v, scale, causal, window[0], window[1], layout, _comm.group_name(g), backend)
+    out, lse, _, _ = _ring_fwd(q, k, v, scale, causal, window[0], window[1], layout, _comm.group_name(g), backend)
     return (out, lse) if return_lse else out

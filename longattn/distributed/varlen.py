@@ -329,7 +329,7 @@ def _ring_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     window = (window_left, window_right)
     comm, plan_fn, steps = _run(cu_seqlens, layout, causal, window, scale, group_name,
                                 _fusable(q, k, window, backend), q)
-    out, lse = ring_forward(q[None], k[None], v[None], comm, plan_fn, steps, backend)
+    out, lse, _ = ring_forward(q[None], k[None], v[None], comm, plan_fn, steps, backend)
     return out[0], lse[0]
 
 
