@@ -287,6 +287,9 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
     # MHA: views of every tensor; each piece's gradients add into dQ/dK/dV in
     # place, in the input dtype (one rounding per branch, as the fused kernels);
     # the base branch's (see _ordered_units) are copied in.
+    from .kernels import triton_merge
+
+    fused_add = q.is_cuda and triton_merge.usable(q)  # CPU keeps torch's add (the interpreter is slow)
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h)
     new = torch.empty_like if nbase else torch.zeros_like
     grads = [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
@@ -299,11 +302,14 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
                 lb = lv[sl].transpose(1, 2).contiguous()  # (n, Hc, m)
                 dlb = None if dlv is None else dlv[sl].transpose(1, 2).contiguous()
                 gb = bk.block_backward(dov[sl], qv[sl], kv[sl], vv[sl], ov[sl], lb, spec, backend, dlse=dlb)
-                for g, x in zip(gb, grads):
-                    gv = u.view(x, bi, h)[sl]
-                    if i < nbase:
+                gvs = [u.view(x, bi, h)[sl] for x in grads]
+                if i < nbase:
+                    for gv, g in zip(gvs, gb):
                         gv.copy_(g)
-                    else:
+                elif fused_add and all(g.stride(-1) == 1 for g in gb):
+                    triton_merge.add_into(gvs, gb)  # one vectorised pass for dQ, dK and dV
+                else:
+                    for gv, g in zip(gvs, gb):
                         gv.add_(g)
     return tuple(grads)
 

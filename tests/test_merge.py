@@ -56,3 +56,25 @@ def test_triton_merge_on_strided_views():
     big[:, ::2, ::2] = 7.0  # the rows and heads between were left alone
     lbig[:, ::2, ::2] = 7.0
     assert (big == 7.0).all() and (lbig == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_add_into_strided_views(dtype):
+    """The fused strided add of the dilated backward: dst += src for one to
+    three pairs, dst every other row and head of a bigger buffer, src in
+    another layout; float32 arithmetic, one rounding; the rest untouched."""
+    from longattn.kernels import triton_merge
+
+    if not triton_merge.usable(torch.empty(1)):
+        pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
+    torch.manual_seed(0)
+    for npair in (1, 2, 3):
+        bigs = [torch.full((2, 10, 6, 8), 7.0, dtype=dtype) for _ in range(npair)]
+        dsts = [b[:, ::2, ::2] for b in bigs]                                       # (2, 5, 3, 8)
+        srcs = [torch.randn(2, 3, 5, 8, dtype=dtype).transpose(1, 2) for _ in range(npair)]
+        want = [(d.float() + s.float()).to(dtype) for d, s in zip(dsts, srcs)]
+        triton_merge.add_into(dsts, srcs)
+        for b, d, w in zip(bigs, dsts, want):
+            assert torch.equal(d, w)
+            b[:, ::2, ::2] = 7.0
+            assert (b == 7.0).all()

@@ -40,6 +40,32 @@ if HAS_TRITON:
         tl.store(l_ptr, lse, mask=rm)
 
 
+    @triton.jit
+    def _add_tile(X, Y, sx0, sx1, sx2, sy0, sy1, sy2, n, hc, r64, offs_d, msk):
+        x_ptr = X + n * sx0 + r64[:, None] * sx1 + hc * sx2 + offs_d[None, :]
+        y = tl.load(Y + n * sy0 + r64[:, None] * sy1 + hc * sy2 + offs_d[None, :], mask=msk, other=0.0)
+        tl.store(x_ptr, (tl.load(x_ptr, mask=msk, other=0.0).to(tl.float32) + y.to(tl.float32)).to(X.dtype.element_ty),
+                 mask=msk)
+
+    @triton.jit
+    def _add_kernel(X0, Y0, X1, Y1, X2, Y2, s00, s01, s02, t00, t01, t02, s10, s11, s12, t10, t11, t12,
+                    s20, s21, s22, t20, t21, t22, M, HC, NPAIR: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        nh = tl.program_id(1)
+        n = (nh // HC).to(tl.int64)
+        hc = (nh % HC).to(tl.int64)
+        rows = pid * BLOCK + tl.arange(0, BLOCK)
+        r64 = rows.to(tl.int64)
+        offs_d = tl.arange(0, D_PAD)
+        msk = (rows < M)[:, None] & (offs_d < D)[None, :]
+        _add_tile(X0, Y0, s00, s01, s02, t00, t01, t02, n, hc, r64, offs_d, msk)
+        if NPAIR > 1:
+            _add_tile(X1, Y1, s10, s11, s12, t10, t11, t12, n, hc, r64, offs_d, msk)
+        if NPAIR > 2:
+            _add_tile(X2, Y2, s20, s21, s22, t20, t21, t22, n, hc, r64, offs_d, msk)
+
+
 def usable(x: torch.Tensor) -> bool:
     return HAS_TRITON and available(x.device) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
@@ -53,3 +79,25 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
     _merge_kernel[grid](out, lse, out_b, lse_b, *out.stride()[:3], *lse.stride(), *out_b.stride()[:3],
                                  *lse_b.stride(), m, hc, D=d, D_PAD=_d_pad(d), BLOCK=block,
                                  num_warps=4 if d <= 128 else 8)
+
+
+def add_into(dsts, srcs) -> None:
+    """dst += src for up to three pairs of (N, M, Hc, D) tensors of one shape,
+    any strides with unit stride in D, in one launch: float32 arithmetic, one
+    rounding into the dst dtype. torch's own add on such strided views runs a
+    generic element-wise kernel (no vector loads): the dilated backward's
+    gradient accumulation took 2.6 ms of 17 at 128K causal that way."""
+    assert 1 <= len(dsts) == len(srcs) <= 3
+    n, m, hc, d = dsts[0].shape
+    for x, y in zip(dsts, srcs):
+        assert x.shape == y.shape == dsts[0].shape and x.stride(-1) == 1 and y.stride(-1) == 1
+    pairs = list(zip(dsts, srcs))
+    pairs += [pairs[0]] * (3 - len(pairs))  # unused slots (NPAIR guards them)
+    args, strides = [], []
+    for x, y in pairs:
+        args += [x, y]
+        strides += [*x.stride()[:3], *y.stride()[:3]]
+    block = 16 if dsts[0].device.type == "cpu" else 64
+    grid = (triton.cdiv(m, block), n * hc)
+    _add_kernel[grid](*args, *strides, m, hc, NPAIR=len(dsts), D=d, D_PAD=_d_pad(d), BLOCK=block,
+                      num_warps=4 if d <= 128 else 8)
