@@ -221,11 +221,17 @@ def _ordered_units_cached(seqlen: int, segment_lengths: tuple, dilation_rates: t
     return tuple(base + us), len(base)
 
 
-def _adoptable(order: list, nbase: int, x: torch.Tensor) -> bool:
-    """One base unit, one piece, batch 1: the backend's result for it is the
-    whole (1, S, H, D) output, taken as it is."""
-    return nbase == 1 and x.shape[0] == 1 and len(_pieces(order[0], order[0].view(x, 0, x.shape[2]),
-                                                          x.element_size())) == 1
+def _adoptable(nbase: int, x: torch.Tensor) -> bool:
+    """One base unit, batch 1: the backend's results for it, called on the
+    whole unit (one piece, whatever PIECE_BYTES says: nothing else is
+    allocated for them), are the whole (1, S, H, D) output and gradients,
+    taken as they are: no copy pass. Under 2**31 elements, so no kernel
+    indexes past int32."""
+    return nbase == 1 and x.shape[0] == 1 and x.numel() < 2 ** 31
+
+
+def _unit_pieces(u: Unit, i: int, adopt: bool, v: torch.Tensor, esize: int):
+    return [slice(0, u.n)] if i == 0 and adopt else _pieces(u, v, esize)
 
 
 def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto",
@@ -240,7 +246,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
 
     acc = (out_dtype or q.dtype) if triton_merge.usable(q) else torch.float32
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h)
-    adopt = _adoptable(order, nbase, q)
+    adopt = _adoptable(nbase, q)
     if nbase:
         out = torch.empty(b, s, h, d, dtype=acc, device=q.device)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
@@ -250,7 +256,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
     for i, u in enumerate(order):
         for bi in range(b):
             qv, kv, vv, ov, lv = (u.view(x, bi, h) for x in (q, k, v, out, lse))  # (N, M, Hc, D) / (N, M, Hc)
-            for sl in _pieces(u, qv, q.element_size()):
+            for sl in _unit_pieces(u, i, adopt, qv, q.element_size()):
                 ob, lb = bk.block_forward(qv[sl], kv[sl], vv[sl], spec, backend)
                 if i == 0 and adopt and ob.dtype == acc and ob.is_contiguous():
                     out = ob.view(b, s, h, d)
@@ -291,17 +297,23 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
 
     fused_add = q.is_cuda and triton_merge.usable(q)  # CPU keeps torch's add (the interpreter is slow)
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h)
+    adopt = _adoptable(nbase, q)
     new = torch.empty_like if nbase else torch.zeros_like
-    grads = [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
+    grads = None if adopt else [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
     spec = bk.BlockSpec(scale=scale, causal=causal)
     for i, u in enumerate(order):
         for bi in range(b):
             qv, kv, vv, dov, ov, lv = (u.view(x, bi, h) for x in (q, k, v, dout, out, lse))
             dlv = None if dlse is None else u.view(dlse, bi, h)
-            for sl in _pieces(u, qv, q.element_size()):
+            for sl in _unit_pieces(u, i, adopt, qv, q.element_size()):
                 lb = lv[sl].transpose(1, 2).contiguous()  # (n, Hc, m)
                 dlb = None if dlv is None else dlv[sl].transpose(1, 2).contiguous()
                 gb = bk.block_backward(dov[sl], qv[sl], kv[sl], vv[sl], ov[sl], lb, spec, backend, dlse=dlb)
+                if grads is None:  # the base unit's gradients, laid out as (1, S, H, D), are the result
+                    if all(g.is_contiguous() and g.dtype == x.dtype for g, x in zip(gb, (q, k, v))):
+                        grads = [g.view(x.shape) for g, x in zip(gb, (q, k, v))]
+                        continue
+                    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
                 gvs = [u.view(x, bi, h)[sl] for x in grads]
                 if i < nbase:
                     for gv, g in zip(gvs, gb):
