@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -297,7 +296,6 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
     from .kernels import triton_merge
 
     fused_add = q.is_cuda and triton_merge.usable(q)  # CPU keeps torch's add (the interpreter is slow)
-    side = _add_stream(q.device) if fused_add and OVERLAP_ADDS else None
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h)
     adopt = _adoptable(nbase, q)
     new = torch.empty_like if nbase else torch.zeros_like
@@ -321,33 +319,11 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
                     for gv, g in zip(gvs, gb):
                         gv.copy_(g)
                 elif fused_add and all(g.stride(-1) == 1 for g in gb):
-                    if side is None:
-                        triton_merge.add_into(gvs, gb)  # one vectorised pass for dQ, dK and dV
-                        continue
-                    # memory-bound adds beside the next compute-bound cuDNN call
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        triton_merge.add_into(gvs, gb)
-                    for g in gb:
-                        g.record_stream(side)
+                    triton_merge.add_into(gvs, gb)  # one vectorised pass for dQ, dK and dV
                 else:
                     for gv, g in zip(gvs, gb):
                         gv.add_(g)
-    if side is not None:
-        torch.cuda.current_stream().wait_stream(side)
     return tuple(grads)
-
-
-# The backward's gradient adds run on a second stream, overlapping the next
-# cuDNN call (LONGATTN_DILATED_OVERLAP_ADDS=0: in order on the compute stream).
-OVERLAP_ADDS = os.environ.get("LONGATTN_DILATED_OVERLAP_ADDS", "1") != "0"
-_add_streams: dict = {}
-
-
-def _add_stream(device: torch.device) -> "torch.cuda.Stream":
-    if device not in _add_streams:
-        _add_streams[device] = torch.cuda.Stream(device)
-    return _add_streams[device]
 
 
 def _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend):
