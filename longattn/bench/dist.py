@@ -49,36 +49,32 @@ def _inputs(cfg: Config, seqlen: int, dev, dt, seed=0):
     return q, k, v
 
 
-# "cold" or "batched" (see measure.time_ms), set by run_dist for every timed call of a run
-_TIMING = {"batched": False}
-
-
-def _time_pair(fwd, step, dev, warmup, iters):
-    """(fwd ms, fwd+bwd ms, peak bytes fwd, fwd+bwd, host ms of one fwd, fwd+bwd call)."""
-    q = _TIMING["batched"]
+def _time_pair(fwd, step, dev, warmup, iters, batched):
+    """(fwd ms, fwd+bwd ms, peak bytes fwd, fwd+bwd, host ms of one fwd, fwd+bwd call);
+    ``batched``: see measure.time_ms."""
     with torch.no_grad():
-        t = measure.time_ms(fwd, dev, warmup=warmup, iters=iters, batched=q, agree=_agree)
+        t = measure.time_ms(fwd, dev, warmup=warmup, iters=iters, batched=batched, agree=_agree)
         tf, hf = t["median_ms"], t["host_ms"]
         mf = measure.peak_memory_bytes(fwd, dev)
     tb = mb = hb = None
     if step is not None:
-        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=q, agree=_agree)
+        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=batched, agree=_agree)
         tb, hb = t["median_ms"], t["host_ms"]
         mb = measure.peak_memory_bytes(step, dev)
     return tf, tb, mf, mb, hf, hb
 
 
-def _ours(cfg, impl, make, dev, warmup, iters, backward):
+def _ours(cfg, impl, make, dev, warmup, iters, backward, batched):
     impl, _, transport = impl.partition("+")
     with _comm.use_transport(transport or "auto"):
         _comm.release_slots()
-        tf, tb, mf, mb, hf, hb = _ours_timed(cfg, impl, make, dev, warmup, iters, backward)
+        tf, tb, mf, mb, hf, hb = _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched)
         # exchange slots in symmetric memory live outside the allocator's counters
         held = _comm.symmetric_bytes()
     return tf, tb, mf + held, None if mb is None else mb + held, hf, hb
 
 
-def _ours_timed(cfg, impl, make, dev, warmup, iters, backward):
+def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched):
     layout = "zigzag" if impl == "ring-zigzag" else "contiguous"
     q, k, v = make()
     if cfg.kind == "dilated":
@@ -107,10 +103,10 @@ def _ours_timed(cfg, impl, make, dev, warmup, iters, backward):
         def step():
             fn(qg, kg, vg).backward(dout)
             qg.grad = kg.grad = vg.grad = None
-    return _time_pair(fwd, step, dev, warmup, iters)
+    return _time_pair(fwd, step, dev, warmup, iters, batched)
 
 
-def _torch_cp(cfg, make, dev, warmup, iters, backward):
+def _torch_cp(cfg, make, dev, warmup, iters, backward, batched):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -145,7 +141,7 @@ def _torch_cp(cfg, make, dev, warmup, iters, backward):
                 def step():
                     torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=cfg.causal).backward(dout)
                     qg.grad = kg.grad = vg.grad = None
-            return _time_pair(fwd, step, dev, warmup, iters)
+            return _time_pair(fwd, step, dev, warmup, iters, batched)
     finally:
         if _cp_options is not None:
             _cp_options.enable_load_balance = old
@@ -183,7 +179,7 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
     env = measure.environment(dev)
     env["world_size"] = world
     env["timing"] = timing if dev.type == "cuda" else "cold"  # batching is for GPU streams
-    _TIMING["batched"] = timing == "batched"
+    batched = timing == "batched"
     results = []
     for cfg in cfgs:
         _, dt = device_and_dtype(cfg, dev.type)
@@ -226,9 +222,9 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
             err = None
             try:
                 if impl == "torch-cp":
-                    tf, tb, mf, mb, hf, hb = _torch_cp(cfg, make, dev, warmup, iters, backward)
+                    tf, tb, mf, mb, hf, hb = _torch_cp(cfg, make, dev, warmup, iters, backward, batched)
                 else:
-                    tf, tb, mf, mb, hf, hb = _ours(cfg, impl, make, dev, warmup, iters, backward)
+                    tf, tb, mf, mb, hf, hb = _ours(cfg, impl, make, dev, warmup, iters, backward, batched)
             except Exception as e:  # noqa: BLE001 - recorded
                 err = _failure(e)
                 tf = tb = mf = mb = hf = hb = None

@@ -73,10 +73,6 @@ class P2P:
         bufs, self._reqs, self._bufs = self._bufs, None, None
         return bufs
 
-    def ring(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Send to the next peer, receive from the previous one."""
-        self.start(tensors, self.rank + 1, self.rank - 1)
-
 
 # Bytes this process sent through P2P exchanges (tests and the volume helper check it).
 traffic = {"bytes_sent": 0}

@@ -285,10 +285,11 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
     # Rows with at most two dQ pieces are summed in the input dtype (copy, then one
     # add in float32 arithmetic: one rounding, as a float32 accumulator's cast).
     dq_dtype = q.dtype if _max_cover([_flat(p) for p in plans]) <= 2 else torch.float32
-    dq_state = {"acc": None, "written": []}
+    dq, dq_written = None, []
 
     def run(calls, kc, vc):
         """Backward of ``calls``; dQ goes into the accumulator, (k0, k1, dK, dV) are returned."""
+        nonlocal dq
         grads = []
         for c in calls:
             qs = slice(c.q0, c.q1)
@@ -299,14 +300,13 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
                 grads += run(c.run.calls, kc, vc)
                 continue
             dqb, dkb, dvb = g
-            acc = dq_state["acc"]
-            if acc is None and (c.q0, c.q1) == (0, q.shape[1]) and dqb.dtype == dq_dtype and dqb.stride() == q.stride():
-                dq_state["acc"] = dqb  # the first piece covers every row: it becomes the accumulator
-                dq_state["written"].append((0, q.shape[1]))
+            if dq is None and (c.q0, c.q1) == (0, q.shape[1]) and dqb.dtype == dq_dtype and dqb.stride() == q.stride():
+                dq = dqb  # the first piece covers every row: it becomes the accumulator
+                dq_written.append((0, q.shape[1]))
             else:
-                if acc is None:
-                    acc = dq_state["acc"] = torch.empty(q.shape, dtype=dq_dtype, device=q.device)
-                _accumulate(acc, dq_state["written"], c.q0, c.q1, dqb)
+                if dq is None:
+                    dq = torch.empty(q.shape, dtype=dq_dtype, device=q.device)
+                _accumulate(dq, dq_written, c.q0, c.q1, dqb)
             grads.append((c.k0, c.k1, dkb, dvb))
         return grads
 
@@ -350,8 +350,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, comm: _comm.P2P, plan_fn, steps
         del travel
         kc, vc = comm.wait()
     # ``grads``: the own block's pieces; the other contributors' sums arrive from rank + 1
-    acc = dq_state["acc"]
-    dq = _finish(acc, dq_state["written"], [], q.dtype) if acc is not None else torch.zeros_like(q)
+    dq = _finish(dq, dq_written, [], q.dtype) if dq is not None else torch.zeros_like(q)
     if steps == 1:
         if _disjoint(grads) and all(g[2].dtype == k.dtype for g in grads):
             return dq, _assemble(grads, 2, k).contiguous(), _assemble(grads, 3, v).contiguous()
