@@ -5,8 +5,8 @@ any GPU work. Short sequences (32K) are bound by it on H200
 
     python benchmarks/dilated_host_time.py [--seqlen 32768]
 
-Runs on the CPU (no GPU needed): the local backend returns empty tensors and
-the merge does nothing, so only our host code is timed.
+Runs on the CPU (no GPU needed): the local backend returns empty tensors, the
+merge and the gathers do nothing, so only our host code is timed.
 """
 import argparse
 import time
@@ -32,6 +32,7 @@ class _Stub:
 stub = _Stub()
 bk.select_backend = lambda *a, **k: stub
 dil.merge_into = lambda *a, **k: None
+dil._gather_views = lambda *xs: [x.new_empty(x.shape).view(-1, *x.shape[2:]) for x in xs]  # copies stubbed too
 triton_merge.usable = lambda x: True  # the output-dtype accumulator, as on CUDA
 q = torch.randn(1, args.seqlen, 16, 8, dtype=torch.bfloat16)  # tiny head dim: copies cost nothing
 segs, rates = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]

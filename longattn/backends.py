@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import threading
 from typing import Optional, Sequence
 
@@ -336,6 +337,15 @@ class FlashBackend(Backend):
 
 
 # --------------------------------------------------------------------------- cuDNN
+def _cudnn_stats(lse: torch.Tensor) -> torch.Tensor:
+    """(B, H, S) lse, any strides -> the contiguous (B, H, S, 1) stats cuDNN's
+    backward reads, dead rows (-inf) as +inf (see _dead_rows_to_pos_inf): one
+    kernel, where the copy, comparison and select took three."""
+    stats = torch.empty((*lse.shape, 1), dtype=torch.float32, device=lse.device)
+    torch.nan_to_num(lse, nan=float("nan"), neginf=float("inf"), out=stats[..., 0])
+    return stats
+
+
 class CudnnBackend(Backend):
     """cuDNN's fused attention through ``aten::_scaled_dot_product_cudnn_attention``.
     About 1.7x the flash backend on Hopper (see docs/performance.md)."""
@@ -377,7 +387,7 @@ class CudnnBackend(Backend):
             dout, out = dout.contiguous(), out.contiguous()
         res = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout.transpose(1, 2), q.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
-            out.transpose(1, 2), _dead_rows_to_pos_inf(lse).unsqueeze(-1).contiguous(),
+            out.transpose(1, 2), _cudnn_stats(lse),
             None, None, None, None, None, q.shape[1], k.shape[1], 0.0, spec.causal, scale=spec.scale)
         dq, dk, dv = (t.transpose(1, 2) for t in res[:3])
         return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)
@@ -496,9 +506,34 @@ def explain(q: torch.Tensor, k: torch.Tensor, spec: BlockSpec) -> dict[str, list
     return {name: BACKENDS[name].refusals(spec, q, k) for name in AUTO_ORDER}
 
 
+def _selection_key(q, k, spec, name, exclude):
+    """Everything refusals read: device, dtypes, shapes, the spec, and on CPU
+    the Triton interpreter switch (cuDNN's presence is fixed per process)."""
+    dev = q.device
+    interp = os.environ.get("TRITON_INTERPRET") if dev.type == "cpu" else None
+    return (name, exclude, dev, q.dtype, k.dtype, q.shape[1:], k.shape[1:], spec, interp)
+
+
+# Selections already made: short sequences cut into many block calls (the
+# dilated views path: 16-32 per pass) are bound by host time, and walking the
+# refusals of every backend costs tens of microseconds per call.
+_selected: dict = {}
+
+
 def select_backend(q, k, spec: BlockSpec, name: str = "auto", exclude: Sequence[str] = ()) -> Backend:
     if name == "auto":
         name = _forced() or "auto"
+    key = _selection_key(q, k, spec, name, tuple(exclude))
+    hit = _selected.get(key)
+    if hit is None:
+        hit = _select(q, k, spec, name, exclude)
+        if len(_selected) > 4096:
+            _selected.clear()
+        _selected[key] = hit
+    return hit
+
+
+def _select(q, k, spec, name, exclude) -> Backend:
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"backend={name!r}: choose one of {['auto', *BACKENDS]}")

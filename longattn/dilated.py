@@ -128,6 +128,11 @@ def _gather(part: Part, q, k, v):
 PIECE_BYTES = 128 << 20
 
 
+# A branch whose per-class calls would each cover at most this many (row, head)
+# pairs (64 segments x heads of 2048 rows) runs as one call on gathered copies.
+GATHER_MAX_ROWS = 64 * 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class Unit:
     """One local-backend call of the MHA views path: a (N, M, Hc, D) strided
@@ -139,7 +144,11 @@ class Unit:
     in (s, c, i, j), so the classes stack into one view with the class as a
     batch (``seg`` = s: one call per segment, (r, m, Hc)) or, with one head per
     class, as the head dim (``seg`` = -1: (nseg, m, r)). Fewer, larger calls
-    than one per class: the high-rate branches are tiny per class.
+    than one per class: the high-rate branches are tiny per class. Where
+    neither fits and each class's call would be small (``gathered``), the
+    branch's rows are copied into dense (nseg * r, m, Hc, D) blocks, one call:
+    a few hundred microseconds of host time per call outweigh copying 1/r of
+    q, k and v.
     """
 
     part: Optional[Part] = None
@@ -147,11 +156,14 @@ class Unit:
     r: int = 0
     nseg: int = 0
     seg: int = -1
+    gathered: bool = False
 
     @property
     def n(self) -> int:
         if self.part is not None:
             return self.part.nseg
+        if self.gathered:
+            return self.nseg * self.r
         return self.nseg if self.seg < 0 else self.r
 
     def _five(self, x: torch.Tensor, bi: int, h: int) -> torch.Tensor:
@@ -165,9 +177,13 @@ class Unit:
         return x.as_strided((self.nseg, r, m, hc), (w * ss, ss + sh, r * ss, r * sh), x.storage_offset() + bi * sb)
 
     def view(self, x: torch.Tensor, bi: int, h: int) -> torch.Tensor:
+        """The call's (N, M, Hc, D) / (N, M, Hc) view; a gathered unit's is the
+        5-D (nseg, r, m, Hc, D) / (nseg, r, m, Hc) one its copies are made from."""
         if self.part is not None:
             return self.part.q_view(x, bi) if x.dim() == 4 else self.part.lse_view(x, bi)
         v = self._five(x, bi, h)
+        if self.gathered:
+            return v
         if self.seg >= 0:
             return v[self.seg]
         return v[:, :, :, 0].transpose(1, 2)  # one head per class: the classes are the heads
@@ -187,6 +203,8 @@ def units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[Uni
             nseg = part.nseg
             if nheads == r:
                 out.append(Unit(w=w, r=r, nseg=nseg))
+            elif nseg * (nheads // r) * (w // r) <= GATHER_MAX_ROWS:
+                out.append(Unit(w=w, r=r, nseg=nseg, gathered=True))
             elif nseg < r:
                 out += [Unit(w=w, r=r, nseg=nseg, seg=i) for i in range(nseg)]
             else:
@@ -231,7 +249,29 @@ def _adoptable(nbase: int, x: torch.Tensor) -> bool:
 
 
 def _unit_pieces(u: Unit, i: int, adopt: bool, v: torch.Tensor, esize: int):
-    return [slice(0, u.n)] if i == 0 and adopt else _pieces(u, v, esize)
+    """The unit's pieces as slices of its batch dim; None for the whole unit
+    (no slicing: host time)."""
+    pieces = [slice(0, u.n)] if i == 0 and adopt else _pieces(u, v, esize)
+    return [None] if len(pieces) == 1 else pieces
+
+
+def _cut(sl: Optional[slice], *xs: torch.Tensor):
+    return xs if sl is None else tuple(x[sl] for x in xs)
+
+
+def _gather_views(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """5-D (nseg, r, m, Hc, D) views -> dense (nseg * r, m, Hc, D) copies (one
+    Triton launch for up to three on CUDA)."""
+    from .kernels import triton_merge
+
+    dense = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    if xs[0].is_cuda and triton_merge.usable(xs[0]) and all(x.stride(-1) == 1 for x in xs):
+        for a in range(0, len(xs), 3):
+            triton_merge.copy_into(dense[a:a + 3], xs[a:a + 3])
+    else:
+        for d, x in zip(dense, xs):
+            d.copy_(x)
+    return [d.view(-1, *d.shape[2:]) for d in dense]
 
 
 def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto",
@@ -256,16 +296,21 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
     for i, u in enumerate(order):
         for bi in range(b):
             qv, kv, vv, ov, lv = (u.view(x, bi, h) for x in (q, k, v, out, lse))  # (N, M, Hc, D) / (N, M, Hc)
+            if u.gathered:  # 5-D views; one call on dense copies
+                ob, lb = bk.block_forward(*_gather_views(qv, kv, vv), spec, backend)
+                merge_into(ov, lv, ob.view(ov.shape), lb.transpose(1, 2).view(lv.shape), use_triton=True)
+                continue
             for sl in _unit_pieces(u, i, adopt, qv, q.element_size()):
-                ob, lb = bk.block_forward(qv[sl], kv[sl], vv[sl], spec, backend)
+                qs, ks, vs, os_, ls = _cut(sl, qv, kv, vv, ov, lv)
+                ob, lb = bk.block_forward(qs, ks, vs, spec, backend)
                 if i == 0 and adopt and ob.dtype == acc and ob.is_contiguous():
                     out = ob.view(b, s, h, d)
                     lse = lb.transpose(0, 1).reshape(b, h, s)  # (nseg, H, m) -> (1, H, S)
                 elif i < nbase:
-                    ov[sl].copy_(ob)
-                    lv[sl].copy_(lb.transpose(1, 2))
+                    os_.copy_(ob)
+                    ls.copy_(lb.transpose(1, 2))
                 else:
-                    merge_into(ov[sl], lv[sl], ob, lb.transpose(1, 2), use_triton=True)
+                    merge_into(os_, ls, ob, lb.transpose(1, 2), use_triton=True)
     return out.to(out_dtype or q.dtype), lse
 
 
@@ -305,25 +350,39 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
         for bi in range(b):
             qv, kv, vv, dov, ov, lv = (u.view(x, bi, h) for x in (q, k, v, dout, out, lse))
             dlv = None if dlse is None else u.view(dlse, bi, h)
+            if u.gathered:  # 5-D views; one call on dense copies, its gradients added back
+                qg, kg, vg, dog, og = _gather_views(qv, kv, vv, dov, ov)
+                lb, dlb = (None if x is None else x.reshape(u.n, *x.shape[2:]).transpose(1, 2) for x in (lv, dlv))
+                gb = bk.block_backward(dog, qg, kg, vg, og, lb, spec, backend, dlse=dlb)
+                _add_grads([u.view(x, bi, h) for x in grads], [g.view(qv.shape) for g in gb], fused_add)
+                continue
             for sl in _unit_pieces(u, i, adopt, qv, q.element_size()):
-                lb = lv[sl].transpose(1, 2).contiguous()  # (n, Hc, m)
-                dlb = None if dlv is None else dlv[sl].transpose(1, 2).contiguous()
-                gb = bk.block_backward(dov[sl], qv[sl], kv[sl], vv[sl], ov[sl], lb, spec, backend, dlse=dlb)
+                dos, qs, ks, vs, os_, ls = _cut(sl, dov, qv, kv, vv, ov, lv)
+                dlb = None if dlv is None else _cut(sl, dlv)[0].transpose(1, 2)
+                # lse as (n, Hc, m) views: the backends copy what they need
+                gb = bk.block_backward(dos, qs, ks, vs, os_, ls.transpose(1, 2), spec, backend, dlse=dlb)
                 if grads is None:  # the base unit's gradients, laid out as (1, S, H, D), are the result
                     if all(g.is_contiguous() and g.dtype == x.dtype for g, x in zip(gb, (q, k, v))):
                         grads = [g.view(x.shape) for g, x in zip(gb, (q, k, v))]
                         continue
                     grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
-                gvs = [u.view(x, bi, h)[sl] for x in grads]
+                gvs = _cut(sl, *(u.view(x, bi, h) for x in grads))
                 if i < nbase:
                     for gv, g in zip(gvs, gb):
                         gv.copy_(g)
-                elif fused_add and all(g.stride(-1) == 1 for g in gb):
-                    triton_merge.add_into(gvs, gb)  # one vectorised pass for dQ, dK and dV
                 else:
-                    for gv, g in zip(gvs, gb):
-                        gv.add_(g)
+                    _add_grads(gvs, gb, fused_add)
     return tuple(grads)
+
+
+def _add_grads(dsts, srcs, fused: bool) -> None:
+    from .kernels import triton_merge
+
+    if fused and all(g.stride(-1) == 1 for g in srcs):
+        triton_merge.add_into(dsts, srcs)  # one vectorised pass for dQ, dK and dV
+    else:
+        for d, g in zip(dsts, srcs):
+            d.add_(g)
 
 
 def _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend):

@@ -130,14 +130,19 @@ def test_triton_kernel_padded_and_large_head_dims(d):
         assert rel_err(a, b) < TOL
 
 
+@pytest.mark.parametrize("gather_rows", [0, dilated.GATHER_MAX_ROWS], indirect=True)
 @pytest.mark.parametrize("causal", [False, True])
-def test_views_path_stacks_branch_classes(causal):
+def test_views_path_stacks_branch_classes(causal, gather_rows):
     """The MHA views path stacks a branch's offset classes into one strided
-    view per segment (Hc > 1) or one for the branch (one head per class);
-    batch > 1 checks the views' batch offsets. Against float64."""
+    view per segment (Hc > 1) or one for the branch (one head per class), or,
+    where each class's call would be small, one call on gathered copies of the
+    branch; batch > 1 checks the views' batch offsets. Against float64."""
     s, h, segs, rates = 64, 8, [8, 32, 64], [2, 4, 8]
-    kinds = {(u.part is not None, u.seg >= 0) for u in dilated.units(s, segs, rates, h)}
-    assert kinds == {(True, False), (False, True), (False, False)}  # per class, per segment, whole branch
+    kinds = {(u.part is not None, u.seg >= 0, u.gathered) for u in dilated.units(s, segs, rates, h)}
+    if gather_rows:  # the two small branches gathered, one head per class stacked as heads
+        assert kinds == {(False, False, True), (False, False, False)}
+    else:  # per class, per segment, whole branch
+        assert kinds == {(True, False, False), (False, True, False), (False, False, False)}
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(2, s, h, 16) for _ in range(4))
     dl = torch.randn(2, h, s)

@@ -58,6 +58,14 @@ def test_dilated_bf16(backend, causal, hkv, segs, seqlen):
     assert all(x <= 2 * y for x, y in zip(got, bar)), (got, bar)
 
 
+@pytest.mark.parametrize("gather_rows", [0], indirect=True)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_views_ungathered_bf16(causal, gather_rows):
+    """The MHA views path with no branch gathered: offset classes stacked per
+    segment (4096, r=4) and per class (1024, r=2) on strided views."""
+    test_dilated_bf16("cudnn", causal, 8, [512, 1024, 4096, 8192], 8192)
+
+
 @pytest.mark.parametrize("backend", ["triton", "flash"])
 def test_varlen_bf16(backend):
     from test_varlen import varlen_ref

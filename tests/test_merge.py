@@ -78,3 +78,54 @@ def test_triton_add_into_strided_views(dtype):
             assert torch.equal(d, w)
             b[:, ::2, ::2] = 7.0
             assert (b == 7.0).all()
+
+
+def test_triton_five_dim_merge_copy_add():
+    """The 5-D (N, R, M, Hc, D) forms the gathered dilated branches use: the
+    offset classes of a branch shift rows and heads together (no single
+    stride), as in dilated.Unit._five. Merge, gather (copy) and add against
+    torch on the same views; everything outside the views untouched."""
+    from longattn.kernels import triton_merge
+
+    if not triton_merge.usable(torch.empty(1)):
+        pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
+    torch.manual_seed(0)
+    nseg, r, w, h, d = 3, 2, 8, 4, 8
+    m, hc = w // r, h // r
+
+    def five(x):  # (S, H, D) -> (nseg, r, m, hc, D); (H, S) lse -> (nseg, r, m, hc)
+        if x.dim() == 3:
+            ss, sh, sd = x.stride()
+            return x.as_strided((nseg, r, m, hc, d), (w * ss, ss + sh, r * ss, r * sh, sd))
+        sh, ss = x.stride()
+        return x.as_strided((nseg, r, m, hc), (w * ss, ss + sh, r * ss, r * sh))
+
+    big = torch.randn(nseg * w, h, d)
+    lbig = torch.randn(h, nseg * w)
+    lbig[0, :5] = float("-inf")  # rows that saw no key: lse -inf, output 0
+    big[:5, 0] = 0.0
+    ob, lb = torch.randn(nseg, r, m, hc, d), torch.randn(nseg, r, m, hc)
+    lb[0, 0, :2] = float("-inf")
+    ob[0, 0, :2] = 0.0
+    ov, lv = five(big), five(lbig)
+    want_o, want_l = ov.clone(), lv.clone()
+    merge_(want_o, want_l, ob, lb)
+    keep, lkeep = big.clone(), lbig.clone()
+    triton_merge.merge_into(ov, lv, ob, lb)
+    assert torch.allclose(ov, want_o, atol=1e-6)
+    assert torch.equal(torch.isneginf(lv), torch.isneginf(want_l))
+    fin = torch.isfinite(want_l)
+    assert torch.allclose(lv[fin], want_l[fin], atol=1e-5)
+    ov.copy_(five(keep)), lv.copy_(five(lkeep))
+    assert torch.equal(big, keep) and torch.equal(lbig, lkeep)  # only the views' elements were written
+
+    srcs = [five(torch.randn(nseg * w, h, d)) for _ in range(3)]
+    dense = [torch.empty(x.shape) for x in srcs]
+    triton_merge.copy_into(dense, srcs)
+    assert all(torch.equal(a, b) for a, b in zip(dense, srcs))
+    bigs = [torch.randn(nseg * w, h, d) for _ in range(3)]
+    want = [b.clone() for b in bigs]
+    for x, y in zip(want, dense):
+        five(x).add_(y)
+    triton_merge.add_into([five(b) for b in bigs], dense)
+    assert all(torch.allclose(a, b) for a, b in zip(bigs, want))

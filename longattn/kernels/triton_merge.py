@@ -18,86 +18,123 @@ if HAS_TRITON:
 
     from .triton_attention import _lse_merge
 
+    # Every tensor is addressed as (N, R, M, Hc[, D]): N x R programs' worth of
+    # rows, so the offset classes of a dilated branch (R of them, rows and
+    # heads shifted together: no single stride) go in one launch. 4-D callers
+    # pass R = 1.
     @triton.jit
-    def _merge_kernel(O, L, OB, LB, so0, so1, so2, sl0, sl1, sl2, sb0, sb1, sb2, slb0, slb1, slb2, M, HC,
-                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
+    def _nrh(HC, R):
         nh = tl.program_id(1)
-        n = (nh // HC).to(tl.int64)
         hc = (nh % HC).to(tl.int64)
-        rows = pid * BLOCK + tl.arange(0, BLOCK)
+        nr = nh // HC
+        return (nr // R).to(tl.int64), (nr % R).to(tl.int64), hc
+
+    @triton.jit
+    def _merge_kernel(O, L, OB, LB, so0, sor, so1, so2, sl0, slr, sl1, sl2, sb0, sbr, sb1, sb2,
+                      slb0, slbr, slb1, slb2, M, HC, R, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        n, c, hc = _nrh(HC, R)
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         rm = rows < M
         r64 = rows.to(tl.int64)
         offs_d = tl.arange(0, D_PAD)
         msk = rm[:, None] & (offs_d < D)[None, :]
-        l_ptr = L + n * sl0 + r64 * sl1 + hc * sl2
-        o_ptr = O + n * so0 + r64[:, None] * so1 + hc * so2 + offs_d[None, :]
+        l_ptr = L + n * sl0 + c * slr + r64 * sl1 + hc * sl2
+        o_ptr = O + n * so0 + c * sor + r64[:, None] * so1 + hc * so2 + offs_d[None, :]
+        ob_ptr = OB + n * sb0 + c * sbr + r64[:, None] * sb1 + hc * sb2 + offs_d[None, :]
         res, lse = _lse_merge(tl.load(o_ptr, mask=msk, other=0.0), tl.load(l_ptr, mask=rm, other=float("-inf")),
-                              tl.load(OB + n * sb0 + r64[:, None] * sb1 + hc * sb2 + offs_d[None, :], mask=msk,
-                                      other=0.0),
-                              tl.load(LB + n * slb0 + r64 * slb1 + hc * slb2, mask=rm, other=float("-inf")))
+                              tl.load(ob_ptr, mask=msk, other=0.0),
+                              tl.load(LB + n * slb0 + c * slbr + r64 * slb1 + hc * slb2, mask=rm, other=float("-inf")))
         tl.store(o_ptr, res.to(O.dtype.element_ty), mask=msk)
         tl.store(l_ptr, lse, mask=rm)
 
+    @triton.jit
+    def _pair_tile(X, Y, sx0, sxr, sx1, sy0, syr, sy1, n, c, r64, offs_d, msk, ADD: tl.constexpr):
+        x_ptr = X + n * sx0 + c * sxr + r64[:, None] * sx1 + offs_d[None, :]
+        y = tl.load(Y + n * sy0 + c * syr + r64[:, None] * sy1 + offs_d[None, :], mask=msk, other=0.0)
+        if ADD:
+            y = tl.load(x_ptr, mask=msk, other=0.0).to(tl.float32) + y.to(tl.float32)
+        tl.store(x_ptr, y.to(X.dtype.element_ty), mask=msk)
 
     @triton.jit
-    def _add_tile(X, Y, sx0, sx1, sx2, sy0, sy1, sy2, n, hc, r64, offs_d, msk):
-        x_ptr = X + n * sx0 + r64[:, None] * sx1 + hc * sx2 + offs_d[None, :]
-        y = tl.load(Y + n * sy0 + r64[:, None] * sy1 + hc * sy2 + offs_d[None, :], mask=msk, other=0.0)
-        tl.store(x_ptr, (tl.load(x_ptr, mask=msk, other=0.0).to(tl.float32) + y.to(tl.float32)).to(X.dtype.element_ty),
-                 mask=msk)
-
-    @triton.jit
-    def _add_kernel(X0, Y0, X1, Y1, X2, Y2, s00, s01, s02, t00, t01, t02, s10, s11, s12, t10, t11, t12,
-                    s20, s21, s22, t20, t21, t22, M, HC, NPAIR: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                    BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        nh = tl.program_id(1)
-        n = (nh // HC).to(tl.int64)
-        hc = (nh % HC).to(tl.int64)
-        rows = pid * BLOCK + tl.arange(0, BLOCK)
+    def _pairs_kernel(X0, Y0, X1, Y1, X2, Y2, s00, s0r, s01, s02, t00, t0r, t01, t02,
+                      s10, s1r, s11, s12, t10, t1r, t11, t12, s20, s2r, s21, s22, t20, t2r, t21, t22,
+                      M, HC, R, NPAIR: tl.constexpr, ADD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        n, c, hc = _nrh(HC, R)
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         r64 = rows.to(tl.int64)
         offs_d = tl.arange(0, D_PAD)
         msk = (rows < M)[:, None] & (offs_d < D)[None, :]
-        _add_tile(X0, Y0, s00, s01, s02, t00, t01, t02, n, hc, r64, offs_d, msk)
+        # the head offset goes on the base pointers: one multiply per tensor
+        _pair_tile(X0 + hc * s02, Y0 + hc * t02, s00, s0r, s01, t00, t0r, t01, n, c, r64, offs_d, msk, ADD)
         if NPAIR > 1:
-            _add_tile(X1, Y1, s10, s11, s12, t10, t11, t12, n, hc, r64, offs_d, msk)
+            _pair_tile(X1 + hc * s12, Y1 + hc * t12, s10, s1r, s11, t10, t1r, t11, n, c, r64, offs_d, msk, ADD)
         if NPAIR > 2:
-            _add_tile(X2, Y2, s20, s21, s22, t20, t21, t22, n, hc, r64, offs_d, msk)
+            _pair_tile(X2 + hc * s22, Y2 + hc * t22, s20, s2r, s21, t20, t2r, t21, n, c, r64, offs_d, msk, ADD)
 
 
 def usable(x: torch.Tensor) -> bool:
     return HAS_TRITON and available(x.device) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _nrmh(x: torch.Tensor, lse: bool) -> tuple:
+    """(N, R, M, Hc) strides of an (N, R, M, Hc[, D]) tensor; 4-D (N, M, Hc, D)
+    and 3-D (N, M, Hc) ones have R = 1 (stride 0). Lean: the dilated path
+    launches these kernels several times per call and short sequences are
+    bound by host time."""
+    st = x.stride()
+    return st[:4] if len(st) == (4 if lse else 5) else (st[0], 0, st[1], st[2])
+
+
+def _grid(x: torch.Tensor, block: int):
+    sh = x.shape
+    if x.dim() == 5:
+        return (triton.cdiv(sh[2], block), sh[0] * sh[1] * sh[3]), sh[2], sh[3], sh[1]
+    return (triton.cdiv(sh[1], block), sh[0] * sh[2]), sh[1], sh[2], 1
+
+
 def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-    """out, out_b: (N, M, Hc, D) with unit stride in D; lse, lse_b: (N, M, Hc) float32."""
-    n, m, hc, d = out.shape
-    assert out.stride(-1) == 1 and out_b.stride(-1) == 1
+    """out, out_b: (N, M, Hc, D) or (N, R, M, Hc, D), unit stride in D, any
+    other strides; lse, lse_b: (N, M, Hc) or (N, R, M, Hc) float32."""
+    assert out.shape == out_b.shape and out.stride(-1) == out_b.stride(-1) == 1
+    d = out.shape[-1]
     block = 16 if out.device.type == "cpu" else 64
-    grid = (triton.cdiv(m, block), n * hc)
-    _merge_kernel[grid](out, lse, out_b, lse_b, *out.stride()[:3], *lse.stride(), *out_b.stride()[:3],
-                                 *lse_b.stride(), m, hc, D=d, D_PAD=_d_pad(d), BLOCK=block,
-                                 num_warps=4 if d <= 128 else 8)
+    grid, m, hc, r = _grid(out, block)
+    _merge_kernel[grid](out, lse, out_b, lse_b, *_nrmh(out, False), *_nrmh(lse, True), *_nrmh(out_b, False),
+                        *_nrmh(lse_b, True), m, hc, r, D=d, D_PAD=_d_pad(d), BLOCK=block,
+                        num_warps=4 if d <= 128 else 8)
+
+
+def _pairs(dsts, srcs, add: bool) -> None:
+    npair = len(dsts)
+    assert 1 <= npair == len(srcs) <= 3
+    args, strides = [], []
+    for x, y in zip(dsts, srcs):
+        assert x.shape == y.shape and x.stride(-1) == y.stride(-1) == 1
+        args += (x, y)
+        strides += (*_nrmh(x, False), *_nrmh(y, False))
+    if npair < 3:  # unused slots (NPAIR guards them)
+        args += args[:2] * (3 - npair)
+        strides += strides[:8] * (3 - npair)
+    x = dsts[0]
+    d = x.shape[-1]
+    block = 16 if x.device.type == "cpu" else 64
+    grid, m, hc, r = _grid(x, block)
+    _pairs_kernel[grid](*args, *strides, m, hc, r, NPAIR=npair, ADD=add, D=d, D_PAD=_d_pad(d), BLOCK=block,
+                        num_warps=4 if d <= 128 else 8)
 
 
 def add_into(dsts, srcs) -> None:
-    """dst += src for up to three pairs of (N, M, Hc, D) tensors of one shape,
-    any strides with unit stride in D, in one launch: float32 arithmetic, one
-    rounding into the dst dtype. torch's own add on such strided views runs a
-    generic element-wise kernel (no vector loads): the dilated backward's
-    gradient accumulation took 2.6 ms of 17 at 128K causal that way."""
-    assert 1 <= len(dsts) == len(srcs) <= 3
-    n, m, hc, d = dsts[0].shape
-    for x, y in zip(dsts, srcs):
-        assert x.shape == y.shape == dsts[0].shape and x.stride(-1) == 1 and y.stride(-1) == 1
-    pairs = list(zip(dsts, srcs))
-    pairs += [pairs[0]] * (3 - len(pairs))  # unused slots (NPAIR guards them)
-    args, strides = [], []
-    for x, y in pairs:
-        args += [x, y]
-        strides += [*x.stride()[:3], *y.stride()[:3]]
-    block = 16 if dsts[0].device.type == "cpu" else 64
-    grid = (triton.cdiv(m, block), n * hc)
-    _add_kernel[grid](*args, *strides, m, hc, NPAIR=len(dsts), D=d, D_PAD=_d_pad(d), BLOCK=block,
-                      num_warps=4 if d <= 128 else 8)
+    """dst += src for up to three pairs of (N, M, Hc, D) or (N, R, M, Hc, D)
+    tensors of one shape, any strides with unit stride in D, in one launch:
+    float32 arithmetic, one rounding into the dst dtype. torch's own add on
+    such strided views runs a generic element-wise kernel (no vector loads):
+    the dilated backward's gradient accumulation took 2.6 ms of 17 at 128K
+    causal that way."""
+    _pairs(dsts, srcs, True)
+
+
+def copy_into(dsts, srcs) -> None:
+    """dst <- src for up to three pairs, as :func:`add_into`: the dilated path
+    gathers a branch's strided rows into dense blocks with it (one launch)."""
+    _pairs(dsts, srcs, False)
