@@ -128,9 +128,13 @@ def _gather(part: Part, q, k, v):
 PIECE_BYTES = 128 << 20
 
 
-# A branch whose per-class calls would each cover at most this many (row, head)
-# pairs (64 segments x heads of 2048 rows) runs as one call on gathered copies.
-GATHER_MAX_ROWS = 64 * 2048
+# A branch (full segments) of at most this many (row, head) pairs, S * H / r, runs
+# as one call on gathered copies when its classes do not stack into one view:
+# 128 squares of 2048 rows. LongNet config: every such branch at 32K, rate 8 at
+# 128K, none at 1M. Measured on one H200 (docs/performance.md): gathering the
+# rate-4 branch at 128K too (256 squares) cost more in copies than it saved in
+# host time; at 32K the forward is host-bound and each call saved counts.
+GATHER_MAX_ROWS = 128 * 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +149,10 @@ class Unit:
     batch (``seg`` = s: one call per segment, (r, m, Hc)) or, with one head per
     class, as the head dim (``seg`` = -1: (nseg, m, r)). Fewer, larger calls
     than one per class: the high-rate branches are tiny per class. Where
-    neither fits and each class's call would be small (``gathered``), the
-    branch's rows are copied into dense (nseg * r, m, Hc, D) blocks, one call:
-    a few hundred microseconds of host time per call outweigh copying 1/r of
-    q, k and v.
+    neither fits and the branch is small (``gathered``, see GATHER_MAX_ROWS),
+    its rows are copied into dense (nseg * r, m, Hc, D) blocks, one call: on
+    short sequences a call's host time (100-300 us on the H200 hosts) outweighs
+    copying 1/r of q, k and v.
     """
 
     part: Optional[Part] = None
@@ -203,7 +207,7 @@ def units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[Uni
             nseg = part.nseg
             if nheads == r:
                 out.append(Unit(w=w, r=r, nseg=nseg))
-            elif nseg * (nheads // r) * (w // r) <= GATHER_MAX_ROWS:
+            elif nseg * w * (nheads // r) <= GATHER_MAX_ROWS:
                 out.append(Unit(w=w, r=r, nseg=nseg, gathered=True))
             elif nseg < r:
                 out += [Unit(w=w, r=r, nseg=nseg, seg=i) for i in range(nseg)]
