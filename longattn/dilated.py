@@ -133,7 +133,8 @@ PIECE_BYTES = 128 << 20
 # 128 squares of 2048 rows. LongNet config: every such branch at 32K, rate 8 at
 # 128K, none at 1M. Measured on one H200 (docs/performance.md): gathering the
 # rate-4 branch at 128K too (256 squares) cost more in copies than it saved in
-# host time; at 32K the forward is host-bound and each call saved counts.
+# host time; at 32K the causal forward and the backward are host-bound and each
+# call saved counts, the non-causal forward is not (it does not gather).
 GATHER_MAX_ROWS = 128 * 2048
 
 
@@ -193,7 +194,7 @@ class Unit:
         return v[:, :, :, 0].transpose(1, 2)  # one head per class: the classes are the heads
 
 
-def units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[Unit]:
+def units(seqlen: int, segment_lengths, dilation_rates, nheads: int, gather: bool = True) -> list[Unit]:
     """The views path's calls: each branch's full segments as few stacked views
     as its shape allows (see :class:`Unit`), other parts (partial last
     segments, classes of unequal size) one call each."""
@@ -207,7 +208,7 @@ def units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[Uni
             nseg = part.nseg
             if nheads == r:
                 out.append(Unit(w=w, r=r, nseg=nseg))
-            elif nseg * w * (nheads // r) <= GATHER_MAX_ROWS:
+            elif gather and nseg * w * (nheads // r) <= GATHER_MAX_ROWS:
                 out.append(Unit(w=w, r=r, nseg=nseg, gathered=True))
             elif nseg < r:
                 out += [Unit(w=w, r=r, nseg=nseg, seg=i) for i in range(nseg)]
@@ -222,18 +223,19 @@ def _pieces(u: Unit, v: torch.Tensor, esize: int):
     return [slice(a, min(a + per, u.n)) for a in range(0, u.n, per)]
 
 
-def _ordered_units(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> tuple[tuple[Unit, ...], int]:
+def _ordered_units(seqlen: int, segment_lengths, dilation_rates, nheads: int,
+                   gather: bool = True) -> tuple[tuple[Unit, ...], int]:
     """The views path's units with the first rate-1 branch's parts first, and
     their count. Those parts cover every (row, head) exactly once, so their
     results are copied into the output (or become it) instead of merging with
     an empty one: no zero-fill pass, no read of it. Cached: planning is host
     time on every call."""
-    return _ordered_units_cached(seqlen, tuple(segment_lengths), tuple(dilation_rates), nheads)
+    return _ordered_units_cached(seqlen, tuple(segment_lengths), tuple(dilation_rates), nheads, gather)
 
 
 @functools.lru_cache(maxsize=256)
-def _ordered_units_cached(seqlen: int, segment_lengths: tuple, dilation_rates: tuple, nheads: int):
-    us = units(seqlen, segment_lengths, dilation_rates, nheads)
+def _ordered_units_cached(seqlen: int, segment_lengths: tuple, dilation_rates: tuple, nheads: int, gather: bool):
+    us = units(seqlen, segment_lengths, dilation_rates, nheads, gather)
     if 1 not in dilation_rates:
         return tuple(us), 0
     w = segment_lengths[dilation_rates.index(1)]
@@ -289,7 +291,10 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
     from .kernels import triton_merge
 
     acc = (out_dtype or q.dtype) if triton_merge.usable(q) else torch.float32
-    order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h)
+    # Gathering trades copies (GPU time) for calls (host time): the causal
+    # forward of a short sequence is bound by host time, the non-causal one by
+    # the GPU, where the copies only add (one H200: docs/performance.md).
+    order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=causal)
     adopt = _adoptable(nbase, q)
     if nbase:
         out = torch.empty(b, s, h, d, dtype=acc, device=q.device)
