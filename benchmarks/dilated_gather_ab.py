@@ -1,0 +1,75 @@
+"""In-process A/B of the dilated views path's gathering threshold
+(``longattn.dilated.GATHER_MAX_ROWS``): both settings alternate in one process
+(host time moves between processes), cold forward and backward times (CUDA
+events around one call, the GPU idle before it) and host times, LongNet
+config, B=1 H=16 D=128 bf16, plus the relative difference of the two results.
+
+    python benchmarks/dilated_gather_ab.py --rows 262144 0 --json out.json
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import longattn
+from longattn import dilated
+from longattn.bench.measure import environment
+
+p = argparse.ArgumentParser()
+p.add_argument("--rows", type=int, nargs=2, default=[dilated.GATHER_MAX_ROWS, 0])
+p.add_argument("--rounds", type=int, default=4)
+p.add_argument("--json")
+a = p.parse_args()
+segs, rates = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+
+
+def use(rows):
+    dilated.GATHER_MAX_ROWS = rows
+    dilated._ordered_units_cached.cache_clear()
+
+
+def timed(fn):
+    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+    e0.record()
+    t = time.perf_counter()
+    r = fn()
+    host = (time.perf_counter() - t) * 1e3
+    e1.record()
+    e1.synchronize()
+    return r, e0.elapsed_time(e1), host
+
+
+rows_out = []
+for S, causal in [(32768, True), (131072, True), (131072, False), (32768, False)]:
+    q, k, v = (torch.randn(1, S, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn_like(q)
+    f = lambda: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal)
+    acc = {r: ([], [], [], []) for r in a.rows}
+    res = {}
+    for _ in range(a.rounds):
+        for rows in a.rows:
+            use(rows)
+            for _ in range(2):
+                torch.autograd.grad(f(), (q, k, v), g)
+            torch.cuda.synchronize()
+            for _ in range(8):
+                o, ft, fh = timed(f)
+                gr, bt, bh = timed(lambda: torch.autograd.grad(o, (q, k, v), g))
+                for lst, x in zip(acc[rows], (ft, bt, fh, bh)):
+                    lst.append(x)
+            res[rows] = [o.float()] + [x.float() for x in gr]
+    x, y = (res[r] for r in a.rows)
+    diff = [((s - t).norm() / t.norm()).item() for s, t in zip(x, y)]
+    for rows in a.rows:
+        ft, bt, fh, bh = (statistics.median(v) for v in acc[rows])
+        rows_out.append(dict(gather_max_rows=rows, seqlen=S, causal=causal, fwd_ms=ft, bwd_ms=bt, fwd_host_ms=fh,
+                             bwd_host_ms=bh, rel_diff_out_dq_dk_dv=diff))
+    use(a.rows[0])
+if a.json:
+    json.dump({"env": environment(torch.device("cuda")), "command": "python benchmarks/dilated_gather_ab.py", "rows": rows_out},
+              open(a.json, "w"), indent=1)
+for r in rows_out:
+    print(f"rows {r['gather_max_rows']:7d} {r['seqlen'] // 1024:4d}K causal={int(r['causal'])} fwd {r['fwd_ms']:.3f} "
+          f"(host {r['fwd_host_ms']:.2f}) bwd {r['bwd_ms']:.3f} (host {r['bwd_host_ms']:.2f})")
