@@ -135,9 +135,9 @@ def test_triton_kernel_padded_and_large_head_dims(d):
 def test_views_path_stacks_branch_classes(causal, gather_rows):
     """The MHA views path stacks a branch's offset classes into one strided
     view per segment (Hc > 1) or one for the branch (one head per class), or,
-    for a small branch, one call on gathered copies of it (the causal passes
-    gather: here every branch with Hc > 1); batch > 1 checks the views' batch
-    offsets. Against float64."""
+    for a small branch, one call on gathered copies of it (the forward and
+    the causal backward gather: here every branch with Hc > 1); batch > 1
+    checks the views' batch offsets. Against float64."""
     s, h, segs, rates = 64, 8, [8, 32, 64], [2, 4, 8]
     kinds = {(u.part is not None, u.seg >= 0, u.gathered) for u in dilated.units(s, segs, rates, h)}
     if gather_rows:  # the two small branches gathered, one head per class stacked as heads
