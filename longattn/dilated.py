@@ -294,7 +294,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
     # Gathering trades copies (GPU time) for calls (host time). The forward
     # always gathers: at 32K its host time per call is comparable to its GPU
     # work, and how fast the host is varies by machine (one H200, several
-    # starts: gathered 0.82-0.84 of dense every time, per-class calls 0.58-0.96;
+    # starts: gathered 0.81-0.88 of dense every time, per-class calls 0.58-0.96;
     # docs/performance.md).
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=True)
     adopt = _adoptable(nbase, q)
