@@ -72,6 +72,39 @@ def test_forced_backend_errors_list_reasons():
     assert bk.select_backend(q, q, bk.BlockSpec(1.0)).name == "flash"
 
 
+def test_backend_selection_cache_follows_what_refusals_read(monkeypatch):
+    """select_backend caches its answer; the key holds everything the
+    refusals read, so a forced backend, another dtype or shape, or switching
+    the Triton interpreter on CPU gives a fresh answer."""
+    from longattn.kernels import triton_attention as ta
+
+    q = torch.randn(1, 8, 2, 16)
+    spec = bk.BlockSpec(1.0)
+    assert bk.select_backend(q, q, spec).name == "flash"
+    with longattn.use_backend("math"):
+        assert bk.select_backend(q, q, spec).name == "math"
+    win = bk.BlockSpec(1.0, window=(2, 2))  # CPU flash has no window: math, or triton under the interpreter
+    assert bk.select_backend(q, q, win).name == bk._select(q, q, win, "auto", ()).name != "flash"
+    if not ta.HAS_TRITON:
+        pytest.skip("triton not installed: the interpreter switch does not apply")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        bk.select_backend(q, q, spec, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert bk.select_backend(q, q, spec, "triton").name == "triton"
+
+
+def test_cudnn_stats_layout_and_dead_rows():
+    """The lse the cuDNN backward reads: contiguous (B, H, S, 1) from any
+    strides, rows that saw no key (-inf) as +inf so exp(S - lse) is 0."""
+    lse = torch.randn(2, 5, 3).transpose(1, 2)  # (2, 3, 5) strided
+    lse[0, 1, 2] = float("-inf")
+    st = bk._cudnn_stats(lse)
+    assert st.shape == (2, 3, 5, 1) and st.is_contiguous()
+    want = torch.where(torch.isneginf(lse), float("inf"), lse)
+    assert torch.equal(st[..., 0], want)
+
+
 @pytest.mark.parametrize("bad,exc,match", [
     (dict(q=torch.randn(2, 8, 4)), ValueError, "q must have 4 dims"),
     (dict(k=torch.randn(3, 8, 2, 16), v=torch.randn(3, 8, 2, 16)), ValueError, "batch"),
