@@ -14,10 +14,11 @@ The schedule cuts every branch into *parts*: for each offset class
 last segment. A part's rows are ``c, c + r, ...`` inside each segment, which
 are plain strided views of (B, S, H, D) tensors. The views path (MHA) hands
 those views to the local backend without copies, a branch's classes stacked
-into few calls (:class:`Unit`), and merges each result into the output in
-place (one Triton pass, float32 arithmetic); the gather path (GQA, whose kv
-heads do not follow the query heads' strides) copies parts into dense blocks
-and merges into float32 accumulators. The backward reruns each part's local
+into few calls (:class:`Unit`; small branches whose classes do not stack are
+copied into one dense block instead: calls cost host time), and merges each
+result into the output in place (one Triton pass, float32 arithmetic); the
+gather path (GQA, whose kv heads do not follow the query heads' strides)
+copies parts into dense blocks and merges into float32 accumulators. The backward reruns each part's local
 backward with the *merged* output and lse, so its gradients are exact pieces
 of the whole.
 """
