@@ -29,7 +29,7 @@ for S in (32768, 131072):
     for name in ("current", "no_adopt", "zeros_merge"):
         dilated._adoptable, dilated._ordered_units = orig_adopt, orig_order
         if name in ("no_adopt", "zeros_merge"):
-            dilated._adoptable = lambda *a: False
+            dilated._adoptable = lambda *a, **k: False
         if name == "zeros_merge":
             dilated._ordered_units = lambda *a: (dilated.units(*a), 0)
         with torch.no_grad():

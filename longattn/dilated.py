@@ -246,13 +246,23 @@ def _ordered_units_cached(seqlen: int, segment_lengths: tuple, dilation_rates: t
     return tuple(base + us), len(base)
 
 
-def _adoptable(nbase: int, x: torch.Tensor) -> bool:
+# The backward adopts the base unit's gradients only up to this many elements:
+# cuDNN keeps dQ in a float32 buffer of the call's size (2**29 elements: 2 GiB),
+# where pieces of PIECE_BYTES keep it small. At 1M tokens (2**31 elements) the
+# whole-unit call measured 5% faster and 7 GiB more peak (adopt_1m_h200_probe.json).
+ADOPT_BWD_MAX_ELEMS = 2 ** 29
+
+
+def _adoptable(nbase: int, x: torch.Tensor, backward: bool = False) -> bool:
     """One base unit, batch 1: the backend's results for it, called on the
     whole unit (one piece, whatever PIECE_BYTES says: nothing else is
     allocated for them), are the whole (1, S, H, D) output and gradients,
-    taken as they are: no copy pass. Under 2**31 elements, so no kernel
-    indexes past int32."""
-    return nbase == 1 and x.shape[0] == 1 and x.numel() < 2 ** 31
+    taken as they are: no copy pass. At most 2**31 elements, so every element
+    index fits in int32 (1M tokens x 16 heads x 128 is exactly 2**31; one H200:
+    the same output, bit for bit, as the pieces); the backward stops at
+    ADOPT_BWD_MAX_ELEMS."""
+    limit = ADOPT_BWD_MAX_ELEMS if backward else 2 ** 31
+    return nbase == 1 and x.shape[0] == 1 and x.numel() <= limit
 
 
 def _unit_pieces(u: Unit, i: int, adopt: bool, v: torch.Tensor, esize: int):
@@ -356,7 +366,7 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
     # The non-causal backward is GPU-bound (gathering cost 0.1-0.2 ms at 32K in
     # in-process A/Bs), the causal one host-bound (gathering saved ~0.9 ms).
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=causal)
-    adopt = _adoptable(nbase, q)
+    adopt = _adoptable(nbase, q, backward=True)
     new = torch.empty_like if nbase else torch.zeros_like
     grads = None if adopt else [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
     spec = bk.BlockSpec(scale=scale, causal=causal)

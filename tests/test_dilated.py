@@ -155,3 +155,18 @@ def test_views_path_stacks_branch_classes(causal, gather_rows):
     assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
     for a, b in zip(g, rg):
         assert rel_err(a, b) < TOL
+
+
+def test_base_unit_adoption_limits():
+    """The rate-1 branch's whole-unit results become the output up to 2**31
+    elements (1M tokens x 16 heads x 128: every index fits in int32) and the
+    gradients only up to ADOPT_BWD_MAX_ELEMS (cuDNN's float32 dQ buffer is the
+    call's size); batch > 1 never."""
+    one_m = torch.empty(1, 1 << 20, 16, 128, device="meta")
+    assert dilated._adoptable(1, one_m)
+    assert not dilated._adoptable(1, torch.empty(1, (1 << 20) + 1, 16, 128, device="meta"))
+    assert not dilated._adoptable(1, one_m, backward=True)
+    assert dilated._adoptable(1, torch.empty(1, dilated.ADOPT_BWD_MAX_ELEMS // 2048, 16, 128, device="meta"),
+                              backward=True)
+    assert not dilated._adoptable(1, torch.empty(2, 64, 16, 128, device="meta"))
+    assert not dilated._adoptable(2, torch.empty(1, 64, 16, 128, device="meta"))
