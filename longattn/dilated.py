@@ -309,26 +309,32 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
     # docs/performance.md).
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=True)
     adopt = _adoptable(nbase, q)
-    if nbase:
-        out = torch.empty(b, s, h, d, dtype=acc, device=q.device)
-        lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
-    else:
-        out, lse = empty_state(q, acc)
     spec = bk.BlockSpec(scale=scale, causal=causal)
-    for i, u in enumerate(order):
+    new_out = lambda: (torch.empty(b, s, h, d, dtype=acc, device=q.device),
+                       torch.empty((b, h, s), dtype=torch.float32, device=q.device))
+    if adopt:  # the base unit's results are the output: nothing allocated before them
+        u = order[0]
+        ob, lb = bk.block_forward(*(u.view(x, 0, h) for x in (q, k, v)), spec, backend)
+        if ob.dtype == acc and ob.is_contiguous():
+            out, lse = ob.view(b, s, h, d), lb.transpose(0, 1).reshape(b, h, s)  # (nseg, H, m) -> (1, H, S)
+        else:
+            out, lse = new_out()
+            u.view(out, 0, h).copy_(ob)
+            u.view(lse, 0, h).copy_(lb.transpose(1, 2))
+        order = order[1:]
+    else:
+        out, lse = new_out() if nbase else empty_state(q, acc)
+    for i, u in enumerate(order, start=int(adopt)):
         for bi in range(b):
             qv, kv, vv, ov, lv = (u.view(x, bi, h) for x in (q, k, v, out, lse))  # (N, M, Hc, D) / (N, M, Hc)
             if u.gathered:  # 5-D views; one call on dense copies
                 ob, lb = bk.block_forward(*_gather_views(qv, kv, vv), spec, backend)
                 merge_into(ov, lv, ob.view(ov.shape), lb.transpose(1, 2).view(lv.shape), use_triton=True)
                 continue
-            for sl in _unit_pieces(u, i, adopt, qv, q.element_size()):
+            for sl in _unit_pieces(u, i, False, qv, q.element_size()):
                 qs, ks, vs, os_, ls = _cut(sl, qv, kv, vv, ov, lv)
                 ob, lb = bk.block_forward(qs, ks, vs, spec, backend)
-                if i == 0 and adopt and ob.dtype == acc and ob.is_contiguous():
-                    out = ob.view(b, s, h, d)
-                    lse = lb.transpose(0, 1).reshape(b, h, s)  # (nseg, H, m) -> (1, H, S)
-                elif i < nbase:
+                if i < nbase:
                     os_.copy_(ob)
                     ls.copy_(lb.transpose(1, 2))
                 else:
