@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -19,7 +21,7 @@ def _free_port() -> int:
 BACKEND = os.environ.get("LONGATTN_DIST_BACKEND", "gloo")
 
 
-def _entry(rank, world, port, fn, args, backend=None):
+def _entry(rank, world, port, fn, args, backend=None, done_dir=None):
     backend = backend or BACKEND
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -32,13 +34,27 @@ def _entry(rank, world, port, fn, args, backend=None):
     # its sockets while a peer's gloo thread still reads them aborts that peer.
     # (On failure the exception propagates and spawn terminates the others.)
     dist.barrier()
+    if done_dir is not None:  # every rank's checks have passed
+        open(os.path.join(done_dir, str(rank)), "w").close()
     dist.destroy_process_group()
 
 
 def run_world(fn, world: int, *args, backend=None) -> None:
     """fn(rank, world, *args) on `world` ranks (gloo, or LONGATTN_DIST_BACKEND, or
-    ``backend``); fn must be a module-level function."""
-    mp.spawn(_entry, args=(world, _free_port(), fn, args, backend), nprocs=world, join=True)
+    ``backend``); fn must be a module-level function.
+
+    A rank killed by a signal fails the test unless every rank had already
+    passed its checks and the barrier after them: gloo's worker threads can
+    abort a process while it tears down ("terminate called without an active
+    exception", seen once in CI in hundreds of runs); that is reported as a
+    warning, not a failure of the code under test."""
+    with tempfile.TemporaryDirectory() as done:
+        try:
+            mp.spawn(_entry, args=(world, _free_port(), fn, args, backend, done), nprocs=world, join=True)
+        except mp.ProcessExitedException as e:
+            if len(os.listdir(done)) < world:
+                raise
+            warnings.warn(f"a rank aborted during process-group teardown after all ranks passed: {e}")
 
 
 def assert_unsharded_close(tag, unshard, out, lse, grads, ref_out, ref_lse, ref_grads, tol, lse_dim=2):
