@@ -18,9 +18,9 @@ into few calls (:class:`Unit`; small branches whose classes do not stack are
 copied into one dense block instead: calls cost host time), and merges each
 result into the output in place (one Triton pass, float32 arithmetic); the
 gather path (GQA, whose kv heads do not follow the query heads' strides)
-copies parts into dense blocks and merges into float32 accumulators. The backward reruns each part's local
-backward with the *merged* output and lse, so its gradients are exact pieces
-of the whole.
+copies parts into dense blocks and merges into float32 accumulators. The
+backward reruns each part's local backward with the *merged* output and lse,
+so its gradients are exact pieces of the whole.
 """
 from __future__ import annotations
 
@@ -265,10 +265,10 @@ def _adoptable(nbase: int, x: torch.Tensor, backward: bool = False) -> bool:
     return nbase == 1 and x.shape[0] == 1 and x.numel() <= limit
 
 
-def _unit_pieces(u: Unit, i: int, adopt: bool, v: torch.Tensor, esize: int):
-    """The unit's pieces as slices of its batch dim; None for the whole unit
-    (no slicing: host time)."""
-    pieces = [slice(0, u.n)] if i == 0 and adopt else _pieces(u, v, esize)
+def _unit_pieces(u: Unit, v: torch.Tensor, esize: int):
+    """The unit's pieces (see _pieces); None for the whole unit (no slicing:
+    host time)."""
+    pieces = _pieces(u, v, esize)
     return [None] if len(pieces) == 1 else pieces
 
 
@@ -331,7 +331,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
                 ob, lb = bk.block_forward(*_gather_views(qv, kv, vv), spec, backend)
                 merge_into(ov, lv, ob.view(ov.shape), lb.transpose(1, 2).view(lv.shape), use_triton=True)
                 continue
-            for sl in _unit_pieces(u, i, False, qv, q.element_size()):
+            for sl in _unit_pieces(u, qv, q.element_size()):
                 qs, ks, vs, os_, ls = _cut(sl, qv, kv, vv, ov, lv)
                 ob, lb = bk.block_forward(qs, ks, vs, spec, backend)
                 if i < nbase:
@@ -373,10 +373,23 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
     # in-process A/Bs), the causal one host-bound (gathering saved ~0.9 ms).
     order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=causal)
     adopt = _adoptable(nbase, q, backward=True)
-    new = torch.empty_like if nbase else torch.zeros_like
-    grads = None if adopt else [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
     spec = bk.BlockSpec(scale=scale, causal=causal)
-    for i, u in enumerate(order):
+    new_grads = lambda new: [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
+    if adopt:  # the base unit's gradients, laid out as (1, S, H, D), are the result
+        u = order[0]
+        dov, qv, kv, vv, ov, lv = (u.view(x, 0, h) for x in (dout, q, k, v, out, lse))
+        dlb = None if dlse is None else u.view(dlse, 0, h).transpose(1, 2)
+        gb = bk.block_backward(dov, qv, kv, vv, ov, lv.transpose(1, 2), spec, backend, dlse=dlb)
+        if all(g.is_contiguous() and g.dtype == x.dtype for g, x in zip(gb, (q, k, v))):
+            grads = [g.view(x.shape) for g, x in zip(gb, (q, k, v))]
+        else:
+            grads = new_grads(torch.empty_like)
+            for x, g in zip(grads, gb):
+                u.view(x, 0, h).copy_(g)
+        order = order[1:]
+    else:
+        grads = new_grads(torch.empty_like if nbase else torch.zeros_like)
+    for i, u in enumerate(order, start=int(adopt)):
         for bi in range(b):
             qv, kv, vv, dov, ov, lv = (u.view(x, bi, h) for x in (q, k, v, dout, out, lse))
             dlv = None if dlse is None else u.view(dlse, bi, h)
@@ -386,16 +399,11 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
                 gb = bk.block_backward(dog, qg, kg, vg, og, lb, spec, backend, dlse=dlb)
                 _add_grads([u.view(x, bi, h) for x in grads], [g.view(qv.shape) for g in gb], fused_add)
                 continue
-            for sl in _unit_pieces(u, i, adopt, qv, q.element_size()):
+            for sl in _unit_pieces(u, qv, q.element_size()):
                 dos, qs, ks, vs, os_, ls = _cut(sl, dov, qv, kv, vv, ov, lv)
                 dlb = None if dlv is None else _cut(sl, dlv)[0].transpose(1, 2)
                 # lse as (n, Hc, m) views: the backends copy what they need
                 gb = bk.block_backward(dos, qs, ks, vs, os_, ls.transpose(1, 2), spec, backend, dlse=dlb)
-                if grads is None:  # the base unit's gradients, laid out as (1, S, H, D), are the result
-                    if all(g.is_contiguous() and g.dtype == x.dtype for g, x in zip(gb, (q, k, v))):
-                        grads = [g.view(x.shape) for g, x in zip(gb, (q, k, v))]
-                        continue
-                    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
                 gvs = _cut(sl, *(u.view(x, bi, h) for x in grads))
                 if i < nbase:
                     for gv, g in zip(gvs, gb):
