@@ -16,6 +16,7 @@ from . import backends as bk
 from . import dilated as _dil
 from ._ops import register_attention_autograd
 from ._validation import check_dilated_call, check_flag, check_qkv, check_scale, check_window
+from .kernels import triton_dilated as _fused
 
 __all__ = ["attention", "dilated_attention"]
 
@@ -111,9 +112,7 @@ def _dilated_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_leng
                  dilation_rates: list[int], scale: float, causal: bool, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_fused(q, k, backend):
-        from .kernels import triton_dilated
-
-        return triton_dilated.forward(q, k, v, segment_lengths, dilation_rates, causal, scale)
+        return _fused.forward(q, k, v, segment_lengths, dilation_rates, causal, scale)
     return _dil.forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend)
 
 
@@ -128,10 +127,7 @@ def _dilated_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  dilation_rates: list[int], scale: float, causal: bool, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_fused(q, k, backend, "bwd"):
-        from .kernels import triton_dilated
-
-        return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates,
-                                       causal, scale)
+        return _fused.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale)
     return _dil.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend)
 
 
@@ -168,9 +164,16 @@ def _use_fused(q, k, backend: str, pass_: str = "fwd") -> bool:
         return False
     if bk._forced() is None and q.shape[0] * q.shape[1] >= _views_min_tokens(pass_, q.shape[-1]) and _cudnn_views(q, k):
         return False
-    from .kernels import triton_dilated
+    return not _fused.refusals(q, k)
 
-    return not triton_dilated.refusals(q, k)
+
+def _fused_both_passes(q, k, backend: str) -> bool:
+    """Forward and backward both run the fused kernels. Under torch.compile
+    only when asked for by name: auto's choice reads device state the trace
+    does not guard, so it stays inside the opaque op."""
+    if torch.compiler.is_compiling():
+        return backend == "triton" and _fused.fused_fwd is not None
+    return _use_fused(q, k, backend) and _use_fused(q, k, backend, "bwd")
 
 
 def _cudnn_views(q, k) -> bool:
@@ -229,13 +232,14 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
     if torch.compiler.is_compiling():
         pass  # the op itself checks the backend at run time
     elif backend == "triton":
-        from .kernels import triton_dilated
-
-        reasons = triton_dilated.refusals(q, k)
+        reasons = _fused.refusals(q, k)
         if reasons:
             raise ValueError(f"backend='triton' cannot run this call: {'; '.join(reasons)}")
     elif backend != "auto":
         # The gather path hands dense blocks to this backend; check it can take them.
         bk.select_backend(q, k, bk.BlockSpec(scale, causal), backend)
-    out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)
+    if _fused_both_passes(q, k, backend):  # the triton_op pair: torch.compile sees the kernels
+        out, lse = _fused.fused_fwd(q, k, v, list(segs), list(rates), scale, causal)
+    else:
+        out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)
     return (out, lse) if return_lse else out

@@ -5,6 +5,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Triton autotuning compiles every candidate tile per new shape: minutes over the
+# GPU suite's many shapes. Tests that check it turn it on themselves.
+os.environ.setdefault("LONGATTN_TRITON_AUTOTUNE", "0")
 
 
 def pytest_configure(config):

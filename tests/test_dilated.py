@@ -170,3 +170,69 @@ def test_base_unit_adoption_limits():
                               backward=True)
     assert not dilated._adoptable(1, torch.empty(2, 64, 16, 128, device="meta"))
     assert not dilated._adoptable(2, torch.empty(1, 64, 16, 128, device="meta"))
+
+
+@triton_ok
+def test_triton_autotune_per_shape(monkeypatch):
+    """With autotuning on, the first call of each (kind, rows per segment class,
+    causal, GQA group, ...) times the candidates on scratch buffers and keeps
+    the fastest; later calls reuse it; the results stay exact. The timer is
+    replaced so a non-default tile wins (the interpreter's times mean nothing)."""
+    from longattn.kernels import triton_attention as ta
+
+    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(ta, "_by_shape", {})
+    want = ta._CPU_CANDIDATES[1]
+    trials = []
+
+    def fake_time(fn, device):
+        fn()  # runs the trial into scratch: must leave the real outputs alone
+        trials.append(1)
+        return 1.0 if ta._CPU_CANDIDATES[len(trials) % len(ta._CPU_CANDIDATES) - 1] is want else 2.0
+
+    monkeypatch.setattr(ta, "_time", fake_time)
+    s, h, hkv, segs, rates = 40, 4, 2, [8, 16, 32], [1, 2, 4]
+    q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
+    do, dl = torch.randn(1, s, h, 16), torch.randn(1, h, s)
+    for causal in (False, True):
+        fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                        causal=causal, return_lse=True, backend="triton")
+        (o, l, g) = grads_of(fn, [q, k, v], do, dl)
+        (ro, rl, rg) = grads_of(lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal),
+                                [q.double(), k.double(), v.double()], do, dl)
+        assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
+        for a, b in zip(g, rg):
+            assert rel_err(a, b) < TOL
+    # rows per class 8 (w/r) in every branch: one bucket; 3 kinds x 2 causal flags
+    assert sorted((key[0], key[-1]) for key in ta._by_shape) == sorted(
+        (kind, c) for kind in ("fwd", "dkdv", "dq") for c in (False, True))
+    assert all(cfg is want for cfg in ta._by_shape.values())
+    n = len(trials)
+    assert n == 6 * len(ta._CPU_CANDIDATES)
+    longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")
+    assert len(trials) == n  # cached
+    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "0")
+    monkeypatch.setattr(ta, "_by_shape", {})
+    longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")
+    assert not ta._by_shape and len(trials) == n
+
+
+@triton_ok
+def test_triton_ops_under_torch_compile():
+    """backend='triton' calls the fused op pair directly (triton_op on GPU, so
+    Inductor compiles the kernels; custom ops under the interpreter): a
+    fullgraph compile runs forward and backward and matches eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    s, h, segs, rates = 40, 4, [8, 16, 32], [1, 2, 4]
+    q, k, v = (torch.randn(1, s, h, 16) for _ in range(3))
+    do = torch.randn(1, s, h, 16)
+    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                    causal=True, backend="triton")
+    cnt = CompileCounterWithBackend("aot_eager")
+    (o, _, g) = grads_of(torch.compile(fn, backend=cnt, fullgraph=True), [q, k, v], do)
+    (eo, _, eg) = grads_of(fn, [q, k, v], do)
+    assert cnt.frame_count == 1
+    ops = {n.target for n in cnt.graphs[0].graph.nodes if n.op == "call_function"}
+    assert torch.ops.longattn.dilated_triton_fwd.default in ops
+    assert torch.equal(o, eo) and all(torch.equal(a, b) for a, b in zip(g, eg))

@@ -132,3 +132,34 @@ def test_batched_timing_hides_host_time():
     batched = time_ms(host_then_gpu, torch.device(DEV), warmup=2, iters=5, batched=True)
     assert cold["timing"] == "cold" and batched["timing"] == "batched" and batched["calls_per_sample"] >= 3
     assert batched["median_ms"] < 0.95 * cold["median_ms"], (cold, batched)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_triton_autotuned_bf16(causal, monkeypatch):
+    """Autotuning on (as for users): the tuned tiles pass the same bar, one
+    choice per kind for these shapes, each one of the candidates."""
+    from longattn.kernels import triton_attention as ta
+
+    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(ta, "_by_shape", {})
+    test_dilated_bf16("triton", causal, 4, [512, 1024, 4096, 8192], 8192)
+    assert {key[0] for key in ta._by_shape} == {"fwd", "dkdv", "dq"}
+    assert all(cfg in ta._CANDIDATES[key[0]] for key, cfg in ta._by_shape.items())
+
+
+def test_dilated_triton_op_compiles_with_inductor():
+    """backend='triton' under torch.compile (Inductor): the graph holds our
+    Triton kernels (triton_op + wrap_triton), which Inductor compiles into its
+    own code; forward and backward match eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    segs, rates = [512, 1024, 4096, 8192], [1, 2, 4, 8]
+    q, k, v, do = _inputs(1, 8192, 8, 4, 128)
+    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                    causal=True, backend="triton")
+    compiled = torch.compile(fn, fullgraph=True)
+    (o, _, g), codes = run_and_get_code(lambda: grads_of(compiled, [q, k, v], do))
+    eo, _, eg = grads_of(fn, [q, k, v], do)
+    code = "\n".join(codes)
+    assert "_fwd_kernel" in code and "_dq_kernel" in code and "_dkdv_kernel" in code
+    assert rel_err(o, eo) < 1e-3 and all(rel_err(a, b) < 1e-3 for a, b in zip(g, eg))

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from typing import Optional
 
 import torch
 
@@ -477,13 +479,33 @@ def _ieee(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32
 
 
+def _kernel(kernel, x: torch.Tensor):
+    """The kernel to launch: directly on real tensors; through ``wrap_triton``
+    while make_fx / torch.compile trace a ``triton_op`` (fake or functional
+    tensors), so the traced graph holds the kernel itself, not an opaque call."""
+    if type(x) in (torch.Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling():
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
 def launch_forward(q, k, v, out, lse, geo: Geometry, scale: float, merge: bool):
+    def trial(cfg, nseg):  # the autotuner's run: the first nseg segments into scratch
+        o, l = _scratch(out, geo, nseg), _scratch_lse(lse, geo, nseg)
+        _forward(q, k, v, o, l, geo, scale, False, cfg, nseg)
+
+    _forward(q, k, v, out, lse, geo, scale, merge, _config("fwd", q, k, geo, trial), geo.nseg)
+
+
+def _forward(q, k, v, out, lse, geo, scale, merge, cfg, nseg):
     b, _, h, d = q.shape
-    cfg = _blocks(d, q.device, "fwd")
-    grid = (triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+    grid = (triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, nseg)
+    # CU is only read under VARLEN; otherwise any read-only tensor (never an
+    # output: traced launches must not see an output passed twice)
+    _kernel(_fwd_kernel, q)[grid](
+        q, k, v, out, lse, geo.cu_arg(q), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), h, h // k.shape[2], *geo.scalars(), scale * LOG2E,
         D=d, D_PAD=_d_pad(d), MERGE=merge, IEEE=_ieee(q), **geo.flags(), **cfg)
 
@@ -492,29 +514,159 @@ def launch_preprocess(out, dout, dlse, delta):
     b, s, h, d = out.shape
     block = 16 if out.device.type == "cpu" else 64
     grid = (triton.cdiv(s, block), b * h)
-    _bwd_preprocess[grid](out, dout, dlse if dlse is not None else delta, delta, out.stride(0), out.stride(1),
-                          out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), delta.stride(0),
-                          delta.stride(1), h, s, D=d, D_PAD=_d_pad(d), BLOCK=block, HAS_DLSE=dlse is not None)
+    _kernel(_bwd_preprocess, out)[grid](
+        out, dout, dlse if dlse is not None else out, delta, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), delta.stride(0), delta.stride(1), h, s, D=d,
+        D_PAD=_d_pad(d), BLOCK=block, HAS_DLSE=dlse is not None)
 
 
 def launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo: Geometry, scale: float, accum: bool):
+    def trial_dkdv(cfg, nseg):
+        _dkdv(q, k, v, dout, lse, delta, _scratch(dk, geo, nseg), _scratch(dv, geo, nseg), geo, scale, False,
+              cfg, nseg)
+
+    def trial_dq(cfg, nseg):
+        _dq(q, k, v, dout, lse, delta, _scratch(dq, geo, nseg), geo, scale, False, cfg, nseg)
+
+    _dkdv(q, k, v, dout, lse, delta, dk, dv, geo, scale, accum, _config("dkdv", q, k, geo, trial_dkdv), geo.nseg)
+    _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, _config("dq", q, k, geo, trial_dq), geo.nseg)
+
+
+def _dkdv(q, k, v, dout, lse, delta, dk, dv, geo, scale, accum, cfg, nseg):
     b, _, h, d = q.shape
     hkv = k.shape[2]
-    g = h // hkv
     ncls = geo.r if geo.dilated else 1
-    flags = dict(D=d, D_PAD=_d_pad(d), ACCUM=accum, IEEE=_ieee(q), **geo.flags())
-    cfg = _blocks(d, q.device, "dkdv")
-    _dkdv_kernel[(triton.cdiv(geo.max_mk, cfg["BLOCK_N"]), b * hkv * ncls, geo.nseg)](
-        q, k, v, dout, lse, delta, dk, dv, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-        dv.stride(2), h, hkv, g, ncls, *geo.scalars(), scale, scale * LOG2E, **flags, **cfg)
-    cfg = _blocks(d, q.device, "dq")
-    _dq_kernel[(triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, geo.nseg)](
-        q, k, v, dout, lse, delta, dq, geo.cu_arg(lse), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), h, g, *geo.scalars(), scale,
-        scale * LOG2E, **flags, **cfg)
+    _kernel(_dkdv_kernel, q)[(triton.cdiv(geo.max_mk, cfg["BLOCK_N"]), b * hkv * ncls, nseg)](
+        q, k, v, dout, lse, delta, dk, dv, geo.cu_arg(q), q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0),
+        dv.stride(1), dv.stride(2), h, hkv, h // hkv, ncls, *geo.scalars(), scale, scale * LOG2E,
+        D=d, D_PAD=_d_pad(d), ACCUM=accum, IEEE=_ieee(q), **geo.flags(), **cfg)
+
+
+def _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, cfg, nseg):
+    b, _, h, d = q.shape
+    _kernel(_dq_kernel, q)[(triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, nseg)](
+        q, k, v, dout, lse, delta, dq, geo.cu_arg(q), q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), h,
+        h // k.shape[2], *geo.scalars(), scale, scale * LOG2E,
+        D=d, D_PAD=_d_pad(d), ACCUM=accum, IEEE=_ieee(q), **geo.flags(), **cfg)
+
+
+# ---------------------------------------------------------------------- autotuning
+# Dilated launches pick their tiles per (kind, device, dtype, head dim, GQA group,
+# rows per segment class rounded up to a power of two, causal): the first call
+# of a new shape times the candidates below on the first few segments, written
+# to scratch buffers (the real outputs are accumulated in place, so a trial
+# must not touch them), and keeps the fastest for the process. Dense and varlen
+# launches, calls under torch.compile tracing or CUDA-graph capture, and
+# LONGATTN_TRITON_AUTOTUNE=0 use the static table (_TUNED) instead.
+_C = lambda m, n, w, s: dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+_CANDIDATES = {  # head dims <= 128: the configurations of the H200 sweep (benchmarks/tune_triton.py)
+    "fwd": [_C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 4, 3), _C(64, 64, 4, 3), _C(128, 32, 4, 4)],
+    "dkdv": [_C(64, 128, 8, 3), _C(32, 128, 4, 3), _C(64, 64, 4, 3), _C(32, 64, 4, 3), _C(64, 128, 8, 2)],
+    "dq": [_C(128, 64, 8, 3), _C(128, 32, 4, 3), _C(64, 64, 4, 3), _C(64, 32, 4, 3), _C(128, 32, 8, 2)],
+}
+_CPU_CANDIDATES = [_C(16, 16, 4, 1), _C(32, 16, 4, 1), _C(16, 32, 4, 1)]  # the interpreter (tests)
+_TUNE_WAVES = 8  # trial size: about this many waves of 128-row blocks over the SMs
+_by_shape: dict = {}
+
+
+def autotune_mode() -> str:
+    """``LONGATTN_TRITON_AUTOTUNE``: ``0`` off, ``1`` on (also under the CPU
+    interpreter: tests), unset: on for CUDA."""
+    return os.environ.get("LONGATTN_TRITON_AUTOTUNE", "")
+
+
+def _tunable(q: torch.Tensor) -> bool:
+    mode = autotune_mode()
+    if mode == "0" or (mode != "1" and not q.is_cuda):
+        return False
+    if type(q) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
+        return False
+    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _candidates(kind: str, d: int, device: torch.device, geo: Geometry) -> list[dict]:
+    if device.type == "cpu":
+        return list(_CPU_CANDIDATES)
+    if d > 128:
+        return [_blocks(d, device, kind)]
+    rows = 1 << max(4, (max(geo.max_m, 1) - 1).bit_length())
+    fit = [c for c in _CANDIDATES[kind] if c["BLOCK_M"] <= rows and c["BLOCK_N"] <= rows]
+    return fit or [min(_CANDIDATES[kind], key=lambda c: c["BLOCK_M"] * c["BLOCK_N"])]
+
+
+def _tune_key(kind, q, k, geo):
+    return (kind, str(q.device), q.dtype, q.shape[-1], q.shape[2] // k.shape[2],
+            (max(geo.max_m, 1) - 1).bit_length(), geo.causal)
+
+
+def _config(kind: str, q, k, geo: Geometry, trial) -> dict:
+    """The launch config of a kernel (see the autotuning note above)."""
+    static = _blocks(q.shape[-1], q.device, kind)
+    if not geo.dilated:
+        return static
+    key = _tune_key(kind, q, k, geo)
+    cfg = _by_shape.get(key)
+    if cfg is None and _tunable(q):
+        cfg = _by_shape[key] = _autotune(_candidates(kind, q.shape[-1], q.device, geo), trial,
+                                         _trial_segments(q, geo), q.device) or static
+    return cfg or static
+
+
+def _trial_segments(q, geo: Geometry) -> int:
+    if q.device.type == "cpu":
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    per_seg = max(1, geo.max_m * q.shape[0] * q.shape[2])
+    return max(1, min(geo.nseg, -(-_TUNE_WAVES * sms * 128 // per_seg)))
+
+
+def _autotune(cands: list[dict], trial, nseg: int, device: torch.device) -> Optional[dict]:
+    if len(cands) == 1:
+        return cands[0]
+    best = None
+    for cfg in cands:
+        try:
+            t = _time(lambda: trial(cfg, nseg), device)
+        except triton.runtime.errors.OutOfResources:  # this tile does not fit the device: not a candidate
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return None if best is None else best[1]
+
+
+def _time(fn, device: torch.device) -> float:
+    """Fastest of a few runs after one warm-up (compiles) run, in ms."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    times = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return min(times)
+
+
+def _trial_rows(geo: Geometry, nseg: int) -> int:
+    return min(geo.sq, nseg * geo.w)
+
+
+def _scratch(x: torch.Tensor, geo: Geometry, nseg: int) -> torch.Tensor:
+    """(B, rows of the first nseg segments, H, D) buffer like x."""
+    return torch.empty((x.shape[0], _trial_rows(geo, nseg), *x.shape[2:]), dtype=x.dtype, device=x.device)
+
+
+def _scratch_lse(lse: torch.Tensor, geo: Geometry, nseg: int) -> torch.Tensor:
+    return torch.empty((*lse.shape[:2], _trial_rows(geo, nseg)), dtype=lse.dtype, device=lse.device)
 
 
 def _contig(x):

@@ -7,8 +7,15 @@ ordered on the stream, and inside one launch each (row, head) has one owner). Ba
 branch a dK/dV and a dQ launch that add into the gradients in place.
 Extra memory beyond inputs, outputs and grads: the float32 lse and delta,
 (B, H, S) each: the output and gradients are accumulated in place.
+
+``fused_fwd`` / ``fused_bwd`` are the same two passes registered as
+``torch.library.triton_op``: under torch.compile the graph holds the Triton
+kernels themselves (wrapped by ``wrap_triton``), which Inductor compiles and
+schedules with the code around them; eagerly they launch as plain kernels.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -63,3 +70,39 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
     for geo in _branches(s, segment_lengths, dilation_rates, causal):
         ta.launch_backward(q, k, v, dout, lse, delta, dq, dk, dv, geo, scale, accum=True)
     return dq, dk, dv
+
+
+def _register_ops():
+    """The op pair: ``triton_op`` where Triton compiles; under the CPU
+    interpreter (tests), whose kernels ``wrap_triton`` cannot trace, plain
+    custom ops with fake kernels, so torch.compile still runs them (opaque)."""
+    from .._ops import register_attention_autograd
+
+    if ta._interpret():
+        define = lambda name: torch.library.custom_op(name, mutates_args=())
+    else:
+        define = lambda name: torch.library.triton_op(name, mutates_args=())
+
+    @define("longattn::dilated_triton_fwd")
+    def fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
+                  dilation_rates: list[int], scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(q, k, v, segment_lengths, dilation_rates, causal, scale)
+
+    @define("longattn::dilated_triton_bwd")
+    def fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int],
+                  dilation_rates: list[int], scale: float, causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale)
+
+    if ta._interpret():  # a triton_op's fake kernel is its body; these are written out
+        b_h_s = lambda q: (q.shape[0], q.shape[2], q.shape[1])
+        fused_fwd.register_fake(lambda q, k, v, *_: (torch.empty_like(q),
+                                                     q.new_empty(b_h_s(q), dtype=torch.float32)))
+        fused_bwd.register_fake(lambda dout, q, k, v, *_: (torch.empty_like(q), torch.empty_like(k),
+                                                           torch.empty_like(v)))
+    register_attention_autograd(fused_fwd, fused_bwd, ("segment_lengths", "dilation_rates", "scale", "causal"))
+    return fused_fwd, fused_bwd
+
+
+fused_fwd, fused_bwd = _register_ops() if ta.HAS_TRITON else (None, None)

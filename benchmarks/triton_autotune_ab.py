@@ -1,0 +1,110 @@
+"""In-process A/B of the fused Triton dilated kernels' launch configs: the
+static table (LONGATTN_TRITON_AUTOTUNE=0) against per-shape autotuning (the
+default on CUDA), eager and under torch.compile (Inductor compiles the kernels
+of the triton_op pair), beside dense cuDNN at the same length. bf16, B=1, H=16.
+Forward and forward+backward times are medians of CUDA-event timings after
+warm-up; the first tuned call's wall time (tuning + compiles) is reported.
+
+    python benchmarks/triton_autotune_ab.py --json out.json
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import longattn
+from longattn import dilated
+from longattn.bench.measure import environment
+from longattn.kernels import triton_attention as ta
+
+p = argparse.ArgumentParser()
+p.add_argument("--iters", type=int, default=10)
+p.add_argument("--json")
+p.add_argument("--compile", action="store_true", help="also time the fused ops under torch.compile")
+a = p.parse_args()
+LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
+SHORT = ([256, 512, 1024], [1, 2, 4])
+CASES = [  # name, seqlen, hkv, head dim, (segments, rates), causal
+    ("longnet_32k", 32768, 16, 128, LONGNET, False),
+    ("longnet_32k_causal", 32768, 16, 128, LONGNET, True),
+    ("longnet_128k", 131072, 16, 128, LONGNET, False),
+    ("longnet_32k_d64", 32768, 16, 64, LONGNET, False),
+    ("longnet_32k_gqa4", 32768, 4, 128, LONGNET, False),
+    ("short_segments_32k", 32768, 16, 128, SHORT, False),
+]
+
+
+def med(fn, iters):
+    ts = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return statistics.median(ts)
+
+
+def measure(f, q, k, v, g):
+    wall = time.perf_counter()
+    out = f(q, k, v)
+    torch.autograd.grad(out, (q, k, v), g)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - wall
+    for _ in range(2):
+        torch.autograd.grad(f(q, k, v), (q, k, v), g)
+    with torch.no_grad():
+        fwd = med(lambda: f(q, k, v), a.iters)
+    total = med(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), g), a.iters)
+    return dict(first_call_s=round(first, 2), fwd_ms=fwd, bwd_ms=total - fwd), out.detach()
+
+
+rows = []
+for name, s, hkv, d, (segs, rates), causal in CASES:
+    q = torch.randn(1, s, 16, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    g = torch.randn_like(q)
+    pairs = dilated.pair_count(s, segs, rates, 16, causal)
+    dil = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                     causal=causal, backend="triton")
+    variants = [("static", "0", dil), ("autotuned", "1", dil)]
+    if a.compile:
+        variants.append(("autotuned_compiled", "1", torch.compile(dil, fullgraph=True)))
+    res = {}
+    for label, mode, f in variants:
+        os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
+        r, out = measure(f, q, k, v, g)
+        r["fwd_tflops"] = 4 * pairs * d / r["fwd_ms"] / 1e9
+        r["bwd_tflops"] = 10 * pairs * d / r["bwd_ms"] / 1e9
+        res[label] = (r, out)
+    ref = res["static"][1].float()
+    for label, (r, out) in res.items():
+        r["rel_diff_vs_static"] = ((out.float() - ref).norm() / ref.norm()).item()
+        rows.append(dict(case=name, variant=label, **r))
+    os.environ["LONGATTN_TRITON_AUTOTUNE"] = "0"
+    if hkv == 16 and d <= 128:
+        dense = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
+        r, _ = measure(dense, q, k, v, g)
+        flops = 4 * s * s * 16 * d * (0.5 if causal else 1.0)
+        r["fwd_tflops"], r["bwd_tflops"] = flops / r["fwd_ms"] / 1e9, 2.5 * flops / r["bwd_ms"] / 1e9
+        rows.append(dict(case=name, variant="dense_cudnn", **r))
+    del q, k, v, g
+    torch.cuda.empty_cache()
+
+tuned = {" ".join(map(str, k)): v for k, v in ta._by_shape.items()}
+if a.json:
+    with open(a.json, "w") as fh:
+        json.dump(dict(environment=environment(torch.device("cuda")), rows=rows, tuned=tuned,
+                       command="python benchmarks/triton_autotune_ab.py " + " ".join(
+                           f"--{k} {v}" if not isinstance(v, bool) else (f"--{k}" if v else "")
+                           for k, v in vars(a).items() if k != "json")), fh, indent=1)
+for k, v in tuned.items():
+    print(k, v)
+print(f"{'case':22s} {'variant':20s} {'first s':>8s} {'fwd ms':>8s} {'bwd ms':>8s} {'fwd TF':>7s} {'bwd TF':>7s}")
+for r in rows:
+    print(f"{r['case']:22s} {r['variant']:20s} {r['first_call_s']:8.2f} {r['fwd_ms']:8.3f} {r['bwd_ms']:8.3f} "
+          f"{r['fwd_tflops']:7.1f} {r['bwd_tflops']:7.1f}")
