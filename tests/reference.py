@@ -45,12 +45,13 @@ def attention_ref(q, k, v, *, causal=False, window=(-1, -1), scale=None, q_offse
     return masked_attention(q, k, v, mask.to(q.device), scale)
 
 
-def dilated_masks(seqlen, nheads, segment_lengths, dilation_rates, causal):
+def dilated_masks(seqlen, nheads, segment_lengths, dilation_rates, causal, head_offset=0):
     """One (H, S, S) bool mask per branch, straight from the definition:
     head h selects p when (p % w) % r == h % r; selected q and k in the same
-    segment p // w see each other (causal: k <= q)."""
+    segment p // w see each other (causal: k <= q). ``head_offset``: the
+    heads are h = head_offset, ..., head_offset + nheads - 1."""
     pos = torch.arange(seqlen)
-    heads = torch.arange(nheads)
+    heads = torch.arange(head_offset, head_offset + nheads)
     masks = []
     for w, r in zip(segment_lengths, dilation_rates):
         sel = ((pos % w) % r)[None, :] == (heads % r)[:, None]  # (H, S)
@@ -62,14 +63,16 @@ def dilated_masks(seqlen, nheads, segment_lengths, dilation_rates, causal):
     return masks
 
 
-def dilated_ref(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None):
+def dilated_ref(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale=None, head_offset=0):
     """Union softmax over the keys every branch gives: concatenating each
-    branch's masked scores along the key axis counts a key given twice twice."""
+    branch's masked scores along the key axis counts a key given twice twice.
+    ``head_offset``: q holds heads head_offset, ... of a larger call (MHA k/v
+    of the same heads), so large shapes can be checked a few heads at a time."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     b, s, h, d = q.shape
     qd, kd, vd = q.double(), expand_kv(k.double(), h), expand_kv(v.double(), h)
     scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
-    masks = dilated_masks(s, h, segment_lengths, dilation_rates, causal)
+    masks = dilated_masks(s, h, segment_lengths, dilation_rates, causal, head_offset)
     cat = torch.cat([scores.masked_fill(~m.to(q.device), float("-inf")) for m in masks], -1)
     lse = torch.logsumexp(cat, -1)
     p = torch.exp(cat - lse[..., None]).nan_to_num(0.0)
