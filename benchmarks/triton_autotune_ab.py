@@ -3,7 +3,8 @@ static table (LONGATTN_TRITON_AUTOTUNE=0) against per-shape autotuning (the
 default on CUDA), eager and under torch.compile (Inductor compiles the kernels
 of the triton_op pair), beside dense cuDNN at the same length. bf16, B=1, H=16.
 Forward and forward+backward times are medians of CUDA-event timings after
-warm-up; the first tuned call's wall time (tuning + compiles) is reported.
+warm-up, the variants alternating over --rounds (clocks drift between them);
+the first call's wall time (compiles, and tuning where on) is reported.
 
     python benchmarks/triton_autotune_ab.py --json out.json
 """
@@ -22,6 +23,8 @@ from longattn.kernels import triton_attention as ta
 
 p = argparse.ArgumentParser()
 p.add_argument("--iters", type=int, default=10)
+p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--cases", nargs="*", help="case names (default: all)")
 p.add_argument("--json")
 p.add_argument("--compile", action="store_true", help="also time the fused ops under torch.compile")
 a = p.parse_args()
@@ -49,22 +52,27 @@ def med(fn, iters):
     return statistics.median(ts)
 
 
-def measure(f, q, k, v, g):
+def first_call(f, q, k, v, g):
     wall = time.perf_counter()
     out = f(q, k, v)
     torch.autograd.grad(out, (q, k, v), g)
     torch.cuda.synchronize()
     first = time.perf_counter() - wall
-    for _ in range(2):
-        torch.autograd.grad(f(q, k, v), (q, k, v), g)
+    torch.autograd.grad(f(q, k, v), (q, k, v), g)
+    return round(first, 2), out.detach()
+
+
+def timings(f, q, k, v, g):
     with torch.no_grad():
         fwd = med(lambda: f(q, k, v), a.iters)
     total = med(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), g), a.iters)
-    return dict(first_call_s=round(first, 2), fwd_ms=fwd, bwd_ms=total - fwd), out.detach()
+    return fwd, total - fwd
 
 
 rows = []
 for name, s, hkv, d, (segs, rates), causal in CASES:
+    if a.cases and name not in a.cases:
+        continue
     q = torch.randn(1, s, 16, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(1, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     g = torch.randn_like(q)
@@ -74,24 +82,31 @@ for name, s, hkv, d, (segs, rates), causal in CASES:
     variants = [("static", "0", dil), ("autotuned", "1", dil)]
     if a.compile:
         variants.append(("autotuned_compiled", "1", torch.compile(dil, fullgraph=True)))
+    if hkv == 16 and d <= 128:
+        variants.append(("dense_cudnn", "0", lambda q, k, v: longattn.attention(q, k, v, causal=causal,
+                                                                                backend="cudnn")))
     res = {}
     for label, mode, f in variants:
         os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
-        r, out = measure(f, q, k, v, g)
-        r["fwd_tflops"] = 4 * pairs * d / r["fwd_ms"] / 1e9
-        r["bwd_tflops"] = 10 * pairs * d / r["bwd_ms"] / 1e9
-        res[label] = (r, out)
-    ref = res["static"][1].float()
-    for label, (r, out) in res.items():
-        r["rel_diff_vs_static"] = ((out.float() - ref).norm() / ref.norm()).item()
-        rows.append(dict(case=name, variant=label, **r))
-    os.environ["LONGATTN_TRITON_AUTOTUNE"] = "0"
-    if hkv == 16 and d <= 128:
-        dense = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
-        r, _ = measure(dense, q, k, v, g)
-        flops = 4 * s * s * 16 * d * (0.5 if causal else 1.0)
-        r["fwd_tflops"], r["bwd_tflops"] = flops / r["fwd_ms"] / 1e9, 2.5 * flops / r["bwd_ms"] / 1e9
-        rows.append(dict(case=name, variant="dense_cudnn", **r))
+        first, out = first_call(f, q, k, v, g)
+        res[label] = dict(first_call_s=first, out=out, fwd=[], bwd=[])
+    for _ in range(a.rounds):
+        for label, mode, f in variants:
+            os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
+            fwd, bwd = timings(f, q, k, v, g)
+            res[label]["fwd"].append(fwd)
+            res[label]["bwd"].append(bwd)
+    ref = res["static"]["out"].float()
+    for label, r in res.items():
+        fwd, bwd = statistics.median(r["fwd"]), statistics.median(r["bwd"])
+        if label == "dense_cudnn":
+            flops = 4 * s * s * 16 * d * (0.5 if causal else 1.0)
+        else:
+            flops = 4 * pairs * d
+        rows.append(dict(case=name, variant=label, first_call_s=r["first_call_s"], fwd_ms=fwd, bwd_ms=bwd,
+                         fwd_rounds=r["fwd"], bwd_rounds=r["bwd"], fwd_tflops=flops / fwd / 1e9,
+                         bwd_tflops=2.5 * flops / bwd / 1e9,
+                         rel_diff_vs_static=((r["out"].float() - ref).norm() / ref.norm()).item()))
     del q, k, v, g
     torch.cuda.empty_cache()
 
@@ -100,8 +115,9 @@ if a.json:
     with open(a.json, "w") as fh:
         json.dump(dict(environment=environment(torch.device("cuda")), rows=rows, tuned=tuned,
                        command="python benchmarks/triton_autotune_ab.py " + " ".join(
-                           f"--{k} {v}" if not isinstance(v, bool) else (f"--{k}" if v else "")
-                           for k, v in vars(a).items() if k != "json")), fh, indent=1)
+                           f"--{k} {' '.join(v) if isinstance(v, list) else v}" if not isinstance(v, bool)
+                           else (f"--{k}" if v else "") for k, v in vars(a).items()
+                           if k != "json" and v is not None)), fh, indent=1)
 for k, v in tuned.items():
     print(k, v)
 print(f"{'case':22s} {'variant':20s} {'first s':>8s} {'fwd ms':>8s} {'bwd ms':>8s} {'fwd TF':>7s} {'bwd TF':>7s}")

@@ -493,7 +493,9 @@ def _kernel(kernel, x: torch.Tensor):
 def launch_forward(q, k, v, out, lse, geo: Geometry, scale: float, merge: bool):
     def trial(cfg, nseg):  # the autotuner's run: the first nseg segments into scratch
         o, l = _scratch(out, geo, nseg), _scratch_lse(lse, geo, nseg)
-        _forward(q, k, v, o, l, geo, scale, False, cfg, nseg)
+        # merging, as most branches do (its epilogue moves the best tile); the
+        # scratch's values do not matter
+        _forward(q, k, v, o, l, geo, scale, True, cfg, nseg)
 
     _forward(q, k, v, out, lse, geo, scale, merge, _config("fwd", q, k, geo, trial), geo.nseg)
 
@@ -560,8 +562,9 @@ def _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, cfg, nseg):
 # of a new shape times the candidates below on the first few segments, written
 # to scratch buffers (the real outputs are accumulated in place, so a trial
 # must not touch them), and keeps the fastest for the process. Dense and varlen
-# launches, calls under torch.compile tracing or CUDA-graph capture, and
-# LONGATTN_TRITON_AUTOTUNE=0 use the static table (_TUNED) instead.
+# launches and LONGATTN_TRITON_AUTOTUNE=0 use the static table (_TUNED); calls
+# under torch.compile tracing or CUDA-graph capture use a choice made before,
+# else the static table.
 _C = lambda m, n, w, s: dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
 _CANDIDATES = {  # head dims <= 128: the configurations of the H200 sweep (benchmarks/tune_triton.py)
     "fwd": [_C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 4, 3), _C(64, 64, 4, 3), _C(128, 32, 4, 4)],
@@ -569,7 +572,7 @@ _CANDIDATES = {  # head dims <= 128: the configurations of the H200 sweep (bench
     "dq": [_C(128, 64, 8, 3), _C(128, 32, 4, 3), _C(64, 64, 4, 3), _C(64, 32, 4, 3), _C(128, 32, 8, 2)],
 }
 _CPU_CANDIDATES = [_C(16, 16, 4, 1), _C(32, 16, 4, 1), _C(16, 32, 4, 1)]  # the interpreter (tests)
-_TUNE_WAVES = 8  # trial size: about this many waves of 128-row blocks over the SMs
+_TUNE_WAVES = 32  # trial size: about this many waves of 128-row blocks over the SMs
 _by_shape: dict = {}
 
 
@@ -606,7 +609,7 @@ def _tune_key(kind, q, k, geo):
 def _config(kind: str, q, k, geo: Geometry, trial) -> dict:
     """The launch config of a kernel (see the autotuning note above)."""
     static = _blocks(q.shape[-1], q.device, kind)
-    if not geo.dilated:
+    if not geo.dilated or autotune_mode() == "0":
         return static
     key = _tune_key(kind, q, k, geo)
     cfg = _by_shape.get(key)
@@ -639,14 +642,14 @@ def _autotune(cands: list[dict], trial, nseg: int, device: torch.device) -> Opti
 
 
 def _time(fn, device: torch.device) -> float:
-    """Fastest of a few runs after one warm-up (compiles) run, in ms."""
+    """Fastest of five runs after one warm-up (compiles) run, in ms."""
     fn()
     if device.type != "cuda":
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
     times = []
-    for _ in range(3):
+    for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
