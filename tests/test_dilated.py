@@ -175,7 +175,7 @@ def test_base_unit_adoption_limits():
 @triton_ok
 def test_triton_autotune_per_shape(monkeypatch):
     """With autotuning on, the first call of each (kind, rows per segment class,
-    causal, GQA group, ...) times the candidates on scratch buffers and keeps
+    grid size, causal, GQA group, ...) times the candidates on scratch buffers and keeps
     the fastest; later calls reuse it; the results stay exact. The timer is
     replaced so a non-default tile wins (the interpreter's times mean nothing)."""
     from longattn.kernels import triton_attention as ta
@@ -203,12 +203,15 @@ def test_triton_autotune_per_shape(monkeypatch):
         assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
         for a, b in zip(g, rg):
             assert rel_err(a, b) < TOL
-    # rows per class 8 (w/r) in every branch: one bucket; 3 kinds x 2 causal flags
-    assert sorted((key[0], key[-1]) for key in ta._by_shape) == sorted(
-        (kind, c) for kind in ("fwd", "dkdv", "dq") for c in (False, True))
+    # rows per class 8 (w/r) in every branch: one bucket; grids of 5, 3 and 2
+    # segments x 4 heads: three buckets; 3 kinds; 2 causal flags
+    grids = {(4 * -(-s // w) - 1).bit_length() for w in segs}
+    assert len(grids) == 3
+    assert sorted((key[0], key[-2], key[-1]) for key in ta._by_shape) == sorted(
+        (kind, n, c) for kind in ("fwd", "dkdv", "dq") for n in grids for c in (False, True))
     assert all(cfg is want for cfg in ta._by_shape.values())
     n = len(trials)
-    assert n == 6 * len(ta._CPU_CANDIDATES)
+    assert n == len(ta._by_shape) * len(ta._CPU_CANDIDATES)
     longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")
     assert len(trials) == n  # cached
     monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "0")

@@ -558,13 +558,16 @@ def _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, cfg, nseg):
 
 # ---------------------------------------------------------------------- autotuning
 # Dilated launches pick their tiles per (kind, device, dtype, head dim, GQA group,
-# rows per segment class rounded up to a power of two, causal): the first call
-# of a new shape times the candidates below on the first few segments, written
-# to scratch buffers (the real outputs are accumulated in place, so a trial
-# must not touch them), and keeps the fastest for the process. Dense and varlen
-# launches and LONGATTN_TRITON_AUTOTUNE=0 use the static table (_TUNED); calls
-# under torch.compile tracing or CUDA-graph capture use a choice made before,
-# else the static table.
+# rows per segment class and batch x heads x segments, each rounded up to a power
+# of two, causal): the first call of a new shape times the candidates below on
+# scratch buffers (the real outputs are accumulated in place, so a trial must
+# not touch them) and keeps the fastest for the process. The grid's size is in
+# the key because small grids fill the GPU only with small tiles (one H100: at
+# 32K the LongNet branches of 1-2 segments ran faster with 64-row tiles, at 128K
+# slower). A trial covers all segments up to _TUNE_SCRATCH_BYTES of scratch.
+# Dense and varlen launches and LONGATTN_TRITON_AUTOTUNE=0 use the static
+# table (_TUNED); calls under torch.compile tracing or CUDA-graph capture use a
+# choice made before, else the static table.
 _C = lambda m, n, w, s: dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
 _CANDIDATES = {  # head dims <= 128: the configurations of the H200 sweep (benchmarks/tune_triton.py)
     "fwd": [_C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 4, 3), _C(64, 64, 4, 3), _C(128, 32, 4, 4)],
@@ -572,7 +575,7 @@ _CANDIDATES = {  # head dims <= 128: the configurations of the H200 sweep (bench
     "dq": [_C(128, 64, 8, 3), _C(128, 32, 4, 3), _C(64, 64, 4, 3), _C(64, 32, 4, 3), _C(128, 32, 8, 2)],
 }
 _CPU_CANDIDATES = [_C(16, 16, 4, 1), _C(32, 16, 4, 1), _C(16, 32, 4, 1)]  # the interpreter (tests)
-_TUNE_WAVES = 32  # trial size: about this many waves of 128-row blocks over the SMs
+_TUNE_SCRATCH_BYTES = 256 << 20
 _by_shape: dict = {}
 
 
@@ -602,8 +605,9 @@ def _candidates(kind: str, d: int, device: torch.device, geo: Geometry) -> list[
 
 
 def _tune_key(kind, q, k, geo):
-    return (kind, str(q.device), q.dtype, q.shape[-1], q.shape[2] // k.shape[2],
-            (max(geo.max_m, 1) - 1).bit_length(), geo.causal)
+    pow2 = lambda n: (max(n, 1) - 1).bit_length()
+    return (kind, str(q.device), q.dtype, q.shape[-1], q.shape[2] // k.shape[2], pow2(geo.max_m),
+            pow2(q.shape[0] * q.shape[2] * geo.nseg), geo.causal)
 
 
 def _config(kind: str, q, k, geo: Geometry, trial) -> dict:
@@ -620,11 +624,13 @@ def _config(kind: str, q, k, geo: Geometry, trial) -> dict:
 
 
 def _trial_segments(q, geo: Geometry) -> int:
+    """Segments a trial runs: all of them (the real grid), or as many as
+    _TUNE_SCRATCH_BYTES of output scratch hold (grids that large are many
+    waves; the first segments stand for the rest)."""
     if q.device.type == "cpu":
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    per_seg = max(1, geo.max_m * q.shape[0] * q.shape[2])
-    return max(1, min(geo.nseg, -(-_TUNE_WAVES * sms * 128 // per_seg)))
+    per_seg = q.shape[0] * min(geo.w, geo.sq) * q.shape[2] * q.shape[3] * q.element_size()
+    return max(1, min(geo.nseg, _TUNE_SCRATCH_BYTES // per_seg))
 
 
 def _autotune(cands: list[dict], trial, nseg: int, device: torch.device) -> Optional[dict]:
