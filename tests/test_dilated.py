@@ -1,6 +1,7 @@
 """Dilated attention against the float64 definition (tests/reference.py):
 gather path on every CPU backend, and the fused Triton kernel under the
 interpreter."""
+import json
 import os
 
 import pytest
@@ -173,15 +174,18 @@ def test_base_unit_adoption_limits():
 
 
 @triton_ok
-def test_triton_autotune_per_shape(monkeypatch):
+def test_triton_autotune_per_shape(monkeypatch, tmp_path):
     """With autotuning on, the first call of each (kind, rows per segment class,
     grid size, causal, GQA group, ...) times the candidates on scratch buffers and keeps
-    the fastest; later calls reuse it; the results stay exact. The timer is
-    replaced so a non-default tile wins (the interpreter's times mean nothing)."""
+    the fastest; later calls reuse it, later processes too (the cache file);
+    the results stay exact. The timer is replaced so a non-default tile wins
+    (the interpreter's times mean nothing)."""
     from longattn.kernels import triton_attention as ta
 
     monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
+    monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(ta, "_by_shape", {})
+    monkeypatch.setattr(ta, "_on_disk", None)
     want = ta._CPU_CANDIDATES[1]
     trials = []
 
@@ -214,6 +218,13 @@ def test_triton_autotune_per_shape(monkeypatch):
     assert n == len(ta._by_shape) * len(ta._CPU_CANDIDATES)
     longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")
     assert len(trials) == n  # cached
+    tuned = dict(ta._by_shape)
+    monkeypatch.setattr(ta, "_by_shape", {})
+    monkeypatch.setattr(ta, "_on_disk", None)  # a new process: the choices come from the file
+    assert len(json.load(open(tmp_path / "triton_tiles.json"))) == n // len(ta._CPU_CANDIDATES)
+    grads_of(fn, [q, k, v], do, dl)  # the causal call
+    assert len(trials) == n and len(ta._by_shape) == len(tuned) // 2
+    assert all(tuned[key] == cfg for key, cfg in ta._by_shape.items())
     monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "0")
     monkeypatch.setattr(ta, "_by_shape", {})
     longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")

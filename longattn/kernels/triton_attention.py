@@ -23,9 +23,12 @@ fused-attention tutorial) so the mask costs only on boundary blocks.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -493,8 +496,7 @@ def _kernel(kernel, x: torch.Tensor):
 def launch_forward(q, k, v, out, lse, geo: Geometry, scale: float, merge: bool):
     def trial(cfg, nseg):  # the autotuner's run: the first nseg segments into scratch
         o, l = _scratch(out, geo, nseg), _scratch_lse(lse, geo, nseg)
-        # merging, as most branches do (its epilogue moves the best tile); the
-        # scratch's values do not matter
+        # merging, as most branches do (its epilogue moves the best tile)
         _forward(q, k, v, o, l, geo, scale, True, cfg, nseg)
 
     _forward(q, k, v, out, lse, geo, scale, merge, _config("fwd", q, k, geo, trial), geo.nseg)
@@ -567,7 +569,11 @@ def _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, cfg, nseg):
 # slower). A trial covers all segments up to _TUNE_SCRATCH_BYTES of scratch.
 # Dense and varlen launches and LONGATTN_TRITON_AUTOTUNE=0 use the static
 # table (_TUNED); calls under torch.compile tracing or CUDA-graph capture use a
-# choice made before, else the static table.
+# choice made before, else the static table. Choices persist in
+# $LONGATTN_CACHE_DIR/triton_tiles.json (default ~/.cache/longattn), keyed also
+# by the GPU's name, the Triton version and a hash of this file: tuning costs
+# about five times the kernels' compile time (one H100: 1-2 min for the LongNet
+# branches' first fwd+bwd) and is paid once per machine.
 _C = lambda m, n, w, s: dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
 _CANDIDATES = {  # head dims <= 128: the configurations of the H200 sweep (benchmarks/tune_triton.py)
     "fwd": [_C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 4, 3), _C(64, 64, 4, 3), _C(128, 32, 4, 4)],
@@ -577,6 +583,8 @@ _CANDIDATES = {  # head dims <= 128: the configurations of the H200 sweep (bench
 _CPU_CANDIDATES = [_C(16, 16, 4, 1), _C(32, 16, 4, 1), _C(16, 32, 4, 1)]  # the interpreter (tests)
 _TUNE_SCRATCH_BYTES = 256 << 20
 _by_shape: dict = {}
+_on_disk: Optional[dict] = None  # the persisted choices, loaded on first need
+_SOURCE = hashlib.sha1(open(__file__, "rb").read()).hexdigest()[:12]
 
 
 def autotune_mode() -> str:
@@ -618,9 +626,53 @@ def _config(kind: str, q, k, geo: Geometry, trial) -> dict:
     key = _tune_key(kind, q, k, geo)
     cfg = _by_shape.get(key)
     if cfg is None and _tunable(q):
-        cfg = _by_shape[key] = _autotune(_candidates(kind, q.shape[-1], q.device, geo), trial,
-                                         _trial_segments(q, geo), q.device) or static
+        disk = _disk_key(key, q.device)
+        cfg = _persisted().get(disk)
+        if cfg is None:
+            cfg = _autotune(_candidates(kind, q.shape[-1], q.device, geo), trial, _trial_segments(q, geo),
+                            q.device) or static
+            _persist(disk, cfg)
+        _by_shape[key] = cfg
     return cfg or static
+
+
+def _cache_file() -> str:
+    root = os.environ.get("LONGATTN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "longattn")
+    return os.path.join(root, "triton_tiles.json")
+
+
+def _disk_key(key, device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return json.dumps([name, triton.__version__, _SOURCE, key[0], str(key[2]), *key[3:]])
+
+
+def _persisted() -> dict:
+    global _on_disk
+    if _on_disk is None:
+        try:
+            with open(_cache_file()) as fh:
+                _on_disk = json.load(fh)
+        except (OSError, ValueError):
+            _on_disk = {}
+    return _on_disk
+
+
+def _persist(disk_key: str, cfg: dict) -> None:
+    """Adds one choice to the cache file (re-read first: other processes may
+    have added theirs), written atomically."""
+    global _on_disk
+    path = _cache_file()
+    _on_disk = None
+    merged = dict(_persisted(), **{disk_key: cfg})
+    _on_disk = merged
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(merged, fh, indent=0)
+        os.replace(tmp, path)
+    except OSError as e:
+        warnings.warn(f"longattn: cannot save Triton tile choices to {path} ({e}); set LONGATTN_CACHE_DIR")
 
 
 def _trial_segments(q, geo: Geometry) -> int:
@@ -671,11 +723,11 @@ def _trial_rows(geo: Geometry, nseg: int) -> int:
 
 def _scratch(x: torch.Tensor, geo: Geometry, nseg: int) -> torch.Tensor:
     """(B, rows of the first nseg segments, H, D) buffer like x."""
-    return torch.empty((x.shape[0], _trial_rows(geo, nseg), *x.shape[2:]), dtype=x.dtype, device=x.device)
+    return torch.zeros((x.shape[0], _trial_rows(geo, nseg), *x.shape[2:]), dtype=x.dtype, device=x.device)
 
 
 def _scratch_lse(lse: torch.Tensor, geo: Geometry, nseg: int) -> torch.Tensor:
-    return torch.empty((*lse.shape[:2], _trial_rows(geo, nseg)), dtype=lse.dtype, device=lse.device)
+    return torch.full((*lse.shape[:2], _trial_rows(geo, nseg)), float("-inf"), dtype=lse.dtype, device=lse.device)
 
 
 def _contig(x):
