@@ -153,17 +153,17 @@ def test_batched_timing_hides_host_time():
     assert batched["median_ms"] < 0.95 * cold["median_ms"], (cold, batched)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_dilated_triton_autotuned_bf16(causal, monkeypatch, tmp_path):
+def test_dilated_triton_autotuned_bf16(monkeypatch, tmp_path):
     """Autotuning on (as for users): the tuned tiles pass the same bar, the
-    choices come from the candidates."""
+    choices come from the candidates. Two branches: tuning compiles every
+    candidate for every branch (~2 s each)."""
     from longattn.kernels import triton_attention as ta
 
     monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
     monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(ta, "_by_shape", {})
     monkeypatch.setattr(ta, "_on_disk", None)
-    test_dilated_bf16("triton", causal, 4, [512, 1024, 4096, 8192], 8192)
+    test_dilated_bf16("triton", True, 4, [512, 2048], 4096)  # rates 1, 2
     assert {key[0] for key in ta._by_shape} == {"fwd", "dkdv", "dq"}
     assert all(cfg in ta._CANDIDATES[key[0]] for key, cfg in ta._by_shape.items())
 

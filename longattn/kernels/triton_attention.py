@@ -572,13 +572,16 @@ def _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, cfg, nseg):
 # choice made before, else the static table. Choices persist in
 # $LONGATTN_CACHE_DIR/triton_tiles.json (default ~/.cache/longattn), keyed also
 # by the GPU's name, the Triton version and a hash of this file: tuning costs
-# about five times the kernels' compile time (one H100: 1-2 min for the LongNet
-# branches' first fwd+bwd) and is paid once per machine.
+# about three to four times the kernels' compile time (one H100, five
+# candidates per kind: 1.5 min for the LongNet branches' first fwd+bwd at 32K)
+# and is paid once per machine.
 _C = lambda m, n, w, s: dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-_CANDIDATES = {  # head dims <= 128: the configurations of the H200 sweep (benchmarks/tune_triton.py)
-    "fwd": [_C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 4, 3), _C(64, 64, 4, 3), _C(128, 32, 4, 4)],
-    "dkdv": [_C(64, 128, 8, 3), _C(32, 128, 4, 3), _C(64, 64, 4, 3), _C(32, 64, 4, 3), _C(64, 128, 8, 2)],
-    "dq": [_C(128, 64, 8, 3), _C(128, 32, 4, 3), _C(64, 64, 4, 3), _C(64, 32, 4, 3), _C(128, 32, 8, 2)],
+_CANDIDATES = {  # head dims <= 128: the tiles the autotuner chose on one H100 over the LongNet,
+    # GQA, D=64 and short-segment cases (triton_autotune_ab_h100_8da1ef7.json), out of the
+    # H200 sweep's five per kind (benchmarks/tune_triton.py); fewer candidates, less tuning
+    "fwd": [_C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(64, 64, 4, 3), _C(128, 32, 4, 4)],
+    "dkdv": [_C(32, 64, 4, 3), _C(32, 128, 4, 3), _C(64, 128, 8, 3)],
+    "dq": [_C(128, 64, 8, 3), _C(128, 32, 4, 3), _C(64, 32, 4, 3)],
 }
 _CPU_CANDIDATES = [_C(16, 16, 4, 1), _C(32, 16, 4, 1), _C(16, 32, 4, 1)]  # the interpreter (tests)
 _TUNE_SCRATCH_BYTES = 256 << 20
