@@ -64,8 +64,8 @@ def _dilated_ref_grads(q, k, v, do, segs, rates, causal, chunk=2):
 # 6000 tokens: partial segments (8192 > seqlen); 8192: the views path stacks offset classes per
 # segment (4096, r=4) and per branch (8192, r=8 = heads), and the rate-1 branch's result is the output
 @pytest.mark.parametrize("segs,seqlen", [([512, 1024, 2048, 8192], 6000), ([512, 1024, 4096, 8192], 8192)])
-def test_dilated_bf16(backend, causal, hkv, segs, seqlen):
-    rates = [1, 2, 4, 8]
+def test_dilated_bf16(backend, causal, hkv, segs, seqlen, rates=(1, 2, 4, 8)):
+    rates = list(rates)
     q, k, v, do = _inputs(1, seqlen, 8, hkv, 128)
     ref = _dilated_ref_grads(q, k, v, do, segs, rates, causal)
     bar = _sdpa_errors(q, k, v, do, causal, grads_of(lambda q, k, v: attention_ref(q, k, v, causal=causal),
@@ -163,7 +163,7 @@ def test_dilated_triton_autotuned_bf16(monkeypatch, tmp_path):
     monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(ta, "_by_shape", {})
     monkeypatch.setattr(ta, "_on_disk", None)
-    test_dilated_bf16("triton", True, 4, [512, 2048], 4096)  # rates 1, 2
+    test_dilated_bf16("triton", True, 4, [512, 2048], 4096, rates=[1, 2])
     assert {key[0] for key in ta._by_shape} == {"fwd", "dkdv", "dq"}
     assert all(cfg in ta._CANDIDATES[key[0]] for key, cfg in ta._by_shape.items())
 
