@@ -348,13 +348,16 @@ def _cudnn_stats(lse: torch.Tensor) -> torch.Tensor:
 
 class CudnnBackend(Backend):
     """cuDNN's fused attention through ``aten::_scaled_dot_product_cudnn_attention``.
-    About 1.7x the flash backend on Hopper (see docs/performance.md)."""
+    About 1.7x the flash backend on Hopper (see docs/performance.md). GQA is
+    native: cuDNN reads each kv head for its group of query heads and returns
+    dK/dV with the kv heads' shape (no expanded copies, no reduction)."""
 
     name = "cudnn"
     devices = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     max_headdim = 128
     headdim_multiple = 8
+    supports_gqa_native = True
     min_capability = (8, 0)
 
     def _extra_refusals(self, spec, q, k):
@@ -368,8 +371,8 @@ class CudnnBackend(Backend):
     def forward(self, q, k, v, spec):
         h = q.shape[2]
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.transpose(1, 2), _expand_kv(k, h).transpose(1, 2), _expand_kv(v, h).transpose(1, 2),
-            None, True, 0.0, spec.causal, False, scale=spec.scale)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, spec.causal, False,
+            scale=spec.scale)
         out, lse = res[0], res[1]
         return out.transpose(1, 2), lse.reshape(q.shape[0], h, q.shape[1]).float()
 
@@ -379,18 +382,15 @@ class CudnnBackend(Backend):
             # kernel takes the padded call (math where flash cannot).
             alt = BACKENDS["flash"] if not BACKENDS["flash"].refusals(spec, q, k) else MATH
             return alt.backward(dout, q, k, v, out, lse, spec, dlse)
-        h, hkv = q.shape[2], k.shape[2]
-        kx, vx = _expand_kv(k, h), _expand_kv(v, h)
         # cuDNN wants grad_out laid out like out: strided views that already agree
         # (dilated parts) pass as they are, anything else as (B, S, H, D) memory.
         if dout.stride() != out.stride():
             dout, out = dout.contiguous(), out.contiguous()
         res = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout.transpose(1, 2), q.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             out.transpose(1, 2), _cudnn_stats(lse),
             None, None, None, None, None, q.shape[1], k.shape[1], 0.0, spec.causal, scale=spec.scale)
-        dq, dk, dv = (t.transpose(1, 2) for t in res[:3])
-        return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)
+        return tuple(t.transpose(1, 2) for t in res[:3])
 
 
 # ----------------------------------------------------------------------- efficient
