@@ -202,7 +202,9 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
             head ``h // (nheads // nheads_kv)`` at the positions its offset selects.
         segment_lengths, dilation_rates: one ``(w, r)`` per branch, positive ints.
         causal, softmax_scale, return_lse: as in :func:`attention`.
-        backend: ``"triton"`` (fused kernels, no copies), a local backend name
+        backend: ``"triton"`` (fused kernels, no copies; a ``triton_op`` pair, so
+            torch.compile compiles the kernels with the model; tiles autotuned per
+            shape on CUDA, see ``LONGATTN_TRITON_AUTOTUNE``), a local backend name
             (``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``) run on every part
             (MHA: strided views, no copies; GQA: gathered blocks), or ``"auto"``: on
             CUDA, cuDNN on the views for MHA from 32K tokens (D <= 64: forward from
