@@ -569,12 +569,12 @@ def _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, cfg, nseg):
 # slower). A trial covers all segments up to _TUNE_SCRATCH_BYTES of scratch.
 # Dense and varlen launches and LONGATTN_TRITON_AUTOTUNE=0 use the static
 # table (_TUNED); calls under torch.compile tracing or CUDA-graph capture use a
-# choice made before, else the static table. Choices persist in
-# $LONGATTN_CACHE_DIR/triton_tiles.json (default ~/.cache/longattn), keyed also
-# by the GPU's name, the Triton version and a hash of this file: tuning costs
-# about three to four times the kernels' compile time (one H100, five
-# candidates per kind: 1.5 min for the LongNet branches' first fwd+bwd at 32K)
-# and is paid once per machine.
+# choice made before (in this process or saved), else the static table. Choices
+# persist in $LONGATTN_CACHE_DIR/triton_tiles.json (default ~/.cache/longattn),
+# keyed also by the GPU's name, the Triton version and a hash of this file:
+# tuning compiles every candidate for every branch (one H100, five candidates
+# per kind: 1.5 min for the LongNet branches' first fwd+bwd at 32K, 4-5x the
+# untuned first call) and is paid once per machine.
 _C = lambda m, n, w, s: dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
 _CANDIDATES = {  # head dims <= 128: the tiles the autotuner chose on one H100 over the LongNet,
     # GQA, D=64 and short-segment cases (triton_autotune_ab_h100_8da1ef7.json), out of the
@@ -596,10 +596,13 @@ def autotune_mode() -> str:
     return os.environ.get("LONGATTN_TRITON_AUTOTUNE", "")
 
 
-def _tunable(q: torch.Tensor) -> bool:
+def _autotune_on(q: torch.Tensor) -> bool:
     mode = autotune_mode()
-    if mode == "0" or (mode != "1" and not q.is_cuda):
-        return False
+    return mode == "1" or (mode != "0" and q.is_cuda)
+
+
+def _can_time(q: torch.Tensor) -> bool:
+    """Real tensors, outside tracing and CUDA-graph capture."""
     if type(q) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
         return False
     return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -624,18 +627,19 @@ def _tune_key(kind, q, k, geo):
 def _config(kind: str, q, k, geo: Geometry, trial) -> dict:
     """The launch config of a kernel (see the autotuning note above)."""
     static = _blocks(q.shape[-1], q.device, kind)
-    if not geo.dilated or autotune_mode() == "0":
+    if not geo.dilated or not _autotune_on(q):
         return static
     key = _tune_key(kind, q, k, geo)
     cfg = _by_shape.get(key)
-    if cfg is None and _tunable(q):
+    if cfg is None:
         disk = _disk_key(key, q.device)
         cfg = _persisted().get(disk)
-        if cfg is None:
+        if cfg is None and _can_time(q):
             cfg = _autotune(_candidates(kind, q.shape[-1], q.device, geo), trial, _trial_segments(q, geo),
                             q.device) or static
             _persist(disk, cfg)
-        _by_shape[key] = cfg
+        if cfg is not None:
+            _by_shape[key] = cfg
     return cfg or static
 
 
