@@ -77,6 +77,29 @@ class Part:
         stride = (self.seg_len * ss, self.r * ss, self.r * sh)
         return self._view(lse, sb, ss, sh, size, stride, bi)
 
+    def kv_view(self, x: torch.Tensor, nheads: int, bi: Optional[int] = None) -> torch.Tensor:
+        """(B, S, Hkv, D) -> strided view (B, nseg, m, Hk, D) of the part's rows
+        and the kv heads its query heads (c::r of ``nheads``) read, or
+        (nseg, m, Hk, D) of batch element ``bi``. With g = nheads / Hkv:
+        r % g == 0: kv heads c // g, c // g + r / g, ... one per query head
+        (an MHA call); g % r == 0: every kv head, each for g / r consecutive
+        query heads of the class (a GQA call). See :func:`kv_views_ok`."""
+        hkv = x.shape[2]
+        g = nheads // hkv
+        if g == 1:
+            return self.q_view(x, bi)
+        sb, ss, sh, sd = x.stride()
+        if self.r % g == 0:
+            head0, step, count = self.c // g, self.r // g, self.nheads(nheads)
+        else:
+            head0, step, count = 0, 1, hkv
+        size = (self.nseg, self.m, count, x.shape[3])
+        stride = (self.seg_len * ss, self.r * ss, step * sh, sd)
+        first = x.storage_offset() + (self.start + self.c) * ss + head0 * sh
+        if bi is None:
+            return x.as_strided((x.shape[0], *size), (sb, *stride), first)
+        return x.as_strided(size, stride, first + bi * sb)
+
     def _view(self, x, sb, ss, sh, size, stride, bi):
         first = x.storage_offset() + (self.start + self.c) * ss + self.c * sh  # row start + c, head c
         if bi is None:
@@ -95,6 +118,14 @@ def schedule(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[
             if tail and c < tail:
                 parts.append(Part(w, r, c, nfull * w, 1, tail))
     return parts
+
+
+def kv_views_ok(dilation_rates, nheads: int, nheads_kv: int) -> bool:
+    """Every part's kv heads are a strided view (see :meth:`Part.kv_view`):
+    with g = nheads / nheads_kv, each rate is a multiple or a divisor of g
+    (always for MHA; for powers of two always)."""
+    g = nheads // nheads_kv
+    return all(r % g == 0 or g % r == 0 for r in dilation_rates)
 
 
 def kv_heads_for(part: Part, nheads: int, nheads_kv: int) -> tuple[list[int], bool]:
@@ -186,7 +217,9 @@ class Unit:
         """The call's (N, M, Hc, D) / (N, M, Hc) view; a gathered unit's is the
         5-D (nseg, r, m, Hc, D) / (nseg, r, m, Hc) one its copies are made from."""
         if self.part is not None:
-            return self.part.q_view(x, bi) if x.dim() == 4 else self.part.lse_view(x, bi)
+            if x.dim() == 3:
+                return self.part.lse_view(x, bi)
+            return self.part.q_view(x, bi) if x.shape[2] == h else self.part.kv_view(x, h, bi)
         v = self._five(x, bi, h)
         if self.gathered:
             return v
@@ -195,14 +228,17 @@ class Unit:
         return v[:, :, :, 0].transpose(1, 2)  # one head per class: the classes are the heads
 
 
-def units(seqlen: int, segment_lengths, dilation_rates, nheads: int, gather: bool = True) -> list[Unit]:
+def units(seqlen: int, segment_lengths, dilation_rates, nheads: int, gather: bool = True,
+          mha: bool = True) -> list[Unit]:
     """The views path's calls: each branch's full segments as few stacked views
     as its shape allows (see :class:`Unit`), other parts (partial last
-    segments, classes of unequal size) one call each."""
+    segments, classes of unequal size) one call each. GQA (``mha`` False):
+    one call per part (a class's kv heads do not step with the class, so
+    classes do not stack)."""
     out = []
     for part in schedule(seqlen, segment_lengths, dilation_rates, nheads):
         w, r = part.w, part.r
-        stack = part.start == 0 and part.seg_len == w and w % r == 0 and nheads % r == 0 and r > 1
+        stack = mha and part.start == 0 and part.seg_len == w and w % r == 0 and nheads % r == 0 and r > 1
         if not stack:
             out.append(Unit(part))
         elif part.c == 0:  # the branch's first class stands for all of them
@@ -224,19 +260,20 @@ def _pieces(u: Unit, v: torch.Tensor, esize: int):
     return [slice(a, min(a + per, u.n)) for a in range(0, u.n, per)]
 
 
-def _ordered_units(seqlen: int, segment_lengths, dilation_rates, nheads: int,
-                   gather: bool = True) -> tuple[tuple[Unit, ...], int]:
+def _ordered_units(seqlen: int, segment_lengths, dilation_rates, nheads: int, gather: bool = True,
+                   mha: bool = True) -> tuple[tuple[Unit, ...], int]:
     """The views path's units with the first rate-1 branch's parts first, and
     their count. Those parts cover every (row, head) exactly once, so their
     results are copied into the output (or become it) instead of merging with
     an empty one: no zero-fill pass, no read of it. Cached: planning is host
     time on every call."""
-    return _ordered_units_cached(seqlen, tuple(segment_lengths), tuple(dilation_rates), nheads, gather)
+    return _ordered_units_cached(seqlen, tuple(segment_lengths), tuple(dilation_rates), nheads, gather, mha)
 
 
 @functools.lru_cache(maxsize=256)
-def _ordered_units_cached(seqlen: int, segment_lengths: tuple, dilation_rates: tuple, nheads: int, gather: bool):
-    us = units(seqlen, segment_lengths, dilation_rates, nheads, gather)
+def _ordered_units_cached(seqlen: int, segment_lengths: tuple, dilation_rates: tuple, nheads: int, gather: bool,
+                          mha: bool):
+    us = units(seqlen, segment_lengths, dilation_rates, nheads, gather, mha)
     if 1 not in dilation_rates:
         return tuple(us), 0
     w = segment_lengths[dilation_rates.index(1)]
@@ -294,11 +331,13 @@ def _gather_views(*xs: torch.Tensor) -> list[torch.Tensor]:
 def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float, backend: str = "auto",
             out_dtype=None):
     b, s, h, d = q.shape
-    if k.shape[2] != h:
+    mha = k.shape[2] == h
+    if not kv_views_ok(dilation_rates, h, k.shape[2]):
         return _gather_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, out_dtype)
-    # MHA: every part is a strided view of q/k/v (no gathered copies); each
-    # piece's result merges into the output in place (float32 arithmetic, the
-    # output kept in its dtype where the Triton merge runs).
+    # Every part is a strided view of q/k/v (no gathered copies; GQA: the kv
+    # heads the class reads, see Part.kv_view); each piece's result merges into
+    # the output in place (float32 arithmetic, the output kept in its dtype
+    # where the Triton merge runs).
     from .kernels import triton_merge
 
     acc = (out_dtype or q.dtype) if triton_merge.usable(q) else torch.float32
@@ -307,7 +346,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float
     # work, and how fast the host is varies by machine (one H200, several
     # starts: gathered 0.81-0.88 of dense every time, per-class calls 0.58-0.96;
     # docs/performance.md).
-    order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=True)
+    order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=True, mha=mha)
     adopt = _adoptable(nbase, q)
     spec = bk.BlockSpec(scale=scale, causal=causal)
     new_out = lambda: (torch.empty(b, s, h, d, dtype=acc, device=q.device),
@@ -360,18 +399,20 @@ def _gather_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, bac
 def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal: bool, scale: float,
              backend: str = "auto"):
     b, s, h, d = q.shape
-    if k.shape[2] != h:
+    mha = k.shape[2] == h
+    if not kv_views_ok(dilation_rates, h, k.shape[2]):
         return _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale,
                                 backend)
-    # MHA: views of every tensor; each piece's gradients add into dQ/dK/dV in
-    # place, in the input dtype (one rounding per branch, as the fused kernels);
-    # the base branch's (see _ordered_units) are copied in.
+    # Views of every tensor; each piece's gradients add into dQ/dK/dV in place,
+    # in the input dtype (one rounding per branch, as the fused kernels); the
+    # base branch's (see _ordered_units) are copied in. GQA: within a branch
+    # the classes' kv views are disjoint (different rows), so adds never race.
     from .kernels import triton_merge
 
     fused_add = q.is_cuda and triton_merge.usable(q)  # CPU keeps torch's add (the interpreter is slow)
     # The non-causal backward is GPU-bound (gathering cost 0.1-0.2 ms at 32K in
     # in-process A/Bs), the causal one host-bound (gathering saved ~0.9 ms).
-    order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=causal)
+    order, nbase = _ordered_units(s, segment_lengths, dilation_rates, h, gather=causal, mha=mha)
     adopt = _adoptable(nbase, q, backward=True)
     spec = bk.BlockSpec(scale=scale, causal=causal)
     new_grads = lambda new: [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]

@@ -111,7 +111,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 def _dilated_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
                  dilation_rates: list[int], scale: float, causal: bool, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_fused(q, k, backend):
+    if _use_fused(q, k, dilation_rates, backend):
         return _fused.forward(q, k, v, segment_lengths, dilation_rates, causal, scale)
     return _dil.forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend)
 
@@ -126,7 +126,7 @@ def _dilated_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int],
                  dilation_rates: list[int], scale: float, causal: bool, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_fused(q, k, backend, "bwd"):
+    if _use_fused(q, k, dilation_rates, backend, "bwd"):
         return _fused.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale)
     return _dil.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend)
 
@@ -148,37 +148,46 @@ register_attention_autograd(_dilated_fwd, _dilated_bwd,
 #   D=128: forward 0.72x at 32K, 0.66x at 128K, 0.73x at 1M; backward 0.69x, 0.67x, 0.64x
 #   D=64:  forward 1.94x at 32K, 0.97x at 128K, 0.90x at 1M; backward 0.84x, 0.56x, 0.58x
 CUDNN_VIEWS_MIN_TOKENS = {("fwd", 128): 32768, ("bwd", 128): 32768, ("fwd", 64): 131072, ("bwd", 64): 32768}
+# GQA: one cuDNN call per offset class (classes do not stack), 31 per pass for LongNet.
+CUDNN_VIEWS_MIN_TOKENS_GQA = {"fwd": 131072, "bwd": 131072}
 
 
-def _views_min_tokens(pass_: str, head_dim: int) -> int:
+def _views_min_tokens(pass_: str, head_dim: int, mha: bool = True) -> int:
+    if not mha:
+        return CUDNN_VIEWS_MIN_TOKENS_GQA[pass_]
     return CUDNN_VIEWS_MIN_TOKENS[(pass_, 64 if head_dim <= 64 else 128)]
 
 
-def _use_fused(q, k, backend: str, pass_: str = "fwd") -> bool:
+def _use_fused(q, k, rates, backend: str, pass_: str = "fwd") -> bool:
     """The fused Triton dilated kernels run when asked for, or under auto on
-    CUDA when they can, except for long MHA sequences, where cuDNN on the
-    parts' strided views is faster (docs/performance.md)."""
+    CUDA when they can, except for long sequences whose parts are strided
+    views (MHA; GQA whose rates and group sizes divide), where cuDNN on the
+    views is faster (docs/performance.md)."""
     if backend == "triton":
         return True
     if backend != "auto" or q.device.type != "cuda" or bk._forced() not in (None, "triton"):
         return False
-    if bk._forced() is None and q.shape[0] * q.shape[1] >= _views_min_tokens(pass_, q.shape[-1]) and _cudnn_views(q, k):
+    mha = q.shape[2] == k.shape[2]
+    if (bk._forced() is None and q.shape[0] * q.shape[1] >= _views_min_tokens(pass_, q.shape[-1], mha)
+            and _cudnn_views(q, k, rates)):
         return False
     return not _fused.refusals(q, k)
 
 
-def _fused_both_passes(q, k, backend: str) -> bool:
+def _fused_both_passes(q, k, rates, backend: str) -> bool:
     """Forward and backward both run the fused kernels. Under torch.compile
     only when asked for by name: auto's choice reads device state the trace
     does not guard, so it stays inside the opaque op."""
     if torch.compiler.is_compiling():
         return backend == "triton" and _fused.fused_fwd is not None
-    return _use_fused(q, k, backend) and _use_fused(q, k, backend, "bwd")
+    return _use_fused(q, k, rates, backend) and _use_fused(q, k, rates, backend, "bwd")
 
 
-def _cudnn_views(q, k) -> bool:
-    """MHA parts are plain strided views; cuDNN takes them without copies."""
-    return q.shape[2] == k.shape[2] and not bk.BACKENDS["cudnn"].refusals(bk.BlockSpec(1.0), q, k)
+def _cudnn_views(q, k, rates) -> bool:
+    """Every part is a strided view of q/k/v (see dilated.kv_views_ok); cuDNN
+    takes them without copies."""
+    return (_dil.kv_views_ok(rates, q.shape[2], k.shape[2])
+            and not bk.BACKENDS["cudnn"].refusals(bk.BlockSpec(1.0), q, k))
 
 
 def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_lengths: Sequence[int],
@@ -240,7 +249,7 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
     elif backend != "auto":
         # The gather path hands dense blocks to this backend; check it can take them.
         bk.select_backend(q, k, bk.BlockSpec(scale, causal), backend)
-    if _fused_both_passes(q, k, backend):  # the triton_op pair: torch.compile sees the kernels
+    if _fused_both_passes(q, k, rates, backend):  # the triton_op pair: torch.compile sees the kernels
         out, lse = _fused.fused_fwd(q, k, v, list(segs), list(rates), scale, causal)
     else:
         out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)

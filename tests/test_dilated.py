@@ -250,3 +250,36 @@ def test_triton_ops_under_torch_compile():
     ops = {n.target for n in cnt.graphs[0].graph.nodes if n.op == "call_function"}
     assert torch.ops.longattn.dilated_triton_fwd.default in ops
     assert torch.equal(o, eo) and all(torch.equal(a, b) for a, b in zip(g, eg))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_views_path(causal):
+    """GQA parts as strided views of K/V: rates that are multiples of the
+    group size (2, 8 with g=4: one kv head per query head of the class) or
+    divisors (1, 2 with g=4: every kv head, g/r query heads each); partial
+    last segments, batch 2. Each view reads exactly the kv heads the
+    definition names; results and gradients against float64."""
+    s, h, hkv, segs, rates = 44, 8, 2, [6, 12, 16, 44], [1, 2, 4, 8]
+    assert dilated.kv_views_ok(rates, h, hkv) and not dilated.kv_views_ok([3], h, hkv)
+    k_ids = torch.arange(hkv, dtype=torch.float64).view(1, 1, hkv, 1).expand(1, s, hkv, 1)
+    pos = torch.arange(s, dtype=torch.float64).view(1, s, 1, 1)
+    tagged = pos * 100 + k_ids  # value = row * 100 + kv head
+    for part in dilated.schedule(s, segs, rates, h):
+        want_heads, _ = dilated.kv_heads_for(part, h, hkv)
+        got = part.kv_view(tagged, h, 0)  # (nseg, m, Hk, 1)
+        rows = part.start + torch.arange(part.nseg)[:, None] * part.seg_len + part.c + torch.arange(part.m) * part.r
+        assert torch.equal(got[..., 0] // 100, rows[:, :, None].double().expand_as(got[..., 0]))
+        assert (got[..., 0] % 100)[0, 0].long().tolist() == want_heads
+    assert all(u.part is not None for u in dilated.units(s, segs, rates, h, mha=False))
+    torch.manual_seed(0)
+    q, do = torch.randn(2, s, h, 16), torch.randn(2, s, h, 16)
+    k, v = torch.randn(2, s, hkv, 16), torch.randn(2, s, hkv, 16)
+    dl = torch.randn(2, h, s)
+    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                    causal=causal, return_lse=True, backend="math")
+    ref = lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal)
+    (o, l, g) = grads_of(fn, [q, k, v], do, dl)
+    (ro, rl, rg) = grads_of(ref, [q.double(), k.double(), v.double()], do, dl)
+    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
+    for a, b in zip(g, rg):
+        assert rel_err(a, b) < TOL

@@ -115,8 +115,11 @@ for _s, _tag in ((8192, "8k"), (32768, "32k"), (131072, "128k"), (1 << 20, "1m")
                         note="LongNet segments 2K..32K, rates 1..16"))
 _add(Config("dilated_tiny", 1, 2048, 8, 64, segment_lengths=(256, 512, 1024), dilation_rates=(1, 2, 4),
             note="default on CPU"))
-_add(Config("longnet_gqa_128k", 1, 131072, 32, 128, kv_heads=8, segment_lengths=LONGNET_SEGMENTS,
-            dilation_rates=LONGNET_RATES))
+for _s, _tag in ((32768, "32k"), (131072, "128k"), (1 << 20, "1m")):
+    for _causal in (False, True):
+        _add(Config(f"longnet_gqa_{_tag}{'_causal' if _causal else ''}", 1, _s, 32, 128, kv_heads=8,
+                    causal=_causal, segment_lengths=LONGNET_SEGMENTS, dilation_rates=LONGNET_RATES,
+                    note="LongNet, GQA 32q/8kv"))
 _add(Config("varlen_tiny", 1, 2048, 8, 64, causal=True, doc_lengths=(512, 128, 1024, 64, 320)))
 _add(Config("varlen_mix_32k", 1, 32768, 16, 128, causal=True,
             doc_lengths=(8192, 512, 2048, 128, 4096, 1024, 256, 16384 - 128),
