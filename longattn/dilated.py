@@ -455,10 +455,15 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
 
 
 def _add_grads(dsts, srcs, fused: bool) -> None:
+    """dst += src for dQ, dK, dV views: one vectorised launch for the pairs of
+    one shape (GQA: a class's kv view can have fewer heads than its query
+    view, then dQ goes alone and dK/dV together)."""
     from .kernels import triton_merge
 
     if fused and all(g.stride(-1) == 1 for g in srcs):
-        triton_merge.add_into(dsts, srcs)  # one vectorised pass for dQ, dK and dV
+        for shape in dict.fromkeys(d.shape for d in dsts):
+            pairs = [(d, g) for d, g in zip(dsts, srcs) if d.shape == shape]
+            triton_merge.add_into([d for d, _ in pairs], [g for _, g in pairs])
     else:
         for d, g in zip(dsts, srcs):
             d.add_(g)

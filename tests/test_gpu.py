@@ -60,7 +60,9 @@ def _dilated_ref_grads(q, k, v, do, segs, rates, causal, chunk=2):
 
 @pytest.mark.parametrize("backend", ["triton", "auto", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("hkv", [4, 8])  # GQA: fused Triton under auto; MHA: cuDNN on strided views
+# GQA: fused Triton under auto, cuDNN on strided kv views when forced (hkv=2: group 4, so the
+# rate-2 and rate-4 classes read every kv head); MHA: cuDNN on strided views
+@pytest.mark.parametrize("hkv", [2, 4, 8])
 # 6000 tokens: partial segments (8192 > seqlen); 8192: the views path stacks offset classes per
 # segment (4096, r=4) and per branch (8192, r=8 = heads), and the rate-1 branch's result is the output
 @pytest.mark.parametrize("segs,seqlen", [([512, 1024, 2048, 8192], 6000), ([512, 1024, 4096, 8192], 8192)])

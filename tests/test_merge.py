@@ -129,3 +129,28 @@ def test_triton_five_dim_merge_copy_add():
         five(x).add_(y)
     triton_merge.add_into([five(b) for b in bigs], dense)
     assert all(torch.allclose(a, b) for a, b in zip(bigs, want))
+
+
+def test_gradient_adds_of_gqa_views():
+    """The dilated backward's fused adds when a class's kv views have fewer
+    heads than its query view (GQA, rate dividing the group): dQ and dK/dV go
+    in separate launches, each inside its own view; one launch of mixed
+    shapes raises instead of writing out of bounds."""
+    from longattn import dilated
+    from longattn.kernels import triton_merge
+
+    if not triton_merge.usable(torch.empty(1)):
+        pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
+    torch.manual_seed(0)
+    dq_buf, dk_buf, dv_buf = torch.zeros(1, 12, 8, 4), torch.zeros(1, 12, 2, 4), torch.zeros(1, 12, 2, 4)
+    part = dilated.Part(w=6, r=2, c=1, start=0, nseg=2, seg_len=6)  # rows 1, 3, 5 of each segment
+    dsts = [part.q_view(dq_buf, 0), part.kv_view(dk_buf, 8, 0), part.kv_view(dv_buf, 8, 0)]
+    assert dsts[0].shape[2] == 4 and dsts[1].shape[2] == 2  # query heads 1, 3, 5, 7; every kv head
+    srcs = [torch.randn(d.shape) for d in dsts]
+    with pytest.raises(ValueError, match="shape"):
+        triton_merge.add_into(dsts, srcs)
+    dilated._add_grads(dsts, srcs, fused=True)
+    for buf, d, s in zip((dq_buf, dk_buf, dv_buf), dsts, srcs):
+        assert torch.equal(d, s)
+        d.zero_()
+        assert (buf == 0).all()  # nothing written outside the view
