@@ -1,5 +1,5 @@
-"""LongNet dilated attention on one device: the schedule, the views path (MHA)
-and the gather path (GQA).
+"""LongNet dilated attention on one device: the schedule, the views path and
+the gather path.
 
 Semantics (pinned by tests/reference.py):
   branch i has segment length w_i and dilation rate r_i; for query head h it
@@ -12,13 +12,15 @@ Semantics (pinned by tests/reference.py):
 The schedule cuts every branch into *parts*: for each offset class
 ``c = h % r`` the full segments (batched as one dense call) and the partial
 last segment. A part's rows are ``c, c + r, ...`` inside each segment, which
-are plain strided views of (B, S, H, D) tensors. The views path (MHA) hands
-those views to the local backend without copies, a branch's classes stacked
-into few calls (:class:`Unit`; small branches whose classes do not stack are
-copied into one dense block instead: calls cost host time), and merges each
+are plain strided views of (B, S, H, D) tensors. The views path hands those
+views to the local backend without copies, for MHA a branch's classes
+stacked into few calls (:class:`Unit`; small branches whose classes do not
+stack are copied into one dense block instead: calls cost host time), for
+GQA one call per part (its kv heads are a strided view when the rates and
+the group size divide each other, :func:`kv_views_ok`), and merges each
 result into the output in place (one Triton pass, float32 arithmetic); the
-gather path (GQA, whose kv heads do not follow the query heads' strides)
-copies parts into dense blocks and merges into float32 accumulators. The
+gather path (GQA with other rates) copies parts into dense blocks and merges
+into float32 accumulators. The
 backward reruns each part's local backward with the *merged* output and lse,
 so its gradients are exact pieces of the whole.
 """
