@@ -221,7 +221,8 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
             torch.compile compiles the kernels with the model; tiles autotuned per
             shape on CUDA, see ``LONGATTN_TRITON_AUTOTUNE``), a local backend name
             (``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"``) run on every part
-            (MHA: strided views, no copies; GQA: gathered blocks), or ``"auto"``: on
+            (strided views, no copies; GQA whose rates and group size do not divide
+            each other: gathered blocks), or ``"auto"``: on
             CUDA, cuDNN on the views for MHA from 32K tokens (D <= 64: forward from
             128K), the fused Triton kernels otherwise (see ``CUDNN_VIEWS_MIN_TOKENS``).
         group: a ProcessGroup; when given, q/k/v are this rank's contiguous shard
