@@ -184,8 +184,10 @@ def _fused_both_passes(q, k, rates, backend: str) -> bool:
     """Forward and backward both run the fused kernels. Under torch.compile
     only when asked for by name: auto's choice reads device state the trace
     does not guard, so it stays inside the opaque op."""
+    if _fused.fused_fwd is None or backend not in ("auto", "triton"):
+        return False
     if torch.compiler.is_compiling():
-        return backend == "triton" and _fused.fused_fwd is not None
+        return backend == "triton"
     return _use_fused(q, k, rates, backend) and _use_fused(q, k, rates, backend, "bwd")
 
 
