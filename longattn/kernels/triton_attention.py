@@ -635,12 +635,26 @@ def _config(kind: str, q, k, geo: Geometry, trial) -> dict:
         disk = _disk_key(key, q.device)
         cfg = _persisted().get(disk)
         if cfg is None and _can_time(q):
+            _announce_tuning()
             cfg = _autotune(_candidates(kind, q.shape[-1], q.device, geo), trial, _trial_segments(q, geo),
                             q.device) or static
             _persist(disk, cfg)
         if cfg is not None:
             _by_shape[key] = cfg
     return cfg or static
+
+
+_announced = False
+
+
+def _announce_tuning() -> None:
+    """Once per process: a first call that stalls for a minute says why."""
+    global _announced
+    if not _announced:
+        _announced = True
+        warnings.warn("longattn: autotuning the fused Triton dilated kernels' tiles for a new shape (a minute or "
+                      f"two, once per machine: saved to {_cache_file()}); LONGATTN_TRITON_AUTOTUNE=0 skips it",
+                      stacklevel=3)
 
 
 def _cache_file() -> str:
