@@ -13,7 +13,7 @@ import statistics
 import torch
 
 import longattn
-from longattn.bench.measure import environment
+from longattn.bench.measure import environment, time_ms
 
 p = argparse.ArgumentParser()
 p.add_argument("--seqlens", type=int, nargs="*", default=[16384, 65536])
@@ -34,16 +34,9 @@ def expanded(q, k, v, causal):
                               backend="cudnn")
 
 
-def med(fn):
-    ts = []
-    for _ in range(a.iters):
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return statistics.median(ts)
+def med(fn, iters):
+    """Median of cold CUDA-event timings (warm-up is the caller's)."""
+    return time_ms(fn, torch.device("cuda"), warmup=0, iters=iters)["median_ms"]
 
 
 rows = []
@@ -65,8 +58,8 @@ for s in a.seqlens:
         for _ in range(a.rounds):
             for name, f in (("native", native), ("expanded", expanded)):
                 with torch.no_grad():
-                    fwd = med(lambda: f(q, k, v, causal))
-                tot = med(lambda: torch.autograd.grad(f(q, k, v, causal), (q, k, v), g))
+                    fwd = med(lambda: f(q, k, v, causal), a.iters)
+                tot = med(lambda: torch.autograd.grad(f(q, k, v, causal), (q, k, v), g), a.iters)
                 res[name]["fwd"].append(fwd)
                 res[name]["bwd"].append(tot - fwd)
         diff = [((x - y).norm() / y.norm()).item() for x, y in zip([outs["native"][0], *outs["native"][1]],

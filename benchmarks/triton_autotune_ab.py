@@ -18,7 +18,7 @@ import torch
 
 import longattn
 from longattn import dilated
-from longattn.bench.measure import environment
+from longattn.bench.measure import environment, time_ms
 from longattn.kernels import triton_attention as ta
 
 p = argparse.ArgumentParser()
@@ -41,15 +41,8 @@ CASES = [  # name, seqlen, hkv, head dim, (segments, rates), causal
 
 
 def med(fn, iters):
-    ts = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return statistics.median(ts)
+    """Median of cold CUDA-event timings (warm-up is the caller's)."""
+    return time_ms(fn, torch.device("cuda"), warmup=0, iters=iters)["median_ms"]
 
 
 def first_call(f, q, k, v, g):

@@ -39,6 +39,19 @@ def _run(cfg, dtype, backend):
     return got, want
 
 
+def _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, backend):
+    """dilated_attention(backend) against the float64 definition: output, lse
+    and all gradients within TOL."""
+    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                    causal=causal, return_lse=True, backend=backend)
+    (o, l, g) = grads_of(fn, [q, k, v], do, dl)
+    (ro, rl, rg) = grads_of(lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal),
+                            [q.double(), k.double(), v.double()], do, dl)
+    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
+    for a, b in zip(g, rg):
+        assert rel_err(a, b) < TOL
+
+
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("backend", ["math", "flash"])
 def test_gather_path(cfg, backend):
@@ -148,14 +161,7 @@ def test_views_path_stacks_branch_classes(causal, gather_rows):
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(2, s, h, 16) for _ in range(4))
     dl = torch.randn(2, h, s)
-    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                    causal=causal, return_lse=True, backend="math")
-    ref = lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal)
-    (o, l, g) = grads_of(fn, [q, k, v], do, dl)
-    (ro, rl, rg) = grads_of(ref, [q.double(), k.double(), v.double()], do, dl)
-    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
-    for a, b in zip(g, rg):
-        assert rel_err(a, b) < TOL
+    _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math")
 
 
 def test_base_unit_adoption_limits():
@@ -199,19 +205,9 @@ def test_triton_autotune_per_shape(monkeypatch, tmp_path):
     s, h, hkv, segs, rates = 40, 4, 2, [8, 16, 32], [1, 2, 4]
     q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
     do, dl = torch.randn(1, s, h, 16), torch.randn(1, h, s)
-    for causal in (False, True):
-        fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                        causal=causal, return_lse=True, backend="triton")
-        if not causal:  # the first tuning says so, once
-            with pytest.warns(UserWarning, match="autotuning"):
-                (o, l, g) = grads_of(fn, [q, k, v], do, dl)
-        else:
-            (o, l, g) = grads_of(fn, [q, k, v], do, dl)
-        (ro, rl, rg) = grads_of(lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal),
-                                [q.double(), k.double(), v.double()], do, dl)
-        assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
-        for a, b in zip(g, rg):
-            assert rel_err(a, b) < TOL
+    with pytest.warns(UserWarning, match="autotuning"):  # the first tuning says so, once
+        _assert_matches_ref(q, k, v, do, dl, segs, rates, False, "triton")
+    _assert_matches_ref(q, k, v, do, dl, segs, rates, True, "triton")
     # rows per class 8 (w/r) in every branch: one bucket; grids of 5, 3 and 2
     # segments x 4 heads: three buckets; 3 kinds; 2 causal flags
     grids = {(4 * -(-s // w) - 1).bit_length() for w in segs}
@@ -227,7 +223,7 @@ def test_triton_autotune_per_shape(monkeypatch, tmp_path):
     monkeypatch.setattr(ta, "_by_shape", {})
     monkeypatch.setattr(ta, "_on_disk", None)  # a new process: the choices come from the file
     assert len(json.load(open(tmp_path / "triton_tiles.json"))) == n // len(ta._CPU_CANDIDATES)
-    grads_of(fn, [q, k, v], do, dl)  # the causal call
+    _assert_matches_ref(q, k, v, do, dl, segs, rates, True, "triton")  # the causal call, tiles from the file
     assert len(trials) == n and len(ta._by_shape) == len(tuned) // 2
     assert all(tuned[key] == cfg for key, cfg in ta._by_shape.items())
     monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "0")
@@ -280,11 +276,4 @@ def test_gqa_views_path(causal):
     q, do = torch.randn(2, s, h, 16), torch.randn(2, s, h, 16)
     k, v = torch.randn(2, s, hkv, 16), torch.randn(2, s, hkv, 16)
     dl = torch.randn(2, h, s)
-    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                    causal=causal, return_lse=True, backend="math")
-    ref = lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal)
-    (o, l, g) = grads_of(fn, [q, k, v], do, dl)
-    (ro, rl, rg) = grads_of(ref, [q.double(), k.double(), v.double()], do, dl)
-    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
-    for a, b in zip(g, rg):
-        assert rel_err(a, b) < TOL
+    _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math")
