@@ -1,7 +1,9 @@
-"""In-process A/B of the fused Triton dilated kernels' launch configs: the
-static table (LONGATTN_TRITON_AUTOTUNE=0) against per-shape autotuning (the
+"""In-process A/B of the fused Triton dilated kernels' settings: the static
+tile table (LONGATTN_TRITON_AUTOTUNE=0) against per-shape autotuning (the
 default on CUDA), eager and under torch.compile (Inductor compiles the kernels
-of the triton_op pair), beside dense cuDNN at the same length. bf16, B=1, H=16.
+of the triton_op pair); the rate-1 branch writing the output and gradients
+(default) against zero-filled buffers every branch merges into
+(``zero_fill``); beside dense cuDNN at the same length. bf16, B=1, H=16.
 Forward and forward+backward times are medians of CUDA-event timings after
 warm-up, the variants alternating over --rounds (clocks drift between them);
 the first call's wall time (compiles, and tuning where on) is reported.
@@ -20,6 +22,7 @@ import longattn
 from longattn import dilated
 from longattn.bench.measure import environment, time_ms
 from longattn.kernels import triton_attention as ta
+from longattn.kernels import triton_dilated as fused
 
 p = argparse.ArgumentParser()
 p.add_argument("--iters", type=int, default=10)
@@ -27,6 +30,8 @@ p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--cases", nargs="*", help="case names (default: all)")
 p.add_argument("--json")
 p.add_argument("--compile", action="store_true", help="also time the fused ops under torch.compile")
+p.add_argument("--variants", nargs="*", default=["static", "autotuned", "zero_fill", "dense_cudnn"],
+               help="static, autotuned, zero_fill (autotuned, no first-branch writes), dense_cudnn")
 a = p.parse_args()
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
 SHORT = ([256, 512, 1024], [1, 2, 4])
@@ -37,6 +42,7 @@ CASES = [  # name, seqlen, hkv, head dim, (segments, rates), causal
     ("longnet_32k_d64", 32768, 16, 64, LONGNET, False),
     ("longnet_32k_gqa4", 32768, 4, 128, LONGNET, False),
     ("short_segments_32k", 32768, 16, 128, SHORT, False),
+    ("short_segments_32k_causal", 32768, 16, 128, SHORT, True),
 ]
 
 
@@ -72,24 +78,28 @@ for name, s, hkv, d, (segs, rates), causal in CASES:
     pairs = dilated.pair_count(s, segs, rates, 16, causal)
     dil = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
                                                      causal=causal, backend="triton")
-    variants = [("static", "0", dil), ("autotuned", "1", dil)]
+    dense = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
+    table = {"static": ("0", True, dil), "autotuned": ("1", True, dil), "zero_fill": ("1", False, dil),
+             "dense_cudnn": ("0", True, dense)}
+    variants = [(label, *table[label]) for label in a.variants
+                if label != "dense_cudnn" or (hkv == 16 and d <= 128)]
     if a.compile:
-        variants.append(("autotuned_compiled", "1", torch.compile(dil, fullgraph=True)))
-    if hkv == 16 and d <= 128:
-        variants.append(("dense_cudnn", "0", lambda q, k, v: longattn.attention(q, k, v, causal=causal,
-                                                                                backend="cudnn")))
+        variants.append(("autotuned_compiled", "1", True, torch.compile(dil, fullgraph=True)))
     res = {}
-    for label, mode, f in variants:
+    for label, mode, writes, f in variants:
         os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
+        fused.FIRST_BRANCH_WRITES = writes
         first, out = first_call(f, q, k, v, g)
         res[label] = dict(first_call_s=first, out=out, fwd=[], bwd=[])
     for _ in range(a.rounds):
-        for label, mode, f in variants:
+        for label, mode, writes, f in variants:
             os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
+            fused.FIRST_BRANCH_WRITES = writes
             fwd, bwd = timings(f, q, k, v, g)
             res[label]["fwd"].append(fwd)
             res[label]["bwd"].append(bwd)
-    ref = res["static"]["out"].float()
+    fused.FIRST_BRANCH_WRITES = True
+    ref = res[variants[0][0]]["out"].float()
     for label, r in res.items():
         fwd, bwd = statistics.median(r["fwd"]), statistics.median(r["bwd"])
         if label == "dense_cudnn":
@@ -99,7 +109,7 @@ for name, s, hkv, d, (segs, rates), causal in CASES:
         rows.append(dict(case=name, variant=label, first_call_s=r["first_call_s"], fwd_ms=fwd, bwd_ms=bwd,
                          fwd_rounds=r["fwd"], bwd_rounds=r["bwd"], fwd_tflops=flops / fwd / 1e9,
                          bwd_tflops=2.5 * flops / bwd / 1e9,
-                         rel_diff_vs_static=((r["out"].float() - ref).norm() / ref.norm()).item()))
+                         rel_diff_vs_first=((r["out"].float() - ref).norm() / ref.norm()).item()))
     del q, k, v, g
     torch.cuda.empty_cache()
 

@@ -22,6 +22,7 @@ CONFIGS = [
     (37, 4, 1, [8, 20], [1, 3], False),              # MQA, odd length
     (36, 8, 2, [6, 9, 36], [1, 2, 8], True),         # GQA, rate 8 with 8 heads
     (16, 2, 2, [4, 8], [4, 8], False),               # rates > heads
+    (28, 4, 2, [16, 6], [2, 1], True),               # the rate-1 branch listed last (it runs first)
 ]
 
 

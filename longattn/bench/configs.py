@@ -120,6 +120,11 @@ for _s, _tag in ((32768, "32k"), (131072, "128k"), (1 << 20, "1m")):
         _add(Config(f"longnet_gqa_{_tag}{'_causal' if _causal else ''}", 1, _s, 32, 128, kv_heads=8,
                     causal=_causal, segment_lengths=LONGNET_SEGMENTS, dilation_rates=LONGNET_RATES,
                     note="LongNet, GQA 32q/8kv"))
+for _s, _tag in ((32768, "32k"), (131072, "128k")):
+    for _causal in (False, True):
+        _add(Config(f"dilated_short_{_tag}{'_causal' if _causal else ''}", 1, _s, 16, 128, causal=_causal,
+                    segment_lengths=(256, 512, 1024), dilation_rates=(1, 2, 4),
+                    note="short segments 256..1K, rates 1..4 (256 rows per class)"))
 _add(Config("varlen_tiny", 1, 2048, 8, 64, causal=True, doc_lengths=(512, 128, 1024, 64, 320)))
 _add(Config("varlen_mix_32k", 1, 32768, 16, 128, causal=True,
             doc_lengths=(8192, 512, 2048, 128, 4096, 1024, 256, 16384 - 128),
