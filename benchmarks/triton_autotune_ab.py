@@ -31,7 +31,8 @@ p.add_argument("--cases", nargs="*", help="case names (default: all)")
 p.add_argument("--json")
 p.add_argument("--compile", action="store_true", help="also time the fused ops under torch.compile")
 p.add_argument("--variants", nargs="*", default=["static", "autotuned", "zero_fill", "dense_cudnn"],
-               help="static, autotuned, zero_fill (autotuned, no first-branch writes), dense_cudnn")
+               help="static, autotuned, zero_fill (autotuned, no first-branch writes), static_zero_fill, "
+                    "dense_cudnn")
 a = p.parse_args()
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
 SHORT = ([256, 512, 1024], [1, 2, 4])
@@ -80,7 +81,7 @@ for name, s, hkv, d, (segs, rates), causal in CASES:
                                                      causal=causal, backend="triton")
     dense = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
     table = {"static": ("0", True, dil), "autotuned": ("1", True, dil), "zero_fill": ("1", False, dil),
-             "dense_cudnn": ("0", True, dense)}
+             "static_zero_fill": ("0", False, dil), "dense_cudnn": ("0", True, dense)}
     variants = [(label, *table[label]) for label in a.variants
                 if label != "dense_cudnn" or (hkv == 16 and d <= 128)]
     if a.compile:
