@@ -1,9 +1,10 @@
 """In-process A/B of the fused Triton dilated kernels' settings: the static
 tile table (LONGATTN_TRITON_AUTOTUNE=0) against per-shape autotuning (the
 default on CUDA), eager and under torch.compile (Inductor compiles the kernels
-of the triton_op pair); the rate-1 branch writing the output and gradients
-(default) against zero-filled buffers every branch merges into
-(``zero_fill``); beside dense cuDNN at the same length. bf16, B=1, H=16.
+of the triton_op pair); the schedules: grouped where branches nest (default),
+one launch per branch with a rate-1 branch writing first (``per_branch``), or
+merging into zero-filled buffers (``zero_fill``); beside dense cuDNN at the
+same length. bf16, B=1, H=16.
 Forward and forward+backward times are medians of CUDA-event timings after
 warm-up, the variants alternating over --rounds (clocks drift between them);
 the first call's wall time (compiles, and tuning where on) is reported.
@@ -30,9 +31,9 @@ p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--cases", nargs="*", help="case names (default: all)")
 p.add_argument("--json")
 p.add_argument("--compile", action="store_true", help="also time the fused ops under torch.compile")
-p.add_argument("--variants", nargs="*", default=["static", "autotuned", "zero_fill", "dense_cudnn"],
-               help="static, autotuned, zero_fill (autotuned, no first-branch writes), static_zero_fill, "
-                    "dense_cudnn")
+p.add_argument("--variants", nargs="*", default=["static", "autotuned", "per_branch", "dense_cudnn"],
+               help="static, autotuned, per_branch, zero_fill (autotuned; per-branch launches), static_per_branch, "
+                    "static_zero_fill, dense_cudnn")
 a = p.parse_args()
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
 SHORT = ([256, 512, 1024], [1, 2, 4])
@@ -80,26 +81,27 @@ for name, s, hkv, d, (segs, rates), causal in CASES:
     dil = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
                                                      causal=causal, backend="triton")
     dense = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
-    table = {"static": ("0", True, dil), "autotuned": ("1", True, dil), "zero_fill": ("1", False, dil),
-             "static_zero_fill": ("0", False, dil), "dense_cudnn": ("0", True, dense)}
+    table = {"static": ("0", "auto", dil), "autotuned": ("1", "auto", dil), "per_branch": ("1", "per_branch", dil),
+             "zero_fill": ("1", "per_branch_zero_fill", dil), "static_per_branch": ("0", "per_branch", dil),
+             "static_zero_fill": ("0", "per_branch_zero_fill", dil), "dense_cudnn": ("0", "auto", dense)}
     variants = [(label, *table[label]) for label in a.variants
                 if label != "dense_cudnn" or (hkv == 16 and d <= 128)]
     if a.compile:
-        variants.append(("autotuned_compiled", "1", True, torch.compile(dil, fullgraph=True)))
+        variants.append(("autotuned_compiled", "1", "auto", torch.compile(dil, fullgraph=True)))
     res = {}
-    for label, mode, writes, f in variants:
+    for label, mode, schedule, f in variants:
         os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
-        fused.FIRST_BRANCH_WRITES = writes
+        fused.SCHEDULE = schedule
         first, out = first_call(f, q, k, v, g)
         res[label] = dict(first_call_s=first, out=out, fwd=[], bwd=[])
     for _ in range(a.rounds):
-        for label, mode, writes, f in variants:
+        for label, mode, schedule, f in variants:
             os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
-            fused.FIRST_BRANCH_WRITES = writes
+            fused.SCHEDULE = schedule
             fwd, bwd = timings(f, q, k, v, g)
             res[label]["fwd"].append(fwd)
             res[label]["bwd"].append(bwd)
-    fused.FIRST_BRANCH_WRITES = True
+    fused.SCHEDULE = "auto"
     ref = res[variants[0][0]]["out"].float()
     for label, r in res.items():
         fwd, bwd = statistics.median(r["fwd"]), statistics.median(r["bwd"])

@@ -188,7 +188,9 @@ def test_triton_autotune_per_shape(monkeypatch, tmp_path):
     the results stay exact. The timer is replaced so a non-default tile wins
     (the interpreter's times mean nothing)."""
     from longattn.kernels import triton_attention as ta
+    from longattn.kernels import triton_dilated
 
+    monkeypatch.setattr(triton_dilated, "SCHEDULE", "per_branch")  # a launch per branch: per-branch keys
     monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
     monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(ta, "_by_shape", {})
@@ -231,6 +233,38 @@ def test_triton_autotune_per_shape(monkeypatch, tmp_path):
     monkeypatch.setattr(ta, "_by_shape", {})
     longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")
     assert not ta._by_shape and len(trials) == n
+
+
+def test_grouped_plan_where_branches_nest():
+    """The grouped schedule needs every rate to divide the largest rate R0,
+    R0 to divide the shortest segment W0 and W0 every segment (a segment
+    covering the sequence counts as one segment)."""
+    from longattn.kernels.triton_attention import GroupedPlan
+
+    p = GroupedPlan.of(32768, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], False)
+    assert (p.w, p.r0, p.max_m, p.nseg) == (2048, 16, 128, 16)
+    p = GroupedPlan.of(24, [64], [2], True)  # one segment over the sequence
+    assert (p.w, p.r0, p.segs) == (24, 2, [24])
+    p = GroupedPlan.of(40, [8, 16, 64], [1, 2, 4], False)  # partial last segments, a whole-sequence branch
+    assert (p.w, p.r0, p.segs, p.nseg) == (8, 4, [8, 16, 40], 5)
+    for segs, rates in (([7, 12], [3, 4]), ([8, 20], [1, 3]), ([4, 8], [4, 8]), ([8, 12], [1, 2])):
+        assert GroupedPlan.of(40, segs, rates, False) is None
+
+
+@triton_ok
+@pytest.mark.parametrize("schedule", ["auto", "per_branch", "per_branch_zero_fill"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_schedules(monkeypatch, schedule, causal):
+    """Nested branches run grouped (one launch per kernel) by default; the
+    per-branch launches (a rate-1 branch writing first, or all merging into
+    zeros) compute the same function. GQA, partial last segments, a branch
+    whose segment covers the sequence."""
+    from longattn.kernels import triton_dilated
+
+    monkeypatch.setattr(triton_dilated, "SCHEDULE", schedule)
+    s, h, hkv, segs, rates = 44, 4, 2, [8, 16, 64], [2, 1, 4]
+    q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
+    _assert_matches_ref(q, k, v, torch.randn(1, s, h, 16), torch.randn(1, h, s), segs, rates, causal, "triton")
 
 
 @triton_ok

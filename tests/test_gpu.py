@@ -60,8 +60,9 @@ def _dilated_ref_grads(q, k, v, do, segs, rates, causal, chunk=2):
 
 @pytest.mark.parametrize("backend", ["triton", "auto", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
-# GQA: fused Triton under auto, cuDNN on strided kv views when forced (hkv=2: group 4, so the
-# rate-2 and rate-4 classes read every kv head); MHA: cuDNN on strided views
+# triton: the grouped schedule (these branches nest); GQA: cuDNN on strided kv views under auto from
+# 32K tokens, fused Triton below (hkv=2: group 4, so the rate-2 and rate-4 classes read every kv
+# head); MHA: cuDNN on strided views
 @pytest.mark.parametrize("hkv", [2, 4, 8])
 # 6000 tokens: partial segments (8192 > seqlen); 8192: the views path stacks offset classes per
 # segment (4096, r=4) and per branch (8192, r=8 = heads), and the rate-1 branch's result is the output
@@ -166,8 +167,19 @@ def test_dilated_triton_autotuned_bf16(monkeypatch, tmp_path):
     monkeypatch.setattr(ta, "_by_shape", {})
     monkeypatch.setattr(ta, "_on_disk", None)
     test_dilated_bf16("triton", True, 4, [512, 2048], 4096, rates=[1, 2])
-    assert {key[0] for key in ta._by_shape} == {"fwd", "dkdv", "dq"}
-    assert all(cfg in ta._CANDIDATES[key[0]] for key, cfg in ta._by_shape.items())
+    assert {key[0] for key in ta._by_shape} == {"grouped_fwd", "grouped_dkdv", "grouped_dq"}
+    assert all(cfg in ta._CANDIDATES[key[0].removeprefix("grouped_")] for key, cfg in ta._by_shape.items())
+
+
+@pytest.mark.parametrize("schedule", ["per_branch", "per_branch_zero_fill"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_triton_per_branch_bf16(monkeypatch, schedule, causal):
+    """The per-branch launches (taken where branches do not nest; the grouped
+    schedule covers the nested configs of test_dilated_bf16) pass the same bar."""
+    from longattn.kernels import triton_dilated
+
+    monkeypatch.setattr(triton_dilated, "SCHEDULE", schedule)
+    test_dilated_bf16("triton", causal, 4, [512, 1024, 2048, 8192], 6000)
 
 
 def test_dilated_triton_op_compiles_with_inductor():

@@ -410,6 +410,184 @@ if HAS_TRITON:
             dq += tl.load(dq_ptrs, mask=qmask, other=0.0)
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=qmask)
 
+    # ------------------------------------------------ grouped dilated schedule
+    # Where branches nest (every rate divides R0 = the largest rate, R0 divides
+    # W0 = the shortest segment, W0 divides every segment), the rows of offset
+    # class j (position = j mod R0) of one W0-segment are selected by the same
+    # branches (those with j % r == h % r) and, per branch, see the same keys.
+    # One program owns a block of such rows of one head and runs every branch's
+    # keys through one online softmax: the branch merge is the softmax itself,
+    # so there is one launch per kernel, no read-merge-write of the output and
+    # no accumulation of gradients across launches. In branch i's geometry the
+    # block's rows have class indices (pos - kb) / r (kb: the branch segment's
+    # first selected row), strided by R0 / r; causal masks compare those.
+
+    @triton.jit
+    def _grouped_branch(BR, i, h, start0, S):
+        """(w, r, first selected row kb, #selected rows mk) of branch i for head h
+        in the branch segment holding position start0."""
+        w = tl.load(BR + 2 * i)
+        r = tl.load(BR + 2 * i + 1)
+        seg_start = (start0 // w) * w
+        c = h % r
+        return r, seg_start + c, (tl.minimum(w, S - seg_start) - c + r - 1) // r
+
+    @triton.jit
+    def _grouped_rows(pid_z, R0, W0, S, t0, BLOCK: tl.constexpr):
+        """Positions of rows t0.. of class j in W0-segment pid_z // R0, and their count."""
+        start0 = (pid_z // R0) * W0
+        j = pid_z % R0
+        m0 = (tl.minimum(W0, S - start0) - j + R0 - 1) // R0
+        t = t0 + tl.arange(0, BLOCK)
+        return start0, j, m0, start0 + j + t * R0, t < m0
+
+    @triton.jit
+    def _grouped_fwd_kernel(Q, K, V, O, LSE, BR, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
+                            slb, slh, H, G, S, W0, R0, qk_scale, NB: tl.constexpr, D: tl.constexpr,
+                            D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+        qk_scale = tl.full([], qk_scale, tl.float32)
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        i0 = tl.program_id(0) * BLOCK_M
+        start0, j, m0, pos, row_ok = _grouped_rows(tl.program_id(2), R0, W0, S, i0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        q = tl.load(Q + b * sqb + h * sqh + pos.to(tl.int64)[:, None] * sqs + offs_d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        k_ptr = K + b * skb + (h // G) * skh
+        v_ptr = V + b * svb + (h // G) * svh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        p_first = start0 + j + i0 * R0
+        p_last = start0 + j + (tl.minimum(i0 + BLOCK_M, m0) - 1) * R0
+        for i in tl.static_range(NB):
+            r, kb, mk = _grouped_branch(BR, i, h, start0, S)
+            if (j % r == h % r) & (i0 < m0):
+                idx = (pos - kb) // r
+                full, hi = mk, mk
+                if CAUSAL:
+                    full = tl.minimum((p_first - kb) // r + 1, mk)
+                    hi = tl.minimum((p_last - kb) // r + 1, mk)
+                u1 = (full // BLOCK_N) * BLOCK_N
+                acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kb, r, sks, svs, 0, u1, idx, offs_n,
+                                           offs_d, dmask, mk, mk, 0, 0, 0, qk_scale, False, CAUSAL, False, False,
+                                           BLOCK_N, IEEE)
+                acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kb, r, sks, svs, u1, hi, idx, offs_n,
+                                           offs_d, dmask, mk, mk, 0, 0, 0, qk_scale, True, CAUSAL, False, False,
+                                           BLOCK_N, IEEE)
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+        p64 = pos.to(tl.int64)
+        tl.store(O + b * sob + h * soh + p64[:, None] * sos + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & dmask[None, :])
+        tl.store(LSE + b * slb + h * slh + p64, lse, mask=row_ok)
+
+    @triton.jit
+    def _grouped_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BR, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+                           sdob, sdos, sdoh, slb, slh, sdqb, sdqs, sdqh, H, G, S, W0, R0, scale, qk_scale,
+                           NB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+        qk_scale = tl.full([], qk_scale, tl.float32)
+        scale = tl.full([], scale, tl.float32)
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        i0 = tl.program_id(0) * BLOCK_M
+        start0, j, m0, pos, rmask = _grouped_rows(tl.program_id(2), R0, W0, S, i0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        p64 = pos.to(tl.int64)
+        qmask = rmask[:, None] & dmask[None, :]
+        q = tl.load(Q + b * sqb + h * sqh + p64[:, None] * sqs + offs_d[None, :], mask=qmask, other=0.0)
+        do = tl.load(DO + b * sdob + h * sdoh + p64[:, None] * sdos + offs_d[None, :], mask=qmask, other=0.0)
+        lse2 = tl.load(LSE + b * slb + h * slh + p64, mask=rmask, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+        delta = tl.load(DELTA + b * slb + h * slh + p64, mask=rmask, other=0.0)
+        k_ptr = K + b * skb + (h // G) * skh
+        v_ptr = V + b * svb + (h // G) * svh
+        dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        p_first = start0 + j + i0 * R0
+        p_last = start0 + j + (tl.minimum(i0 + BLOCK_M, m0) - 1) * R0
+        for i in tl.static_range(NB):
+            r, kb, mk = _grouped_branch(BR, i, h, start0, S)
+            if (j % r == h % r) & (i0 < m0):
+                idx = (pos - kb) // r
+                full, hi = mk, mk
+                if CAUSAL:
+                    full = tl.minimum((p_first - kb) // r + 1, mk)
+                    hi = tl.minimum((p_last - kb) // r + 1, mk)
+                u1 = (full // BLOCK_N) * BLOCK_N
+                dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kb, r, sks, svs, 0, u1, idx, offs_n, offs_d,
+                               dmask, mk, mk, 0, 0, 0, qk_scale, False, CAUSAL, False, False, BLOCK_N, IEEE)
+                dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kb, r, sks, svs, u1, hi, idx, offs_n, offs_d,
+                               dmask, mk, mk, 0, 0, 0, qk_scale, True, CAUSAL, False, False, BLOCK_N, IEEE)
+        dq = dq * scale
+        tl.store(DQ + b * sdqb + h * sdqh + p64[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=qmask)
+
+    @triton.jit
+    def _grouped_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, BR, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+                             sdob, sdos, sdoh, slb, slh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, H, HKV, G, S, W0, R0,
+                             scale, qk_scale, NB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                             IEEE: tl.constexpr):
+        """Program: a block of class-j key rows of one kv head; every query head
+        of its group and every branch that selects those keys add into one dK/dV."""
+        qk_scale = tl.full([], qk_scale, tl.float32)
+        scale = tl.full([], scale, tl.float32)
+        pid = tl.program_id(1)
+        b = (pid // HKV).to(tl.int64)
+        kh = pid % HKV
+        n0 = tl.program_id(0) * BLOCK_N
+        start0, j, m0, kpos, kok = _grouped_rows(tl.program_id(2), R0, W0, S, n0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        k64 = kpos.to(tl.int64)
+        kmask = kok[:, None] & dmask[None, :]
+        k = tl.load(K + b * skb + kh * skh + k64[:, None] * sks + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(V + b * svb + kh * svh + k64[:, None] * svs + offs_d[None, :], mask=kmask, other=0.0)
+        dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        k_first = start0 + j + n0 * R0
+        k_last = start0 + j + (tl.minimum(n0 + BLOCK_N, m0) - 1) * R0
+        for h in range(kh * G, kh * G + G):
+            q_ptr = Q + b * sqb + h * sqh
+            do_ptr = DO + b * sdob + h * sdoh
+            lse_ptr = LSE + b * slb + h * slh
+            delta_ptr = DELTA + b * slb + h * slh
+            for i in tl.static_range(NB):
+                r, qb, mq = _grouped_branch(BR, i, h, start0, S)
+                if (j % r == h % r) & (n0 < m0):
+                    cols = (kpos - qb) // r
+                    # queries u see key n when n <= u (causal): none below the first
+                    # key's index, all from the last key's index on
+                    lo, u0 = 0, 0
+                    if CAUSAL:
+                        lo = ((k_first - qb) // r // BLOCK_M) * BLOCK_M
+                        u0 = tl.minimum((((k_last - qb) // r + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, mq)
+                    u1 = tl.maximum((mq // BLOCK_M) * BLOCK_M, u0)
+                    dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb, r, sqs, sdos, lo, u0,
+                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, True, CAUSAL,
+                                         False, False, BLOCK_M, IEEE)
+                    dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb, r, sqs, sdos, u0, u1,
+                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, False, CAUSAL,
+                                         False, False, BLOCK_M, IEEE)
+                    dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb, r, sqs, sdos, u1, mq,
+                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, True, CAUSAL,
+                                         False, False, BLOCK_M, IEEE)
+        dk = dk * scale
+        tl.store(DK + b * sdkb + kh * sdkh + k64[:, None] * sdks + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=kmask)
+        tl.store(DV + b * sdvb + kh * sdvh + k64[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=kmask)
+
 
 # ----------------------------------------------------------------------- launchers
 def _blocks(d: int, device: torch.device, kind: str) -> dict:
@@ -417,6 +595,7 @@ def _blocks(d: int, device: torch.device, kind: str) -> dict:
     tests), tuned tiles on GPU (docs/performance.md records the sweep)."""
     if device.type == "cpu":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    kind = kind.removeprefix("grouped_")
     bucket = min((b for b in (32, 64, 96, 128, 256) if b >= d), default=256)
     return dict(_TUNED[(kind, bucket)])
 
@@ -558,6 +737,88 @@ def _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, cfg, nseg):
         D=d, D_PAD=_d_pad(d), ACCUM=accum, IEEE=_ieee(q), **geo.flags(), **cfg)
 
 
+class GroupedPlan:
+    """The grouped schedule of a dilated call (see the kernels' note), or
+    ``None`` from :meth:`of` where branches do not nest. A branch whose segment
+    covers the sequence is given the segment ``W0 * ceil(S / W0)`` (same
+    selection: one segment)."""
+
+    def __init__(self, seqlen, w0, r0, segs, rates, causal):
+        self.sq, self.w, self.r0, self.causal = seqlen, w0, r0, causal
+        self.segs, self.rates = segs, rates
+        self.dilated, self.nseg, self.max_m = True, -(-seqlen // w0), w0 // r0
+
+    @staticmethod
+    def of(seqlen, segment_lengths, dilation_rates, causal):
+        r0 = max(dilation_rates)
+        finite = [w for w in segment_lengths if w < seqlen]
+        w0 = min(finite) if finite else r0 * -(-seqlen // r0)
+        whole = w0 * -(-seqlen // w0)
+        segs = [w if w < seqlen else whole for w in segment_lengths]
+        if any(r0 % r for r in dilation_rates) or w0 % r0 or any(w % w0 for w in segs):
+            return None
+        return GroupedPlan(seqlen, w0, r0, segs, list(dilation_rates), causal)
+
+    def table(self, device) -> torch.Tensor:
+        return torch.tensor([x for wr in zip(self.segs, self.rates) for x in wr], dtype=torch.int32, device=device)
+
+
+def launch_grouped_forward(q, k, v, out, lse, plan: GroupedPlan, scale: float):
+    br = plan.table(q.device)
+
+    def trial(cfg, nseg):
+        _grouped_forward(q, k, v, _scratch(out, plan, nseg), _scratch_lse(lse, plan, nseg), br, plan, scale, cfg,
+                         nseg)
+
+    _grouped_forward(q, k, v, out, lse, br, plan, scale, _config("grouped_fwd", q, k, plan, trial), plan.nseg)
+
+
+def _grouped_forward(q, k, v, out, lse, br, plan, scale, cfg, nseg):
+    b, _, h, d = q.shape
+    grid = (triton.cdiv(plan.max_m, cfg["BLOCK_M"]), b * h, nseg * plan.r0)
+    _kernel(_grouped_fwd_kernel, q)[grid](
+        q, k, v, out, lse, br, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
+        lse.stride(1), h, h // k.shape[2], plan.sq, plan.w, plan.r0, scale * LOG2E, NB=len(plan.segs), D=d,
+        D_PAD=_d_pad(d), CAUSAL=plan.causal, IEEE=_ieee(q), **cfg)
+
+
+def launch_grouped_backward(q, k, v, dout, lse, delta, dq, dk, dv, plan: GroupedPlan, scale: float):
+    br = plan.table(q.device)
+
+    def trial_dkdv(cfg, nseg):
+        _grouped_dkdv(q, k, v, dout, lse, delta, _scratch(dk, plan, nseg), _scratch(dv, plan, nseg), br, plan,
+                      scale, cfg, nseg)
+
+    def trial_dq(cfg, nseg):
+        _grouped_dq(q, k, v, dout, lse, delta, _scratch(dq, plan, nseg), br, plan, scale, cfg, nseg)
+
+    _grouped_dkdv(q, k, v, dout, lse, delta, dk, dv, br, plan, scale, _config("grouped_dkdv", q, k, plan, trial_dkdv),
+                  plan.nseg)
+    _grouped_dq(q, k, v, dout, lse, delta, dq, br, plan, scale, _config("grouped_dq", q, k, plan, trial_dq),
+                plan.nseg)
+
+
+def _grouped_dkdv(q, k, v, dout, lse, delta, dk, dv, br, plan, scale, cfg, nseg):
+    b, _, h, d = q.shape
+    hkv = k.shape[2]
+    _kernel(_grouped_dkdv_kernel, q)[(triton.cdiv(plan.max_m, cfg["BLOCK_N"]), b * hkv, nseg * plan.r0)](
+        q, k, v, dout, lse, delta, dk, dv, br, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+        dv.stride(2), h, hkv, h // hkv, plan.sq, plan.w, plan.r0, scale, scale * LOG2E, NB=len(plan.segs), D=d,
+        D_PAD=_d_pad(d), CAUSAL=plan.causal, IEEE=_ieee(q), **cfg)
+
+
+def _grouped_dq(q, k, v, dout, lse, delta, dq, br, plan, scale, cfg, nseg):
+    b, _, h, d = q.shape
+    _kernel(_grouped_dq_kernel, q)[(triton.cdiv(plan.max_m, cfg["BLOCK_M"]), b * h, nseg * plan.r0)](
+        q, k, v, dout, lse, delta, dq, br, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), h, h // k.shape[2], plan.sq,
+        plan.w, plan.r0, scale, scale * LOG2E, NB=len(plan.segs), D=d, D_PAD=_d_pad(d), CAUSAL=plan.causal,
+        IEEE=_ieee(q), **cfg)
+
 # ---------------------------------------------------------------------- autotuning
 # Dilated launches pick their tiles per (kind, device, dtype, head dim, GQA group,
 # rows per segment class and batch x heads x segments, each rounded up to a power
@@ -614,8 +875,9 @@ def _candidates(kind: str, d: int, device: torch.device, geo: Geometry) -> list[
     if d > 128:
         return [_blocks(d, device, kind)]
     rows = 1 << max(4, (max(geo.max_m, 1) - 1).bit_length())
-    fit = [c for c in _CANDIDATES[kind] if c["BLOCK_M"] <= rows and c["BLOCK_N"] <= rows]
-    return fit or [min(_CANDIDATES[kind], key=lambda c: c["BLOCK_M"] * c["BLOCK_N"])]
+    cands = _CANDIDATES[kind.removeprefix("grouped_")]
+    fit = [c for c in cands if c["BLOCK_M"] <= rows and c["BLOCK_N"] <= rows]
+    return fit or [min(cands, key=lambda c: c["BLOCK_M"] * c["BLOCK_N"])]
 
 
 def _tune_key(kind, q, k, geo):
@@ -627,6 +889,8 @@ def _tune_key(kind, q, k, geo):
 def _config(kind: str, q, k, geo: Geometry, trial) -> dict:
     """The launch config of a kernel (see the autotuning note above)."""
     static = _blocks(q.shape[-1], q.device, kind)
+    if geo.dilated and max(static["BLOCK_M"], static["BLOCK_N"]) > 1 << max(4, (geo.max_m - 1).bit_length()):
+        static = _candidates(kind, q.shape[-1], q.device, geo)[0]  # tiles no larger than the rows
     if not geo.dilated or not _autotune_on(q):
         return static
     key = _tune_key(kind, q, k, geo)

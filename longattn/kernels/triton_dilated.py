@@ -37,19 +37,26 @@ def refusals(q: torch.Tensor, k: torch.Tensor) -> list[str]:
     return r
 
 
-# Internal switch for in-process A/B only (benchmarks/triton_autotune_ab.py, variant zero_fill):
-# False restores zero-filled outputs/gradients that every branch merges into.
-FIRST_BRANCH_WRITES = True
+# Internal switch for in-process A/B only (benchmarks/triton_autotune_ab.py):
+# "auto" (grouped where branches nest, else per branch with a rate-1 branch
+# writing first), "per_branch", "per_branch_zero_fill" (every branch merges
+# into zero-filled buffers).
+SCHEDULE = "auto"
+
+
+def _plan(seqlen, segment_lengths, dilation_rates, causal):
+    if SCHEDULE != "auto":
+        return None
+    return ta.GroupedPlan.of(seqlen, list(segment_lengths), list(dilation_rates), causal)
 
 
 def _branches(seqlen, segment_lengths, dilation_rates, causal):
-    """(geometry, covers) per branch, a rate-1 branch first when there is one:
+    """(geometry, writes) per branch, a rate-1 branch first when there is one:
     it selects every (row, head), so it writes the output (and the gradients)
     instead of merging into zeros: no zero-fill and no read-back of the first
-    branch (a quarter of the forward's and a fifth of the backward's memory
-    traffic when segments are short)."""
+    branch (one H100: 6% of the LongNet forward, 2-3% of the backward)."""
     order = sorted(range(len(dilation_rates)), key=lambda i: dilation_rates[i] != 1)
-    covers = FIRST_BRANCH_WRITES and dilation_rates[order[0]] == 1
+    covers = SCHEDULE != "per_branch_zero_fill" and dilation_rates[order[0]] == 1
     for j, i in enumerate(order):
         yield ta.Geometry(seqlen, seqlen, w=segment_lengths[i], r=dilation_rates[i], causal=causal), covers and j == 0
 
@@ -61,13 +68,20 @@ def _buffer(shape, like, dtype, covered, fill):
 
 
 def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, out_dtype=None):
-    """Branches merge into the output in place. By default the running output
-    is kept in the input dtype (the merge itself runs in float32 registers,
-    one rounding per branch), so the only extra memory is the lse; pass
-    ``out_dtype=torch.float32`` where the result is merged again (dilated
-    attention over ranks)."""
+    """Grouped where branches nest (one launch: every (row, head) is written
+    once, after all its branches), else one launch per branch merging into the
+    output in place. The output is kept in the input dtype by default (the
+    merges run in float32 registers, one rounding per branch), so the only
+    extra memory is the lse; pass ``out_dtype=torch.float32`` where the result
+    is merged again (dilated attention over ranks)."""
     q, k, v = (ta._contig(t) for t in (q, k, v))
     b, s, h, d = q.shape
+    plan = _plan(s, segment_lengths, dilation_rates, causal)
+    if plan is not None:
+        out = torch.empty(b, s, h, d, dtype=out_dtype or q.dtype, device=q.device)
+        lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+        ta.launch_grouped_forward(q, k, v, out, lse, plan, scale)
+        return out, lse
     branches = list(_branches(s, segment_lengths, dilation_rates, causal))
     covered = branches[0][1]
     out = _buffer((b, s, h, d), q, out_dtype or q.dtype, covered, 0.0)
@@ -78,13 +92,19 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, out_dtype=N
 
 
 def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, grad_dtype=None):
-    """Each branch adds into dQ/dK/dV in place (float32 registers, stored in
-    ``grad_dtype``, default the input dtype): no float32 copies of the
-    gradients; extra memory is the (B, H, S) float32 delta."""
+    """Grouped (each gradient row written once) or per branch adding into
+    dQ/dK/dV in place (float32 registers, stored in ``grad_dtype``, default
+    the input dtype): no float32 copies of the gradients; extra memory is the
+    (B, H, S) float32 delta."""
     q, k, v, dout, out = (ta._contig(t) for t in (q, k, v, dout, out))
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     ta.launch_preprocess(out, dout, None if dlse is None else dlse.float().contiguous(), delta)
+    plan = _plan(q.shape[1], segment_lengths, dilation_rates, causal)
+    if plan is not None:
+        dq, dk, dv = (torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=q.device) for x in (q, k, v))
+        ta.launch_grouped_backward(q, k, v, dout, lse, delta, dq, dk, dv, plan, scale)
+        return dq, dk, dv
     branches = list(_branches(q.shape[1], segment_lengths, dilation_rates, causal))
     covered = branches[0][1]
     dq, dk, dv = (_buffer(x.shape, q, grad_dtype or x.dtype, covered, 0.0) for x in (q, k, v))
