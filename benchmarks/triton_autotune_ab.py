@@ -33,7 +33,7 @@ p.add_argument("--json")
 p.add_argument("--compile", action="store_true", help="also time the fused ops under torch.compile")
 p.add_argument("--variants", nargs="*", default=["static", "autotuned", "per_branch", "dense_cudnn"],
                help="static, autotuned, per_branch, zero_fill (autotuned; per-branch launches), static_per_branch, "
-                    "static_zero_fill, dense_cudnn")
+                    "static_grouped, static_zero_fill, dense_cudnn")
 a = p.parse_args()
 LONGNET = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
 SHORT = ([256, 512, 1024], [1, 2, 4])
@@ -83,6 +83,7 @@ for name, s, hkv, d, (segs, rates), causal in CASES:
     dense = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
     table = {"static": ("0", "auto", dil), "autotuned": ("1", "auto", dil), "per_branch": ("1", "per_branch", dil),
              "zero_fill": ("1", "per_branch_zero_fill", dil), "static_per_branch": ("0", "per_branch", dil),
+             "static_grouped": ("0", "grouped", dil),
              "static_zero_fill": ("0", "per_branch_zero_fill", dil), "dense_cudnn": ("0", "auto", dense)}
     variants = [(label, *table[label]) for label in a.variants
                 if label != "dense_cudnn" or (hkv == 16 and d <= 128)]

@@ -252,7 +252,7 @@ def test_grouped_plan_where_branches_nest():
 
 
 @triton_ok
-@pytest.mark.parametrize("schedule", ["auto", "per_branch", "per_branch_zero_fill"])
+@pytest.mark.parametrize("schedule", ["grouped", "per_branch", "per_branch_zero_fill"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_schedules(monkeypatch, schedule, causal):
     """Nested branches run grouped (one launch per kernel) by default; the
@@ -265,6 +265,25 @@ def test_triton_schedules(monkeypatch, schedule, causal):
     s, h, hkv, segs, rates = 44, 4, 2, [8, 16, 64], [2, 1, 4]
     q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
     _assert_matches_ref(q, k, v, torch.randn(1, s, h, 16), torch.randn(1, h, s), segs, rates, causal, "triton")
+
+
+@triton_ok
+def test_triton_grouped_autotune(monkeypatch, tmp_path):
+    """Grouped kernels tune per kind too; a trial runs the first segment only
+    (its grid's segment count, not the call's) into scratch."""
+    from longattn.kernels import triton_attention as ta
+    from longattn.kernels import triton_dilated
+
+    monkeypatch.setattr(triton_dilated, "SCHEDULE", "grouped")
+    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
+    monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ta, "_by_shape", {})
+    monkeypatch.setattr(ta, "_on_disk", None)
+    monkeypatch.setattr(ta, "_announced", True)
+    s, h, hkv, segs, rates = 40, 4, 2, [8, 16, 32], [1, 2, 4]
+    q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
+    _assert_matches_ref(q, k, v, torch.randn(1, s, h, 16), torch.randn(1, h, s), segs, rates, True, "triton")
+    assert {key[0] for key in ta._by_shape} == {"grouped_fwd", "grouped_dkdv", "grouped_dq"}
 
 
 @triton_ok

@@ -433,17 +433,20 @@ if HAS_TRITON:
         return r, seg_start + c, (tl.minimum(w, S - seg_start) - c + r - 1) // r
 
     @triton.jit
-    def _grouped_rows(pid_z, R0, W0, S, t0, BLOCK: tl.constexpr):
-        """Positions of rows t0.. of class j in W0-segment pid_z // R0, and their count."""
-        start0 = (pid_z // R0) * W0
-        j = pid_z % R0
+    def _grouped_rows(BR, NB: tl.constexpr, pid_z, h, R0, W0, NSEG, S, t0, BLOCK: tl.constexpr):
+        """Positions of rows t0.. of the program's class j in its W0-segment, and their
+        count. Classes run in the order of BR[2 NB:] (offsets from the head's own
+        class, most branches first), all segments of a class together, so the
+        heaviest programs start first and the last wave is short."""
+        start0 = (pid_z % NSEG) * W0
+        j = (h + tl.load(BR + 2 * NB + pid_z // NSEG)) % R0
         m0 = (tl.minimum(W0, S - start0) - j + R0 - 1) // R0
         t = t0 + tl.arange(0, BLOCK)
         return start0, j, m0, start0 + j + t * R0, t < m0
 
     @triton.jit
     def _grouped_fwd_kernel(Q, K, V, O, LSE, BR, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
-                            slb, slh, H, G, S, W0, R0, qk_scale, NB: tl.constexpr, D: tl.constexpr,
+                            slb, slh, H, G, S, W0, R0, NSEG, qk_scale, NB: tl.constexpr, D: tl.constexpr,
                             D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             CAUSAL: tl.constexpr, IEEE: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
@@ -451,7 +454,7 @@ if HAS_TRITON:
         b = (pid_bh // H).to(tl.int64)
         h = pid_bh % H
         i0 = tl.program_id(0) * BLOCK_M
-        start0, j, m0, pos, row_ok = _grouped_rows(tl.program_id(2), R0, W0, S, i0, BLOCK_M)
+        start0, j, m0, pos, row_ok = _grouped_rows(BR, NB, tl.program_id(2), h, R0, W0, NSEG, S, i0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D_PAD)
         dmask = offs_d < D
@@ -489,7 +492,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, BR, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
-                           sdob, sdos, sdoh, slb, slh, sdqb, sdqs, sdqh, H, G, S, W0, R0, scale, qk_scale,
+                           sdob, sdos, sdoh, slb, slh, sdqb, sdqs, sdqh, H, G, S, W0, R0, NSEG, scale, qk_scale,
                            NB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
@@ -498,7 +501,7 @@ if HAS_TRITON:
         b = (pid_bh // H).to(tl.int64)
         h = pid_bh % H
         i0 = tl.program_id(0) * BLOCK_M
-        start0, j, m0, pos, rmask = _grouped_rows(tl.program_id(2), R0, W0, S, i0, BLOCK_M)
+        start0, j, m0, pos, rmask = _grouped_rows(BR, NB, tl.program_id(2), h, R0, W0, NSEG, S, i0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D_PAD)
         dmask = offs_d < D
@@ -534,7 +537,7 @@ if HAS_TRITON:
     @triton.jit
     def _grouped_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, BR, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                              sdob, sdos, sdoh, slb, slh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, H, HKV, G, S, W0, R0,
-                             scale, qk_scale, NB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                             NSEG, scale, qk_scale, NB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                              IEEE: tl.constexpr):
         """Program: a block of class-j key rows of one kv head; every query head
@@ -545,7 +548,7 @@ if HAS_TRITON:
         b = (pid // HKV).to(tl.int64)
         kh = pid % HKV
         n0 = tl.program_id(0) * BLOCK_N
-        start0, j, m0, kpos, kok = _grouped_rows(tl.program_id(2), R0, W0, S, n0, BLOCK_N)
+        start0, j, m0, kpos, kok = _grouped_rows(BR, NB, tl.program_id(2), kh * G, R0, W0, NSEG, S, n0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D_PAD)
         dmask = offs_d < D
@@ -760,7 +763,11 @@ class GroupedPlan:
         return GroupedPlan(seqlen, w0, r0, segs, list(dilation_rates), causal)
 
     def table(self, device) -> torch.Tensor:
-        return torch.tensor([x for wr in zip(self.segs, self.rates) for x in wr], dtype=torch.int32, device=device)
+        """int32: (w, r) per branch, then the class offsets from a head's own
+        class, by decreasing number of branches that select them."""
+        order = sorted(range(self.r0), key=lambda o: -sum(o % r == 0 for r in self.rates))
+        return torch.tensor([x for wr in zip(self.segs, self.rates) for x in wr] + order, dtype=torch.int32,
+                            device=device)
 
 
 def launch_grouped_forward(q, k, v, out, lse, plan: GroupedPlan, scale: float):
@@ -779,7 +786,7 @@ def _grouped_forward(q, k, v, out, lse, br, plan, scale, cfg, nseg):
     _kernel(_grouped_fwd_kernel, q)[grid](
         q, k, v, out, lse, br, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
-        lse.stride(1), h, h // k.shape[2], plan.sq, plan.w, plan.r0, scale * LOG2E, NB=len(plan.segs), D=d,
+        lse.stride(1), h, h // k.shape[2], plan.sq, plan.w, plan.r0, nseg, scale * LOG2E, NB=len(plan.segs), D=d,
         D_PAD=_d_pad(d), CAUSAL=plan.causal, IEEE=_ieee(q), **cfg)
 
 
@@ -806,7 +813,7 @@ def _grouped_dkdv(q, k, v, dout, lse, delta, dk, dv, br, plan, scale, cfg, nseg)
         q, k, v, dout, lse, delta, dk, dv, br, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
-        dv.stride(2), h, hkv, h // hkv, plan.sq, plan.w, plan.r0, scale, scale * LOG2E, NB=len(plan.segs), D=d,
+        dv.stride(2), h, hkv, h // hkv, plan.sq, plan.w, plan.r0, nseg, scale, scale * LOG2E, NB=len(plan.segs), D=d,
         D_PAD=_d_pad(d), CAUSAL=plan.causal, IEEE=_ieee(q), **cfg)
 
 
@@ -816,7 +823,7 @@ def _grouped_dq(q, k, v, dout, lse, delta, dq, br, plan, scale, cfg, nseg):
         q, k, v, dout, lse, delta, dq, br, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         lse.stride(0), lse.stride(1), dq.stride(0), dq.stride(1), dq.stride(2), h, h // k.shape[2], plan.sq,
-        plan.w, plan.r0, scale, scale * LOG2E, NB=len(plan.segs), D=d, D_PAD=_d_pad(d), CAUSAL=plan.causal,
+        plan.w, plan.r0, nseg, scale, scale * LOG2E, NB=len(plan.segs), D=d, D_PAD=_d_pad(d), CAUSAL=plan.causal,
         IEEE=_ieee(q), **cfg)
 
 # ---------------------------------------------------------------------- autotuning
