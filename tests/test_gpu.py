@@ -60,7 +60,7 @@ def _dilated_ref_grads(q, k, v, do, segs, rates, causal, chunk=2):
 
 @pytest.mark.parametrize("backend", ["triton", "auto", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
-# triton: the grouped schedule (these branches nest); GQA: cuDNN on strided kv views under auto from
+# triton: per-branch launches (512 to 2048 keys per segment class); GQA: cuDNN on strided kv views under auto from
 # 32K tokens, fused Triton below (hkv=2: group 4, so the rate-2 and rate-4 classes read every kv
 # head); MHA: cuDNN on strided views
 @pytest.mark.parametrize("hkv", [2, 4, 8])
@@ -166,16 +166,16 @@ def test_dilated_triton_autotuned_bf16(monkeypatch, tmp_path):
     monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(ta, "_by_shape", {})
     monkeypatch.setattr(ta, "_on_disk", None)
-    test_dilated_bf16("triton", True, 4, [512, 2048], 4096, rates=[1, 2])
-    assert {key[0] for key in ta._by_shape} == {"grouped_fwd", "grouped_dkdv", "grouped_dq"}
+    test_dilated_bf16("triton", True, 4, [512, 2048], 4096, rates=[1, 2])  # 1024 keys per class: per branch
+    test_dilated_bf16("triton", True, 4, [256, 512], 4096, rates=[1, 2])  # 256: grouped
+    assert {key[0] for key in ta._by_shape} == {"fwd", "dkdv", "dq", "grouped_fwd", "grouped_dkdv", "grouped_dq"}
     assert all(cfg in ta._CANDIDATES[key[0].removeprefix("grouped_")] for key, cfg in ta._by_shape.items())
 
 
-@pytest.mark.parametrize("schedule", ["per_branch", "per_branch_zero_fill"])
+@pytest.mark.parametrize("schedule", ["grouped", "per_branch_zero_fill"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dilated_triton_per_branch_bf16(monkeypatch, schedule, causal):
-    """The per-branch launches (taken where branches do not nest; the grouped
-    schedule covers the nested configs of test_dilated_bf16) pass the same bar."""
+def test_dilated_triton_schedules_bf16(monkeypatch, schedule, causal):
+    """Every fused schedule passes the same bar on the nested LongNet-like config."""
     from longattn.kernels import triton_dilated
 
     monkeypatch.setattr(triton_dilated, "SCHEDULE", schedule)

@@ -42,25 +42,33 @@ def refusals(q: torch.Tensor, k: torch.Tensor) -> list[str]:
 # rate-1 branch writing first), "per_branch_zero_fill" (every branch merges
 # into zero-filled buffers).
 SCHEDULE = "auto"
-# Keys per segment class (w / r) up to which both passes run grouped where
-# branches nest; above it only the non-causal backward. One H100, static tiles
-# (triton_grouped_ab_h100_73b1df8.json), grouped vs per-branch fwd / bwd ms:
-# segments 256-1K (256 keys) 0.81 / 1.97 vs 0.92 / 3.21, causal 1.01 / 2.21 vs
-# 1.02 / 3.59; LongNet (2048 keys) 32K 3.74 / 9.59 vs 3.24 / 10.58, 128K
-# 11.65 / 37.98 vs 11.27 / 39.84, 32K causal 3.86 / 9.59 vs 2.12 / 7.85: a
-# grouped block's rows are strided by the largest rate, so it spans the whole
-# segment and a causal low-rate branch runs its full square, masked.
+# Keys per segment class (w / r) up to which the passes run grouped where
+# branches nest. One H100, static tiles, in-process A/B, grouped vs per-branch
+# fwd / bwd ms (triton_grouped_ab_h100_00acb45.json, classes ordered heaviest
+# first): segments 256-1K (256 keys per class) 0.79 / 2.05 vs 0.94 / 3.08,
+# causal 0.74 / 2.22 vs 0.89 / 3.28; LongNet (2048 keys) 32K 3.21 / ~9.9 vs
+# 3.03 / 10.55, 128K 12.55 / 40.7 vs 11.16 / 39.5, D=64 2.12 / 7.0 vs 1.59 /
+# 7.0, GQA 16q/4kv 2.91 / 10.6 vs 2.77 / 9.75, 32K causal 3.37 / 9.5 vs
+# 1.91 / 7.7. Short classes gain what per-branch launches lose to
+# prologues, merges and gradient read-modify-writes; long ones lose: a grouped
+# block's rows are strided by the largest rate, so the block spans the whole
+# segment (a causal low-rate branch runs its full square, masked) and the
+# programs' loads are uneven (a class sees 1 to 5 branches).
 GROUPED_MAX_KEYS = 512
 
 
-def _plan(seqlen, segment_lengths, dilation_rates, causal, pass_):
+def _plan(seqlen, segment_lengths, dilation_rates, causal):
     if SCHEDULE not in ("auto", "grouped"):
         return None
     plan = ta.GroupedPlan.of(seqlen, list(segment_lengths), list(dilation_rates), causal)
     if plan is None or SCHEDULE == "grouped":
         return plan
-    keys = max(min(w, seqlen) // r for w, r in zip(segment_lengths, dilation_rates))
-    return plan if keys <= GROUPED_MAX_KEYS or (pass_ == "bwd" and not causal) else None
+    return plan if grouped_pays(seqlen, segment_lengths, dilation_rates) else None
+
+
+def grouped_pays(seqlen, segment_lengths, dilation_rates) -> bool:
+    """Short segment classes: every branch has at most GROUPED_MAX_KEYS keys per class."""
+    return max(min(w, seqlen) // r for w, r in zip(segment_lengths, dilation_rates)) <= GROUPED_MAX_KEYS
 
 
 def _branches(seqlen, segment_lengths, dilation_rates, causal):
@@ -89,7 +97,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, out_dtype=N
     is merged again (dilated attention over ranks)."""
     q, k, v = (ta._contig(t) for t in (q, k, v))
     b, s, h, d = q.shape
-    plan = _plan(s, segment_lengths, dilation_rates, causal, "fwd")
+    plan = _plan(s, segment_lengths, dilation_rates, causal)
     if plan is not None:
         out = torch.empty(b, s, h, d, dtype=out_dtype or q.dtype, device=q.device)
         lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
@@ -113,7 +121,7 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     ta.launch_preprocess(out, dout, None if dlse is None else dlse.float().contiguous(), delta)
-    plan = _plan(q.shape[1], segment_lengths, dilation_rates, causal, "bwd")
+    plan = _plan(q.shape[1], segment_lengths, dilation_rates, causal)
     if plan is not None:
         dq, dk, dv = (torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=q.device) for x in (q, k, v))
         ta.launch_grouped_backward(q, k, v, dout, lse, delta, dq, dk, dv, plan, scale)
