@@ -63,12 +63,18 @@ def _plan(seqlen, segment_lengths, dilation_rates, causal):
     plan = ta.GroupedPlan.of(seqlen, list(segment_lengths), list(dilation_rates), causal)
     if plan is None or SCHEDULE == "grouped":
         return plan
-    return plan if grouped_pays(seqlen, segment_lengths, dilation_rates) else None
+    return plan if _short_classes(seqlen, segment_lengths, dilation_rates) else None
 
 
-def grouped_pays(seqlen, segment_lengths, dilation_rates) -> bool:
-    """Short segment classes: every branch has at most GROUPED_MAX_KEYS keys per class."""
+def _short_classes(seqlen, segment_lengths, dilation_rates) -> bool:
     return max(min(w, seqlen) // r for w, r in zip(segment_lengths, dilation_rates)) <= GROUPED_MAX_KEYS
+
+
+def grouped_runs(seqlen, segment_lengths, dilation_rates) -> bool:
+    """The default schedule is grouped: branches nest and every branch has at
+    most GROUPED_MAX_KEYS keys per segment class."""
+    return (_short_classes(seqlen, segment_lengths, dilation_rates)
+            and ta.GroupedPlan.of(seqlen, list(segment_lengths), list(dilation_rates), False) is not None)
 
 
 def _branches(seqlen, segment_lengths, dilation_rates, causal):
