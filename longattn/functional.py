@@ -111,7 +111,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 def _dilated_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
                  dilation_rates: list[int], scale: float, causal: bool, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_fused(q, k, segment_lengths, dilation_rates, backend):
+    if _use_fused(q, k, segment_lengths, dilation_rates, causal, backend):
         return _fused.forward(q, k, v, segment_lengths, dilation_rates, causal, scale)
     return _dil.forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend)
 
@@ -126,7 +126,7 @@ def _dilated_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int],
                  dilation_rates: list[int], scale: float, causal: bool, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_fused(q, k, segment_lengths, dilation_rates, backend, "bwd"):
+    if _use_fused(q, k, segment_lengths, dilation_rates, causal, backend, "bwd"):
         return _fused.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale)
     return _dil.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend)
 
@@ -167,26 +167,27 @@ def _views_min_tokens(pass_: str, head_dim: int, mha: bool = True) -> Optional[i
     return CUDNN_VIEWS_MIN_TOKENS[(pass_, 64 if head_dim <= 64 else 128)]
 
 
-def _use_fused(q, k, segs, rates, backend: str, pass_: str = "fwd") -> bool:
+def _use_fused(q, k, segs, rates, causal: bool, backend: str, pass_: str = "fwd") -> bool:
     """The fused Triton dilated kernels run when asked for, or under auto on
     CUDA when they can, except for long sequences whose parts are strided
     views (MHA; GQA whose rates and group sizes divide), where cuDNN on the
-    views is faster (docs/performance.md), unless the backward's segment
-    classes are short enough for the grouped fused schedule (one H100,
-    segments 256-1K, run_dilated_short_h100_aca95a7.json: grouped backward
-    2.06 / 6.92 ms at 32K / 128K against the views' 3.64 / 8.83)."""
+    views is faster (docs/performance.md), unless it is the non-causal
+    backward of segment classes short enough for the grouped fused schedule
+    (one H100, segments 256-1K, run_dilated_short_h100_aca95a7.json: grouped
+    backward 2.06 / 6.92 ms at 32K / 128K against the views' 3.64 / 8.83;
+    causal 128K 8.35 against 7.96, so causal stays on the views)."""
     if backend == "triton":
         return True
     if backend != "auto" or q.device.type != "cuda" or bk._forced() not in (None, "triton"):
         return False
     limit = _views_min_tokens(pass_, q.shape[-1], q.shape[2] == k.shape[2])
     if (bk._forced() is None and limit is not None and q.shape[0] * q.shape[1] >= limit and _cudnn_views(q, k, rates)
-            and not (pass_ == "bwd" and _fused.grouped_runs(q.shape[1], segs, rates))):
+            and not (pass_ == "bwd" and not causal and _fused.grouped_runs(q.shape[1], segs, rates))):
         return False
     return not _fused.refusals(q, k)
 
 
-def _fused_both_passes(q, k, segs, rates, backend: str) -> bool:
+def _fused_both_passes(q, k, segs, rates, causal, backend: str) -> bool:
     """Forward and backward both run the fused kernels. Under torch.compile
     only when asked for by name: auto's choice reads device state the trace
     does not guard, so it stays inside the opaque op."""
@@ -194,7 +195,7 @@ def _fused_both_passes(q, k, segs, rates, backend: str) -> bool:
         return False
     if torch.compiler.is_compiling():
         return backend == "triton"
-    return _use_fused(q, k, segs, rates, backend) and _use_fused(q, k, segs, rates, backend, "bwd")
+    return _use_fused(q, k, segs, rates, causal, backend) and _use_fused(q, k, segs, rates, causal, backend, "bwd")
 
 
 def _cudnn_views(q, k, rates) -> bool:
@@ -233,8 +234,8 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
             each other: gathered blocks), or ``"auto"``: on
             CUDA, cuDNN on the views from 32K tokens (MHA with D <= 64: forward from
             128K; GQA where rates and group size divide), the fused Triton kernels
-            otherwise and for the backward of short segment classes (at most 512
-            keys per class, branches nested: one grouped launch per kernel); see
+            otherwise and for the non-causal backward of short segment classes (at
+            most 512 keys per class, branches nested: one grouped launch per kernel); see
             ``CUDNN_VIEWS_MIN_TOKENS``.
         group: a ProcessGroup; when given, q/k/v are this rank's contiguous shard
             of the sequence (see :func:`longattn.distributed.dilated_attention`).
@@ -267,7 +268,7 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
     elif backend != "auto":
         # The gather path hands dense blocks to this backend; check it can take them.
         bk.select_backend(q, k, bk.BlockSpec(scale, causal), backend)
-    if _fused_both_passes(q, k, segs, rates, backend):  # the triton_op pair: torch.compile sees the kernels
+    if _fused_both_passes(q, k, segs, rates, causal, backend):  # the triton_op pair: torch.compile sees the kernels
         out, lse = _fused.fused_fwd(q, k, v, list(segs), list(rates), scale, causal)
     else:
         out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend)

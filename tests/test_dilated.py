@@ -249,6 +249,12 @@ def test_grouped_plan_where_branches_nest():
     assert (p.w, p.r0, p.segs, p.nseg) == (8, 4, [8, 16, 40], 5)
     for segs, rates in (([7, 12], [3, 4]), ([8, 20], [1, 3]), ([4, 8], [4, 8]), ([8, 12], [1, 2])):
         assert GroupedPlan.of(40, segs, rates, False) is None
+    # the default fused schedule: grouped for short nested classes only (<= 512 keys per class)
+    from longattn.kernels.triton_dilated import grouped_runs
+
+    assert grouped_runs(32768, [256, 512, 1024], [1, 2, 4])
+    assert not grouped_runs(32768, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
+    assert not grouped_runs(32768, [256, 384], [1, 2])  # short, but 256 does not divide 384
 
 
 @triton_ok

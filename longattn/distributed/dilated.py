@@ -88,7 +88,7 @@ def _span_setup(q, k, w, r, world, rank, causal, scale, group):
 def _local_fwd(q, k, v, segs, rates, causal, scale, backend, acc_dtype):
     from ..functional import _use_fused
 
-    if _use_fused(q, k, segs, rates, backend):
+    if _use_fused(q, k, segs, rates, causal, backend):
         from ..kernels import triton_dilated
 
         return triton_dilated.forward(q, k, v, segs, rates, causal, scale, out_dtype=acc_dtype)
@@ -98,7 +98,7 @@ def _local_fwd(q, k, v, segs, rates, causal, scale, backend, acc_dtype):
 def _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend, acc_dtype):
     from ..functional import _use_fused
 
-    if _use_fused(q, k, segs, rates, backend, "bwd"):
+    if _use_fused(q, k, segs, rates, causal, backend, "bwd"):
         from ..kernels import triton_dilated
 
         return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale,
