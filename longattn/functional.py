@@ -153,9 +153,8 @@ CUDNN_VIEWS_MIN_TOKENS = {("fwd", 128): 32768, ("bwd", 128): 32768, ("fwd", 64):
 # fwd / bwd ms: 32K 7.97 / 25.2 vs 6.83 / 21.2; 128K 22.8 / 54.9 vs 22.6 / 76.6 (with
 # CUDA_LAUNCH_BLOCKING); 1M 129 / 397 vs 173 / 592. That build's gradient adds wrote out of
 # bounds where a class's kv view has fewer heads than its query view (group 4, rates 2
-# and 4; fixed since, tested under the interpreter): auto keeps the fused kernels for GQA
-# Fixed since; with the fix (one H100 at 0aa75dc, run_dilated_gqa_h100_0aa75dc.json, the
-# bf16 GPU tests with group 4 passed): 32K 4.22 / 13.68 vs 5.36 / 19.35; 128K 15.07 / 49.81
+# and 4). Fixed (one H100 at 0aa75dc, run_dilated_gqa_h100_0aa75dc.json, after the bf16
+# GPU tests with group 4 passed), views vs fused, no launch blocking: 32K 4.22 / 13.68 vs 5.36 / 19.35; 128K 15.07 / 49.81
 # vs 20.91 / 72.64; 128K causal 9.39 / 33.52 vs 13.61 / 48.60; 1M 131.3 / 412.2 vs 167.1 /
 # 605.7: views from 32K in both passes.
 CUDNN_VIEWS_MIN_TOKENS_GQA = {"fwd": 32768, "bwd": 32768}

@@ -1,6 +1,10 @@
-"""Fused dilated attention: one kernel launch per branch, no gathered copies.
+"""Fused dilated attention, no gathered copies.
 
-Forward: a rate-1 branch (it selects every row of every head) runs first and
+Grouped schedule (branches nest and every branch has at most
+``GROUPED_MAX_KEYS`` keys per segment class): one launch per kernel, each
+(row, head) owned by one program that runs all of its branches through one
+online softmax (see the grouped kernels in triton_attention.py). Otherwise one
+launch per branch. Forward: a rate-1 branch (it selects every row of every head) runs first and
 writes the output and lse; without one they start as 0 / -inf. Each later
 branch merges into them in its epilogue, in float32 registers (launches are
 ordered on the stream, and inside one launch each (row, head) has one owner). Backward: one
@@ -95,9 +99,9 @@ def _buffer(shape, like, dtype, covered, fill):
 
 
 def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, out_dtype=None):
-    """Grouped where branches nest (one launch: every (row, head) is written
-    once, after all its branches), else one launch per branch merging into the
-    output in place. The output is kept in the input dtype by default (the
+    """Grouped where branches nest and classes are short (one launch: every
+    (row, head) is written once, after all its branches), else one launch per
+    branch merging into the output in place. The output is kept in the input dtype by default (the
     merges run in float32 registers, one rounding per branch), so the only
     extra memory is the lse; pass ``out_dtype=torch.float32`` where the result
     is merged again (dilated attention over ranks)."""
