@@ -445,6 +445,20 @@ if HAS_TRITON:
         return start0, j, m0, start0 + j + t * R0, t < m0
 
     @triton.jit
+    def _grouped_keys(BR, i, h, j, start0, S, i0, m0, R0, pos, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr):
+        """Branch i for a query block (rows i0.. of class j): whether it selects
+        the block, its keys' (r, kb, mk), the rows' class indices in its
+        geometry, and the key tiles [0, u1) unmasked, [u1, hi) masked."""
+        r, kb, mk = _grouped_branch(BR, i, h, start0, S)
+        full, hi = mk, mk
+        if CAUSAL:  # the block's first row sees `full` keys, its last row `hi`
+            full = tl.minimum((start0 + j + i0 * R0 - kb) // r + 1, mk)
+            hi = tl.minimum((start0 + j + (tl.minimum(i0 + BLOCK_M, m0) - 1) * R0 - kb) // r + 1, mk)
+        sel = (j % r == h % r) & (i0 < m0)
+        return sel, r, kb, mk, (pos - kb) // r, (full // BLOCK_N) * BLOCK_N, hi
+
+    @triton.jit
     def _grouped_fwd_kernel(Q, K, V, O, LSE, BR, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
                             slb, slh, H, G, S, W0, R0, NSEG, qk_scale, NB: tl.constexpr, D: tl.constexpr,
                             D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -465,17 +479,10 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        p_first = start0 + j + i0 * R0
-        p_last = start0 + j + (tl.minimum(i0 + BLOCK_M, m0) - 1) * R0
         for i in tl.static_range(NB):
-            r, kb, mk = _grouped_branch(BR, i, h, start0, S)
-            if (j % r == h % r) & (i0 < m0):
-                idx = (pos - kb) // r
-                full, hi = mk, mk
-                if CAUSAL:
-                    full = tl.minimum((p_first - kb) // r + 1, mk)
-                    hi = tl.minimum((p_last - kb) // r + 1, mk)
-                u1 = (full // BLOCK_N) * BLOCK_N
+            sel, r, kb, mk, idx, u1, hi = _grouped_keys(BR, i, h, j, start0, S, i0, m0, R0, pos, BLOCK_M, BLOCK_N,
+                                                        CAUSAL)
+            if sel:
                 acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kb, r, sks, svs, 0, u1, idx, offs_n,
                                            offs_d, dmask, mk, mk, 0, 0, 0, qk_scale, False, CAUSAL, False, False,
                                            BLOCK_N, IEEE)
@@ -515,17 +522,10 @@ if HAS_TRITON:
         k_ptr = K + b * skb + (h // G) * skh
         v_ptr = V + b * svb + (h // G) * svh
         dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        p_first = start0 + j + i0 * R0
-        p_last = start0 + j + (tl.minimum(i0 + BLOCK_M, m0) - 1) * R0
         for i in tl.static_range(NB):
-            r, kb, mk = _grouped_branch(BR, i, h, start0, S)
-            if (j % r == h % r) & (i0 < m0):
-                idx = (pos - kb) // r
-                full, hi = mk, mk
-                if CAUSAL:
-                    full = tl.minimum((p_first - kb) // r + 1, mk)
-                    hi = tl.minimum((p_last - kb) // r + 1, mk)
-                u1 = (full // BLOCK_N) * BLOCK_N
+            sel, r, kb, mk, idx, u1, hi = _grouped_keys(BR, i, h, j, start0, S, i0, m0, R0, pos, BLOCK_M, BLOCK_N,
+                                                        CAUSAL)
+            if sel:
                 dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kb, r, sks, svs, 0, u1, idx, offs_n, offs_d,
                                dmask, mk, mk, 0, 0, 0, qk_scale, False, CAUSAL, False, False, BLOCK_N, IEEE)
                 dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kb, r, sks, svs, u1, hi, idx, offs_n, offs_d,
