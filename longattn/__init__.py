@@ -8,11 +8,9 @@
 * :mod:`longattn.nn` — modules; :mod:`longattn.bench` — the benchmark CLI.
 """
 from .backends import BACKENDS, available_backends, use_backend
-from .functional import attention, dilated_attention
-from .varlen import attention_varlen
-from .distributed import (ring_attention, ring_attention_varlen, shard, shard_positions, shard_varlen, unshard,
-                          unshard_varlen)
-from . import nn
+from .ops import attention, attention_varlen, dilated_attention, ring_attention, ring_attention_varlen
+from .distributed import shard, shard_positions, shard_varlen, unshard, unshard_varlen
+from . import nn, tuning
 
 __version__ = "0.1.0"
 
@@ -22,12 +20,12 @@ def kernels_available(device: str = "cpu") -> bool:
     under ``TRITON_INTERPRET=1``)."""
     import torch
 
-    from .kernels import triton_attention
+    from .kernels import _common
 
-    return triton_attention.available(torch.device(device))
+    return _common.available(torch.device(device))
 
 __all__ = [
     "attention", "attention_varlen", "dilated_attention", "nn", "ring_attention", "ring_attention_varlen", "shard", "unshard", "shard_positions",
     "shard_varlen", "unshard_varlen",
-    "use_backend", "available_backends", "kernels_available", "BACKENDS",
+    "use_backend", "available_backends", "kernels_available", "BACKENDS", "tuning",
 ]

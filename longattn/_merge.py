@@ -50,10 +50,10 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
     pass reads both sides and writes the merged result; otherwise torch passes.
     """
     if use_triton and out.stride(-1) == 1 and out_b.stride(-1) == 1:
-        from .kernels import triton_merge
+        from .kernels import merge as kmerge
 
-        if triton_merge.usable(out):
-            triton_merge.merge_into(out, lse, out_b, lse_b)
+        if kmerge.usable(out):
+            kmerge.merge_into(out, lse, out_b, lse_b)
             return
     if out.dtype == torch.float32:
         merge_(out, lse, out_b, lse_b)

@@ -89,3 +89,16 @@ def check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_
     check_flag(return_lse, "return_lse")
     check_scale(softmax_scale)
     return segs, rates
+
+
+def check_cu_seqlens(cu_seqlens, total: int, name: str = "cu_seqlens") -> None:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32), got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D int32 tensor of cumulative lengths (ndocs + 1 entries, starting at 0), "
+                         f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
+    vals = cu_seqlens.tolist()
+    if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{name} must start at 0 and be non-decreasing, got {vals[:8]}...")
+    if vals[-1] != total:
+        raise ValueError(f"{name}[-1] ({vals[-1]}) must equal the number of tokens ({total})")

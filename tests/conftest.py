@@ -27,16 +27,3 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def gather_rows(request, monkeypatch):
-    """Sets longattn.dilated.GATHER_MAX_ROWS (0: no branch is gathered) around
-    a test (indirect parametrization); the unit plans are cached, so the cache
-    is cleared on both sides."""
-    from longattn import dilated
-
-    monkeypatch.setattr(dilated, "GATHER_MAX_ROWS", request.param)
-    dilated._ordered_units_cached.cache_clear()
-    yield request.param
-    dilated._ordered_units_cached.cache_clear()

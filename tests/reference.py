@@ -100,3 +100,34 @@ def grads_of(fn, inputs, dout, dlse=None):
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dlse.double()).sum()
     loss.backward()
     return out.detach(), (None if lse is None else lse.detach()), [x.grad for x in xs]
+
+
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+def assert_close(got: dict, ref: dict, tol: float, tag: str = "") -> dict:
+    """The one comparison every test uses: each named tensor of ``got`` (out,
+    lse, gradients) within ``tol`` relative error (norm, finite entries; -inf
+    where the reference has -inf) of ``ref``, and no NaN. Returns the errors."""
+    errs = {n: rel_err(got[n], r) for n, r in ref.items() if r is not None}
+    bad = {n: e for n, e in errs.items() if not e < tol}
+    assert not bad, f"{tag}: relative error above {tol}: {bad}"
+    nans = [n for n in ref if got.get(n) is not None and torch.isnan(got[n]).any()]
+    assert not nans, f"{tag}: NaN in {nans}"
+    return errs
+
+
+def results(fn, inputs, dout, dlse=None) -> dict:
+    """{out, lse, dq, dk, dv} of fn(*inputs) backpropagated with (dout, dlse)."""
+    out, lse, grads = grads_of(fn, inputs, dout, dlse)
+    return dict(out=out, lse=lse, **dict(zip(GRAD_NAMES, grads)))
+
+
+def check_op(fn, ref_fn, inputs, dout, dlse=None, tol: float = 1e-4, tag: str = "") -> dict:
+    """fn(*inputs) against ref_fn on float64 copies of the inputs: output, lse
+    (when fn returns it) and every input gradient (see :func:`assert_close`)."""
+    got = results(fn, inputs, dout, dlse)
+    want = results(ref_fn, [x.double() for x in inputs], dout, dlse)
+    if got["lse"] is None:
+        want["lse"] = None
+    return assert_close(got, want, tol, tag)

@@ -2,14 +2,14 @@
 gather path on every CPU backend, and the fused Triton kernel under the
 interpreter."""
 import json
-import os
 
 import pytest
 import torch
 
 import longattn
-from longattn import dilated
-from reference import dilated_masks, dilated_ref, grads_of, rel_err
+from longattn.dilated import schedule as dsched
+from longattn.tuning import DilatedTuning
+from reference import check_op, dilated_masks, dilated_ref, rel_err, results
 
 TOL = 1e-4
 
@@ -26,68 +26,67 @@ CONFIGS = [
 ]
 
 
-def _run(cfg, dtype, backend):
-    s, h, hkv, segs, rates, causal = cfg
-    q = torch.randn(1, s, h, 16, dtype=dtype)
-    k = torch.randn(1, s, hkv, 16, dtype=dtype)
-    v = torch.randn(1, s, hkv, 16, dtype=dtype)
-    do, dl = torch.randn(1, s, h, 16), torch.randn(1, h, s)
-    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                    causal=causal, return_lse=True, backend=backend)
-    ref = lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal)
-    got = grads_of(fn, [q, k, v], do.to(dtype), dl)
-    want = grads_of(ref, [q.double(), k.double(), v.double()], do.to(dtype), dl)
-    return got, want
+def _dilated(segs, rates, causal, backend, tuning=None):
+    return lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                      causal=causal, return_lse=True, backend=backend, tuning=tuning)
 
 
-def _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, backend):
+def _inputs(cfg, dtype, batch=1):
+    s, h, hkv, _, _, _ = cfg
+    q, k, v = torch.randn(batch, s, h, 16), torch.randn(batch, s, hkv, 16), torch.randn(batch, s, hkv, 16)
+    return [x.to(dtype) for x in (q, k, v)], torch.randn(batch, s, h, 16).to(dtype), torch.randn(batch, h, s)
+
+
+def _check_cfg(cfg, backend, tuning=None):
+    _, _, _, segs, rates, causal = cfg
+    (q, k, v), do, dl = _inputs(cfg, torch.float32)
+    check_op(_dilated(segs, rates, causal, backend, tuning), lambda q, k, v: dilated_ref(q, k, v, segs, rates,
+                                                                                          causal=causal),
+             [q, k, v], do, dl, TOL, tag=f"{cfg} {backend}")
+
+
+def _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, backend, tuning=None):
     """dilated_attention(backend) against the float64 definition: output, lse
     and all gradients within TOL."""
-    fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                    causal=causal, return_lse=True, backend=backend)
-    (o, l, g) = grads_of(fn, [q, k, v], do, dl)
-    (ro, rl, rg) = grads_of(lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal),
-                            [q.double(), k.double(), v.double()], do, dl)
-    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
-    for a, b in zip(g, rg):
-        assert rel_err(a, b) < TOL
+    check_op(_dilated(segs, rates, causal, backend, tuning),
+             lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal), [q, k, v], do, dl, TOL)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("backend", ["math", "flash"])
-def test_gather_path(cfg, backend):
-    (o, l, g), (ro, rl, rg) = _run(cfg, torch.float32, backend)
-    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
-    for a, b in zip(g, rg):
-        assert rel_err(a, b) < TOL
-        assert not torch.isnan(a).any()
+def test_local_backends(cfg, backend):
+    """Views (MHA; GQA whose rates and group size divide) or gathered blocks through each CPU backend."""
+    _check_cfg(cfg, backend)
 
 
-triton_ok = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or not longattn.kernels_available(),
-    reason="Triton kernels run on CPU only under TRITON_INTERPRET=1 with triton installed")
+@pytest.mark.parametrize("cfg", CONFIGS[:4])
+def test_gather_engine_forced(cfg):
+    _check_cfg(cfg, "math", DilatedTuning(schedule="gather"))
+
+
+triton_ok = pytest.mark.skipif(not longattn.kernels_available(),
+                               reason="Triton kernels run on CPU only under TRITON_INTERPRET=1 with triton installed")
 
 
 @triton_ok
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_triton_kernel_float32(cfg):
-    (o, l, g), (ro, rl, rg) = _run(cfg, torch.float32, "triton")
-    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
-    for a, b in zip(g, rg):
-        assert rel_err(a, b) < TOL
+    _check_cfg(cfg, "triton")
 
 
 @triton_ok
 @pytest.mark.parametrize("cfg", CONFIGS[:3])
 def test_triton_kernel_float16(cfg):
     # fp16 inputs: within 2x the error of the math path on the same fp16 inputs
-    torch.manual_seed(0)
-    (mo, ml, mg), (ro2, rl2, rg2) = _run(cfg, torch.float16, "math")
-    torch.manual_seed(0)
-    (o, l, g), (ro, rl, rg) = _run(cfg, torch.float16, "triton")
-    assert rel_err(o, ro) < max(2 * rel_err(mo, ro2), 2e-3)
-    for a, b, m, mb in zip(g, rg, mg, rg2):
-        assert rel_err(a, b) < max(2 * rel_err(m, mb), 2e-3)
+    _, _, _, segs, rates, causal = cfg
+    (q, k, v), do, dl = _inputs(cfg, torch.float16)
+    want = results(lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal), [x.double() for x in (q, k, v)],
+                   do, dl)
+    math_err = {n: rel_err(t, want[n]) for n, t in results(_dilated(segs, rates, causal, "math"), [q, k, v], do,
+                                                            dl).items()}
+    got = results(_dilated(segs, rates, causal, "triton"), [q, k, v], do, dl)
+    for n in ("out", "dq", "dk", "dv"):
+        assert rel_err(got[n], want[n]) < max(2 * math_err[n], 2e-3), n
 
 
 def test_uncovered_rows_zero_out_neg_inf_lse_zero_grad():
@@ -104,7 +103,7 @@ def test_uncovered_rows_zero_out_neg_inf_lse_zero_grad():
 def test_pair_count_matches_masks():
     for s, h, _, segs, rates, causal in CONFIGS:
         want = sum(int(m.sum()) for m in dilated_masks(s, h, segs, rates, causal))
-        assert dilated.pair_count(s, segs, rates, h, causal) == want
+        assert longattn.dilated.pair_count(s, segs, rates, h, causal) == want
 
 
 @pytest.mark.parametrize("kw,exc,match", [
@@ -137,15 +136,10 @@ def test_triton_kernel_padded_and_large_head_dims(d):
     do = torch.randn_like(q)
     fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=[8, 20], dilation_rates=[1, 2],
                                                     causal=True, return_lse=True, backend="triton")
-    o, l, g = grads_of(fn, [q, k, v], do)
-    ro, rl, rg = grads_of(lambda q, k, v: dilated_ref(q, k, v, [8, 20], [1, 2], causal=True),
-                          [q.double(), k.double(), v.double()], do)
-    assert rel_err(o, ro) < TOL and rel_err(l, rl) < TOL
-    for a, b in zip(g, rg):
-        assert rel_err(a, b) < TOL
+    check_op(fn, lambda q, k, v: dilated_ref(q, k, v, [8, 20], [1, 2], causal=True), [q, k, v], do, tol=TOL)
 
 
-@pytest.mark.parametrize("gather_rows", [0, dilated.GATHER_MAX_ROWS], indirect=True)
+@pytest.mark.parametrize("gather_rows", [0, DilatedTuning().gather_max_rows])
 @pytest.mark.parametrize("causal", [False, True])
 def test_views_path_stacks_branch_classes(causal, gather_rows):
     """The MHA views path stacks a branch's offset classes into one strided
@@ -154,7 +148,7 @@ def test_views_path_stacks_branch_classes(causal, gather_rows):
     the causal backward gather: here every branch with Hc > 1); batch > 1
     checks the views' batch offsets. Against float64."""
     s, h, segs, rates = 64, 8, [8, 32, 64], [2, 4, 8]
-    kinds = {(u.part is not None, u.seg >= 0, u.gathered) for u in dilated.units(s, segs, rates, h)}
+    kinds = {(u.part is not None, u.seg >= 0, u.gathered) for u in dsched.units(s, segs, rates, h, gather_rows)}
     if gather_rows:  # the two small branches gathered, one head per class stacked as heads
         assert kinds == {(False, False, True), (False, False, False)}
     else:  # per class, per segment, whole branch
@@ -162,84 +156,101 @@ def test_views_path_stacks_branch_classes(causal, gather_rows):
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(2, s, h, 16) for _ in range(4))
     dl = torch.randn(2, h, s)
-    _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math")
+    _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math",
+                        DilatedTuning(schedule="views", gather_max_rows=gather_rows))
 
 
 def test_base_unit_adoption_limits():
     """The rate-1 branch's whole-unit results become the output up to 2**31
     elements (1M tokens x 16 heads x 128: every index fits in int32) and the
-    gradients only up to ADOPT_BWD_MAX_ELEMS (cuDNN's float32 dQ buffer is the
-    call's size); batch > 1 never."""
+    gradients only up to the tuning's adopt_bwd_max_elems (cuDNN's float32 dQ
+    buffer is the call's size); batch > 1 never."""
+    from longattn.dilated.views import adoptable
+
+    bwd_limit = DilatedTuning().adopt_bwd_max_elems
     one_m = torch.empty(1, 1 << 20, 16, 128, device="meta")
-    assert dilated._adoptable(1, one_m)
-    assert not dilated._adoptable(1, torch.empty(1, (1 << 20) + 1, 16, 128, device="meta"))
-    assert not dilated._adoptable(1, one_m, backward=True)
-    assert dilated._adoptable(1, torch.empty(1, dilated.ADOPT_BWD_MAX_ELEMS // 2048, 16, 128, device="meta"),
-                              backward=True)
-    assert not dilated._adoptable(1, torch.empty(2, 64, 16, 128, device="meta"))
-    assert not dilated._adoptable(2, torch.empty(1, 64, 16, 128, device="meta"))
+    assert adoptable(1, one_m, 2 ** 31)
+    assert not adoptable(1, torch.empty(1, (1 << 20) + 1, 16, 128, device="meta"), 2 ** 31)
+    assert not adoptable(1, one_m, bwd_limit)
+    assert adoptable(1, torch.empty(1, bwd_limit // 2048, 16, 128, device="meta"), bwd_limit)
+    assert not adoptable(1, torch.empty(2, 64, 16, 128, device="meta"), 2 ** 31)
+    assert not adoptable(2, torch.empty(1, 64, 16, 128, device="meta"), 2 ** 31)
+
+
+def _fused_with(tuner, segs, rates, causal, schedule):
+    """The fused engine's passes with an explicit autotuner, as an autograd function returning (out, lse)."""
+    from longattn.dilated import fused
+
+    scale = 16 ** -0.5
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            o, l = fused.forward(q, k, v, segs, rates, causal, scale, schedule, tuner=tuner)
+            ctx.save_for_backward(q, k, v, o, l)
+            return o, l
+
+        @staticmethod
+        def backward(ctx, do, dl):
+            q, k, v, o, l = ctx.saved_tensors
+            return fused.backward(do, q, k, v, o, l, dl, segs, rates, causal, scale, schedule, tuner=tuner)
+
+    return F.apply
 
 
 @triton_ok
-def test_triton_autotune_per_shape(monkeypatch, tmp_path):
+def test_triton_autotune_per_shape(tmp_path):
     """With autotuning on, the first call of each (kind, rows per segment class,
     grid size, causal, GQA group, ...) times the candidates on scratch buffers and keeps
     the fastest; later calls reuse it, later processes too (the cache file);
     the results stay exact. The timer is replaced so a non-default tile wins
     (the interpreter's times mean nothing)."""
-    from longattn.kernels import triton_attention as ta
-    from longattn.kernels import triton_dilated
+    from longattn.kernels.autotune import CPU_CANDIDATES, Autotuner
 
-    monkeypatch.setattr(triton_dilated, "SCHEDULE", "per_branch")  # a launch per branch: per-branch keys
-    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
-    monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ta, "_by_shape", {})
-    monkeypatch.setattr(ta, "_on_disk", None)
-    want = ta._CPU_CANDIDATES[1]
+    want = CPU_CANDIDATES[1]
     trials = []
 
     def fake_time(fn, device):
         fn()  # runs the trial into scratch: must leave the real outputs alone
         trials.append(1)
-        return 1.0 if ta._CPU_CANDIDATES[len(trials) % len(ta._CPU_CANDIDATES) - 1] is want else 2.0
+        return 1.0 if CPU_CANDIDATES[len(trials) % len(CPU_CANDIDATES) - 1] is want else 2.0
 
-    monkeypatch.setattr(ta, "_time", fake_time)
-    monkeypatch.setattr(ta, "_announced", False)
+    tuner = Autotuner(mode="1", cache_dir=str(tmp_path), timer=fake_time)
     s, h, hkv, segs, rates = 40, 4, 2, [8, 16, 32], [1, 2, 4]
     q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
     do, dl = torch.randn(1, s, h, 16), torch.randn(1, h, s)
+    ref = lambda causal: lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal)
+    run = lambda tuner, causal: check_op(_fused_with(tuner, segs, rates, causal, "per_branch"), ref(causal),
+                                         [q, k, v], do, dl, TOL)
     with pytest.warns(UserWarning, match="autotuning"):  # the first tuning says so, once
-        _assert_matches_ref(q, k, v, do, dl, segs, rates, False, "triton")
-    _assert_matches_ref(q, k, v, do, dl, segs, rates, True, "triton")
+        run(tuner, False)  # a launch per branch: per-branch keys
+    run(tuner, True)
     # rows per class 8 (w/r) in every branch: one bucket; grids of 5, 3 and 2
     # segments x 4 heads: three buckets; 3 kinds; 2 causal flags
     grids = {(4 * -(-s // w) - 1).bit_length() for w in segs}
     assert len(grids) == 3
-    assert sorted((key[0], key[-2], key[-1]) for key in ta._by_shape) == sorted(
+    assert sorted((key[0], key[-2], key[-1]) for key in tuner.by_shape) == sorted(
         (kind, n, c) for kind in ("fwd", "dkdv", "dq") for n in grids for c in (False, True))
-    assert all(cfg is want for cfg in ta._by_shape.values())
+    assert all(cfg is want for cfg in tuner.by_shape.values())
     n = len(trials)
-    assert n == len(ta._by_shape) * len(ta._CPU_CANDIDATES)
-    longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")
+    assert n == len(tuner.by_shape) * len(CPU_CANDIDATES)
+    run(tuner, False)
     assert len(trials) == n  # cached
-    tuned = dict(ta._by_shape)
-    monkeypatch.setattr(ta, "_by_shape", {})
-    monkeypatch.setattr(ta, "_on_disk", None)  # a new process: the choices come from the file
-    assert len(json.load(open(tmp_path / "triton_tiles.json"))) == n // len(ta._CPU_CANDIDATES)
-    _assert_matches_ref(q, k, v, do, dl, segs, rates, True, "triton")  # the causal call, tiles from the file
-    assert len(trials) == n and len(ta._by_shape) == len(tuned) // 2
-    assert all(tuned[key] == cfg for key, cfg in ta._by_shape.items())
-    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "0")
-    monkeypatch.setattr(ta, "_by_shape", {})
-    longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, backend="triton")
-    assert not ta._by_shape and len(trials) == n
+    fresh = Autotuner(mode="1", cache_dir=str(tmp_path), timer=fake_time)  # a new process: choices from the file
+    assert len(json.load(open(tmp_path / "triton_tiles.json"))) == n // len(CPU_CANDIDATES)
+    run(fresh, True)
+    assert len(trials) == n and len(fresh.by_shape) == len(tuner.by_shape) // 2
+    assert all(tuner.by_shape[key] == cfg for key, cfg in fresh.by_shape.items())
+    off = Autotuner(mode="0", cache_dir=str(tmp_path), timer=fake_time)
+    run(off, False)
+    assert not off.by_shape and len(trials) == n
 
 
 def test_grouped_plan_where_branches_nest():
     """The grouped schedule needs every rate to divide the largest rate R0,
     R0 to divide the shortest segment W0 and W0 every segment (a segment
     covering the sequence counts as one segment)."""
-    from longattn.kernels.triton_attention import GroupedPlan
+    from longattn.kernels.geometry import GroupedPlan
 
     p = GroupedPlan.of(32768, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16], False)
     assert (p.w, p.r0, p.max_m, p.nseg) == (2048, 16, 128, 16)
@@ -250,7 +261,7 @@ def test_grouped_plan_where_branches_nest():
     for segs, rates in (([7, 12], [3, 4]), ([8, 20], [1, 3]), ([4, 8], [4, 8]), ([8, 12], [1, 2])):
         assert GroupedPlan.of(40, segs, rates, False) is None
     # the default fused schedule: grouped for short nested classes only (<= 512 keys per class)
-    from longattn.kernels.triton_dilated import grouped_runs
+    from longattn.dilated.plan import grouped_runs
 
     assert grouped_runs(32768, [256, 512, 1024], [1, 2, 4])
     assert not grouped_runs(32768, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
@@ -260,36 +271,31 @@ def test_grouped_plan_where_branches_nest():
 @triton_ok
 @pytest.mark.parametrize("schedule", ["grouped", "per_branch", "per_branch_zero_fill"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_schedules(monkeypatch, schedule, causal):
+def test_triton_schedules(schedule, causal):
     """Nested branches run grouped (one launch per kernel) by default; the
     per-branch launches (a rate-1 branch writing first, or all merging into
     zeros) compute the same function. GQA, partial last segments, a branch
     whose segment covers the sequence."""
-    from longattn.kernels import triton_dilated
-
-    monkeypatch.setattr(triton_dilated, "SCHEDULE", schedule)
     s, h, hkv, segs, rates = 44, 4, 2, [8, 16, 64], [2, 1, 4]
     q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
-    _assert_matches_ref(q, k, v, torch.randn(1, s, h, 16), torch.randn(1, h, s), segs, rates, causal, "triton")
+    _assert_matches_ref(q, k, v, torch.randn(1, s, h, 16), torch.randn(1, h, s), segs, rates, causal, "auto",
+                        DilatedTuning(schedule=schedule))
 
 
 @triton_ok
-def test_triton_grouped_autotune(monkeypatch, tmp_path):
+def test_triton_grouped_autotune(tmp_path):
     """Grouped kernels tune per kind too; a trial runs the first segment only
     (its grid's segment count, not the call's) into scratch."""
-    from longattn.kernels import triton_attention as ta
-    from longattn.kernels import triton_dilated
+    from longattn.kernels.autotune import Autotuner
 
-    monkeypatch.setattr(triton_dilated, "SCHEDULE", "grouped")
-    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
-    monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ta, "_by_shape", {})
-    monkeypatch.setattr(ta, "_on_disk", None)
-    monkeypatch.setattr(ta, "_announced", True)
+    tuner = Autotuner(mode="1", cache_dir=str(tmp_path))
     s, h, hkv, segs, rates = 40, 4, 2, [8, 16, 32], [1, 2, 4]
     q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
-    _assert_matches_ref(q, k, v, torch.randn(1, s, h, 16), torch.randn(1, h, s), segs, rates, True, "triton")
-    assert {key[0] for key in ta._by_shape} == {"grouped_fwd", "grouped_dkdv", "grouped_dq"}
+    with pytest.warns(UserWarning, match="autotuning"):
+        check_op(_fused_with(tuner, segs, rates, True, "grouped"),
+                 lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=True), [q, k, v],
+                 torch.randn(1, s, h, 16), torch.randn(1, h, s), TOL)
+    assert {key[0] for key in tuner.by_shape} == {"grouped_fwd", "grouped_dkdv", "grouped_dq"}
 
 
 @triton_ok
@@ -305,12 +311,12 @@ def test_triton_ops_under_torch_compile():
     fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
                                                     causal=True, backend="triton")
     cnt = CompileCounterWithBackend("aot_eager")
-    (o, _, g) = grads_of(torch.compile(fn, backend=cnt, fullgraph=True), [q, k, v], do)
-    (eo, _, eg) = grads_of(fn, [q, k, v], do)
+    got = results(torch.compile(fn, backend=cnt, fullgraph=True), [q, k, v], do)
+    want = results(fn, [q, k, v], do)
     assert cnt.frame_count == 1
     ops = {n.target for n in cnt.graphs[0].graph.nodes if n.op == "call_function"}
     assert torch.ops.longattn.dilated_triton_fwd.default in ops
-    assert torch.equal(o, eo) and all(torch.equal(a, b) for a, b in zip(g, eg))
+    assert all(torch.equal(got[n], want[n]) for n in ("out", "dq", "dk", "dv"))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -321,17 +327,17 @@ def test_gqa_views_path(causal):
     last segments, batch 2. Each view reads exactly the kv heads the
     definition names; results and gradients against float64."""
     s, h, hkv, segs, rates = 44, 8, 2, [6, 12, 16, 44], [1, 2, 4, 8]
-    assert dilated.kv_views_ok(rates, h, hkv) and not dilated.kv_views_ok([3], h, hkv)
+    assert dsched.kv_views_ok(rates, h, hkv) and not dsched.kv_views_ok([3], h, hkv)
     k_ids = torch.arange(hkv, dtype=torch.float64).view(1, 1, hkv, 1).expand(1, s, hkv, 1)
     pos = torch.arange(s, dtype=torch.float64).view(1, s, 1, 1)
     tagged = pos * 100 + k_ids  # value = row * 100 + kv head
-    for part in dilated.schedule(s, segs, rates, h):
-        want_heads, _ = dilated.kv_heads_for(part, h, hkv)
+    for part in dsched.schedule(s, segs, rates, h):
+        want_heads, _ = dsched.kv_heads_for(part, h, hkv)
         got = part.kv_view(tagged, h, 0)  # (nseg, m, Hk, 1)
         rows = part.start + torch.arange(part.nseg)[:, None] * part.seg_len + part.c + torch.arange(part.m) * part.r
         assert torch.equal(got[..., 0] // 100, rows[:, :, None].double().expand_as(got[..., 0]))
         assert (got[..., 0] % 100)[0, 0].long().tolist() == want_heads
-    assert all(u.part is not None for u in dilated.units(s, segs, rates, h, mha=False))
+    assert all(u.part is not None for u in dsched.units(s, segs, rates, h, mha=False))
     torch.manual_seed(0)
     q, do = torch.randn(2, s, h, 16), torch.randn(2, s, h, 16)
     k, v = torch.randn(2, s, hkv, 16), torch.randn(2, s, hkv, 16)

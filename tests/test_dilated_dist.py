@@ -7,7 +7,7 @@ import torch
 
 import longattn
 from dist_utils import assert_unsharded_close, run_world
-from longattn.distributed import _comm
+from longattn.distributed import transport
 from longattn.distributed.dilated import comm_bytes, split_branches
 from reference import dilated_ref
 
@@ -35,13 +35,13 @@ def _check(rank, world):
         ro, rl = dilated_ref(qr, kr, vr, segs, rates, causal=causal)
         ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
         ql, kl, vl = (longattn.shard(x).requires_grad_() for x in (q, k, v))
-        _comm.traffic["bytes_sent"] = 0
+        transport.traffic["bytes_sent"] = 0
         out, lse = longattn.dilated_attention(ql, kl, vl, segment_lengths=segs, dilation_rates=rates, causal=causal,
                                               return_lse=True, backend="math", group=torch.distributed.group.WORLD)
-        sent_fwd = _comm.traffic["bytes_sent"]
+        sent_fwd = transport.traffic["bytes_sent"]
         ((out * longattn.shard(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) *
                                              longattn.shard(dl, seq_dim=2)).sum()).backward()
-        sent_all = _comm.traffic["bytes_sent"]
+        sent_all = transport.traffic["bytes_sent"]
         kw = dict(batch=1, nheads=h, nheads_kv=hkv, headdim=16, itemsize=4, causal=causal)
         assert sent_fwd == comm_bytes(s, world, segs, rates, **kw)
         assert sent_all == comm_bytes(s, world, segs, rates, backward=True, **kw)

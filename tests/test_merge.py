@@ -37,9 +37,9 @@ def test_merge_matches_logaddexp_and_handles_empty_rows():
 def test_triton_merge_on_strided_views():
     """The one-pass Triton merge (dilated attention's MHA path) on views strided
     like a dilated part of (B, S, H, D) / (B, H, S) buffers: same results."""
-    from longattn.kernels import triton_merge
+    from longattn.kernels import merge as kmerge
 
-    if not triton_merge.usable(torch.empty(1)):
+    if not kmerge.usable(torch.empty(1)):
         pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
     o, l, ob, lb = _case()
     want_o, want_l, fin = _want(o, l, ob, lb)
@@ -49,7 +49,7 @@ def test_triton_merge_on_strided_views():
     lbig = torch.full((2, 6, 10), 7.0)
     lbig[:, ::2, ::2] = l.transpose(1, 2)
     ov, lv = big[:, ::2, ::2], lbig[:, ::2, ::2].transpose(1, 2)
-    triton_merge.merge_into(ov, lv, ob, lb)
+    kmerge.merge_into(ov, lv, ob, lb)
     assert torch.equal(torch.isneginf(lv), ~fin)
     assert torch.allclose(lv[fin].double(), want_l[fin], atol=1e-5)
     assert torch.allclose(ov.double(), want_o, atol=1e-6)
@@ -63,9 +63,9 @@ def test_triton_add_into_strided_views(dtype):
     """The fused strided add of the dilated backward: dst += src for one to
     three pairs, dst every other row and head of a bigger buffer, src in
     another layout; float32 arithmetic, one rounding; the rest untouched."""
-    from longattn.kernels import triton_merge
+    from longattn.kernels import merge as kmerge
 
-    if not triton_merge.usable(torch.empty(1)):
+    if not kmerge.usable(torch.empty(1)):
         pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
     torch.manual_seed(0)
     for npair in (1, 2, 3):
@@ -73,7 +73,7 @@ def test_triton_add_into_strided_views(dtype):
         dsts = [b[:, ::2, ::2] for b in bigs]                                       # (2, 5, 3, 8)
         srcs = [torch.randn(2, 3, 5, 8, dtype=dtype).transpose(1, 2) for _ in range(npair)]
         want = [(d.float() + s.float()).to(dtype) for d, s in zip(dsts, srcs)]
-        triton_merge.add_into(dsts, srcs)
+        kmerge.add_into(dsts, srcs)
         for b, d, w in zip(bigs, dsts, want):
             assert torch.equal(d, w)
             b[:, ::2, ::2] = 7.0
@@ -83,11 +83,11 @@ def test_triton_add_into_strided_views(dtype):
 def test_triton_five_dim_merge_copy_add():
     """The 5-D (N, R, M, Hc, D) forms the gathered dilated branches use: the
     offset classes of a branch shift rows and heads together (no single
-    stride), as in dilated.Unit._five. Merge, gather (copy) and add against
+    stride), as in longattn.dilated.schedule.Unit._five. Merge, gather (copy) and add against
     torch on the same views; everything outside the views untouched."""
-    from longattn.kernels import triton_merge
+    from longattn.kernels import merge as kmerge
 
-    if not triton_merge.usable(torch.empty(1)):
+    if not kmerge.usable(torch.empty(1)):
         pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
     torch.manual_seed(0)
     nseg, r, w, h, d = 3, 2, 8, 4, 8
@@ -111,7 +111,7 @@ def test_triton_five_dim_merge_copy_add():
     want_o, want_l = ov.clone(), lv.clone()
     merge_(want_o, want_l, ob, lb)
     keep, lkeep = big.clone(), lbig.clone()
-    triton_merge.merge_into(ov, lv, ob, lb)
+    kmerge.merge_into(ov, lv, ob, lb)
     assert torch.allclose(ov, want_o, atol=1e-6)
     assert torch.equal(torch.isneginf(lv), torch.isneginf(want_l))
     fin = torch.isfinite(want_l)
@@ -121,13 +121,13 @@ def test_triton_five_dim_merge_copy_add():
 
     srcs = [five(torch.randn(nseg * w, h, d)) for _ in range(3)]
     dense = [torch.empty(x.shape) for x in srcs]
-    triton_merge.copy_into(dense, srcs)
+    kmerge.copy_into(dense, srcs)
     assert all(torch.equal(a, b) for a, b in zip(dense, srcs))
     bigs = [torch.randn(nseg * w, h, d) for _ in range(3)]
     want = [b.clone() for b in bigs]
     for x, y in zip(want, dense):
         five(x).add_(y)
-    triton_merge.add_into([five(b) for b in bigs], dense)
+    kmerge.add_into([five(b) for b in bigs], dense)
     assert all(torch.allclose(a, b) for a, b in zip(bigs, want))
 
 
@@ -136,20 +136,21 @@ def test_gradient_adds_of_gqa_views():
     heads than its query view (GQA, rate dividing the group): dQ and dK/dV go
     in separate launches, each inside its own view; one launch of mixed
     shapes raises instead of writing out of bounds."""
-    from longattn import dilated
-    from longattn.kernels import triton_merge
+    from longattn.dilated import views
+    from longattn.dilated.schedule import Part
+    from longattn.kernels import merge as kmerge
 
-    if not triton_merge.usable(torch.empty(1)):
+    if not kmerge.usable(torch.empty(1)):
         pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
     torch.manual_seed(0)
     dq_buf, dk_buf, dv_buf = torch.zeros(1, 12, 8, 4), torch.zeros(1, 12, 2, 4), torch.zeros(1, 12, 2, 4)
-    part = dilated.Part(w=6, r=2, c=1, start=0, nseg=2, seg_len=6)  # rows 1, 3, 5 of each segment
+    part = Part(w=6, r=2, c=1, start=0, nseg=2, seg_len=6)  # rows 1, 3, 5 of each segment
     dsts = [part.q_view(dq_buf, 0), part.kv_view(dk_buf, 8, 0), part.kv_view(dv_buf, 8, 0)]
     assert dsts[0].shape[2] == 4 and dsts[1].shape[2] == 2  # query heads 1, 3, 5, 7; every kv head
     srcs = [torch.randn(d.shape) for d in dsts]
     with pytest.raises(ValueError, match="shape"):
-        triton_merge.add_into(dsts, srcs)
-    dilated._add_grads(dsts, srcs, fused=True)
+        kmerge.add_into(dsts, srcs)
+    views.add_grads(dsts, srcs, fused=True)
     for buf, d, s in zip((dq_buf, dk_buf, dv_buf), dsts, srcs):
         assert torch.equal(d, s)
         d.zero_()

@@ -8,6 +8,10 @@ import torch.distributed as dist
 
 import longattn
 from dist_utils import assert_group_usable, assert_unsharded_close, run_world
+from longattn.distributed import transport
+from longattn.distributed.plan import num_steps, plan
+from longattn.distributed.ring import BackendOp, RingSchedule, ring_backward
+from longattn.distributed.transport import exchange, ring_transport
 from reference import attention_ref, rel_err
 
 TOL = 1e-4
@@ -22,6 +26,11 @@ CONFIGS = [
     ("zigzag", False, (-1, 6), 2),
     ("contiguous", False, (2, 2), 4),
 ]
+
+
+def _schedule(layout, world, rank, local_len, causal, window, scale):
+    return RingSchedule(num_steps(layout, world, local_len, causal, window),
+                        lambda src: plan(layout, rank, src, world, local_len, causal, window, scale))
 
 
 def _check_configs(rank, world):
@@ -48,12 +57,10 @@ def _check_configs(rank, world):
                                (ql.grad, kl.grad, vl.grad), ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
         # Without the K/V block the forward kept (the packed-document and dilated ops), the backward
         # fetches it first: the same blocks in the same order, so the same gradients to the bit.
-        from longattn.distributed import ring
-
         dl_used = torch.where(torch.isfinite(lse), sh(dl, 2), 0).detach()
-        fetched = ring._backward(sh(do), ql.detach(), kl.detach(), vl.detach(), out.detach(), lse.detach(), dl_used,
-                                 k.new_empty(0), v.new_empty(0), d ** -0.5, causal, window, layout,
-                                 dist.group.WORLD, "math")
+        fetched = ring_backward(sh(do), ql.detach(), kl.detach(), vl.detach(), out.detach(), lse.detach(), dl_used,
+                                _schedule(layout, world, rank, s // world, causal, window, d ** -0.5),
+                                BackendOp("math"), ring_transport(dist.group.WORLD))
         for got, want in zip(fetched, (ql.grad, kl.grad, vl.grad)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -67,19 +74,14 @@ def test_ring_matches_reference(world):
 def _check_copy_transport(rank, world):
     """The copy-engine transport (peer memory) under both of its orderings:
     stream memory operations, and the barrier kernel it falls back to."""
-    import os
-
-    from longattn.distributed import _comm
-
     for sync in ("memops", "barrier"):
-        os.environ["LONGATTN_COPY_SYNC"] = sync
-        _comm.release_slots()
-        with _comm.use_transport("copy"):
+        transport.release_slots()
+        with transport.use_transport("copy", copy_sync=sync):
             _check_configs(rank, world)
-            ex = _comm.exchange(dist.group.WORLD)
-            assert isinstance(ex, _comm.CopyEngineP2P)
-            for sl in _comm._slots.values():  # Hopper drivers run stream memory operations
-                assert sl.memops == (sync == "memops"), (sync, sl.memops)
+            ex = exchange(dist.group.WORLD)
+            assert isinstance(ex, transport.CopyEngineP2P)
+            # Hopper drivers run stream memory operations
+            assert transport.slot_syncs() == {sync}, (sync, transport.slot_syncs())
 
 
 @pytest.mark.gpu
@@ -92,16 +94,14 @@ def test_ring_copy_transport_matches_reference(world):
 
 
 def _check_transport_choice(rank, world):
-    from longattn.distributed import _comm
-
     q = torch.randn(1, 4, 2, 8)
-    with _comm.use_transport("copy"):
+    with transport.use_transport("copy"):
         with pytest.raises(ValueError, match="transport 'copy' refused: backend gloo"):
             longattn.ring_attention(q, q, q)
     assert_group_usable(world)
-    assert type(_comm.exchange(dist.group.WORLD)) is _comm.P2P  # auto on gloo: send/recv
+    assert type(exchange(dist.group.WORLD)) is transport.P2P  # auto on gloo: send/recv
     with pytest.raises(ValueError, match="transport must be one of"):
-        with _comm.use_transport("nvlink"):
+        with transport.use_transport("nvlink"):
             pass
 
 
@@ -192,8 +192,6 @@ def test_subgroups():
 
 
 def test_plan_skips_blocks():
-    from longattn.distributed.ring import num_steps, plan
-
     # contiguous causal: rank 0 computes nothing from later ranks
     assert plan("contiguous", 0, 1, 4, 8, True, (-1, -1), 1.0) == ()
     # zigzag causal: every rank and step has the same amount of work
@@ -237,30 +235,28 @@ def test_accumulate_into_empty_buffer_handles_partial_overlaps():
     end as the plain sum of the calls that touched it, 0 where none did, for
     call ranges that repeat, nest or partly overlap (window plans mix whole-shard
     and chunk ranges)."""
-    from longattn.distributed.ring import _accumulate, _zero_unwritten
+    from longattn.distributed.accumulate import RowSums
 
     n = 12
     calls = [(2, 6), (2, 6), (4, 10), (0, 3), (8, 9)]
-    acc = torch.full((1, n, 1), float("nan"))
+    acc = RowSums(torch.full((1, n, 1), float("nan")))
     want = torch.zeros(1, n, 1)
-    written = []
     for i, (a, b) in enumerate(calls):
         x = torch.full((1, b - a, 1), float(i + 1))
-        _accumulate(acc, written, a, b, x)
+        acc.add(a, b, x)
         want[:, a:b] += x
-    _zero_unwritten(acc, written)
-    torch.testing.assert_close(acc, want, rtol=0, atol=0)
+    torch.testing.assert_close(acc.zero_unwritten(), want, rtol=0, atol=0)
 
 
 def test_forward_keeps_output_dtype_only_for_one_merge():
     """Rows merged at most once accumulate in the output dtype (one rounding,
     as the float32 accumulator's final cast); rings with more merges per row
     accumulate in float32."""
-    from longattn.distributed.ring import _max_cover, plan
+    from longattn.distributed.accumulate import max_cover
 
     def cover(layout, world, causal):
-        return max(_max_cover([plan(layout, r, (r - s) % world, world, 64, causal, (-1, -1), 1.0)
-                               for s in range(world)]) for r in range(world))
+        return max(max_cover([plan(layout, r, (r - s) % world, world, 64, causal, (-1, -1), 1.0)
+                              for s in range(world)]) for r in range(world))
 
     assert cover("zigzag", 2, True) == 2 and cover("contiguous", 2, False) == 2
     assert cover("zigzag", 4, True) == 4 and cover("contiguous", 3, False) == 3

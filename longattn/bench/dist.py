@@ -25,7 +25,7 @@ from . import measure
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
 from .impls import fwd_flops, varlen_cu_seqlens
-from ..distributed import _comm
+from ..distributed import transport as _comm
 
 RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
 

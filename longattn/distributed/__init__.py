@@ -1,8 +1,10 @@
-"""Context parallelism over torch.distributed: ring attention, layouts,
-packed documents across ranks, and dilated attention across ranks."""
+"""Context parallelism over torch.distributed: the ring algorithm and its
+parts (planning, transport, accumulators), layouts of sharded sequences and
+packed documents, and dilated attention over ranks. The public ops built on
+them live in :mod:`longattn.ops` (``ring_attention``, ``ring_attention_varlen``,
+``dilated_attention(..., group=...)``)."""
 from .layout import shard, shard_positions, unshard
-from .ring import ring_attention
-from .varlen import VarlenShard, ring_attention_varlen, shard_varlen, unshard_varlen
+from .transport import use_transport
+from .varlen_layout import VarlenShard, shard_varlen, unshard_varlen
 
-__all__ = ["ring_attention", "ring_attention_varlen", "shard", "unshard", "shard_positions", "shard_varlen",
-           "unshard_varlen", "VarlenShard"]
+__all__ = ["shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen", "VarlenShard", "use_transport"]

@@ -22,13 +22,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import backends as bk
 from .. import dilated as _dil
 from .._merge import empty_state, merge_
-from .._ops import register_attention_autograd
-from .._validation import check_dilated_call
-from . import _comm
-from .ring import num_steps, plan, ring_backward, ring_forward
+from ..dilated.plan import DilatedPlan
+from .plan import num_steps, plan
+from .ring import BackendOp, RingSchedule, ring_backward, ring_forward
+from .transport import ring_transport
 
 
 def split_branches(local_len: int, world: int, segment_lengths, dilation_rates):
@@ -72,59 +71,42 @@ def _rows(x: torch.Tensor, r: int):
 
 
 def _span_setup(q, k, w, r, world, rank, causal, scale, group):
+    """The ring of the G ranks a segment of branch (w, r) spans, over its dilated rows."""
     l = q.shape[1]
     gsize = min(w, l * world) // l
     first = (rank // gsize) * gsize
-    comm = _comm.P2P(group, list(range(first, first + gsize)))
+    peers = list(range(first, first + gsize))
     m = l // r
-    steps = num_steps("contiguous", gsize, m, causal, (-1, -1))
-    plan_fn = lambda src: plan("contiguous", comm.rank, src, gsize, m, causal, (-1, -1), scale)
-    return comm, plan_fn, steps, _heads(q.shape[2], k.shape[2], r, q.device)
+    me = rank - first
+    sched = RingSchedule(num_steps("contiguous", gsize, m, causal, (-1, -1)),
+                         lambda src: plan("contiguous", me, src, gsize, m, causal, (-1, -1), scale))
+    transport = ring_transport(group, peers)
+    return sched, transport, _heads(q.shape[2], k.shape[2], r, q.device)
 
 
 # The local branches' results stay in float32 only when spanning branches
 # merge into them afterwards; with none, they are final and kept in the input
 # dtype (at 2M tokens per GPU the float32 copies were 50 GiB of the peak).
-def _local_fwd(q, k, v, segs, rates, causal, scale, backend, acc_dtype):
-    from ..functional import _use_fused
-
-    if _use_fused(q, k, segs, rates, causal, backend):
-        from ..kernels import triton_dilated
-
-        return triton_dilated.forward(q, k, v, segs, rates, causal, scale, out_dtype=acc_dtype)
-    return _dil.forward(q, k, v, segs, rates, causal, scale, backend, out_dtype=acc_dtype)
-
-
-def _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend, acc_dtype):
-    from ..functional import _use_fused
-
-    if _use_fused(q, k, segs, rates, causal, backend, "bwd"):
-        from ..kernels import triton_dilated
-
-        return triton_dilated.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale,
-                                       grad_dtype=acc_dtype)
-    return tuple(g.to(acc_dtype) for g in _dil.backward(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale,
-                                                         backend))
-
-
-def _forward(q, k, v, segs, rates, scale, causal, group, backend):
+def forward(plan: Optional[DilatedPlan], q, k, v, segs, rates, scale, causal, group, backend):
+    """(out, lse) of this rank's shard; ``plan`` runs the local branches (see
+    :func:`split_branches`; None when there are none)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, l, h, d = q.shape
     local, span = split_branches(l, world, segs, rates)
-    if local and not span:
-        return _local_fwd(q, k, v, segs, rates, causal, scale, backend, q.dtype)
+    lsegs, lrates = [w for w, _ in local], [r for _, r in local]
+    if not span:
+        return _dil.forward(plan, q, k, v, lsegs, lrates, causal, scale, backend, out_dtype=q.dtype)
     if local:
-        out, lse = _local_fwd(q, k, v, [w for w, _ in local], [r for _, r in local], causal, scale, backend,
-                              torch.float32)
+        out, lse = _dil.forward(plan, q, k, v, lsegs, lrates, causal, scale, backend, out_dtype=torch.float32)
     else:
         out, lse = empty_state(q, torch.float32)
     lse_blh = lse.transpose(1, 2).contiguous()
     for w, r in span:
-        comm, plan_fn, steps, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)
+        sched, transport, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)
         qd = _rows(q, r)[:, :, cls, hidx]                    # (B, L/r, H, D)
         kd = _rows(k, r)[:, :, pcls, pkv].contiguous()       # (B, L/r, Hp, D)
         vd = _rows(v, r)[:, :, pcls, pkv].contiguous()
-        ob, lb, _ = ring_forward(qd, kd, vd, comm, plan_fn, steps, backend)
+        ob, lb, _ = ring_forward(qd, kd, vd, sched, BackendOp(backend), transport)
         o_sel = _rows(out, r)[:, :, cls, hidx]
         l_sel = lse_blh.view(b, l // r, r, h)[:, :, cls, hidx]
         merge_(o_sel, l_sel, ob, lb.transpose(1, 2))
@@ -133,29 +115,30 @@ def _forward(q, k, v, segs, rates, scale, causal, group, backend):
     return out.to(q.dtype), lse_blh.transpose(1, 2).contiguous()
 
 
-def _backward(dout, q, k, v, out, lse, dlse, segs, rates, scale, causal, group, backend):
+def backward(plan: Optional[DilatedPlan], dout, q, k, v, out, lse, dlse, segs, rates, scale, causal, group,
+             backend):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, l, h, d = q.shape
     local, span = split_branches(l, world, segs, rates)
-    if local and not span:
-        return _local_bwd(dout, q, k, v, out, lse, dlse, segs, rates, causal, scale, backend, q.dtype)
+    lsegs, lrates = [w for w, _ in local], [r for _, r in local]
+    if not span:
+        return _dil.backward(plan, dout, q, k, v, out, lse, dlse, lsegs, lrates, causal, scale, backend)
     if local:
-        dq, dk, dv = _local_bwd(dout, q, k, v, out, lse, dlse, [w for w, _ in local], [r for _, r in local],
-                                causal, scale, backend, torch.float32)
+        dq, dk, dv = _dil.backward(plan, dout, q, k, v, out, lse, dlse, lsegs, lrates, causal, scale, backend,
+                                   grad_dtype=torch.float32)
     else:
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in (q, k, v))
     lse_blh = lse.transpose(1, 2).contiguous()
     dlse_blh = None if dlse is None else dlse.transpose(1, 2).contiguous()
     for w, r in span:
-        comm, plan_fn, steps, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)
+        sched, transport, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)
         sel = lambda x: _rows(x, r)[:, :, cls, hidx]
         lsel = lambda x: x.view(b, l // r, r, h)[:, :, cls, hidx].transpose(1, 2).contiguous()
         kd = _rows(k, r)[:, :, pcls, pkv].contiguous()
         vd = _rows(v, r)[:, :, pcls, pkv].contiguous()
         dqd, dkd, dvd = ring_backward(sel(dout), sel(q), kd, vd, sel(out), lsel(lse_blh),
-                                      None if dlse_blh is None else lsel(dlse_blh), comm, plan_fn, steps, backend)
+                                      None if dlse_blh is None else lsel(dlse_blh), sched, BackendOp(backend),
+                                      transport)
         _add_rows(dq, r, cls, hidx, dqd)
         _add_rows(dk, r, pcls, pkv, dkd)
         _add_rows(dv, r, pcls, pkv, dvd)
@@ -169,56 +152,6 @@ def _add_rows(acc: torch.Tensor, r: int, cls: torch.Tensor, heads: torch.Tensor,
     bi = torch.arange(b, device=acc.device)[:, None, None]
     mi = torch.arange(m, device=acc.device)[None, :, None]
     view.index_put_((bi, mi, cls[None, None, :], heads[None, None, :]), val.float(), accumulate=True)
-
-
-@torch.library.custom_op("longattn::dilated_dist_fwd", mutates_args=(), device_types=None)
-def _dist_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
-              dilation_rates: list[int], scale: float, causal: bool, group_name: str, backend: str
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, segment_lengths, dilation_rates, scale, causal, _comm.group_from_name(group_name),
-                    backend)
-
-
-@_dist_fwd.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, scale, causal, group_name, backend):
-    b, l, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty(b, h, l, dtype=torch.float32)
-
-
-@torch.library.custom_op("longattn::dilated_dist_bwd", mutates_args=(), device_types=None)
-def _dist_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int], dilation_rates: list[int],
-              scale: float, causal: bool, group_name: str, backend: str
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, causal,
-                     _comm.group_from_name(group_name), backend)
-
-
-@_dist_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, causal, group_name, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-register_attention_autograd(_dist_fwd, _dist_bwd, ("segment_lengths", "dilation_rates", "scale", "causal",
-                                                  "group_name", "backend"))
-
-
-def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False, softmax_scale=None,
-                      return_lse=False, backend="auto", group=None):
-    """:func:`longattn.dilated_attention` on this rank's contiguous shard
-    ``(batch, seqlen // world, nheads, headdim)``; equals the single-device
-    result on the unsharded sequence. Every segment length must divide the
-    shard length or be a multiple of it (see :func:`split_branches`)."""
-    segs, rates = check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_lse, softmax_scale)
-    bk.check_backend_name(backend)
-    g = _comm.resolve_group(group)
-    split_branches(q.shape[1], dist.get_world_size(g), segs, rates)
-    scale = bk.default_scale(q.shape[-1], softmax_scale)
-    if not torch.compiler.is_compiling():
-        _comm.check_consistent(g, "dilated_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
-                               segs=segs, rates=rates, causal=causal, scale=scale, backend=backend)
-    out, lse = _dist_fwd(q, k, v, list(segs), list(rates), scale, causal, _comm.group_name(g), backend)
-    return (out, lse) if return_lse else out
 
 
 def comm_bytes(seqlen: int, world: int, segment_lengths, dilation_rates, *, batch: int, nheads: int,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._comm import resolve_group
+from .checks import resolve_group
 
 LAYOUTS = ("contiguous", "zigzag")
 

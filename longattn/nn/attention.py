@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .. import functional as F_
+from .. import ops as F_
 from .._validation import check_dilation
 
 
@@ -112,7 +112,7 @@ class RingAttention(nn.Module):
         self.layout, self.backend, self.group = layout, backend, group
 
     def forward(self, q, k, v):
-        from ..distributed import ring_attention
+        from ..ops import ring_attention
 
         return ring_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                               window_size=self.window_size, layout=self.layout, backend=self.backend,

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from .triton_attention import HAS_TRITON, _d_pad, available
+from ._common import HAS_TRITON, available, d_pad
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_attention import _lse_merge
+    from .attention_jit import _lse_merge
 
     # Every tensor is addressed as (N, R, M, Hc[, D]): N x R programs' worth of
     # rows, so the offset classes of a dilated branch (R of them, rows and
@@ -101,7 +101,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
     block = 16 if out.device.type == "cpu" else 64
     grid, m, hc, r = _grid(out, block)
     _merge_kernel[grid](out, lse, out_b, lse_b, *_nrmh(out, False), *_nrmh(lse, True), *_nrmh(out_b, False),
-                        *_nrmh(lse_b, True), m, hc, r, D=d, D_PAD=_d_pad(d), BLOCK=block,
+                        *_nrmh(lse_b, True), m, hc, r, D=d, D_PAD=d_pad(d), BLOCK=block,
                         num_warps=4 if d <= 128 else 8)
 
 
@@ -127,7 +127,7 @@ def _pairs(dsts, srcs, add: bool) -> None:
     d = x.shape[-1]
     block = 16 if x.device.type == "cpu" else 64
     grid, m, hc, r = _grid(x, block)
-    _pairs_kernel[grid](*args, *strides, m, hc, r, NPAIR=npair, ADD=add, D=d, D_PAD=_d_pad(d), BLOCK=block,
+    _pairs_kernel[grid](*args, *strides, m, hc, r, NPAIR=npair, ADD=add, D=d, D_PAD=d_pad(d), BLOCK=block,
                         num_warps=4 if d <= 128 else 8)
 
 

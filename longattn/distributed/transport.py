@@ -1,36 +1,16 @@
-"""Process-group plumbing: group names for custom ops, the ring exchange,
-and the cross-rank consistency check that turns would-be hangs into errors."""
+"""How ring steps move blocks between ranks: batched NCCL/gloo send/recv
+(:class:`P2P`), or copy engines over peer memory for ranks of one host
+(:class:`CopyEngineP2P`), and the choice between them (:func:`exchange`)."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import warnings
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-
-def resolve_group(group) -> dist.ProcessGroup:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first "
-                           "(or use the single-device ops)")
-    return dist.group.WORLD if group is None else group
-
-
-def group_name(group) -> str:
-    """A custom op cannot take a ProcessGroup; it takes this name (as
-    PyTorch's own context-parallel code does)."""
-    from torch.distributed.distributed_c10d import _get_process_group_name
-
-    return _get_process_group_name(resolve_group(group))
-
-
-def group_from_name(name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
+from .._config import ENV, TRANSPORTS
 
 
 class P2P:
@@ -246,8 +226,9 @@ _slots: dict = {}
 
 
 def _memops_usable(device: torch.device, flag: torch.Tensor) -> bool:
-    """Whether the driver runs stream memory operations here (one write + wait on a local flag)."""
-    if os.environ.get("LONGATTN_COPY_SYNC", "memops") == "barrier":
+    """Whether the driver runs stream memory operations here (one write + wait
+    on a local flag) and the copy transport is not told to use the barrier."""
+    if _choice()[1] == "barrier":
         return False
     try:
         ops, st = _memops(), torch.cuda.current_stream(device)
@@ -301,34 +282,46 @@ def release_slots() -> None:
         _slots.clear()
 
 
+def slot_syncs() -> set[str]:
+    """How the copy exchanges of this process's slots are ordered: 'memops' or 'barrier'."""
+    return {"memops" if sl.memops else "barrier" for sl in _slots.values()}
+
+
 def symmetric_bytes() -> int:
     """Bytes this process holds in exchange slots (benchmarks add them to peak memory:
     they live outside the caching allocator's counters)."""
     return sum(sl.buf.numel() for sl in _slots.values())
 
 
-_TRANSPORTS = ("auto", "nccl", "copy")
 _transport_override: list = []
 
 
 @contextlib.contextmanager
-def use_transport(name: str):
-    """Force the ring transport: ``"copy"`` (peer memory, copy engines),
-    ``"nccl"`` (send/recv through the process group) or ``"auto"``."""
-    if name not in _TRANSPORTS:
-        raise ValueError(f"transport must be one of {_TRANSPORTS}, got {name!r}")
-    _transport_override.append(name)
+def use_transport(name: str, copy_sync: Optional[str] = None):
+    """Force the ring transport inside the block: ``"copy"`` (peer memory, copy
+    engines), ``"nccl"`` (send/recv through the process group) or ``"auto"``.
+    ``copy_sync="barrier"`` orders copy exchanges with a barrier kernel instead
+    of stream memory operations (slots allocated inside the block keep it;
+    :func:`release_slots` drops earlier ones). Defaults: ``LONGATTN_RING_TRANSPORT``,
+    ``LONGATTN_COPY_SYNC``."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
+    if copy_sync not in (None, "memops", "barrier"):
+        raise ValueError(f"copy_sync must be 'memops', 'barrier' or None, got {copy_sync!r}")
+    _transport_override.append((name, copy_sync or _choice()[1]))
     try:
         yield
     finally:
         _transport_override.pop()
 
 
+def _choice() -> tuple[str, str]:
+    return _transport_override[-1] if _transport_override else (ENV.ring_transport, ENV.copy_sync)
+
+
 def transport() -> str:
-    name = _transport_override[-1] if _transport_override else os.environ.get("LONGATTN_RING_TRANSPORT", "auto")
-    if name not in _TRANSPORTS:
-        raise ValueError(f"LONGATTN_RING_TRANSPORT must be one of {_TRANSPORTS}, got {name!r}")
-    return name
+    """The transport ring calls take now (see :func:`use_transport`)."""
+    return _choice()[0]
 
 
 _peer_ok: dict = {}
@@ -390,38 +383,7 @@ def exchange(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None, ta
     return P2P(group, peers)
 
 
-_checked: set = set()
-
-
-def _device_for(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def check_consistent(group, what: str, **fields) -> None:
-    """Raise ValueError on every rank when ``fields`` differ across ranks.
-
-    One small all-gather per distinct local signature (cached): a rank whose
-    shapes or flags differ sees the others' values and every rank raises the
-    same error instead of deadlocking in the ring. Limitation: once a
-    signature was checked, a later call where only some ranks change shape
-    again is caught by the collective's own size check, not by this one.
-    """
-    key = (id(group), what, tuple(sorted(fields.items())))
-    if key in _checked:
-        return
-    text = repr(sorted(fields.items())).encode()
-    digest = int.from_bytes(hashlib.sha1(text).digest()[:7], "little")
-    t = torch.tensor([digest], dtype=torch.int64, device=_device_for(group))
-    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, t, group=group)
-    vals = [int(x.item()) for x in gathered]
-    if len(set(vals)) != 1:
-        bad = [r for r, v in enumerate(vals) if v != vals[dist.get_rank(group)]]
-        raise ValueError(
-            f"{what}: arguments differ across ranks (this rank {dist.get_rank(group)} has "
-            f"{dict(sorted(fields.items()))}; ranks {bad} differ). Every rank must pass the same "
-            f"shapes (local shard), dtype and flags.")
-    _checked.add(key)
+def ring_transport(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None):
+    """``transport(tag) -> exchange`` for the ring algorithm: one exchange per
+    tag (``"kv"``, ``"dkv"``) over ``group`` (a sub-ring of ``peers`` where given)."""
+    return lambda tag: exchange(group, peers, tag=tag)

@@ -1,0 +1,89 @@
+"""Packed documents on one device: which kernel runs ``attention_varlen``, and running it.
+
+Kernels: a loop over documents through the dense backends (cuDNN on CUDA; any
+device and dtype), our Triton kernel (one launch for all documents; program z
+is document z) and PyTorch's FlashAttention-2 varlen kernel (CUDA, fp16/bf16).
+:func:`choose` makes the choice from the backends' capabilities and
+:class:`longattn.tuning.VarlenTuning`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import tuning as _tuning
+from . import BACKENDS, BlockSpec, aten, block_backward, block_forward, forced
+
+KINDS = ("loop", "flash", "triton")
+
+
+def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuning = _tuning.VARLEN) -> str:
+    """The kernel for a call on ``q`` (T, H, D) with ``ndocs`` documents:
+    ``backend="triton"`` / ``"flash"`` their varlen kernels (ValueError when
+    they cannot run it), another backend name a loop over documents through
+    it; ``"auto"`` on CUDA loops over long documents (one cuDNN call each),
+    else flash varlen, else Triton; elsewhere the loop (Triton when forced
+    with :func:`longattn.use_backend`)."""
+    triton_why = BACKENDS["triton"].kernel_refusals(q)
+    flash_why = BACKENDS["flash"].varlen_refusals(q)
+    if backend in ("triton", "flash"):
+        why = triton_why if backend == "triton" else flash_why
+        if why:
+            raise ValueError(f"backend={backend!r} cannot run this varlen call: {'; '.join(why)}")
+        return backend
+    if backend != "auto":
+        return "loop"
+    want = forced()
+    long_docs = q.shape[0] >= tuning.loop_min_mean_tokens * max(ndocs, 1)
+    if want is None and long_docs and q.device.type == "cuda":
+        return "loop"
+    if want in (None, "flash") and not flash_why:
+        return "flash"
+    if not triton_why and (want == "triton" or (want is None and q.device.type == "cuda")):
+        return "triton"
+    return "loop"
+
+
+def _dense_name(backend: str) -> str:
+    """The dense backend a document loop uses: the varlen kernels' names mean auto."""
+    return backend if backend not in ("triton", "flash") else "auto"
+
+
+def forward(kind: str, q, k, v, cu: torch.Tensor, max_seqlen: int, spec: BlockSpec, backend: str):
+    """out (T, H, D) and lse (H, T); ``cu`` on q's device."""
+    if kind == "triton":
+        from ..kernels import launch
+
+        return launch.varlen_forward(q, k, v, cu, max_seqlen, spec)
+    if kind == "flash":
+        return aten.flash_forward(q, k, v, spec.scale, spec.causal, spec.flash_window(), cu, cu, max_seqlen,
+                                  max_seqlen)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for a, e in _docs(cu):
+        o, l = block_forward(q[None, a:e], k[None, a:e], v[None, a:e], spec, _dense_name(backend))
+        out[a:e] = o[0]
+        lse[:, a:e] = l[0]
+    return out, lse
+
+
+def backward(kind: str, dout, q, k, v, out, lse, dlse, cu: torch.Tensor, max_seqlen: int, spec: BlockSpec,
+             backend: str):
+    if kind == "triton":
+        from ..kernels import launch
+
+        return launch.varlen_backward(dout, q, k, v, out, lse, cu, max_seqlen, spec, dlse)
+    if kind == "flash" and dlse is None:  # FlashAttention-2 takes no lse gradient: the loop does
+        return aten.flash_backward(dout, q, k, v, out, lse, spec.scale, spec.causal, spec.flash_window(), cu, cu,
+                                   max_seqlen, max_seqlen)[:3]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a, e in _docs(cu):
+        g = block_backward(dout[None, a:e], q[None, a:e], k[None, a:e], v[None, a:e], out[None, a:e],
+                           lse[None, :, a:e].contiguous(), spec, _dense_name(backend),
+                           dlse=None if dlse is None else dlse[None, :, a:e].contiguous())
+        dq[a:e], dk[a:e], dv[a:e] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def _docs(cu: torch.Tensor):
+    bounds = cu.tolist()
+    return [(a, e) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]

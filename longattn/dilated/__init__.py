@@ -1,0 +1,40 @@
+"""LongNet dilated attention on one device: the schedule (:mod:`.schedule`),
+the choice of engine (:mod:`.plan`), and the engines: views and gather
+(:mod:`.views`), fused Triton kernels (:mod:`.fused`).
+
+:func:`forward` and :func:`backward` run one pass as a plan says; the public
+op is :func:`longattn.dilated_attention`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import fused, views
+from .plan import DilatedPlan, choose
+from .schedule import pair_count
+
+__all__ = ["DilatedPlan", "choose", "forward", "backward", "pair_count"]
+
+
+def forward(plan: DilatedPlan, q, k, v, segment_lengths, dilation_rates, causal: bool, scale: float,
+            backend: str = "auto", out_dtype: Optional[torch.dtype] = None):
+    """(out, lse) of one forward pass as ``plan.fwd`` says; ``out`` in
+    ``out_dtype`` (default q's), lse (B, H, S) float32."""
+    if plan.fwd == "fused":
+        return fused.forward(q, k, v, segment_lengths, dilation_rates, causal, scale, plan.fused_schedule,
+                             out_dtype=out_dtype)
+    return views.forward(plan, q, k, v, segment_lengths, dilation_rates, causal, scale, backend, out_dtype)
+
+
+def backward(plan: DilatedPlan, dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal: bool,
+             scale: float, backend: str = "auto", grad_dtype: Optional[torch.dtype] = None):
+    """(dq, dk, dv) of one backward pass as ``plan.bwd`` says, in ``grad_dtype``
+    (default the inputs' dtypes)."""
+    if plan.bwd == "fused":
+        return fused.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale,
+                              plan.fused_schedule, grad_dtype=grad_dtype)
+    grads = views.backward(plan, dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale,
+                           backend)
+    return grads if grad_dtype is None else tuple(g.to(grad_dtype) for g in grads)

@@ -1,0 +1,131 @@
+"""Which engine runs a dilated call: decided once per call, here.
+
+:func:`choose` reads the backends' capabilities and a
+:class:`longattn.tuning.DilatedTuning`, and returns a :class:`DilatedPlan`
+that the forward and the backward both follow. Custom ops cannot take a
+dataclass, so the plan travels through them as a string (:meth:`DilatedPlan.key`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import torch
+
+from .. import backends as bk
+from .. import tuning as _tuning
+from ..kernels.geometry import GroupedPlan
+from .schedule import kv_views_ok
+
+ENGINES = ("views", "gather", "fused")
+FUSED_SCHEDULES = ("grouped", "per_branch", "per_branch_zero_fill")
+
+
+@dataclasses.dataclass(frozen=True)
+class DilatedPlan:
+    """How one dilated call runs.
+
+    ``fwd`` / ``bwd``: ``"views"`` (the local backend on strided views of
+    q/k/v), ``"gather"`` (parts copied into dense blocks), ``"fused"`` (our
+    Triton kernels, launched per ``fused_schedule``). The views path gathers
+    stacked branches of at most ``gather_max_rows`` (row, head) pairs
+    (``gather_max_rows_bwd`` in the backward), cuts calls at ``piece_bytes``
+    of output and adopts the base branch's gradients whole up to
+    ``adopt_bwd_max_elems`` elements."""
+
+    fwd: str
+    bwd: str
+    fused_schedule: str = "per_branch"
+    gather_max_rows: int = 0
+    gather_max_rows_bwd: int = 0
+    piece_bytes: int = 128 << 20
+    adopt_bwd_max_elems: int = 2 ** 29
+
+    def key(self) -> str:
+        return json.dumps(dataclasses.astuple(self))
+
+    @staticmethod
+    def from_key(key: str) -> "DilatedPlan":
+        return _from_key(key)
+
+    def engine(self, pass_: str) -> str:
+        return self.fwd if pass_ == "fwd" else self.bwd
+
+
+@functools.lru_cache(maxsize=256)
+def _from_key(key: str) -> DilatedPlan:
+    return DilatedPlan(*json.loads(key))
+
+
+def fused_refusals(q: torch.Tensor) -> list[str]:
+    """Why our fused Triton dilated kernels cannot take this call."""
+    return bk.BACKENDS["triton"].kernel_refusals(q)
+
+
+def grouped_runs(seqlen: int, segment_lengths, dilation_rates, tuning=_tuning.DILATED) -> bool:
+    """The default fused schedule is grouped: branches nest and every branch
+    has at most ``tuning.grouped_max_keys`` keys per segment class."""
+    return _short_classes(seqlen, segment_lengths, dilation_rates, tuning) and _nests(seqlen, segment_lengths,
+                                                                                      dilation_rates)
+
+
+def _short_classes(seqlen, segment_lengths, dilation_rates, tuning) -> bool:
+    return max(min(w, seqlen) // r for w, r in zip(segment_lengths, dilation_rates)) <= tuning.grouped_max_keys
+
+
+def _nests(seqlen, segment_lengths, dilation_rates) -> bool:
+    return GroupedPlan.of(seqlen, list(segment_lengths), list(dilation_rates), False) is not None
+
+
+def _fused_schedule(seqlen, segs, rates, tuning) -> str:
+    if tuning.schedule in ("per_branch", "per_branch_zero_fill"):
+        return tuning.schedule
+    if tuning.schedule == "grouped":
+        return "grouped" if _nests(seqlen, segs, rates) else "per_branch"
+    return "grouped" if grouped_runs(seqlen, segs, rates, tuning) else "per_branch"
+
+
+def _engine(pass_: str, q, k, segs, rates, causal: bool, backend: str, views_ok: bool, tuning) -> str:
+    """One pass's engine (see :func:`choose`)."""
+    local = "views" if views_ok else "gather"
+    if tuning.schedule in ("views", "gather"):
+        return "gather" if tuning.schedule == "gather" or not views_ok else "views"
+    if tuning.schedule in FUSED_SCHEDULES or backend == "triton":
+        return "fused"
+    want = bk.forced()
+    if backend != "auto" or q.device.type != "cuda" or want not in (None, "triton"):
+        return local
+    limit = tuning.views_min_tokens(pass_, q.shape[-1], q.shape[2] == k.shape[2])
+    cudnn_views = views_ok and not bk.BACKENDS["cudnn"].refusals(bk.BlockSpec(1.0), q, k)
+    grouped_bwd = (pass_ == "bwd" and not causal and tuning.grouped_backward_noncausal
+                   and grouped_runs(q.shape[1], segs, rates, tuning))
+    if want is None and q.shape[0] * q.shape[1] >= limit and cudnn_views and not grouped_bwd:
+        return "views"
+    return local if fused_refusals(q) else "fused"
+
+
+def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, causal: bool, backend: str,
+           tuning: _tuning.DilatedTuning = _tuning.DILATED) -> DilatedPlan:
+    """The plan of a dilated call on q (B, S, H, D), k (B, S, Hkv, D).
+
+    ``backend="triton"``: the fused kernels. Another backend name: that
+    backend on the views (GQA whose rates and group size do not divide each
+    other: on gathered blocks). ``"auto"``: on CUDA, cuDNN on the views from
+    ``tuning``'s token thresholds (MHA by head dim; GQA where rates and group
+    size divide), except the non-causal backward of short nested classes
+    (grouped fused kernels); the fused kernels below the thresholds; elsewhere
+    the views through the best local backend. ``tuning.schedule`` other than
+    ``"auto"`` forces an engine (A/B measurements, tests)."""
+    segs, rates = list(segment_lengths), list(dilation_rates)
+    views_ok = kv_views_ok(rates, q.shape[2], k.shape[2])
+    fwd, bwd = (_engine(p, q, k, segs, rates, causal, backend, views_ok, tuning) for p in ("fwd", "bwd"))
+    if "fused" in (fwd, bwd):
+        why = fused_refusals(q)
+        if why:
+            raise ValueError(f"the fused Triton dilated kernels cannot run this call: {'; '.join(why)}")
+    return DilatedPlan(
+        fwd=fwd, bwd=bwd, fused_schedule=_fused_schedule(q.shape[1], segs, rates, tuning),
+        gather_max_rows=tuning.gather_max_rows,
+        gather_max_rows_bwd=tuning.gather_max_rows if causal or tuning.gather_noncausal_backward else 0,
+        piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems)

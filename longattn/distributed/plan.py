@@ -1,0 +1,212 @@
+"""Ring planning: which dense calls each rank makes on each visiting K/V block.
+
+Pure functions of positions and shapes (no torch.distributed): every rank
+holds one or two chunks of known global position (or, for packed documents,
+pieces of documents). For each (query chunk, key chunk) pair the planner
+decides: no key visible (skip, no compute), all visible (plain dense call),
+or partial (a masked call with the right position offset). Causal on the
+contiguous layout skips the blocks above the diagonal; zigzag gives every rank
+the same work at every step; sliding windows skip blocks outside the window
+and stop the ring after the last step any rank needs; packed documents pair
+only pieces of the same document.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+from .. import backends as bk
+from .. import tuning as _tuning
+from .layout import chunks
+
+
+NONE, FULL, PARTIAL = 0, 1, 2
+
+
+def classify(qs: int, ql: int, ks: int, kl: int, causal: bool, window) -> int:
+    """Visibility of keys [ks, ks+kl) from queries [qs, qs+ql) (global positions)."""
+    left, right = window
+    q_lo, q_hi, k_lo, k_hi = qs, qs + ql - 1, ks, ks + kl - 1
+    none = False
+    if causal:
+        none |= k_lo > q_hi
+        full_c = k_hi <= q_lo
+    else:
+        full_c = True
+    full_l = full_r = True
+    if left >= 0:
+        none |= q_lo - k_hi > left
+        full_l = q_hi - k_lo <= left
+    if right >= 0:
+        none |= k_lo - q_hi > right
+        full_r = k_hi - q_lo <= right
+    if none:
+        return NONE
+    return FULL if (full_c and full_l and full_r) else PARTIAL
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    spec: bk.BlockSpec
+    # Optional executor replacing the backend call for this block (forward(q, k, v)
+    # and backward(dout, q, k, v, out, lse, dlse) on the sliced tensors): a step of
+    # many small document blocks fused into one varlen kernel launch. Its backward
+    # may return None (e.g. given an lse gradient); its plain blocks ``run.calls``
+    # then go through the backend one by one.
+    run: Optional[object] = dataclasses.field(default=None, compare=False)
+
+
+@functools.lru_cache(maxsize=4096)  # pure function of its arguments, called every step of every call
+def plan(layout: str, rank: int, src: int, world: int, local_len: int, causal: bool, window, scale: float
+         ) -> tuple[Call, ...]:
+    """Dense calls rank ``rank`` makes on the K/V block of rank ``src``."""
+    return tuple(_plan(layout, rank, src, world, local_len, causal, tuple(window), scale))
+
+
+def _plan(layout, rank, src, world, local_len, causal, window, scale) -> list[Call]:
+    qc = chunks(layout, rank, world, local_len)
+    kc = chunks(layout, src, world, local_len)
+    kinds = [[classify(qg, ql, kg, kl, causal, window) for kg, _, kl in kc] for qg, _, ql in qc]
+    dense = bk.BlockSpec(scale)
+    flat = [x for row in kinds for x in row]
+    if all(x == FULL for x in flat):
+        return [Call(0, local_len, 0, local_len, dense)]
+    if all(x == NONE for x in flat):
+        return []
+    n = len(qc)
+    # Causal over the concatenated local order (zigzag's diagonal step): one call.
+    if (causal and window == (-1, -1) and rank == src and n > 1
+            and all(kinds[i][j] == (FULL if i > j else NONE if i < j else PARTIAL) for i in range(n) for j in range(n))):
+        return [Call(0, local_len, 0, local_len, bk.BlockSpec(scale, causal=True))]
+    # One key chunk seen fully by every query chunk, the others by none.
+    for j in range(len(kc)):
+        if all(kinds[i][j] == FULL for i in range(n)) and all(
+                kinds[i][jj] == NONE for i in range(n) for jj in range(len(kc)) if jj != j):
+            return [Call(0, local_len, kc[j][1], kc[j][1] + kc[j][2], dense)]
+    calls = []
+    for i, (qg, q0, ql) in enumerate(qc):
+        row = kinds[i]
+        if all(x == FULL for x in row):
+            calls.append(Call(q0, q0 + ql, 0, local_len, dense))
+            continue
+        for j, (kg, k0, kl) in enumerate(kc):
+            if row[j] == NONE:
+                continue
+            spec = dense if row[j] == FULL else bk.BlockSpec(scale, causal, tuple(window), qg - kg)
+            calls.append(Call(q0, q0 + ql, k0, k0 + kl, spec))
+    return calls
+
+
+@functools.lru_cache(maxsize=1024)
+def num_steps(layout: str, world: int, local_len: int, causal: bool, window) -> int:
+    """Ring steps needed: the last step at which any rank has a block to compute."""
+    return _steps(world, lambda r, src: plan(layout, r, src, world, local_len, causal, window, 1.0))
+
+
+def _steps(world: int, calls_of) -> int:
+    """1 + the last step s at which some rank r has calls on the block of rank r - s."""
+    return 1 + max((s for s in range(world) if any(calls_of(r, (r - s) % world) for r in range(world))), default=0)
+
+
+# ------------------------------------------------------------------ packed documents
+def _lens(cu) -> list[int]:
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+@functools.lru_cache(maxsize=64)
+def pieces(cu: tuple, layout: str, world: int, rank: int) -> tuple:
+    """This rank's pieces: (doc, doc position start, local start, length incl. padding, valid length)."""
+    out = []
+    if layout == "zigzag":
+        local = 0
+        for d, n in enumerate(_lens(cu)):
+            c = -(-n // (2 * world)) if n else 0
+            for j in (rank, 2 * world - 1 - rank):
+                g = j * c
+                out.append((d, g, local, c, max(0, min(c, n - g))))
+                local += c
+        return tuple(out), local
+    total = cu[-1]
+    length = -(-total // world)
+    lo, hi = rank * length, (rank + 1) * length
+    for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        s, e = max(a, lo), min(b, hi)
+        if e > s:
+            out.append((d, s - a, s - lo, e - s, e - s))
+    return tuple(out), length
+
+
+def local_length(cu, layout: str, world: int) -> int:
+    return pieces(tuple(int(x) for x in cu), layout, world, 0)[1]
+
+
+@functools.lru_cache(maxsize=256)
+def plan_varlen(cu: tuple, layout: str, world: int, rank: int, src: int, causal: bool, window: tuple,
+                scale: float) -> tuple:
+    """Dense calls of ``rank`` on the K/V block of ``src``: same-document pairs only."""
+    qp, _ = pieces(cu, layout, world, rank)
+    kp, _ = pieces(cu, layout, world, src)
+    by_doc = {}
+    for piece in kp:
+        by_doc.setdefault(piece[0], []).append(piece)
+    calls = []
+    for d, qg, q0, _, qn in qp:
+        if qn == 0:
+            continue
+        for _, kg, k0, _, kn in by_doc.get(d, ()):
+            if kn == 0:
+                continue
+            kind = classify(qg, qn, kg, kn, causal, window)
+            if kind == NONE:
+                continue
+            spec = bk.BlockSpec(scale) if kind == FULL else bk.BlockSpec(scale, causal, tuple(window), qg - kg)
+            calls.append(Call(q0, q0 + qn, k0, k0 + kn, spec))
+    return tuple(calls)
+
+
+@functools.lru_cache(maxsize=64)
+def num_steps_varlen(cu: tuple, layout: str, world: int, causal: bool, window: tuple) -> int:
+    return _steps(world, lambda r, src: plan_varlen(cu, layout, world, r, src, causal, window, 1.0))
+
+
+def fuse_segments(calls) -> Optional[list]:
+    """Group a step's calls into segments ((q0, q1), [(k0, k1), ...], causal) one
+    flash-varlen launch can run, or None when some block's mask does not fit
+    (windows, a causal block that is not bottom-right over its keys)."""
+    groups: dict = {}
+    for c in calls:
+        groups.setdefault((c.q0, c.q1), []).append(c)
+    segs, last = [], -1
+    for (q0, q1), cs in sorted(groups.items()):
+        if q0 < last:
+            return None  # overlapping query ranges would write the same rows twice
+        last = q1
+        if any(c.spec.has_window for c in cs):
+            return None
+        full = [c for c in cs if not c.spec.causal]
+        masked = [c for c in cs if c.spec.causal]
+        ks = [(c.k0, c.k1) for c in full + masked]  # the masked block last: its mask is the bottom-right one
+        klen = sum(b - a for a, b in ks)
+        if len(masked) > 1:
+            return None
+        if masked:
+            m = masked[0]
+            if m.spec.q_offset < 0 or m.spec.q_offset + (klen - (m.k1 - m.k0)) != klen - (q1 - q0):
+                return None
+        segs.append(((q0, q1), ks, bool(masked)))
+    return segs
+
+
+def worth_fusing(calls, heads_x_dim: int, tuning: _tuning.RingVarlenTuning = _tuning.RING_VARLEN) -> bool:
+    """Whether a step's document blocks run faster as one FlashAttention-2
+    varlen launch than as one backend call each (cost model in ``tuning``:
+    many short documents fuse, a few long ones run one cuDNN call each)."""
+    flops = [4.0 * heads_x_dim * (c.q1 - c.q0) * (c.k1 - c.k0) * (0.5 if c.spec.causal else 1.0) for c in calls]
+    t_calls = sum(max(tuning.call_seconds, f / tuning.call_flops) for f in flops)
+    t_fused = 2 * tuning.call_seconds + sum(flops) / tuning.fused_flops
+    return t_fused < t_calls

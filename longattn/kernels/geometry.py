@@ -1,0 +1,99 @@
+"""Launch geometry of the Triton attention kernels: which rows a program
+reads (:class:`Geometry` for a dense block, a packed-document call or one
+dilated branch; :class:`GroupedPlan` for the grouped dilated schedule) and the
+built-in tile table."""
+from __future__ import annotations
+
+import torch
+
+# (kind, headdim bucket) -> launch config; kinds: fwd, dkdv (BLOCK_M query
+# rows x BLOCK_N keys per program), dq. Starting points from the Triton
+# fused-attention tutorial's Hopper settings; head dims <= 128 from an H200
+# sweep (benchmarks/results/tune_triton_h200.jsonl).
+STATIC_TILES = {}
+for _d in (32, 64, 96, 128, 256):
+    _big = _d > 128
+    STATIC_TILES[("fwd", _d)] = (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2) if _big else
+                                 dict(BLOCK_M=128, BLOCK_N=128 if _d > 64 else 64, num_warps=8, num_stages=3))
+    STATIC_TILES[("dkdv", _d)] = (dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1) if _big else
+                                  dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3))
+    STATIC_TILES[("dq", _d)] = (dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1) if _big else
+                                dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
+del _d, _big
+
+
+def static_tiles(d: int, device: torch.device, kind: str) -> dict:
+    """Block sizes and warps: small tiles under the interpreter (speed of the
+    tests), the table's tiles on GPU."""
+    if device.type == "cpu":
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    kind = kind.removeprefix("grouped_")
+    bucket = min((b for b in (32, 64, 96, 128, 256) if b >= d), default=256)
+    return dict(STATIC_TILES[(kind, bucket)])
+
+
+class Geometry:
+    """Launch geometry of one dense call, one packed-document call or one dilated branch."""
+
+    def __init__(self, sq, sk, *, w=None, r=1, causal=False, window=(-1, -1), q_offset=0, cu_seqlens=None,
+                 max_seqlen=None):
+        self.dilated = w is not None
+        self.varlen = cu_seqlens is not None
+        self.cu = cu_seqlens
+        self.causal, self.window, self.q_offset = causal, window, q_offset
+        self.sq, self.sk = sq, sk
+        if self.varlen:
+            self.w, self.r, self.nfull, self.tail = sq, 1, 1, 0
+            self.nseg = cu_seqlens.numel() - 1
+            self.max_m = self.max_mk = max_seqlen
+        elif self.dilated:
+            self.w, self.r = w, r
+            self.nfull, self.tail = sq // w, sq % w
+            self.nseg = self.nfull + (1 if self.tail else 0)
+            self.max_m = -(-min(w, sq) // r)
+            self.max_mk = self.max_m
+        else:
+            self.w, self.r, self.nfull, self.tail, self.nseg = sq, 1, 1, 0, 1
+            self.max_m, self.max_mk = sq, sk
+
+    def scalars(self):
+        left, right = self.window
+        return (self.sq, self.sk, self.w, self.r, self.nfull, self.tail, self.q_offset, max(left, 0),
+                max(right, 0))
+
+    def flags(self):
+        return dict(CAUSAL=self.causal, HAS_LEFT=self.window[0] >= 0, HAS_RIGHT=self.window[1] >= 0,
+                    DILATED=self.dilated, VARLEN=self.varlen)
+
+    def cu_arg(self, like: torch.Tensor) -> torch.Tensor:
+        return self.cu if self.varlen else like
+
+
+class GroupedPlan:
+    """The grouped schedule of a dilated call (see grouped_jit), or ``None``
+    from :meth:`of` where branches do not nest. A branch whose segment covers
+    the sequence is given the segment ``W0 * ceil(S / W0)`` (same selection:
+    one segment)."""
+
+    def __init__(self, seqlen, w0, r0, segs, rates, causal):
+        self.sq, self.w, self.r0, self.causal = seqlen, w0, r0, causal
+        self.segs, self.rates = segs, rates
+        self.dilated, self.nseg, self.max_m = True, -(-seqlen // w0), w0 // r0
+
+    @staticmethod
+    def of(seqlen, segment_lengths, dilation_rates, causal):
+        r0 = max(dilation_rates)
+        finite = [w for w in segment_lengths if w < seqlen]
+        w0 = min(finite) if finite else r0 * -(-seqlen // r0)
+        whole = w0 * -(-seqlen // w0)
+        segs = [w if w < seqlen else whole for w in segment_lengths]
+        if any(r0 % r for r in dilation_rates) or w0 % r0 or any(w % w0 for w in segs):
+            return None
+        return GroupedPlan(seqlen, w0, r0, segs, list(dilation_rates), causal)
+
+    def table(self, device) -> torch.Tensor:
+        """int32: (w, r) per branch, then the class offsets from a head's own
+        class, by decreasing number of branches that select them."""
+        order = sorted(range(self.r0), key=lambda o: -sum(o % r == 0 for r in self.rates))
+        return torch.tensor([x for wr in zip(self.segs, self.rates) for x in wr] + order, dtype=torch.int32,
+                            device=device)

@@ -1,0 +1,10 @@
+"""The public ops: ``torch.library`` custom ops (fake kernels for
+``torch.compile``, autograd unpacked by name) and the thin functions that
+validate inputs, decide once how a call runs, and document it."""
+from .attention import attention
+from .dilated import dilated_attention
+from .ring import ring_attention
+from .ring_varlen import ring_attention_varlen
+from .varlen import attention_varlen
+
+__all__ = ["attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen"]

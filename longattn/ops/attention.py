@@ -1,0 +1,105 @@
+"""``attention``: dense attention on one device through the backend layer.
+
+Layering (as in torch/nn/attention/varlen.py): a private ``torch.library``
+custom op per kernel call with a fake implementation (so ``torch.compile``
+traces through), autograd attached with ``register_attention_autograd`` whose
+context is unpacked by name, and a thin public function that validates
+inputs, applies defaults and carries the documentation.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import backends as bk
+from .._autograd import register_attention_autograd
+from .._validation import check_flag, check_qkv, check_scale, check_window
+
+__all__ = ["attention", "lse_like"]
+
+
+def lse_like(q: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, S) float32 lse for q (B, S, H, D): the fake kernels' shape."""
+    b, s, h, _ = q.shape
+    return q.new_empty(b, h, s, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------ dense attention
+@torch.library.custom_op("longattn::attention_fwd", mutates_args=(), device_types=None)
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                   window_left: int, window_right: int, q_offset: int, backend: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = bk.BlockSpec(scale, causal, (window_left, window_right), q_offset)
+    out, lse = bk.block_forward(q, k, v, spec, backend)
+    return out.contiguous(), lse.contiguous()
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, scale, causal, window_left, window_right, q_offset, backend):
+    return torch.empty_like(q), lse_like(q)
+
+
+@torch.library.custom_op("longattn::attention_bwd", mutates_args=(), device_types=None)
+def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], scale: float,
+                   causal: bool, window_left: int, window_right: int, q_offset: int, backend: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = bk.BlockSpec(scale, causal, (window_left, window_right), q_offset)
+    dq, dk, dv = bk.block_backward(dout, q, k, v, out, lse, spec, backend, dlse=dlse)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+@_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, q_offset, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+register_attention_autograd(_attention_fwd, _attention_bwd,
+                            ("scale", "causal", "window_left", "window_right", "q_offset", "backend"))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
+              return_lse: bool = False, backend: str = "auto"):
+    """Exact softmax attention on one device through the best local kernel.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; ``nheads % nheads_kv == 0``
+            (GQA/MQA: query head ``h`` reads kv head ``h // (nheads // nheads_kv)``).
+        causal: mask keys after the query. With ``seqlen_q != seqlen_k`` the
+            mask is aligned to the bottom-right corner as in flash-attn: query
+            row ``i`` sits at key position ``i + seqlen_k - seqlen_q``.
+        softmax_scale: defaults to ``headdim ** -0.5``.
+        window_size: ``(left, right)``; a query at position p sees keys in
+            ``[p - left, p + right]``; -1 is unbounded.
+        return_lse: also return the log-sum-exp ``(batch, nheads, seqlen_q)``
+            float32; it is differentiable.
+        backend: ``"auto"`` (the fastest that supports the call: cuDNN, flash,
+            triton, efficient, math) or one of those names; a backend that cannot
+            run the call raises ``ValueError`` listing why.
+
+    Returns:
+        ``out`` ``(batch, seqlen_q, nheads, headdim)`` in q's dtype, and ``lse`` when
+        asked. Rows that see no key give 0 and lse ``-inf``.
+
+    Equivalent PyTorch::
+
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(g, 2))
+    """
+    check_qkv(q, k, v)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    left, right = check_window(window_size)
+    bk.check_backend_name(backend)
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    q_offset = k.shape[1] - q.shape[1]
+    spec = bk.BlockSpec(scale, causal, (left, right), q_offset)
+    if not torch.compiler.is_compiling():  # raise on an unsupported forced backend before any kernel
+        bk.select_backend(q, k, spec, backend)
+    out, lse = _attention_fwd(q, k, v, scale, causal, left, right, q_offset, backend)
+    return (out, lse) if return_lse else out

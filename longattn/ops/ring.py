@@ -1,0 +1,129 @@
+"""``ring_attention``: exact attention over a sequence sharded across ranks
+(the ring algorithm of :mod:`longattn.distributed.ring` with the dense
+planner of :mod:`longattn.distributed.plan`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import backends as bk
+from .._autograd import register_attention_autograd
+from .._validation import check_flag, check_qkv, check_scale, check_window
+from ..distributed import checks
+from ..distributed.layout import check_layout
+from ..distributed.plan import num_steps, plan
+from ..distributed.ring import BackendOp, RingSchedule, ring_backward, ring_forward
+from ..distributed.transport import ring_transport
+
+__all__ = ["ring_attention"]
+
+
+def _schedule(group, l: int, causal: bool, window, layout: str, scale: float) -> RingSchedule:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return RingSchedule(num_steps(layout, world, l, causal, window),
+                        lambda src: plan(layout, rank, src, world, l, causal, window, scale))
+
+
+def _forward(q, k, v, scale, causal, window, layout, group, backend):
+    sched = _schedule(group, q.shape[1], causal, window, layout, scale)
+    out, lse, kv_last = ring_forward(q, k, v, sched, BackendOp(backend), ring_transport(group),
+                                     keep_last=True)
+    if kv_last is None:
+        kv_last = (k.new_empty(0), v.new_empty(0))
+    return out, lse, *kv_last
+
+
+def _backward(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, window, layout, group, backend):
+    sched = _schedule(group, q.shape[1], causal, window, layout, scale)
+    kv_last = (k_last, v_last) if k_last.numel() else None
+    return ring_backward(dout, q, k, v, out, lse, dlse, sched, BackendOp(backend), ring_transport(group),
+                         kv_last)
+
+
+# ------------------------------------------------------------------ custom ops
+# The forward also returns the last K/V block it received (empty when the ring
+# has one step): the backward starts on it (see ring_backward). It is saved for
+# the backward like q, k and v: one more local K/V block per call.
+@torch.library.custom_op("longattn::ring_fwd", mutates_args=(), device_types=None)
+def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window_left: int,
+              window_right: int, layout: str, group_name: str, backend: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = checks.group_from_name(group_name)
+    return _forward(q, k, v, scale, causal, (window_left, window_right), layout, g, backend)
+
+
+@_ring_fwd.register_fake
+def _(q, k, v, scale, causal, window_left, window_right, layout, group_name, backend):
+    b, l, h, _ = q.shape
+    world = checks.group_from_name(group_name).size()
+    # int(): the step count depends on the length and window, so a traced graph specialises on them
+    kept = num_steps(layout, world, int(l), causal, (int(window_left), int(window_right))) > 1
+    return (torch.empty_like(q), q.new_empty(b, h, l, dtype=torch.float32),
+            torch.empty_like(k) if kept else k.new_empty(0), torch.empty_like(v) if kept else v.new_empty(0))
+
+
+@torch.library.custom_op("longattn::ring_bwd", mutates_args=(), device_types=None)
+def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, dlse: Optional[torch.Tensor], k_last: torch.Tensor, v_last: torch.Tensor,
+              scale: float, causal: bool, window_left: int, window_right: int, layout: str, group_name: str,
+              backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = checks.group_from_name(group_name)
+    return _backward(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, (window_left, window_right),
+                     layout, g, backend)
+
+
+@_ring_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, window_left, window_right, layout, group_name,
+      backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+register_attention_autograd(_ring_fwd, _ring_bwd, ("scale", "causal", "window_left", "window_right", "layout",
+                                                  "group_name", "backend"), kept_outputs=2)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
+                   layout: str = "contiguous", return_lse: bool = False, backend: str = "auto", group=None):
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: this rank's shard ``(batch, seqlen_local, nheads, headdim)``.
+        k, v: ``(batch, seqlen_local, nheads_kv, headdim)`` (GQA/MQA: only the kv
+            heads travel the ring).
+        causal, softmax_scale, window_size: as :func:`longattn.attention`, in
+            global positions of the unsharded sequence.
+        layout: how the sequence was split (see :func:`longattn.shard`):
+            ``"contiguous"`` (rank r holds chunk r of p) or ``"zigzag"`` (chunks r
+            and 2p-1-r of 2p; balanced causal work).
+        return_lse: also return lse ``(batch, nheads, seqlen_local)`` float32.
+        backend: local kernel for each block (see :mod:`longattn.backends`).
+        group: a ProcessGroup (default WORLD); any size, sub-groups allowed.
+
+    Returns:
+        This rank's shard of the output (and lse). ``unshard(out)`` equals
+        ``longattn.attention`` on the unsharded q, k, v.
+
+    Equivalent PyTorch::
+
+        full = lambda x: longattn.unshard(x, layout=layout)
+        out = longattn.shard(longattn.attention(full(q), full(k), full(v), causal=causal), layout=layout)
+    """
+    check_qkv(q, k, v, same_seqlen=True)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    window = check_window(window_size)
+    check_layout(layout)
+    bk.check_backend_name(backend)
+    g = checks.resolve_group(group)
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {q.shape[1]}")
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    if not torch.compiler.is_compiling():
+        checks.check_consistent(g, "ring_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
+                               causal=causal, window=window, layout=layout, scale=scale, backend=backend)
+    out, lse, _, _ = _ring_fwd(q, k, v, scale, causal, window[0], window[1], layout, checks.group_name(g), backend)
+    return (out, lse) if return_lse else out

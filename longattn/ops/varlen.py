@@ -1,0 +1,91 @@
+"""``attention_varlen``: packed variable-length documents on one device.
+
+Tokens of several documents are packed in one ``(total_tokens, nheads,
+headdim)`` tensor; ``cu_seqlens`` (int32, ``(ndocs + 1,)``) holds the
+cumulative document lengths. A token attends only within its document. The
+kernel is chosen once per call by :func:`longattn.backends.varlen.choose`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import backends as bk
+from .._autograd import register_attention_autograd
+from .._validation import check_cu_seqlens, check_flag, check_qkv, check_scale, check_window
+from ..backends import varlen as _varlen
+
+__all__ = ["attention_varlen"]
+
+
+@torch.library.custom_op("longattn::varlen_fwd", mutates_args=(), device_types=None)
+def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = bk.BlockSpec(scale, causal, (window_left, window_right))
+    return _varlen.forward(kernel, q, k, v, cu_seqlens.to(q.device), max_seqlen, spec, backend)
+
+
+@_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale, causal, window_left, window_right, backend, kernel):
+    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("longattn::varlen_bwd", mutates_args=(), device_types=None)
+def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, max_seqlen: int,
+                scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = bk.BlockSpec(scale, causal, (window_left, window_right))
+    return _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, cu_seqlens.to(q.device), max_seqlen, spec,
+                            backend)
+
+
+@_varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, scale, causal, window_left, window_right, backend,
+      kernel):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+register_attention_autograd(_varlen_fwd, _varlen_bwd,
+                            ("max_seqlen", "scale", "causal", "window_left", "window_right", "backend", "kernel"),
+                            extra_tensors=1)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                     max_seqlen: Optional[int] = None, causal: bool = False, softmax_scale: Optional[float] = None,
+                     window_size: tuple[int, int] = (-1, -1), return_lse: bool = False, backend: str = "auto"):
+    """Attention within each of several packed documents.
+
+    Args:
+        q: ``(total_tokens, nheads, headdim)``; k, v: ``(total_tokens, nheads_kv, headdim)``.
+        cu_seqlens: int32 ``(ndocs + 1,)`` cumulative document lengths, ``[0, ..., total_tokens]``.
+        max_seqlen: the longest document (computed when None).
+        causal, softmax_scale, window_size: as :func:`longattn.attention`, in
+            positions inside each document.
+        return_lse: also return lse ``(nheads, total_tokens)`` float32 (flash-attn's varlen layout).
+        backend: ``"auto"``, ``"triton"``, ``"flash"`` or a dense backend name used per document.
+
+    Equivalent PyTorch::
+
+        outs = [longattn.attention(q[None, a:b], k[None, a:b], v[None, a:b], causal=causal)[0]
+                for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        out = torch.cat(outs)
+    """
+    check_qkv(q, k, v, same_seqlen=True, ndim=3)
+    check_cu_seqlens(cu_seqlens, q.shape[0])
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    left, right = check_window(window_size)
+    bk.check_backend_name(backend)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1])
+    if max_seqlen is None:
+        max_seqlen = int(lens.max())
+    elif max_seqlen < int(lens.max()):
+        raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document ({int(lens.max())})")
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    kernel = _varlen.choose(q, backend, cu_seqlens.numel() - 1)
+    out, lse = _varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, left, right, backend, kernel)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,136 @@
+"""Measured thresholds behind longattn's automatic choices, one frozen object per concern.
+
+Every field that steers a choice carries the measurement it came from: its
+``reason`` and the result file under ``benchmarks/results/`` (see
+:func:`describe`). The choices themselves are made in one function per op
+(``longattn.dilated.plan.choose``, ``longattn.backends.varlen.choose``,
+``longattn.distributed.plan.worth_fusing``), once per call, from these values
+and the backends' capabilities; forward and backward follow the same plan.
+
+Callers that need other values (benchmarks, tests, a user on other hardware)
+pass their own object, e.g.
+``dilated_attention(..., tuning=DilatedTuning(gather_max_rows=0))``; nothing
+reads thresholds from globals or the environment.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DILATED", "VARLEN", "RING_VARLEN", "describe"]
+
+DILATED_SCHEDULES = ("auto", "views", "grouped", "per_branch", "per_branch_zero_fill", "gather")
+
+
+def measured(value: Any, reason: str, source: str = "") -> Any:
+    """A dataclass field holding a measured value, its reason and its result file."""
+    return dataclasses.field(default=value, metadata={"reason": reason, "source": source})
+
+
+@dataclasses.dataclass(frozen=True)
+class DilatedTuning:
+    """Which engine runs a single-device dilated call, and how the views path cuts it.
+
+    Engines: ``views`` (a local backend, cuDNN on CUDA, on strided views of
+    q/k/v: no copies), ``fused`` (our Triton kernels: grouped or per-branch
+    launches), ``gather`` (parts copied into dense blocks; GQA whose rates and
+    group size do not divide)."""
+
+    views_min_tokens_d128: int = measured(
+        32768, "MHA, D > 64: cuDNN on views beats the fused kernels from 32K tokens, both passes "
+               "(one H200, views/fused time fwd 0.72x at 32K, 0.66x at 128K, 0.73x at 1M; bwd 0.69x, 0.67x, 0.64x)",
+        "run_dilated_d128_h200_6fbc591.json")
+    views_min_tokens_d64_fwd: int = measured(
+        131072, "MHA, D <= 64 forward: the fused kernel is faster below 128K (views/fused 1.94x at 32K, 0.97x "
+                "at 128K, 0.90x at 1M)", "run_dilated_d64_h200_6fbc591.json")
+    views_min_tokens_d64_bwd: int = measured(
+        32768, "MHA, D <= 64 backward: views/fused 0.84x at 32K, 0.56x at 128K, 0.58x at 1M",
+        "run_dilated_d64_h200_6fbc591.json")
+    views_min_tokens_gqa: int = measured(
+        32768, "GQA (rates and group size dividing each other): views vs fused fwd / bwd ms 32K 4.22 / 13.68 vs "
+               "5.36 / 19.35, 128K 15.07 / 49.81 vs 20.91 / 72.64, 1M 131 / 412 vs 167 / 606 (one H100)",
+        "run_dilated_gqa_h100_0aa75dc.json")
+    grouped_max_keys: int = measured(
+        512, "keys per segment class (w / r) up to which the fused passes run grouped where branches nest: "
+             "segments 256-1K grouped vs per-branch fwd / bwd 0.79 / 2.05 vs 0.94 / 3.08 ms; LongNet's 2048-key "
+             "classes lose (32K causal fwd 3.37 vs 1.91 ms), a grouped block spanning the whole segment",
+        "triton_grouped_ab_h100_00acb45.json")
+    grouped_backward_noncausal: bool = measured(
+        True, "the non-causal backward of short nested classes runs grouped even where the views run the "
+              "forward: 2.06 / 6.92 ms at 32K / 128K against the views' 3.64 / 8.83; causal 128K 8.35 against "
+              "7.96, so the causal backward stays on the views", "run_dilated_short_h100_aca95a7.json")
+    gather_max_rows: int = measured(
+        128 * 2048, "a branch of at most this many (row, head) pairs (S * H / r) whose classes do not stack "
+                    "into one view runs as one call on gathered copies: at 32K a call's host time (100-300 us) "
+                    "outweighs copying 1/r of q, k, v; gathering rate 4 at 128K too cost more in copies "
+                    "(32K causal fwd 1.78 vs 2.23 ms)", "dilated_gather_ab_h200_d28c735.json")
+    gather_noncausal_backward: bool = measured(
+        False, "the non-causal backward is GPU-bound: gathered 6.59 vs 6.35 ms at 32K, 24.52 vs 24.42 at 128K",
+        "dilated_gather_ab_h200_d28c735.json")
+    adopt_bwd_max_elems: int = measured(
+        2 ** 29, "the backward takes the base branch's gradients whole up to this many elements: cuDNN keeps dQ "
+                 "in a float32 buffer of the call's size (2 GiB at 2**29); at 1M tokens the whole call was 5% "
+                 "faster and 7 GiB more peak", "adopt_1m_h200_probe.json")
+    piece_bytes: int = measured(
+        128 << 20, "a views call is cut into pieces of at most this many output bytes so its transient tensors "
+                   "stay small beside the (B, S, H, D) result (a memory bound, not a speed choice)")
+    schedule: str = measured(
+        "auto", "force one engine for A/B measurements and tests: 'views', 'gather', or a fused schedule "
+                "('grouped' wherever branches nest, 'per_branch', 'per_branch_zero_fill'); 'auto' decides")
+
+    def __post_init__(self):
+        if self.schedule not in DILATED_SCHEDULES:
+            raise ValueError(f"DilatedTuning.schedule={self.schedule!r}: choose one of {DILATED_SCHEDULES}")
+        for f in ("views_min_tokens_d128", "views_min_tokens_d64_fwd", "views_min_tokens_d64_bwd",
+                  "views_min_tokens_gqa", "grouped_max_keys", "gather_max_rows", "adopt_bwd_max_elems",
+                  "piece_bytes"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
+                raise ValueError(f"DilatedTuning.{f} must be a non-negative int, got {getattr(self, f)!r}")
+
+    def views_min_tokens(self, pass_: str, head_dim: int, mha: bool) -> int:
+        """Tokens (batch x seqlen) from which cuDNN on the views runs ``pass_``."""
+        if not mha:
+            return self.views_min_tokens_gqa
+        if head_dim > 64:
+            return self.views_min_tokens_d128
+        return self.views_min_tokens_d64_fwd if pass_ == "fwd" else self.views_min_tokens_d64_bwd
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenTuning:
+    """Which kernel runs ``attention_varlen`` on CUDA."""
+
+    loop_min_mean_tokens: int = measured(
+        4096, "documents of at least this mean length run as one cuDNN call each; shorter ones through "
+              "FlashAttention-2's varlen kernel (its backward beat our Triton varlen kernel 1.6x)",
+        "run_varlen_h200_e12dbda.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class RingVarlenTuning:
+    """Cost model that decides whether a packed-document ring step runs its
+    document blocks as one FlashAttention-2 varlen launch or one backend call each."""
+
+    call_seconds: float = measured(
+        2e-4, "host time of one backend call with its merge", "dist_varlen_2xh200_7284f9f.json")
+    call_flops: float = measured(
+        500e12, "FLOP/s of a per-block cuDNN call", "dist_varlen_2xh200_7284f9f.json")
+    fused_flops: float = measured(
+        260e12, "FLOP/s of a fused varlen launch on these blocks (113 short documents: 3-10x faster fused)",
+        "dist_varlen_2xh200_7284f9f.json")
+
+
+DILATED = DilatedTuning()
+VARLEN = VarlenTuning()
+RING_VARLEN = RingVarlenTuning()
+
+
+def describe() -> str:
+    """Every measured threshold with its value, reason and result file (one line each)."""
+    lines = []
+    for obj in (DILATED, VARLEN, RING_VARLEN):
+        for f in dataclasses.fields(obj):
+            src = f.metadata.get("source")
+            lines.append(f"{type(obj).__name__}.{f.name} = {getattr(obj, f.name)!r}: {f.metadata.get('reason', '')}"
+                         + (f" [benchmarks/results/{src}]" if src else ""))
+    return "\n".join(lines)
