@@ -1,6 +1,6 @@
 """In-process A/B of GQA through cuDNN: native (kv heads passed as they are,
-the cudnn backend since bb9b18f) against expanding K/V to the query heads
-first and summing dK/dV back (what the backend did before). bf16, B=1, H=32,
+what the cudnn backend does) against expanding K/V to the query heads first
+and summing dK/dV back (what a caller without native GQA would do). bf16, B=1, H=32,
 Hkv=8, D=128; median CUDA-event times over alternating rounds, peak memory
 beyond the inputs.
 
