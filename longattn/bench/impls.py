@@ -37,6 +37,9 @@ class Impl:
     """share of the config's useful pairs this implementation computes (FLOPs count only those)."""
 
 
+_NO_TRITON = "Triton kernels unavailable here (on CPU they run only under TRITON_INTERPRET=1, the slow interpreter)"
+
+
 # ------------------------------------------------------------------ helpers
 def _sdpa(backend_name: Optional[str]):
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -171,7 +174,7 @@ def _dilated(backend: str):
 
     def reason(cfg: Config, dev):
         if backend == "triton" and not longattn.kernels_available(dev.type):
-            return "Triton kernels unavailable on this device"
+            return _NO_TRITON
         return None
     return build, reason
 
@@ -197,7 +200,7 @@ def _dense_ours(backend: str):
 
     def reason(cfg: Config, dev):
         if backend == "triton" and not longattn.kernels_available(dev.type):
-            return "Triton kernels unavailable on this device"
+            return _NO_TRITON
         if backend == "cudnn" and dev.type != "cuda":
             return "cuDNN needs CUDA"
         return None
