@@ -315,13 +315,14 @@ def format_table(results) -> str:
     listed once below it with their reasons."""
     lines = ["| config | impl | ranks | seqlen | fwd ms | fwd+bwd ms | eff fwd | eff fwd+bwd | peak MiB/rank | status |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    eff = lambda v: "–" if v is None else f"{v:.3f}"
     for r in results:
         if r["status"] == "unsupported":
             continue
         mem = r.get("peak_mem_fwd_bwd_bytes") or r.get("peak_mem_fwd_bytes") or r.get("peak_mem_bytes")
         lines.append(f"| {r['config']} | {r['impl']} | {r['world_size']} | {r['seqlen']} | {T.num(r.get('fwd_ms'))} | "
-                     f"{T.num(r.get('fwd_bwd_ms'))} | {T.num(r.get('efficiency_fwd'))} | "
-                     f"{T.num(r.get('efficiency_fwd_bwd'))} | {T.num(mem and mem / 2**20)} | "
+                     f"{T.num(r.get('fwd_bwd_ms'))} | {eff(r.get('efficiency_fwd'))} | "
+                     f"{eff(r.get('efficiency_fwd_bwd'))} | {T.num(mem and mem / 2**20)} | "
                      f"{r['status']}{(': ' + r['reason']) if r.get('reason') else ''} |")
     lines += T.not_run(results)
     lines += ["", "eff: efficiency = work x T(one device) / (ranks x T(ranks)); work = 1 for the same global "
