@@ -81,6 +81,7 @@ def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
     import matplotlib.pyplot as plt
 
     from . import tables as T
+    from .single import bwd_measured
 
     os.makedirs(outdir, exist_ok=True)
     written, missing = [], []
@@ -104,10 +105,13 @@ def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
             impls = [r["impl"] for r in rows]
             unit, f = T.flops_unit([r.get(k) for r in rows for k in ("fwd_tflops", "bwd_tflops")])
             fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(rows) + 5), 4.5))
+            # backward bars only where it was timed by itself (older files derived it)
+            bwd = [r if bwd_measured(r) else {} for r in rows]
             _bars(axes[0], impls, {"forward": [r["fwd_ms"] for r in rows],
-                                   "backward": [r.get("bwd_ms") for r in rows]}, "time (ms, median)")
+                                   "backward": [r.get("bwd_ms") for r in bwd],
+                                   "forward+backward": [r.get("fwd_bwd_ms") for r in rows]}, "time (ms, median)")
             _bars(axes[1], impls, {"forward": [r.get("fwd_tflops") and r["fwd_tflops"] * f for r in rows],
-                                   "backward": [r.get("bwd_tflops") and r["bwd_tflops"] * f for r in rows]},
+                                   "backward": [r.get("bwd_tflops") and r["bwd_tflops"] * f for r in bwd]},
                   f"{unit} (useful pairs)")
             fig.suptitle(f"{cfg}: {rows[0].get('shape', '')}, ran in {rows[0].get('dtype')}", fontsize=9)
             save(fig, f"{_safe(_stem(d))}_{_safe(cfg)}_impls.png")

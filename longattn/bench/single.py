@@ -234,6 +234,12 @@ def scale(cfg: Config, impls: Sequence[str], *, device=None, backward=True, star
     return dict(kind="scale", env=env, config=cfg.name, longest_seqlen=longest, results=results)
 
 
+def bwd_measured(r: dict) -> bool:
+    """Whether the row's backward was timed by itself (result files that carry
+    ``bwd_host_ms``); older files hold fwd+bwd minus fwd, floored at 0."""
+    return "bwd_host_ms" in r
+
+
 def _computes(r: dict) -> Optional[str]:
     if "computes" in r:
         return r["computes"]
@@ -247,10 +253,16 @@ def format_table(results: list[dict]) -> str:
     shown = [r for r in results if r["status"] != "unsupported"]
     unit, f = T.flops_unit([r.get(k) for r in shown for k in ("fwd_tflops", "bwd_tflops")])
     rate = lambda v: None if v is None else v * f
+    derived = [r for r in shown if r.get("bwd_ms") is not None and not bwd_measured(r)]
+
+    def bwd(r, v):  # a derived backward (older files) is marked; a floored 0 is no figure
+        if r not in derived:
+            return T.num(v)
+        return (T.num(v) if r["bwd_ms"] > 0 else "–") + "†"
     cols = [("config", lambda r: r["config"]), ("impl", lambda r: r["impl"]), ("seqlen", lambda r: str(r["seqlen"])),
-            ("fwd ms", lambda r: T.num(r.get("fwd_ms"))), ("bwd ms", lambda r: T.num(r.get("bwd_ms"))),
+            ("fwd ms", lambda r: T.num(r.get("fwd_ms"))), ("bwd ms", lambda r: bwd(r, r.get("bwd_ms"))),
             (f"fwd {unit}", lambda r: T.num(rate(r.get("fwd_tflops")))),
-            (f"bwd {unit}", lambda r: T.num(rate(r.get("bwd_tflops")))),
+            (f"bwd {unit}", lambda r: bwd(r, rate(r.get("bwd_tflops")))),
             ("tok/s fwd", lambda r: "–" if r.get("fwd_tokens_per_s") is None else f"{r['fwd_tokens_per_s']:.3g}"),
             ("fwd MiB", lambda r: T.num(r.get("fwd_peak_mem_bytes") and r["fwd_peak_mem_bytes"] / 2**20)),
             ("fwd+bwd MiB", lambda r: T.num(r.get("fwd_bwd_peak_mem_bytes") and r["fwd_bwd_peak_mem_bytes"] / 2**20)),
@@ -275,6 +287,9 @@ def format_table(results: list[dict]) -> str:
         compared = any(r.get("rel_diff_vs_ref") is not None for r in rows)
         notes.append(f"* {', '.join(dict.fromkeys(r['impl'] for r in rows))}: computes another function, {what}"
                      + ("; its rel diff is the distance from ours, not an error." if compared else "."))
+    if derived:
+        notes.append("† backward not timed alone in this file: fwd+bwd median minus fwd median (– where that is not "
+                     "positive); see the fwd+bwd time in the JSON.")
     if notes:
         lines += [""] + notes
     return "\n".join(lines)
