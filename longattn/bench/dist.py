@@ -10,8 +10,8 @@ on one device. T_single is measured on rank 0 in the same run (``longattn.attent
 ``longattn.dilated_attention`` or ``attention_varlen``, backend auto). A row
 that cannot run here is recorded as unsupported with its reason, before any
 of it runs. Efficiency = W * T_single / (p * T_p) where W is the work of the parallel
-problem over the single-GPU one: 1 in strong scaling (the same global
-problem); in weak scaling (global seqlen = p * config seqlen, single GPU at
+problem over the one-device one: 1 in strong scaling (the same global
+problem); in weak scaling (global seqlen = p * config seqlen, one device at
 the config seqlen) W = FLOPs ratio, p^2 for dense attention, ~p for dilated.
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ def _torch_cp(cfg, make, dev, warmup, iters, backward, batched, label):
         _cp_options.enable_load_balance = cfg.causal  # the head-tail balancer refuses non-causal
     try:
         with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
-                sdpa_kernel([SDPBackend.CUDNN_ATTENTION] if dev.type == "cuda" else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+                sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             fwd = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=cfg.causal)
             step = None
             if backward:
@@ -246,7 +246,8 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
                                 status=single["status"], reason=single.get("reason"), fwd_ms=single.get("fwd_ms"),
                                 fwd_bwd_ms=single.get("fwd_bwd_ms"), fwd_host_ms=single.get("fwd_host_ms"),
                                 fwd_bwd_host_ms=single.get("fwd_bwd_host_ms"),
-                                peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes") or single.get("fwd_peak_mem_bytes")))
+                                peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes")
+                                or single.get("fwd_peak_mem_bytes")))
         dist.barrier()
         t1f = _from_rank0(single.get("fwd_ms") if single else None)
         t1b = _from_rank0(single.get("fwd_bwd_ms") if single else None)
@@ -296,7 +297,8 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
                 if t1b and tb:
                     row["efficiency_fwd_bwd"] = work * t1b / (world * tb)
                     row["speedup_fwd_bwd"] = work * t1b / tb
-                row["fwd_tflops_per_gpu"] = row["fwd_flops"] / (tf * 1e-3) / 1e12 / world  # per rank (key as in earlier result files)
+                # per rank; the key's name is the one earlier result files use
+                row["fwd_tflops_per_gpu"] = row["fwd_flops"] / (tf * 1e-3) / 1e12 / world
             if rank == 0:
                 if row["status"] != "ok":
                     _log(f"{tag}: {row['status']}: {row.get('reason')}")
@@ -313,7 +315,8 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
 def format_table(results) -> str:
     """Markdown table of the rows that ran (or failed); unsupported rows are
     listed once below it with their reasons."""
-    lines = ["| config | impl | ranks | seqlen | fwd ms | fwd+bwd ms | eff fwd | eff fwd+bwd | peak MiB/rank | status |",
+    lines = ["| config | impl | ranks | seqlen | fwd ms | fwd+bwd ms | eff fwd | eff fwd+bwd | peak MiB/rank "
+             "| status |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     eff = lambda v: "–" if v is None else f"{v:.3f}"
     for r in results:

@@ -191,7 +191,8 @@ def run(cfgs: Sequence[Config], impls: Optional[Sequence[str]] = None, *, device
     for cfg, names in plan:
         dev, dt = device_and_dtype(cfg, device)
         if env is None:
-            env = dict(measure.environment(dev), timing="batched" if timing == "batched" and dev.type == "cuda" else "cold")
+            batched_here = timing == "batched" and dev.type == "cuda"
+            env = dict(measure.environment(dev), timing="batched" if batched_here else "cold")
         ref = None
         if check and names and cfg.seqlen * cfg.batch <= (1 << 17):
             _log(f"[run] {cfg.name}: reference output ({REFERENCES[cfg.kind]}, auto)")
@@ -288,8 +289,8 @@ def format_table(results: list[dict]) -> str:
         notes.append(f"* {', '.join(dict.fromkeys(r['impl'] for r in rows))}: computes another function, {what}"
                      + ("; its rel diff is the distance from ours, not an error." if compared else "."))
     if derived:
-        notes.append("† backward not timed alone in this file: fwd+bwd median minus fwd median (– where that is not "
-                     "positive); see the fwd+bwd time in the JSON.")
+        notes.append("† backward not timed alone in this file: fwd+bwd median minus fwd median (– where that is "
+                     "not positive); see the fwd+bwd time in the JSON.")
     if notes:
         lines += [""] + notes
     return "\n".join(lines)
