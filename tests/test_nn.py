@@ -75,3 +75,23 @@ def test_longnet_lm_rejects_long_input():
     m = LongNetLM(10, dim=32, depth=1, num_heads=2, segment_lengths=[8], dilation_rates=[1], max_seqlen=16)
     with pytest.raises(ValueError, match="max_seqlen"):
         m(torch.zeros(1, 32, dtype=torch.long))
+
+
+def test_multihead_self_attention_defaults_key_value_to_query():
+    m = MultiheadDilatedAttention(32, 4, [8, 16], [1, 2], num_kv_heads=2)
+    x, y = torch.randn(1, 16, 32), torch.randn(1, 16, 32)
+    assert torch.equal(m(x, is_causal=True)[0], m(x, x, x, is_causal=True)[0])
+    assert torch.equal(m(x, y)[0], m(x, y, y)[0])  # value defaults to key
+    assert not torch.allclose(m(x, y)[0], m(x)[0])
+
+
+def test_longnet_lm_rejects_out_of_range_token_ids():
+    m = LongNetLM(10, dim=32, depth=1, num_heads=2, segment_lengths=[8], dilation_rates=[1], max_seqlen=16)
+    with pytest.raises(ValueError, match="vocab_size=10"):
+        m(torch.tensor([[1, 2, 10]]))
+    with pytest.raises(ValueError, match="vocab_size"):
+        m(torch.tensor([[-1, 2, 3]]))
+    with pytest.raises(TypeError, match="integer"):
+        m(torch.zeros(1, 4))
+    logits, _ = m(torch.tensor([[0, 9]]))
+    assert logits.shape == (1, 2, 10)

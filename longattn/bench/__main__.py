@@ -20,14 +20,14 @@ def _overrides(a) -> dict:
 
 
 def _add_overrides(p):
-    g = p.add_argument_group("overrides")
-    g.add_argument("--seqlen", type=int)
-    g.add_argument("--heads", type=int)
-    g.add_argument("--kv-heads", type=int)
-    g.add_argument("--head-dim", type=int)
-    g.add_argument("--batch", type=int)
-    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-    g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None)
+    g = p.add_argument_group("overrides (change the named configs' shapes)")
+    g.add_argument("--seqlen", type=int, help="sequence length (tokens per batch element)")
+    g.add_argument("--heads", type=int, help="query heads")
+    g.add_argument("--kv-heads", type=int, help="key/value heads (GQA/MQA; a divisor of --heads)")
+    g.add_argument("--head-dim", type=int, help="head dimension")
+    g.add_argument("--batch", type=int, help="batch size")
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="input dtype (CPU runs use fp32 for bf16)")
+    g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None, help="causal mask on or off")
 
 
 def _configs(names, a):
@@ -43,47 +43,86 @@ def _emit(payload, a, table):
     print(table)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m longattn.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def _impl_list() -> str:
+    from .impls import IMPLS
+
+    lines = ["implementations (--impl; by default all that apply to each config's kind):"]
+    for i in IMPLS.values():
+        lines.append(f"  {i.name:26s} [{', '.join(i.kinds)}] {i.note}")
+    return "\n".join(lines)
+
+
+_CONFIG_HELP = "named configs (`python -m longattn.bench list` shows them)"
+_JSON_HELP = "write the results to this JSON file (and a CSV beside it)"
+_ITERS_HELP = "timed calls per measurement (the median is reported)"
+_WARMUP_HELP = "untimed calls before timing (the first compiles, autotunes, fills caches)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .dist import RING_IMPLS
+
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="python -m longattn.bench", description=__doc__, formatter_class=raw)
     sub = p.add_subparsers(dest="cmd")
     sub.add_parser("list", help="named configs and their shapes")
-    pr = sub.add_parser("run", help="single device: our ops against the alternatives")
-    pr.add_argument("--config", nargs="+", required=True)
-    pr.add_argument("--impl", nargs="+", help="implementations (default: all that apply)")
-    pr.add_argument("--json")
-    pr.add_argument("--no-backward", action="store_true")
+    pr = sub.add_parser("run", help="single device: our ops against the alternatives", epilog=_impl_list(),
+                        formatter_class=raw)
+    pr.add_argument("--config", nargs="+", required=True, help=_CONFIG_HELP)
+    pr.add_argument("--impl", nargs="+", help="implementations to time (listed below; default: all that apply)")
+    pr.add_argument("--json", help=_JSON_HELP)
+    pr.add_argument("--no-backward", action="store_true", help="time the forward only")
     pr.add_argument("--timing", choices=["warmup", "profiler", "batched"], default="warmup",
                     help="warmup: one cold call per sample (host time to the first kernel counts); profiler: "
                          "also top kernels; batched: calls back to back, time per call (host ahead, as in training)")
-    pr.add_argument("--warmup", type=int, default=3)
-    pr.add_argument("--iters", type=int, default=10)
-    pr.add_argument("--device")
+    pr.add_argument("--warmup", type=int, default=3, help=_WARMUP_HELP + " (default 3)")
+    pr.add_argument("--iters", type=int, default=10, help=_ITERS_HELP + " (default 10)")
+    pr.add_argument("--device", help="torch device, e.g. cuda:1 or cpu (default: cuda when present, else cpu)")
     _add_overrides(pr)
-    pd = sub.add_parser("dist", help="under torchrun: 1 GPU vs N GPUs, efficiency, memory per GPU")
-    pd.add_argument("--config", nargs="+", required=True)
-    pd.add_argument("--impl", nargs="+")
+    pd = sub.add_parser("dist", help="under torchrun: one device vs N ranks, efficiency, memory per rank",
+                        epilog=f"implementations (--impl): {', '.join(RING_IMPLS)}; dilated configs run "
+                               "dilated-over-ranks (ring-contiguous). Example on CPU (gloo):\n"
+                               "  torchrun --nproc_per_node=2 -m longattn.bench dist --config tiny",
+                        formatter_class=raw)
+    pd.add_argument("--config", nargs="+", required=True, help=_CONFIG_HELP)
+    pd.add_argument("--impl", nargs="+", help=f"from {', '.join(RING_IMPLS)} (default: those that apply)")
     pd.add_argument("--weak", action="store_true", help="global seqlen = N x config seqlen")
-    pd.add_argument("--json")
-    pd.add_argument("--no-backward", action="store_true")
-    pd.add_argument("--warmup", type=int, default=3)
-    pd.add_argument("--iters", type=int, default=10)
+    pd.add_argument("--json", help=_JSON_HELP + "; rank 0 writes it after each config")
+    pd.add_argument("--no-backward", action="store_true", help="time the forward only")
+    pd.add_argument("--warmup", type=int, default=3, help=_WARMUP_HELP + " (default 3)")
+    pd.add_argument("--iters", type=int, default=10, help=_ITERS_HELP + " (default 10)")
     pd.add_argument("--timing", choices=["cold", "batched"], default="cold",
                     help="cold: one call per sample, host time to the first kernel counts; batched: calls back to "
-                         "back, time per call (host ahead of the GPU)")
+                         "back, time per call (host ahead of the GPU; CPU runs are cold)")
     _add_overrides(pd)
-    ps = sub.add_parser("scale", help="double the seqlen until out of memory")
-    ps.add_argument("--config", required=True)
-    ps.add_argument("--impl", nargs="+", required=True)
-    ps.add_argument("--max-seqlen", type=int, default=1 << 24)
-    ps.add_argument("--json")
-    ps.add_argument("--no-backward", action="store_true")
-    ps.add_argument("--device")
+    ps = sub.add_parser("scale", help="double the seqlen until out of memory", epilog=_impl_list(),
+                        formatter_class=raw)
+    ps.add_argument("--config", required=True, help="one named config (its seqlen is the start)")
+    ps.add_argument("--impl", nargs="+", required=True, help="implementations to scale (listed below)")
+    ps.add_argument("--max-seqlen", type=int, default=1 << 24, help="stop after this length (default 16M)")
+    ps.add_argument("--json", help=_JSON_HELP)
+    ps.add_argument("--no-backward", action="store_true", help="time the forward only")
+    ps.add_argument("--device", help="torch device (default: cuda when present, else cpu)")
     _add_overrides(ps)
     pp = sub.add_parser("report", help="markdown summary and PNG plots from result JSONs")
-    pp.add_argument("paths", nargs="+")
+    pp.add_argument("paths", nargs="+", help="result JSON files of run, scale or dist")
     pp.add_argument("--out", default=None, help="folder for report.md and plots (default: beside the first JSON)")
+    return p
+
+
+def main(argv=None):
+    p = _parser()
     a = p.parse_args(argv)
+    if a.cmd in ("run", "scale") and a.impl:
+        from .impls import IMPLS
+
+        unknown = [n for n in a.impl if n not in IMPLS]
+        if unknown:
+            p.error(f"unknown implementation(s) {', '.join(unknown)}; `{a.cmd} --help` lists them")
+    if a.cmd in ("run", "scale", "dist"):
+        try:
+            cfgs = _configs(a.config if a.cmd != "scale" else [a.config], a)
+        except ValueError as e:
+            p.error(str(e))
 
     if a.cmd == "list":
         print("| name | kind | shape | note |\n|---|---|---|---|")
@@ -93,23 +132,24 @@ def main(argv=None):
     if a.cmd is None:
         from .single import format_table, run
 
-        names = ["small", "longnet_32k"] if torch.cuda.is_available() else ["tiny", "dilated_tiny"]
-        res = run([C.get(n) for n in names], iters=5 if not torch.cuda.is_available() else 20)
+        cuda = torch.cuda.is_available()
+        names = ["small", "longnet_32k"] if cuda else ["tiny", "dilated_tiny"]
+        # CPU: one warm-up call fills the caches (nothing autotunes or compiles there)
+        res = run([C.get(n) for n in names], warmup=3 if cuda else 1, iters=20 if cuda else 5)
         print(f"# {res['env']['device']}, torch {res['env']['torch']}\n")
         print(format_table(res["results"]))
         return 0
     if a.cmd == "run":
         from .single import format_table, run
 
-        res = run(_configs(a.config, a), a.impl, device=a.device, backward=not a.no_backward, warmup=a.warmup,
+        res = run(cfgs, a.impl, device=a.device, backward=not a.no_backward, warmup=a.warmup,
                   iters=a.iters, timing=a.timing)
         _emit(res, a, format_table(res["results"]))
         return 0
     if a.cmd == "scale":
         from .single import format_table, scale
 
-        cfg = _configs([a.config], a)[0]
-        res = scale(cfg, a.impl, device=a.device, backward=not a.no_backward, max_seqlen=a.max_seqlen)
+        res = scale(cfgs[0], a.impl, device=a.device, backward=not a.no_backward, max_seqlen=a.max_seqlen)
         _emit(res, a, format_table(res["results"]) + f"\n\nlongest: {res['longest_seqlen']}")
         return 0
     if a.cmd == "dist":
@@ -117,7 +157,7 @@ def main(argv=None):
 
         from .dist import format_table, run_dist
 
-        res = run_dist(_configs(a.config, a), a.impl, weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
+        res = run_dist(cfgs, a.impl, weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
                        iters=a.iters, json_path=a.json, timing=a.timing)
         if dist.get_rank() == 0:
             _emit(res, a, format_table(res["results"]))
@@ -130,13 +170,16 @@ def main(argv=None):
         docs = load(a.paths)
         out = a.out or os.path.dirname(os.path.abspath(a.paths[0]))
         md = markdown(docs)
-        pngs = plots(docs, out)
+        pngs, missing = plots(docs, out)
         md += "\n" + "\n".join(f"![{os.path.basename(x)}]({os.path.basename(x)})" for x in pngs) + "\n"
+        if missing:
+            md += "\nPlots these results cannot make yet:\n\n" + "\n".join(f"- {m}" for m in missing) + "\n"
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "report.md"), "w") as f:
             f.write(md)
         print(md)
-        print(f"wrote {os.path.join(out, 'report.md')} and {len(pngs)} plot(s)", file=sys.stderr)
+        print(f"wrote {os.path.join(out, 'report.md')} and {len(pngs)} plot(s)"
+              + (f"; {len(missing)} more need more runs (listed in report.md)" if missing else ""), file=sys.stderr)
         return 0
     return 1
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
 LONGNET_RATES = (1, 2, 4, 8, 16)
 

@@ -1,20 +1,24 @@
-"""`dist`: one GPU against N GPUs on the same global problem (torchrun).
+"""`dist`: one device against N ranks on the same global problem (torchrun;
+NCCL on GPUs, gloo on CPU).
 
 Rows: our ring (contiguous and zigzag layouts), torch's context_parallel
 (cuDNN SDPA, its default head-tail balancing for causal, balancing off for
-non-causal which the balancer refuses); for dilated configs our dilated
-attention over ranks; for varlen configs ``ring_attention_varlen`` in both
-layouts against ``attention_varlen`` (auto) on one GPU. T_single is measured on rank 0 in the same run
-(cuDNN through ``longattn.attention``; ``dense-same-length`` impl for dilated).
-Efficiency = W * T_single / (p * T_p) where W is the work of the parallel
-problem over the single-GPU one: 1 in strong scaling (the same global
-problem); in weak scaling (global seqlen = p * config seqlen, single GPU at
+non-causal which the balancer refuses; CUDA only, see ``torch_cp_reason``);
+for dilated configs our dilated attention over ranks; for varlen configs
+``ring_attention_varlen`` in both layouts against ``attention_varlen`` (auto)
+on one device. T_single is measured on rank 0 in the same run (``longattn.attention``,
+``longattn.dilated_attention`` or ``attention_varlen``, backend auto). A row
+that cannot run here is recorded as unsupported with its reason, before any
+of it runs. Efficiency = W * T_single / (p * T_p) where W is the work of the parallel
+problem over the one-device one: 1 in strong scaling (the same global
+problem); in weak scaling (global seqlen = p * config seqlen, one device at
 the config seqlen) W = FLOPs ratio, p^2 for dense attention, ~p for dilated.
 """
 from __future__ import annotations
 
 import gc
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,7 @@ import torch.distributed as dist
 import longattn
 
 from . import measure
+from . import tables as T
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
 from .impls import fwd_flops, varlen_cu_seqlens
@@ -41,6 +46,28 @@ def _init():
     return rank, world, dev
 
 
+def torch_cp_reason(cfg: Config, dev) -> Optional[str]:
+    """Why torch's context_parallel cannot run ``cfg`` on ``dev`` (None: it can)."""
+    if dev.type != "cuda":
+        return ("torch's context_parallel shards only SDPA's flash, efficient and cuDNN kernels, which exist on "
+                "CUDA alone (CPU SDPA takes another kernel that it does not shard)")
+    if cfg.kind == "varlen":
+        return "torch's context_parallel has no packed-document (varlen) mode"
+    if cfg.window != (-1, -1):
+        return "torch's context_parallel has no sliding window"
+    return None
+
+
+def _reason(cfg: Config, impl: str, dev) -> Optional[str]:
+    if cfg.kind == "dilated" and impl.partition("+")[0] != "ring-contiguous":
+        return "dilated configs run as dilated-over-ranks (ring-contiguous: contiguous shards) only"
+    if impl == "torch-cp":
+        return torch_cp_reason(cfg, dev)
+    if impl.partition("+")[0] not in ("ring-contiguous", "ring-zigzag"):
+        return f"unknown implementation; dist runs {', '.join(RING_IMPLS)} (ring-*+TRANSPORT picks a transport)"
+    return None
+
+
 def _inputs(cfg: Config, seqlen: int, dev, dt, seed=0):
     g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randn(cfg.batch, seqlen, cfg.heads, cfg.head_dim, device=dev, dtype=dt, generator=g)
@@ -49,32 +76,39 @@ def _inputs(cfg: Config, seqlen: int, dev, dt, seed=0):
     return q, k, v
 
 
-def _time_pair(fwd, step, dev, warmup, iters, batched):
+def _label(what: str) -> Optional[str]:
+    """Progress lines from rank 0 only."""
+    return what if dist.get_rank() == 0 else None
+
+
+def _time_pair(fwd, step, dev, warmup, iters, batched, label="[dist]"):
     """(fwd ms, fwd+bwd ms, peak bytes fwd, fwd+bwd, host ms of one fwd, fwd+bwd call);
     ``batched``: see measure.time_ms."""
     with torch.no_grad():
-        t = measure.time_ms(fwd, dev, warmup=warmup, iters=iters, batched=batched, agree=_agree)
+        t = measure.time_ms(fwd, dev, warmup=warmup, iters=iters, batched=batched, agree=_agree,
+                            label=_label(f"{label} fwd"))
         tf, hf = t["median_ms"], t["host_ms"]
         mf = measure.peak_memory_bytes(fwd, dev)
     tb = mb = hb = None
     if step is not None:
-        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=batched, agree=_agree)
+        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=batched, agree=_agree,
+                            label=_label(f"{label} fwd+bwd"))
         tb, hb = t["median_ms"], t["host_ms"]
         mb = measure.peak_memory_bytes(step, dev)
     return tf, tb, mf, mb, hf, hb
 
 
-def _ours(cfg, impl, make, dev, warmup, iters, backward, batched):
+def _ours(cfg, impl, make, dev, warmup, iters, backward, batched, label):
     impl, _, transport = impl.partition("+")
     with _comm.use_transport(transport or "auto"):
         _comm.release_slots()
-        tf, tb, mf, mb, hf, hb = _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched)
+        tf, tb, mf, mb, hf, hb = _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched, label)
         # exchange slots in symmetric memory live outside the allocator's counters
         held = _comm.symmetric_bytes()
     return tf, tb, mf + held, None if mb is None else mb + held, hf, hb
 
 
-def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched):
+def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched, label):
     layout = "zigzag" if impl == "ring-zigzag" else "contiguous"
     q, k, v = make()
     if cfg.kind == "dilated":
@@ -103,10 +137,10 @@ def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched):
         def step():
             fn(qg, kg, vg).backward(dout)
             qg.grad = kg.grad = vg.grad = None
-    return _time_pair(fwd, step, dev, warmup, iters, batched)
+    return _time_pair(fwd, step, dev, warmup, iters, batched, label)
 
 
-def _torch_cp(cfg, make, dev, warmup, iters, backward, batched):
+def _torch_cp(cfg, make, dev, warmup, iters, backward, batched, label):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -115,8 +149,6 @@ def _torch_cp(cfg, make, dev, warmup, iters, backward, batched):
         from torch.distributed.tensor.experimental._attention import _cp_options
     except ImportError:  # pragma: no cover
         _cp_options = None
-    if cfg.window != (-1, -1):
-        raise NotImplementedError("torch context_parallel has no sliding window")
     mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     g = cfg.heads // cfg.hkv
     q, k, v = make()
@@ -131,7 +163,7 @@ def _torch_cp(cfg, make, dev, warmup, iters, backward, batched):
         _cp_options.enable_load_balance = cfg.causal  # the head-tail balancer refuses non-causal
     try:
         with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
-                sdpa_kernel([SDPBackend.CUDNN_ATTENTION] if dev.type == "cuda" else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+                sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             fwd = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=cfg.causal)
             step = None
             if backward:
@@ -141,7 +173,7 @@ def _torch_cp(cfg, make, dev, warmup, iters, backward, batched):
                 def step():
                     torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=cfg.causal).backward(dout)
                     qg.grad = kg.grad = vg.grad = None
-            return _time_pair(fwd, step, dev, warmup, iters, batched)
+            return _time_pair(fwd, step, dev, warmup, iters, batched, label)
     finally:
         if _cp_options is not None:
             _cp_options.enable_load_balance = old
@@ -168,6 +200,14 @@ def _from_rank0(x):
     return None if t.item() != t.item() else t.item()
 
 
+def _fmt_ms(v) -> str:
+    return "–" if v is None else f"{v:.3g} ms"
+
+
+def _fmt_eff(v) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
 def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10, json_path=None,
              timing="cold") -> dict:
     """``timing``: "cold" (an idle GPU at each call's start: host time to the first
@@ -187,44 +227,56 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
         gcfg = cfg.with_overrides(seqlen=s_global)
         base = dict(config=cfg.name, shape=gcfg.describe(), world_size=world, seqlen=s_global, weak=weak,
                     causal=cfg.causal, fwd_flops=fwd_flops(gcfg))
-        # T_single on rank 0: the same global problem (weak mode: the per-GPU problem)
+        # T_single on rank 0: the same global problem (weak mode: the per-rank problem)
         single_cfg = cfg if weak else gcfg
         single_impl = {"dilated": "longattn-dilated", "varlen": "longattn-varlen"}.get(cfg.kind, "longattn")
         single = None
         if rank == 0:
-            _log(f"[dist] {cfg.name} single-GPU {single_impl} S={single_cfg.seqlen}")
+            tag = f"[dist] {cfg.name} one device ({single_impl}, S={single_cfg.seqlen})"
+            _log(f"{tag} ...")
             single = bench_impl(single_cfg, single_impl, dev, dt, backward=backward, warmup=warmup, iters=iters,
-                                timing="batched" if timing == "batched" else "warmup")
+                                timing="batched" if timing == "batched" else "warmup", label=tag,
+                                bwd_alone=False)
+            _log(f"{tag}: {single['status']}, fwd {_fmt_ms(single.get('fwd_ms'))}, "
+                 f"fwd+bwd {_fmt_ms(single.get('fwd_bwd_ms'))}")
             gc.collect()
-            if dev.type == "cuda":  # the single-GPU run's cached blocks are not the ring's to keep
+            if dev.type == "cuda":  # the single-device run's cached blocks are not the ring's to keep
                 torch.cuda.empty_cache()
             results.append(dict(base, impl=f"single:{single_impl}", world_size=1, seqlen=single_cfg.seqlen,
                                 status=single["status"], reason=single.get("reason"), fwd_ms=single.get("fwd_ms"),
                                 fwd_bwd_ms=single.get("fwd_bwd_ms"), fwd_host_ms=single.get("fwd_host_ms"),
                                 fwd_bwd_host_ms=single.get("fwd_bwd_host_ms"),
-                                peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes") or single.get("fwd_peak_mem_bytes")))
+                                peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes")
+                                or single.get("fwd_peak_mem_bytes")))
         dist.barrier()
         t1f = _from_rank0(single.get("fwd_ms") if single else None)
         t1b = _from_rank0(single.get("fwd_bwd_ms") if single else None)
-        # work of the parallel problem over the single-GPU one (1 in strong scaling)
+        # work of the parallel problem over the single-device one (1 in strong scaling)
         work = fwd_flops(gcfg) / fwd_flops(single_cfg)
         names = impls or {"dilated": ("ring-contiguous",), "varlen": ("ring-zigzag", "ring-contiguous")}.get(
             cfg.kind, RING_IMPLS)
         for impl in names:
-            if cfg.kind == "dilated" and impl.partition("+")[0] != "ring-contiguous":
+            why = _reason(cfg, impl, dev)
+            name = "dilated-over-ranks" if cfg.kind == "dilated" and not why else impl
+            row = dict(base, impl=name, status="ok")
+            tag = f"[dist] {cfg.name} {name} ({world} ranks)"
+            if why:  # the same on every rank: decided from the config and device alone
+                row.update(status="unsupported", reason=why)
+                if rank == 0:
+                    _log(f"{tag}: unsupported: {why}")
+                results.append(row)
                 continue
-            if cfg.kind == "varlen" and impl == "torch-cp":
-                continue  # torch's context_parallel has no packed-document (varlen) mode
-            row = dict(base, impl="dilated-over-ranks" if cfg.kind == "dilated" else impl, status="ok")
+            if rank == 0:
+                _log(f"{tag} ...")
             # The global inputs are made inside the timed helpers and dropped once
             # sharded: held here they would sit beside the run (3 x 16 GiB at 4M tokens).
             make = lambda: _inputs(cfg, s_global, dev, dt)
             err = None
             try:
                 if impl == "torch-cp":
-                    tf, tb, mf, mb, hf, hb = _torch_cp(cfg, make, dev, warmup, iters, backward, batched)
+                    tf, tb, mf, mb, hf, hb = _torch_cp(cfg, make, dev, warmup, iters, backward, batched, tag)
                 else:
-                    tf, tb, mf, mb, hf, hb = _ours(cfg, impl, make, dev, warmup, iters, backward, batched)
+                    tf, tb, mf, mb, hf, hb = _ours(cfg, impl, make, dev, warmup, iters, backward, batched, tag)
             except Exception as e:  # noqa: BLE001 - recorded
                 err = _failure(e)
                 tf = tb = mf = mb = hf = hb = None
@@ -245,10 +297,15 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
                 if t1b and tb:
                     row["efficiency_fwd_bwd"] = work * t1b / (world * tb)
                     row["speedup_fwd_bwd"] = work * t1b / tb
+                # per rank; the key's name is the one earlier result files use
                 row["fwd_tflops_per_gpu"] = row["fwd_flops"] / (tf * 1e-3) / 1e12 / world
             if rank == 0:
-                _log(f"[dist] {cfg.name} {row['impl']}: {row['status']} {row.get('reason') or ''} "
-                     f"fwd {row.get('fwd_ms')} fwd+bwd {row.get('fwd_bwd_ms')} eff {row.get('efficiency_fwd_bwd')}")
+                if row["status"] != "ok":
+                    _log(f"{tag}: {row['status']}: {row.get('reason')}")
+                else:
+                    _log(f"{tag}: ok, fwd {_fmt_ms(row.get('fwd_ms'))}, fwd+bwd {_fmt_ms(row.get('fwd_bwd_ms'))}, "
+                         f"efficiency fwd {_fmt_eff(row.get('efficiency_fwd'))}, "
+                         f"fwd+bwd {_fmt_eff(row.get('efficiency_fwd_bwd'))}")
             results.append(row)
         if json_path and rank == 0:  # partial results survive a run cut short
             measure.write_json(json_path, dict(kind="dist", env=env, results=results, partial=True))
@@ -256,13 +313,21 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
 
 
 def format_table(results) -> str:
-    lines = ["| config | impl | GPUs | seqlen | fwd ms | fwd+bwd ms | eff fwd | eff fwd+bwd | peak MiB/GPU | status |",
+    """Markdown table of the rows that ran (or failed); unsupported rows are
+    listed once below it with their reasons."""
+    lines = ["| config | impl | ranks | seqlen | fwd ms | fwd+bwd ms | eff fwd | eff fwd+bwd | peak MiB/rank "
+             "| status |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    f = lambda v, fmt: "–" if v is None else fmt.format(v)
+    eff = lambda v: "–" if v is None else f"{v:.3f}"
     for r in results:
+        if r["status"] == "unsupported":
+            continue
         mem = r.get("peak_mem_fwd_bwd_bytes") or r.get("peak_mem_fwd_bytes") or r.get("peak_mem_bytes")
-        lines.append(f"| {r['config']} | {r['impl']} | {r['world_size']} | {r['seqlen']} | {f(r.get('fwd_ms'), '{:.2f}')} | "
-                     f"{f(r.get('fwd_bwd_ms'), '{:.2f}')} | {f(r.get('efficiency_fwd'), '{:.3f}')} | "
-                     f"{f(r.get('efficiency_fwd_bwd'), '{:.3f}')} | {f(mem and mem / 2**20, '{:.0f}')} | "
+        lines.append(f"| {r['config']} | {r['impl']} | {r['world_size']} | {r['seqlen']} | {T.num(r.get('fwd_ms'))} | "
+                     f"{T.num(r.get('fwd_bwd_ms'))} | {eff(r.get('efficiency_fwd'))} | "
+                     f"{eff(r.get('efficiency_fwd_bwd'))} | {T.num(mem and mem / 2**20)} | "
                      f"{r['status']}{(': ' + r['reason']) if r.get('reason') else ''} |")
+    lines += T.not_run(results)
+    lines += ["", "eff: efficiency = work x T(one device) / (ranks x T(ranks)); work = 1 for the same global "
+              "problem (strong scaling), the FLOPs ratio with --weak."]
     return "\n".join(lines)

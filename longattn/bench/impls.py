@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import longattn
 from longattn import dilated as _dil
 
-from .configs import Config
+from .configs import DTYPES, Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +29,15 @@ class Impl:
     reason: Callable[[Config, torch.device], Optional[str]] = lambda c, d: None
     note: str = ""
     comparable: bool = True
-    """computes the config's function (its output is checked against ours)."""
+    """its output is compared with the reference (``rel_diff_vs_ref``)."""
+    computes: Optional[str] = None
+    """set when it computes another function than the config's, named here: its
+    rel diff then measures how far that function is from ours, not an error."""
     pair_fraction: Callable[[Config], float] = lambda c: 1.0
     """share of the config's useful pairs this implementation computes (FLOPs count only those)."""
+
+
+_NO_TRITON = "Triton kernels unavailable here (on CPU they run only under TRITON_INTERPRET=1, the slow interpreter)"
 
 
 # ------------------------------------------------------------------ helpers
@@ -168,7 +174,7 @@ def _dilated(backend: str):
 
     def reason(cfg: Config, dev):
         if backend == "triton" and not longattn.kernels_available(dev.type):
-            return "Triton kernels unavailable on this device"
+            return _NO_TRITON
         return None
     return build, reason
 
@@ -180,8 +186,6 @@ def _dilated_graphed_build(cfg: Config, dev):
     dout) into the graphs' static inputs; that is timed. The graphs' memory
     (static buffers, private pool) is allocated here, before any measured call,
     so the peak-memory columns leave it out."""
-    from .single import DTYPES  # single imports this module
-
     fn = _dilated("auto")[0](cfg, dev)
     dt = DTYPES[cfg.dtype]
     mk = lambda h: torch.randn(cfg.batch, cfg.seqlen, h, cfg.head_dim, device=dev, dtype=dt, requires_grad=True)
@@ -196,7 +200,7 @@ def _dense_ours(backend: str):
 
     def reason(cfg: Config, dev):
         if backend == "triton" and not longattn.kernels_available(dev.type):
-            return "Triton kernels unavailable on this device"
+            return _NO_TRITON
         if backend == "cudnn" and dev.type != "cuda":
             return "cuDNN needs CUDA"
         return None
@@ -273,6 +277,8 @@ def _dense_max_tokens() -> int:
     return int(os.environ.get("LONGATTN_BENCH_DENSE_MAX_TOKENS", 262144))
 
 
+_HEADSPLIT = "head-split dilated attention (each head in one branch; LongNet puts every head in every branch)"
+
 IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("longattn", ("dense", "window"), _d["auto"][0], _d["auto"][1], "longattn.attention, backend auto"),
     Impl("longattn-triton", ("dense", "window"), _d["triton"][0], _d["triton"][1], "our Triton kernel"),
@@ -293,15 +299,15 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("headsplit-gather", ("dilated",), lambda c, d: (lambda q, k, v: headsplit_dilated(
         q, k, v, c.segment_lengths, c.dilation_rates, c.causal)), _headsplit_reason,
         "dilated-attention-pytorch algorithm: heads split among branches, gather + SDPA",
-        pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
+        computes=_HEADSPLIT, pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
     Impl("flex-dilated", ("dilated",), _flex_dilated_build, _flex_reason, "FlexAttention, head-split dilated mask",
-         pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
+         computes=_HEADSPLIT, pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
     Impl("dense-same-length", ("dilated", "varlen"), lambda c, d: (lambda q, k, v: longattn.attention(
         q, k, v, causal=c.causal)), lambda c, d: ("dense attention above 256K tokens takes minutes per call (its cost grows"
                                            " as S^2: see the 128K row; LONGATTN_BENCH_DENSE_MAX_TOKENS raises the limit)"
                                            if c.seqlen * c.batch > _dense_max_tokens() else None),
         "dense attention at the same length (auto: cuDNN on CUDA)",
-        comparable=False),
+        comparable=False, computes="dense attention at the same length (a cost reference)"),
     Impl("longattn-varlen", ("varlen",), *_varlen("auto"), note="longattn.attention_varlen, backend auto"),
     Impl("longattn-varlen-triton", ("varlen",), *_varlen("triton"), note="attention_varlen, our Triton varlen kernel"),
     Impl("longattn-varlen-flash", ("varlen",), *_varlen("flash"), note="attention_varlen, PyTorch's flash varlen"),

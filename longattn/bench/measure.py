@@ -8,20 +8,46 @@
   CUDA: the caching allocator's ``max_memory_allocated``. CPU: the profiler's
   allocation events, summed in order (so the number is real there too).
 * A measurement that fails is recorded with its reason, never filled in.
+* Work that takes a while says so on stderr (``Progress``): a line per step
+  once a few seconds have passed since the last, so a Triton-interpreter run or
+  a first call that autotunes is never silent for minutes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Optional
 
 import torch
+
+
+class Progress:
+    """Progress lines on stderr for one piece of work (``label``): ``step(what)``
+    after each step prints ``label: what (t s)`` when ``every_s`` seconds have
+    passed since the last line (or since the start), so fast work prints
+    nothing and slow work prints a line per step. ``label=None`` is silent
+    (e.g. on ranks other than 0)."""
+
+    def __init__(self, label: Optional[str], every_s: float = 5.0):
+        self.label, self.every_s = label, every_s
+        self.t0 = self.last = time.perf_counter()
+
+    def step(self, what: str) -> None:
+        if self.label is None:
+            return
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            print(f"{self.label}: {what} ({now - self.t0:.0f} s)", file=sys.stderr, flush=True)
+            self.last = now
 
 
 def sync(device: torch.device) -> None:
@@ -30,7 +56,8 @@ def sync(device: torch.device) -> None:
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 10,
-            min_time_s: float = 0.0, batched: bool = False, agree: Optional[Callable[[int], int]] = None) -> dict:
+            min_time_s: float = 0.0, batched: bool = False, agree: Optional[Callable[[int], int]] = None,
+            label: Optional[str] = None) -> dict:
     """Median and spread of ``fn``'s wall time in ms, CUDA events on GPU.
 
     Default ("cold"): one call between the events, the GPU idle when the start
@@ -47,13 +74,15 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
     benchmarks/cold_start_probe.py, so that is not used.) ``agree`` maps this
     process's batch size to one every rank uses (calls with collectives).
     ``host_ms`` (the host time of one call, measured in warm-up) is returned
-    either way.
+    either way. ``label``: progress lines on stderr for slow calls (``Progress``).
     """
+    prog = Progress(label)
     host = []
-    for _ in range(warmup):
+    for i in range(warmup):
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
+        prog.step(f"warm-up call {i + 1}/{warmup}" + (" (a first call may autotune or compile)" if i == 0 else ""))
     sync(device)
     host_ms = host[-1] if host else None
     cuda = device.type == "cuda"
@@ -82,11 +111,41 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+        prog.step(f"timed sample {len(times)}/{iters}")
         if len(times) >= 1000:
             break
     times.sort()
     return dict(median_ms=statistics.median(times), min_ms=times[0], max_ms=times[-1], runs=len(times),
                 host_ms=host_ms, timing="batched" if reps > 1 else "cold", calls_per_sample=reps)
+
+
+# What the profiler's C++ side writes to fd 2 at every start and stop (Kineto's
+# "USDT: ... profiler_start" lines) and a warning about blocks allocated before
+# it started: noise in a results table, dropped; anything else is passed on.
+_PROFILER_NOISE = re.compile(r"USDT:.*profiler_(start|stop)|allocated before the profiling started")
+
+
+@contextlib.contextmanager
+def _quiet_profiler():
+    """Hold what is written to fd 2 while the profiler runs and pass on all but
+    the profiler's own status lines (they come from C++, so Python's
+    ``sys.stderr`` cannot filter them)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [ln for ln in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _PROFILER_NOISE.search(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
@@ -102,7 +161,7 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
         return int(peak)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         res = fn()
         del res
     events = sorted((e for e in prof.events() if getattr(e, "cpu_memory_usage", 0)),
@@ -121,7 +180,7 @@ def profile_top_kernels(fn: Callable[[], object], device: torch.device, top: int
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     fn()
     sync(device)
-    with profile(activities=acts) as prof:
+    with _quiet_profiler(), profile(activities=acts) as prof:
         fn()
         sync(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"

@@ -43,14 +43,78 @@ def markdown(docs) -> str:
     return "\n".join(parts)
 
 
-def plots(docs, outdir: str) -> list[str]:
+def _stem(d) -> str:
+    return os.path.splitext(os.path.basename(d["_path"]))[0]
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _bars(ax, groups: list[str], series: dict[str, list], ylabel: str) -> None:
+    """Grouped bars: one group per entry of ``groups``, one bar per series (None: no bar)."""
+    n = max(len(series), 1)
+    width = 0.8 / n
+    for j, (name, vals) in enumerate(series.items()):
+        xs = [i + (j - (n - 1) / 2) * width for i, v in enumerate(vals) if v is not None]
+        ax.bar(xs, [v for v in vals if v is not None], width, label=name)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
+    """Write the PNG plots these results support; returns (paths written,
+    lines naming each plot that needs more runs and what it needs).
+
+    One run (``run``) gives, per config, time and FLOP/s per implementation;
+    one ``dist`` run gives the parallel efficiency per implementation at its
+    number of ranks. Curves need more points: time and memory against the
+    sequence length (one implementation at two or more lengths: ``scale``, or
+    ``run`` files at different ``--seqlen``) and efficiency against the number
+    of ranks (``dist`` at two or more world sizes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from . import tables as T
+    from .single import bwd_measured
+
     os.makedirs(outdir, exist_ok=True)
-    written = []
+    written, missing = [], []
+
+    def save(fig, name, dpi=100):
+        p = os.path.join(outdir, name)
+        fig.tight_layout()
+        fig.savefig(p, dpi=dpi)
+        plt.close(fig)
+        written.append(p)
+
+    # per run and config: time and FLOP/s of each implementation
+    for d in docs:
+        if d.get("kind") != "run":
+            continue
+        by_cfg = defaultdict(list)
+        for r in d["results"]:
+            if r.get("status") == "ok" and r.get("fwd_ms") is not None:
+                by_cfg[r["config"]].append(r)
+        for cfg, rows in by_cfg.items():
+            impls = [r["impl"] for r in rows]
+            unit, f = T.flops_unit([r.get(k) for r in rows for k in ("fwd_tflops", "bwd_tflops")])
+            fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(rows) + 5), 4.5))
+            # backward bars only where it was timed by itself (older files derived it)
+            bwd = [r if bwd_measured(r) else {} for r in rows]
+            _bars(axes[0], impls, {"forward": [r["fwd_ms"] for r in rows],
+                                   "backward": [r.get("bwd_ms") for r in bwd],
+                                   "forward+backward": [r.get("fwd_bwd_ms") for r in rows]}, "time (ms, median)")
+            _bars(axes[1], impls, {"forward": [r.get("fwd_tflops") and r["fwd_tflops"] * f for r in rows],
+                                   "backward": [r.get("bwd_tflops") and r["bwd_tflops"] * f for r in bwd]},
+                  f"{unit} (useful pairs)")
+            fig.suptitle(f"{cfg}: {rows[0].get('shape', '')}, ran in {rows[0].get('dtype')}", fontsize=9)
+            save(fig, f"{_safe(_stem(d))}_{_safe(cfg)}_impls.png")
     # time and memory against sequence length: one series per implementation
     # and shape family (heads, kv heads, head dim, causal); only real curves
     series = defaultdict(dict)
@@ -61,10 +125,10 @@ def plots(docs, outdir: str) -> list[str]:
             if r.get("status") == "ok" and r.get("fwd_ms") is not None:
                 key = (r["impl"], r.get("heads"), r.get("kv_heads"), r.get("head_dim"), r.get("causal"))
                 series[key][r["seqlen"]] = r
-    series = {k: v for k, v in series.items() if len(v) >= 2}
-    if series:
+    curves = {k: v for k, v in series.items() if len(v) >= 2}
+    if curves:
         fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-        for (impl, h, hkv, hd, causal), pts in sorted(series.items(), key=lambda kv: str(kv[0])):
+        for (impl, h, hkv, hd, causal), pts in sorted(curves.items(), key=lambda kv: str(kv[0])):
             xs = sorted(pts)
             lbl = f"{impl} H={h}{'/' + str(hkv) if hkv != h else ''} D={hd}{' causal' if causal else ''}"
             axes[0].plot(xs, [pts[x]["fwd_ms"] for x in xs], marker="o", label=lbl)
@@ -80,12 +144,29 @@ def plots(docs, outdir: str) -> list[str]:
             ax.set_ylabel(yl)
             ax.grid(True, which="both", alpha=0.3)
         axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        p = os.path.join(outdir, "time_memory_vs_seqlen.png")
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(p)
-    # efficiency against GPUs
+        save(fig, "time_memory_vs_seqlen.png")
+    elif series:
+        missing.append("time and memory against sequence length: needs one implementation at two or more "
+                       "sequence lengths (`scale`, or `run` result files at different `--seqlen`)")
+    # per dist run: efficiency of each implementation at its number of ranks
+    for d in docs:
+        if d.get("kind") != "dist":
+            continue
+        rows = [r for r in d["results"] if r.get("efficiency_fwd") is not None]
+        if not rows:
+            continue
+        groups = list(dict.fromkeys(f"{r['config']} ({r['world_size']} ranks)" for r in rows))
+        impls = list(dict.fromkeys(r["impl"] for r in rows))
+        fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(groups) * len(impls) + 4), 4.5))
+        for ax, key, title in ((axes[0], "efficiency_fwd", "forward"), (axes[1], "efficiency_fwd_bwd",
+                                                                         "forward+backward")):
+            vals = {i: [next((r.get(key) for r in rows if r["impl"] == i
+                              and f"{r['config']} ({r['world_size']} ranks)" == g), None) for g in groups]
+                    for i in impls}
+            _bars(ax, groups, vals, f"parallel efficiency, {title}")
+            ax.axhline(1.0, color="grey", lw=0.5)
+        save(fig, f"{_safe(_stem(d))}_efficiency.png")
+    # efficiency against the number of ranks
     eff = defaultdict(dict)
     for d in docs:
         if d.get("kind") != "dist":
@@ -93,20 +174,19 @@ def plots(docs, outdir: str) -> list[str]:
         for r in d["results"]:
             if r.get("efficiency_fwd_bwd") is not None:  # only what the axis says
                 eff[(r["config"], r["impl"])][r["world_size"]] = r["efficiency_fwd_bwd"]
-    if eff:
+    if any(len(pts) >= 2 for pts in eff.values()):
         fig, ax = plt.subplots(figsize=(9, 5.5))
         styles = {"ring-zigzag": "-", "ring-contiguous": ":", "torch-cp": "--", "dilated-over-ranks": "-."}
         for (cfg, impl), pts in sorted(eff.items()):
             ws = sorted(pts)
             ax.plot(ws, [pts[w] for w in ws], marker="o", ls=styles.get(impl, "-"), label=f"{cfg} {impl}")
-        ax.set_xlabel("GPUs")
+        ax.set_xlabel("ranks")
         ax.set_ylabel("parallel efficiency (fwd+bwd)")
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
         ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        p = os.path.join(outdir, "efficiency_vs_gpus.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
-    return written
+        save(fig, "efficiency_vs_gpus.png", dpi=110)  # file name as in earlier reports
+    elif any(d.get("kind") == "dist" for d in docs):
+        missing.append("efficiency against the number of ranks: needs `dist` results of one config at two or more "
+                       "world sizes (e.g. `torchrun --nproc_per_node=2` and `=4`)")
+    return written, missing

@@ -8,10 +8,9 @@ from typing import Optional, Sequence
 import torch
 
 from . import measure
-from .configs import Config
+from . import tables as T
+from .configs import DTYPES, Config
 from .impls import IMPLS, fwd_flops, impls_for
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def device_and_dtype(cfg: Config, device: Optional[str] = None):
@@ -42,13 +41,27 @@ def _failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
+REFERENCES = {"dense": "longattn.attention", "dilated": "longattn.dilated_attention",
+              "varlen": "longattn.attention_varlen"}
+"""The reference each row's output is compared with: our op, backend auto, on the same inputs."""
+
+
 def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, warmup: int = 3, iters: int = 10,
-               timing: str = "warmup", reference=None) -> dict:
-    """Time one implementation on one config. Never raises: failures are recorded."""
+               timing: str = "warmup", reference=None, label: Optional[str] = None, bwd_alone: bool = True) -> dict:
+    """Time one implementation on one config. Never raises: failures are recorded.
+
+    Forward, forward+backward (a training step) and the backward alone are
+    each timed: the backward by re-running one forward's graph
+    (``retain_graph``), so its time is measured, not a difference of two
+    medians (``bwd_alone=False`` skips that). ``label``: prefix of progress
+    lines for slow work (None: silent).
+    """
     impl = IMPLS[impl_name]
     row = dict(config=cfg.name, impl=impl_name, shape=cfg.describe(), dtype=str(dt).replace("torch.", ""),
                batch=cfg.batch, seqlen=cfg.seqlen, heads=cfg.heads, kv_heads=cfg.hkv, head_dim=cfg.head_dim,
                causal=cfg.causal, status="ok")
+    if impl.computes:
+        row["computes"] = impl.computes
     why = impl.reason(cfg, dev)
     if why:
         row.update(status="unsupported", reason=why)
@@ -56,6 +69,8 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
     # FLOPs of the pairs this implementation computes (head-split computes 1/n of LongNet's)
     flops = fwd_flops(cfg) * impl.pair_fraction(cfg)
     row["fwd_flops"] = flops
+    batched = timing == "batched"
+    sub = (lambda what: None) if label is None else (lambda what: f"{label} {what}")
     try:
         fn = impl.build(cfg, dev)
         q, k, v = make_inputs(cfg, dev, dt, requires_grad=False)
@@ -63,8 +78,10 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
             out = fn(q, k, v)
             if reference is not None and impl.comparable:
                 row["rel_diff_vs_ref"] = float((out.float() - reference.float()).norm() / reference.float().norm())
+                row["reference"] = f"{REFERENCES[cfg.kind]} (auto)"
             del out
-            t = measure.time_ms(lambda: fn(q, k, v), dev, warmup=warmup, iters=iters, batched=timing == "batched")
+            t = measure.time_ms(lambda: fn(q, k, v), dev, warmup=warmup, iters=iters, batched=batched,
+                                label=sub("fwd"))
             row["fwd_ms"] = t["median_ms"]
             row["fwd_runs"] = t["runs"]
             row["timing"], row["fwd_host_ms"] = t["timing"], t["host_ms"]
@@ -90,28 +107,45 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
             out.backward(dout)
             q.grad = k.grad = v.grad = None
 
-        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=timing == "batched")
+        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=batched, label=sub("fwd+bwd"))
         row["fwd_bwd_ms"] = t["median_ms"]
         row["fwd_bwd_host_ms"] = t["host_ms"]
-        row["bwd_ms"] = max(t["median_ms"] - row["fwd_ms"], 0.0)
         row["fwd_bwd_peak_mem_bytes"] = measure.peak_memory_bytes(step, dev)
-        row["bwd_tflops"] = 2.5 * flops / (row["bwd_ms"] * 1e-3) / 1e12 if row["bwd_ms"] > 0 else None
         row["fwd_bwd_tokens_per_s"] = cfg.batch * cfg.seqlen / (row["fwd_bwd_ms"] * 1e-3)
         if timing == "profiler":
             row["fwd_bwd_top_kernels"] = measure.profile_top_kernels(step, dev)
     except Exception as e:  # noqa: BLE001
         row.update(bwd_status="failed", bwd_reason=_failure(e))
-    finally:
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        bwd_alone = False
+    graph = None
+    if bwd_alone:
+        try:
+            graph = fn(q, k, v)  # the forward's graph, kept: each timed call runs its backward again
+
+            def bwd():
+                graph.backward(dout, retain_graph=True)
+                q.grad = k.grad = v.grad = None
+
+            t = measure.time_ms(bwd, dev, warmup=warmup, iters=iters, batched=batched, label=sub("bwd"))
+            row["bwd_ms"] = t["median_ms"]
+            row["bwd_host_ms"] = t["host_ms"]
+            row["bwd_tflops"] = 2.5 * flops / (row["bwd_ms"] * 1e-3) / 1e12
+        except Exception as e:  # noqa: BLE001 - the fwd+bwd figures stand; only this one is missing
+            row["bwd_alone_reason"] = _failure(e)
+    del graph
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
 def reference_output(cfg: Config, dev, dt):
-    """Output of our exact op, used to check every other implementation agrees
-    (the head-split baseline computes a different function and shows it)."""
+    """Output of our exact op (backend auto, ``REFERENCES``), used to check
+    every other implementation agrees (the head-split baseline computes a
+    different function and shows it)."""
     import longattn
+
+    from .impls import varlen_cu_seqlens
 
     q, k, v = make_inputs(cfg, dev, dt, requires_grad=False)
     with torch.no_grad():
@@ -119,30 +153,60 @@ def reference_output(cfg: Config, dev, dt):
             if cfg.kind == "dilated":
                 return longattn.dilated_attention(q, k, v, segment_lengths=cfg.segment_lengths,
                                                   dilation_rates=cfg.dilation_rates, causal=cfg.causal)
-            if cfg.kind == "dense":
-                return longattn.attention(q, k, v, causal=cfg.causal, window_size=cfg.window)
-        except Exception:  # noqa: BLE001
+            if cfg.kind == "varlen":
+                b, s, h, d = q.shape
+                cu = varlen_cu_seqlens(cfg, dev)
+                o = longattn.attention_varlen(q.reshape(b * s, h, d), k.reshape(b * s, -1, d),
+                                              v.reshape(b * s, -1, d), cu, causal=cfg.causal)
+                return o.view(b, s, h, d)
+            return longattn.attention(q, k, v, causal=cfg.causal, window_size=cfg.window)
+        except Exception:  # noqa: BLE001 - rows then carry no rel diff
             return None
-    return None
+
+
+def _applies(cfg: Config, name: str) -> bool:
+    kinds = IMPLS[name].kinds
+    return cfg.kind in kinds or (cfg.window != (-1, -1) and "window" in kinds)
+
+
+def _done(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']}: {row.get('reason', '')}"
+    s = f"ok, fwd {row['fwd_ms']:.3g} ms"
+    if row.get("bwd_ms") is not None:
+        s += f", bwd {row['bwd_ms']:.3g} ms"
+    if row.get("bwd_status"):
+        s += f", bwd {row['bwd_status']}: {row.get('bwd_reason', '')}"
+    return s
 
 
 def run(cfgs: Sequence[Config], impls: Optional[Sequence[str]] = None, *, device=None, backward=True,
         warmup=3, iters=10, timing="warmup", check=True) -> dict:
+    if impls:
+        unknown = [n for n in impls if n not in IMPLS]
+        if unknown:
+            raise ValueError(f"unknown implementation(s) {unknown}; choose from {sorted(IMPLS)}")
     results = []
     env = None
-    for cfg in cfgs:
+    plan = [(cfg, [i.name for i in impls_for(cfg)] if not impls else [n for n in impls if _applies(cfg, n)])
+            for cfg in cfgs]
+    total, done = sum(len(n) for _, n in plan), 0
+    for cfg, names in plan:
         dev, dt = device_and_dtype(cfg, device)
         if env is None:
-            env = dict(measure.environment(dev), timing="batched" if timing == "batched" and dev.type == "cuda" else "cold")
-        names = [i.name for i in impls_for(cfg)] if not impls else [n for n in impls if cfg.kind in IMPLS[n].kinds
-                                                                    or (cfg.window != (-1, -1) and "window" in IMPLS[n].kinds)]
-        ref = reference_output(cfg, dev, dt) if check and cfg.seqlen * cfg.batch <= (1 << 17) else None
+            batched_here = timing == "batched" and dev.type == "cuda"
+            env = dict(measure.environment(dev), timing="batched" if batched_here else "cold")
+        ref = None
+        if check and names and cfg.seqlen * cfg.batch <= (1 << 17):
+            _log(f"[run] {cfg.name}: reference output ({REFERENCES[cfg.kind]}, auto)")
+            ref = reference_output(cfg, dev, dt)
         for n in names:
-            _log(f"[run] {cfg.name} {n} ...")
+            done += 1
+            tag = f"[run {done}/{total}] {cfg.name} {n}"
+            _log(f"{tag} ...")
             row = bench_impl(cfg, n, dev, dt, backward=backward, warmup=warmup, iters=iters, timing=timing,
-                             reference=ref)
-            _log(f"[run] {cfg.name} {n}: {row['status']} " + (f"fwd {row['fwd_ms']:.3f} ms" if "fwd_ms" in row else
-                                                              row.get("reason", "")))
+                             reference=ref, label=tag)
+            _log(f"{tag}: {_done(row)}")
             results.append(row)
         del ref
     return dict(kind="run", env=env, results=results)
@@ -151,6 +215,9 @@ def run(cfgs: Sequence[Config], impls: Optional[Sequence[str]] = None, *, device
 def scale(cfg: Config, impls: Sequence[str], *, device=None, backward=True, start: Optional[int] = None,
           max_seqlen: int = 1 << 24, warmup=2, iters=5) -> dict:
     """Double the sequence length until out of memory (or max_seqlen)."""
+    unknown = [n for n in impls if n not in IMPLS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; choose from {sorted(IMPLS)}")
     results = []
     dev, dt = device_and_dtype(cfg, device)
     env = measure.environment(dev)
@@ -159,10 +226,11 @@ def scale(cfg: Config, impls: Sequence[str], *, device=None, backward=True, star
         s = start or cfg.seqlen
         while s <= max_seqlen:
             c = cfg.with_overrides(seqlen=s)
-            _log(f"[scale] {n} seqlen={s} ...")
-            row = bench_impl(c, n, dev, dt, backward=backward, warmup=warmup, iters=iters)
+            tag = f"[scale] {n} seqlen={s}"
+            _log(f"{tag} ...")
+            row = bench_impl(c, n, dev, dt, backward=backward, warmup=warmup, iters=iters, label=tag)
             results.append(row)
-            _log(f"[scale] {n} seqlen={s}: {row['status']} {row.get('reason', '')}")
+            _log(f"{tag}: {_done(row)}")
             if row["status"] != "ok" or row.get("bwd_status") == "failed":
                 break
             longest[n] = s
@@ -170,24 +238,64 @@ def scale(cfg: Config, impls: Sequence[str], *, device=None, backward=True, star
     return dict(kind="scale", env=env, config=cfg.name, longest_seqlen=longest, results=results)
 
 
+def bwd_measured(r: dict) -> bool:
+    """Whether the row's backward was timed by itself (result files that carry
+    ``bwd_host_ms``); older files hold fwd+bwd minus fwd, floored at 0."""
+    return "bwd_host_ms" in r
+
+
+def _computes(r: dict) -> Optional[str]:
+    if "computes" in r:
+        return r["computes"]
+    impl = IMPLS.get(r["impl"])  # result files written before rows said so
+    return impl.computes if impl else None
+
+
 def format_table(results: list[dict]) -> str:
-    cols = [("config", "config", "{}"), ("impl", "impl", "{}"), ("seqlen", "seqlen", "{}"), ("fwd ms", "fwd_ms", "{:.3f}"),
-            ("bwd ms", "bwd_ms", "{:.3f}"), ("fwd TF/s", "fwd_tflops", "{:.1f}"), ("bwd TF/s", "bwd_tflops", "{:.1f}"),
-            ("tok/s fwd", "fwd_tokens_per_s", "{:.3g}"), ("fwd MiB", "fwd_peak_mem_bytes", "mib"),
-            ("fwd+bwd MiB", "fwd_bwd_peak_mem_bytes", "mib"), ("rel diff", "rel_diff_vs_ref", "{:.1e}")]
+    """Markdown table of the rows that ran (or failed); unsupported rows are
+    listed once below it with their reasons, then the footnotes."""
+    shown = [r for r in results if r["status"] != "unsupported"]
+    unit, f = T.flops_unit([r.get(k) for r in shown for k in ("fwd_tflops", "bwd_tflops")])
+    rate = lambda v: None if v is None else v * f
+    derived = [r for r in shown if r.get("bwd_ms") is not None and not bwd_measured(r)]
+
+    def bwd(r, v):  # a derived backward (older files) is marked; a floored 0 is no figure
+        if r not in derived:
+            return T.num(v)
+        return (T.num(v) if r["bwd_ms"] > 0 else "–") + "†"
+    cols = [("config", lambda r: r["config"]), ("impl", lambda r: r["impl"]), ("seqlen", lambda r: str(r["seqlen"])),
+            ("fwd ms", lambda r: T.num(r.get("fwd_ms"))), ("bwd ms", lambda r: bwd(r, r.get("bwd_ms"))),
+            (f"fwd {unit}", lambda r: T.num(rate(r.get("fwd_tflops")))),
+            (f"bwd {unit}", lambda r: bwd(r, rate(r.get("bwd_tflops")))),
+            ("tok/s fwd", lambda r: "–" if r.get("fwd_tokens_per_s") is None else f"{r['fwd_tokens_per_s']:.3g}"),
+            ("fwd MiB", lambda r: T.num(r.get("fwd_peak_mem_bytes") and r["fwd_peak_mem_bytes"] / 2**20)),
+            ("fwd+bwd MiB", lambda r: T.num(r.get("fwd_bwd_peak_mem_bytes") and r["fwd_bwd_peak_mem_bytes"] / 2**20)),
+            ("rel diff vs longattn (auto)", lambda r: ("–" if r.get("rel_diff_vs_ref") is None else
+                                                        f"{r['rel_diff_vs_ref']:.1e}") + ("*" if _computes(r) else ""))]
     lines = ["| " + " | ".join(c[0] for c in cols) + " | status |", "|" + "---|" * (len(cols) + 1)]
-    for r in results:
-        cells = []
-        for _, key, fmt in cols:
-            v = r.get(key)
-            if v is None:
-                cells.append("–")
-            elif fmt == "mib":
-                cells.append(f"{v / 2**20:.1f}")
-            else:
-                cells.append(fmt.format(v))
+    for r in shown:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
         if r.get("bwd_status"):
             status += f"; bwd {r['bwd_status']}: {r.get('bwd_reason', '')}"
-        lines.append("| " + " | ".join(cells) + f" | {status} |")
+        if r.get("bwd_alone_reason"):
+            status += f"; bwd alone not timed: {r['bwd_alone_reason']}"
+        lines.append("| " + " | ".join(fn(r) for _, fn in cols) + f" | {status} |")
+    lines += T.not_run(results)
+    notes = []
+    if any(r.get("rel_diff_vs_ref") is not None for r in shown):
+        refs = sorted({r.get("reference") or "longattn (auto)" for r in shown if r.get("rel_diff_vs_ref") is not None})
+        notes.append(f"rel diff: ||out - ref|| / ||ref|| on the same inputs and dtype; ref = {', '.join(refs)}.")
+    other = {}
+    for r in shown:
+        if _computes(r):
+            other.setdefault(_computes(r), []).append(r)
+    for what, rows in other.items():
+        compared = any(r.get("rel_diff_vs_ref") is not None for r in rows)
+        notes.append(f"* {', '.join(dict.fromkeys(r['impl'] for r in rows))}: computes another function, {what}"
+                     + ("; its rel diff is the distance from ours, not an error." if compared else "."))
+    if derived:
+        notes.append("† backward not timed alone in this file: fwd+bwd median minus fwd median (– where that is "
+                     "not positive); see the fwd+bwd time in the JSON.")
+    if notes:
+        lines += [""] + notes
     return "\n".join(lines)

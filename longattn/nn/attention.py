@@ -35,8 +35,10 @@ class DilatedAttention(nn.Module):
 class MultiheadDilatedAttention(nn.Module):
     """Drop-in multi-head layer with LongNet dilated attention (batch first).
 
-    ``forward(query, key, value, is_causal=False, need_weights=False) -> (out, None)``
-    with query/key/value ``(batch, seqlen, embed_dim)``. Projections q/k/v/out,
+    ``forward(query, key=None, value=None, is_causal=False, need_weights=False) -> (out, None)``
+    with query/key/value ``(batch, seqlen, embed_dim)``; ``key`` defaults to
+    ``query`` and ``value`` to ``key``, so ``layer(x)`` is self-attention (as
+    ``layer(x, x, x)``). Projections q/k/v/out,
     GQA through ``num_kv_heads``, and the MAGNETO sub-layer norm before the
     output projection (as in LongNet), with xavier-normal init of gain
     ``gamma_init`` on the value and output projections.
@@ -84,7 +86,9 @@ class MultiheadDilatedAttention(nn.Module):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
-    def forward(self, query, key, value, is_causal: bool = False, need_weights: bool = False):
+    def forward(self, query, key=None, value=None, is_causal: bool = False, need_weights: bool = False):
+        key = query if key is None else key
+        value = key if value is None else value
         if need_weights:
             raise ValueError("need_weights=True: attention weights are never materialised; pass need_weights=False")
         for x, n in ((query, "query"), (key, "key"), (value, "value")):
