@@ -1,5 +1,5 @@
 """In-process A/B of the dilated views path's gathering threshold
-(``longattn.dilated.GATHER_MAX_ROWS``): both settings alternate in one process
+(``DilatedTuning.gather_max_rows``, passed as ``tuning=``): both settings alternate in one process
 (host time moves between processes), cold forward and backward times (CUDA
 events around one call, the GPU idle before it) and host times, LongNet
 config, B=1 H=16 D=128 bf16, plus the relative difference of the two results.
@@ -14,20 +14,15 @@ import time
 import torch
 
 import longattn
-from longattn import dilated
 from longattn.bench.measure import environment
+from longattn.tuning import DilatedTuning
 
 p = argparse.ArgumentParser()
-p.add_argument("--rows", type=int, nargs=2, default=[dilated.GATHER_MAX_ROWS, 0])
+p.add_argument("--rows", type=int, nargs=2, default=[DilatedTuning().gather_max_rows, 0])
 p.add_argument("--rounds", type=int, default=4)
 p.add_argument("--json")
 a = p.parse_args()
 segs, rates = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
-
-
-def use(rows):
-    dilated.GATHER_MAX_ROWS = rows
-    dilated._ordered_units_cached.cache_clear()
 
 
 def timed(fn):
@@ -45,12 +40,13 @@ rows_out = []
 for S, causal in [(32768, True), (131072, True), (131072, False), (32768, False)]:
     q, k, v = (torch.randn(1, S, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     g = torch.randn_like(q)
-    f = lambda: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal)
+    f = lambda: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal,
+                                           tuning=tuning)
     acc = {r: ([], [], [], []) for r in a.rows}
     res = {}
     for _ in range(a.rounds):
         for rows in a.rows:
-            use(rows)
+            tuning = DilatedTuning(gather_max_rows=rows)
             for _ in range(2):
                 torch.autograd.grad(f(), (q, k, v), g)
             torch.cuda.synchronize()

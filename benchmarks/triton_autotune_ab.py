@@ -1,5 +1,5 @@
 """In-process A/B of the fused Triton dilated kernels' settings: the static
-tile table (LONGATTN_TRITON_AUTOTUNE=0) against per-shape autotuning (the
+tile table (``DilatedTuning(autotune="0")``) against per-shape autotuning (the
 default on CUDA), eager and under torch.compile (Inductor compiles the kernels
 of the triton_op pair); the schedules: grouped where branches nest (default),
 one launch per branch with a rate-1 branch writing first (``per_branch``), or
@@ -13,7 +13,6 @@ the first call's wall time (compiles, and tuning where on) is reported.
 """
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -22,8 +21,8 @@ import torch
 import longattn
 from longattn import dilated
 from longattn.bench.measure import environment, time_ms
-from longattn.kernels import triton_attention as ta
-from longattn.kernels import triton_dilated as fused
+from longattn.kernels.autotune import default_tuner
+from longattn.tuning import DilatedTuning
 
 p = argparse.ArgumentParser()
 p.add_argument("--iters", type=int, default=10)
@@ -78,31 +77,28 @@ for name, s, hkv, d, (segs, rates), causal in CASES:
     k, v = (torch.randn(1, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     g = torch.randn_like(q)
     pairs = dilated.pair_count(s, segs, rates, 16, causal)
-    dil = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                     causal=causal, backend="triton")
+    def dil(mode, schedule):
+        tuning = DilatedTuning(autotune=mode, schedule=schedule)
+        return lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
+                                                          causal=causal, backend="triton", tuning=tuning)
+
     dense = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
-    table = {"static": ("0", "auto", dil), "autotuned": ("1", "auto", dil), "per_branch": ("1", "per_branch", dil),
-             "zero_fill": ("1", "per_branch_zero_fill", dil), "static_per_branch": ("0", "per_branch", dil),
-             "static_grouped": ("0", "grouped", dil),
-             "static_zero_fill": ("0", "per_branch_zero_fill", dil), "dense_cudnn": ("0", "auto", dense)}
-    variants = [(label, *table[label]) for label in a.variants
+    table = {"static": ("0", "auto"), "autotuned": ("1", "auto"), "per_branch": ("1", "per_branch"),
+             "zero_fill": ("1", "per_branch_zero_fill"), "static_per_branch": ("0", "per_branch"),
+             "static_grouped": ("0", "grouped"), "static_zero_fill": ("0", "per_branch_zero_fill")}
+    variants = [(label, dense if label == "dense_cudnn" else dil(*table[label])) for label in a.variants
                 if label != "dense_cudnn" or (hkv == 16 and d <= 128)]
     if a.compile:
-        variants.append(("autotuned_compiled", "1", "auto", torch.compile(dil, fullgraph=True)))
+        variants.append(("autotuned_compiled", torch.compile(dil("1", "auto"), fullgraph=True)))
     res = {}
-    for label, mode, schedule, f in variants:
-        os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
-        fused.SCHEDULE = schedule
+    for label, f in variants:
         first, out = first_call(f, q, k, v, g)
         res[label] = dict(first_call_s=first, out=out, fwd=[], bwd=[])
     for _ in range(a.rounds):
-        for label, mode, schedule, f in variants:
-            os.environ["LONGATTN_TRITON_AUTOTUNE"] = mode
-            fused.SCHEDULE = schedule
+        for label, f in variants:
             fwd, bwd = timings(f, q, k, v, g)
             res[label]["fwd"].append(fwd)
             res[label]["bwd"].append(bwd)
-    fused.SCHEDULE = "auto"
     ref = res[variants[0][0]]["out"].float()
     for label, r in res.items():
         fwd, bwd = statistics.median(r["fwd"]), statistics.median(r["bwd"])
@@ -117,7 +113,7 @@ for name, s, hkv, d, (segs, rates), causal in CASES:
     del q, k, v, g
     torch.cuda.empty_cache()
 
-tuned = {" ".join(map(str, k)): v for k, v in ta._by_shape.items()}
+tuned = {" ".join(map(str, k)): v for k, v in default_tuner("1").by_shape.items()}
 if a.json:
     with open(a.json, "w") as fh:
         json.dump(dict(environment=environment(torch.device("cuda")), rows=rows, tuned=tuned,

@@ -77,10 +77,15 @@ class DilatedTuning:
     schedule: str = measured(
         "auto", "force one engine for A/B measurements and tests: 'views', 'gather', or a fused schedule "
                 "('grouped' wherever branches nest, 'per_branch', 'per_branch_zero_fill'); 'auto' decides")
+    autotune: str = measured(
+        "", "tiles of the fused kernels: '1' autotuned per shape, '0' the built-in table, '' as "
+            "LONGATTN_TRITON_AUTOTUNE says (unset: autotuned on CUDA)")
 
     def __post_init__(self):
         if self.schedule not in DILATED_SCHEDULES:
             raise ValueError(f"DilatedTuning.schedule={self.schedule!r}: choose one of {DILATED_SCHEDULES}")
+        if self.autotune not in ("", "0", "1"):
+            raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
         for f in ("views_min_tokens_d128", "views_min_tokens_d64_fwd", "views_min_tokens_d64_bwd",
                   "views_min_tokens_gqa", "grouped_max_keys", "gather_max_rows", "adopt_bwd_max_elems",
                   "piece_bytes"):

@@ -30,7 +30,7 @@ from . import tables as T
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
 from .impls import fwd_flops, varlen_cu_seqlens
-from ..distributed import transport as _comm
+from ..distributed import transport as _transport
 
 RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
 
@@ -100,11 +100,11 @@ def _time_pair(fwd, step, dev, warmup, iters, batched, label="[dist]"):
 
 def _ours(cfg, impl, make, dev, warmup, iters, backward, batched, label):
     impl, _, transport = impl.partition("+")
-    with _comm.use_transport(transport or "auto"):
-        _comm.release_slots()
+    with _transport.use_transport(transport or "auto"):
+        _transport.release_slots()
         tf, tb, mf, mb, hf, hb = _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched, label)
         # exchange slots in symmetric memory live outside the allocator's counters
-        held = _comm.symmetric_bytes()
+        held = _transport.symmetric_bytes()
     return tf, tb, mf + held, None if mb is None else mb + held, hf, hb
 
 

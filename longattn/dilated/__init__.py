@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.autotune import default_tuner
 from . import fused, views
 from .plan import DilatedPlan, choose
 from .schedule import pair_count
@@ -24,7 +25,7 @@ def forward(plan: DilatedPlan, q, k, v, segment_lengths, dilation_rates, causal:
     ``out_dtype`` (default q's), lse (B, H, S) float32."""
     if plan.fwd == "fused":
         return fused.forward(q, k, v, segment_lengths, dilation_rates, causal, scale, plan.fused_schedule,
-                             out_dtype=out_dtype)
+                             out_dtype=out_dtype, tuner=default_tuner(plan.autotune))
     return views.forward(plan, q, k, v, segment_lengths, dilation_rates, causal, scale, backend, out_dtype)
 
 
@@ -34,7 +35,7 @@ def backward(plan: DilatedPlan, dout, q, k, v, out, lse, dlse, segment_lengths, 
     (default the inputs' dtypes)."""
     if plan.bwd == "fused":
         return fused.backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale,
-                              plan.fused_schedule, grad_dtype=grad_dtype)
+                              plan.fused_schedule, grad_dtype=grad_dtype, tuner=default_tuner(plan.autotune))
     grads = views.backward(plan, dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale,
                            backend)
     return grads if grad_dtype is None else tuple(g.to(grad_dtype) for g in grads)

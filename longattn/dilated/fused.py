@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ..kernels import _common, launch
-from ..kernels.autotune import Autotuner
+from ..kernels.autotune import Autotuner, default_tuner
 from ..kernels.geometry import Geometry, GroupedPlan
 
 
@@ -120,16 +120,18 @@ def _register_ops():
 
     @define("longattn::dilated_triton_fwd")
     def fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
-                  dilation_rates: list[int], scale: float, causal: bool, schedule: str
+                  dilation_rates: list[int], scale: float, causal: bool, schedule: str, autotune: str
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        return forward(q, k, v, segment_lengths, dilation_rates, causal, scale, schedule)
+        return forward(q, k, v, segment_lengths, dilation_rates, causal, scale, schedule,
+                       tuner=default_tuner(autotune))
 
     @define("longattn::dilated_triton_bwd")
     def fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int],
-                  dilation_rates: list[int], scale: float, causal: bool, schedule: str
+                  dilation_rates: list[int], scale: float, causal: bool, schedule: str, autotune: str
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, schedule)
+        return backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, schedule,
+                        tuner=default_tuner(autotune))
 
     if _common.interpreted():  # a triton_op's fake kernel is its body; these are written out
         b_h_s = lambda q: (q.shape[0], q.shape[2], q.shape[1])
@@ -138,7 +140,7 @@ def _register_ops():
         fused_bwd.register_fake(lambda dout, q, k, v, *_: (torch.empty_like(q), torch.empty_like(k),
                                                            torch.empty_like(v)))
     register_attention_autograd(fused_fwd, fused_bwd,
-                                ("segment_lengths", "dilation_rates", "scale", "causal", "schedule"))
+                                ("segment_lengths", "dilation_rates", "scale", "causal", "schedule", "autotune"))
     return fused_fwd, fused_bwd
 
 

@@ -32,7 +32,8 @@ class DilatedPlan:
     stacked branches of at most ``gather_max_rows`` (row, head) pairs
     (``gather_max_rows_bwd`` in the backward), cuts calls at ``piece_bytes``
     of output and adopts the base branch's gradients whole up to
-    ``adopt_bwd_max_elems`` elements."""
+    ``adopt_bwd_max_elems`` elements. ``autotune``: the fused kernels' tile
+    mode (see :class:`longattn.kernels.autotune.Autotuner`; '' the environment's)."""
 
     fwd: str
     bwd: str
@@ -41,6 +42,7 @@ class DilatedPlan:
     gather_max_rows_bwd: int = 0
     piece_bytes: int = 128 << 20
     adopt_bwd_max_elems: int = 2 ** 29
+    autotune: str = ""
 
     def key(self) -> str:
         return json.dumps(dataclasses.astuple(self))
@@ -128,4 +130,4 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
         fwd=fwd, bwd=bwd, fused_schedule=_fused_schedule(q.shape[1], segs, rates, tuning),
         gather_max_rows=tuning.gather_max_rows,
         gather_max_rows_bwd=tuning.gather_max_rows if causal or tuning.gather_noncausal_backward else 0,
-        piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems)
+        piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems, autotune=tuning.autotune)

@@ -180,14 +180,15 @@ class Autotuner:
         return None if best is None else best[1]
 
 
-_default: list = []
+_defaults: dict = {}
 
 
-def default_tuner() -> Autotuner:
-    """The process's tuner, configured from the environment (see longattn._config)."""
-    if not _default:
-        _default.append(Autotuner())
-    return _default[0]
+def default_tuner(mode: str = "") -> Autotuner:
+    """The process's tuner for ``mode`` ('' : the environment's, see
+    longattn._config; '0' / '1'); choices persist in the one cache file."""
+    if mode not in _defaults:
+        _defaults[mode] = Autotuner(mode or None)
+    return _defaults[mode]
 
 
 def _can_time(q: torch.Tensor) -> bool:

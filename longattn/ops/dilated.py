@@ -111,7 +111,8 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
         # The views path hands dense blocks to this backend; check it can take them.
         bk.select_backend(q, k, bk.BlockSpec(scale, causal), backend)
     if plan.fwd == plan.bwd == "fused":  # the triton_op pair: torch.compile sees the kernels
-        out, lse = _dil.fused.fused_fwd(q, k, v, list(segs), list(rates), scale, causal, plan.fused_schedule)
+        out, lse = _dil.fused.fused_fwd(q, k, v, list(segs), list(rates), scale, causal, plan.fused_schedule,
+                                         plan.autotune)
     else:
         out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend, plan.key())
     return (out, lse) if return_lse else out
