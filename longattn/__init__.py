@@ -24,8 +24,9 @@ def kernels_available(device: str = "cpu") -> bool:
 
     return _common.available(torch.device(device))
 
+
 __all__ = [
-    "attention", "attention_varlen", "dilated_attention", "nn", "ring_attention", "ring_attention_varlen", "shard", "unshard", "shard_positions",
-    "shard_varlen", "unshard_varlen",
-    "use_backend", "available_backends", "kernels_available", "BACKENDS", "tuning",
+    "attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
+    "shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen",
+    "nn", "tuning", "use_backend", "available_backends", "kernels_available", "BACKENDS",
 ]

@@ -15,13 +15,18 @@ import torch
 
 
 def register_attention_autograd(fwd_op, bwd_op, arg_names: Sequence[str], extra_tensors: int = 0,
-                                kept_outputs: int = 0) -> None:
+                                kept_outputs: int = 0, fwd_fake=None) -> None:
     """Attach ``bwd_op`` as the backward of ``fwd_op``.
 
     ``arg_names`` are the names of fwd_op's inputs after q, k, v and the
     ``extra_tensors`` tensor inputs (e.g. cu_seqlens), in order;
     ``kept_outputs`` counts the outputs after (out, lse) handed to the backward.
+    ``fwd_fake``: the forward's fake kernel (e.g. :func:`out_lse_like`); given,
+    the backward's is registered too (:func:`grads_like`).
     """
+    if fwd_fake is not None:
+        fwd_op.register_fake(fwd_fake)
+        bwd_op.register_fake(grads_like)
     n_tensors = 3 + extra_tensors
 
     def setup(ctx, inputs, output):
@@ -42,3 +47,19 @@ def register_attention_autograd(fwd_op, bwd_op, arg_names: Sequence[str], extra_
         return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
     fwd_op.register_autograd(backward, setup_context=setup)
+
+
+def grads_like(dout, q, k, v, *args, **kwargs):
+    """The fake kernel of every backward op: gradients shaped like q, k and v."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def out_lse_like(q, *args, **kwargs):
+    """The fake kernel of a (B, S, H, D) forward op: the output like q and a (B, H, S) float32 lse."""
+    b, s, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
+
+
+def varlen_out_lse_like(q, *args, **kwargs):
+    """The fake kernel of a packed-document forward op on (T, H, D): the output like q and an (H, T) lse."""
+    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)

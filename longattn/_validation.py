@@ -65,7 +65,8 @@ def check_flag(x, name: str) -> None:
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
 
 
-def check_dilation(segment_lengths: Sequence[int], dilation_rates: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def check_dilation(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     for vals, name in ((segment_lengths, "segment_lengths"), (dilation_rates, "dilation_rates")):
         if not isinstance(vals, (list, tuple)) or not vals:
             raise TypeError(f"{name} must be a non-empty list of ints, got {vals!r}")

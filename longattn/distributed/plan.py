@@ -81,7 +81,8 @@ def _plan(layout, rank, src, world, local_len, causal, window, scale) -> list[Ca
     n = len(qc)
     # Causal over the concatenated local order (zigzag's diagonal step): one call.
     if (causal and window == (-1, -1) and rank == src and n > 1
-            and all(kinds[i][j] == (FULL if i > j else NONE if i < j else PARTIAL) for i in range(n) for j in range(n))):
+            and all(kinds[i][j] == (FULL if i > j else NONE if i < j else PARTIAL)
+                    for i in range(n) for j in range(n))):
         return [Call(0, local_len, 0, local_len, bk.BlockSpec(scale, causal=True))]
     # One key chunk seen fully by every query chunk, the others by none.
     for j in range(len(kc)):

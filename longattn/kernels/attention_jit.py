@@ -45,6 +45,18 @@ if HAS_TRITON:
             return seg * 0, seg * 0, SQ + seg * 0, SK + seg * 0, 1 + seg * 0
 
     @triton.jit
+    def _split_ranges(lo, hi, flo, fhi, BLOCK: tl.constexpr):
+        """Rows [lo, hi) that may be visible, of which [flo, fhi) are fully visible, as
+        BLOCK-aligned [lo, u0) masked, [u0, u1) unmasked, [u1, hi) masked."""
+        hi = tl.maximum(hi, 0)
+        lo = tl.minimum(tl.maximum(lo, 0), hi)
+        lo = (lo // BLOCK) * BLOCK
+        hi_r = ((hi + BLOCK - 1) // BLOCK) * BLOCK
+        u0 = tl.minimum(tl.maximum(((flo + BLOCK - 1) // BLOCK) * BLOCK, lo), hi_r)
+        u1 = tl.maximum(tl.minimum((tl.maximum(fhi, 0) // BLOCK) * BLOCK, hi_r), u0)
+        return lo, u0, u1, hi
+
+    @triton.jit
     def _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
         """Key blocks rows [i0, i0+BLOCK_M) may see: [lo, u0) masked, [u0, u1) unmasked, [u1, hi) masked.
@@ -65,13 +77,7 @@ if HAS_TRITON:
         if HAS_LEFT:
             lo = tl.maximum(lo, i0 + Q_OFF - LEFT)
             flo = tl.maximum(flo, i0 + BLOCK_M - 1 + Q_OFF - LEFT)
-        hi = tl.maximum(hi, 0)
-        lo = tl.minimum(lo, hi)
-        lo = (lo // BLOCK_N) * BLOCK_N
-        hi_r = ((hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-        u0 = tl.minimum(tl.maximum(((flo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo), hi_r)
-        u1 = tl.maximum(tl.minimum((tl.maximum(fhi, 0) // BLOCK_N) * BLOCK_N, hi_r), u0)
-        return lo, u0, u1, hi
+        return _split_ranges(lo, hi, flo, fhi, BLOCK_N)
 
     @triton.jit
     def _query_ranges(n0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -90,13 +96,7 @@ if HAS_TRITON:
         if HAS_LEFT:  # i + Q_OFF - n <= LEFT
             hi = tl.minimum(hi, n0 + BLOCK_N + LEFT - Q_OFF)
             fhi = tl.minimum(fhi, n0 + LEFT - Q_OFF + 1)
-        hi = tl.maximum(hi, 0)
-        lo = tl.minimum(tl.maximum(lo, 0), hi)
-        lo = (lo // BLOCK_M) * BLOCK_M
-        hi_r = ((hi + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-        u0 = tl.minimum(tl.maximum(((flo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo), hi_r)
-        u1 = tl.maximum(tl.minimum((tl.maximum(fhi, 0) // BLOCK_M) * BLOCK_M, hi_r), u0)
-        return lo, u0, u1, hi
+        return _split_ranges(lo, hi, flo, fhi, BLOCK_M)
 
     @triton.jit
     def _visible(offs_m, offs_n, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -156,6 +156,25 @@ if HAS_TRITON:
         return out, tl.where(tot == 0.0, float("-inf"), top_safe + tl.log(tot_safe))
 
     @triton.jit
+    def _query_block(CU, H, G, SQ, SK, W, R, NFULL, TAIL, D: tl.constexpr, D_PAD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DILATED: tl.constexpr,
+                     VARLEN: tl.constexpr):
+        """A query-block program's coordinates: batch, head, kv head, the geometry of its rows
+        (see _geometry), the block's first row and offsets, and its rows' positions in memory."""
+        pid_m = tl.program_id(0)
+        if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail wave is short
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        qbase, kbase, MQ, MK, RS = _geometry(tl.program_id(2), h % R, W, R, NFULL, TAIL, SQ, SK, CU, DILATED, VARLEN)
+        i0 = pid_m * BLOCK_M
+        offs_m = i0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        qrows = qbase + offs_m.to(tl.int64) * RS
+        return b, h, h // G, kbase, MQ, MK, RS, i0, offs_m, tl.arange(0, BLOCK_N), offs_d, offs_d < D, qrows
+
+    @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
                     H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, qk_scale,
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -163,21 +182,8 @@ if HAS_TRITON:
                     DILATED: tl.constexpr, VARLEN: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr):
         # torch.compile's launcher may pass Python floats as float64 scalars
         qk_scale = tl.full([], qk_scale, tl.float32)
-        pid_m = tl.program_id(0)
-        if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail wave is short
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        pid_bh = tl.program_id(1)
-        seg = tl.program_id(2)
-        b = (pid_bh // H).to(tl.int64)
-        h = pid_bh % H
-        kh = h // G
-        qbase, kbase, MQ, MK, RS = _geometry(seg, h % R, W, R, NFULL, TAIL, SQ, SK, CU, DILATED, VARLEN)
-        i0 = pid_m * BLOCK_M
-        offs_m = i0 + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D_PAD)
-        dmask = offs_d < D
-        qrows = qbase + offs_m.to(tl.int64) * RS
+        b, h, kh, kbase, MQ, MK, RS, i0, offs_m, offs_n, offs_d, dmask, qrows = _query_block(
+            CU, H, G, SQ, SK, W, R, NFULL, TAIL, D, D_PAD, BLOCK_M, BLOCK_N, CAUSAL, DILATED, VARLEN)
         row_ok = offs_m < MQ
         q = tl.load(Q + b * sqb + h * sqh + qrows[:, None] * sqs + offs_d[None, :],
                     mask=row_ok[:, None] & dmask[None, :], other=0.0)
@@ -187,15 +193,13 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, lo, u0, offs_m, offs_n,
-                                   offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT,
-                                   HAS_RIGHT, BLOCK_N, IEEE)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, u0, u1, offs_m, offs_n,
-                                   offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, False, CAUSAL, HAS_LEFT,
-                                   HAS_RIGHT, BLOCK_N, IEEE)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, u1, hi, offs_m, offs_n,
-                                   offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT,
-                                   HAS_RIGHT, BLOCK_N, IEEE)
+        # masked [lo, u0), unmasked [u0, u1), masked [u1, hi): the mask costs only on boundary blocks
+        for part in tl.static_range(3):
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs,
+                                       lo if part == 0 else (u0 if part == 1 else u1),
+                                       u0 if part == 0 else (u1 if part == 1 else hi), offs_m, offs_n, offs_d, dmask,
+                                       MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, part != 1, CAUSAL, HAS_LEFT, HAS_RIGHT,
+                                       BLOCK_N, IEEE)
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         # natural-log lse from the base-2 running max
@@ -289,15 +293,12 @@ if HAS_TRITON:
             do_ptr = DO + b * sdob + h * sdoh
             lse_ptr = LSE + b * slb + h * slh
             delta_ptr = DELTA + b * slb + h * slh
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, lo, u0,
-                                 offs_m, cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL,
-                                 HAS_LEFT, HAS_RIGHT, BLOCK_M, IEEE)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, u0, u1,
-                                 offs_m, cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, False, CAUSAL,
-                                 HAS_LEFT, HAS_RIGHT, BLOCK_M, IEEE)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, u1, hi,
-                                 offs_m, cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL,
-                                 HAS_LEFT, HAS_RIGHT, BLOCK_M, IEEE)
+            for part in tl.static_range(3):  # masked, unmasked, masked query ranges
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos,
+                                     lo if part == 0 else (u0 if part == 1 else u1),
+                                     u0 if part == 0 else (u1 if part == 1 else hi), offs_m, cols, offs_d, dmask, MQ,
+                                     MK, Q_OFF, LEFT, RIGHT, qk_scale, part != 1, CAUSAL, HAS_LEFT, HAS_RIGHT,
+                                     BLOCK_M, IEEE)
         dk = dk * scale
         dk_ptrs = DK + b * sdkb + kh * sdkh + krows[:, None] * sdks + offs_d[None, :]
         dv_ptrs = DV + b * sdvb + kh * sdvh + krows[:, None] * sdvs + offs_d[None, :]
@@ -328,6 +329,15 @@ if HAS_TRITON:
         return dq
 
     @triton.jit
+    def _dq_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, rows, sqs, sdos, offs_d, rmask, qmask):
+        """A dQ program's rows: q, dO, the base-2 lse (rows that saw no key at +inf, so P = 0) and delta."""
+        q = tl.load(q_ptr + rows[:, None] * sqs + offs_d[None, :], mask=qmask, other=0.0)
+        do = tl.load(do_ptr + rows[:, None] * sdos + offs_d[None, :], mask=qmask, other=0.0)
+        lse2 = tl.load(lse_ptr + rows, mask=rmask, other=float("inf")) * 1.4426950408889634
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+        return q, do, lse2, tl.load(delta_ptr + rows, mask=rmask, other=0.0)
+
+    @triton.jit
     def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                    sdob, sdos, sdoh, slb, slh, sdqb, sdqs, sdqh,
                    H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale,
@@ -336,38 +346,22 @@ if HAS_TRITON:
                    DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
         scale = tl.full([], scale, tl.float32)
-        pid_m = tl.program_id(0)
-        if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail wave is short
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        pid_bh = tl.program_id(1)
-        seg = tl.program_id(2)
-        b = (pid_bh // H).to(tl.int64)
-        h = pid_bh % H
-        kh = h // G
-        qbase, kbase, MQ, MK, RS = _geometry(seg, h % R, W, R, NFULL, TAIL, SQ, SK, CU, DILATED, VARLEN)
-        i0 = pid_m * BLOCK_M
-        offs_m = i0 + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D_PAD)
-        dmask = offs_d < D
-        qrows = qbase + offs_m.to(tl.int64) * RS
+        b, h, kh, kbase, MQ, MK, RS, i0, offs_m, offs_n, offs_d, dmask, qrows = _query_block(
+            CU, H, G, SQ, SK, W, R, NFULL, TAIL, D, D_PAD, BLOCK_M, BLOCK_N, CAUSAL, DILATED, VARLEN)
         rmask = offs_m < MQ
         qmask = rmask[:, None] & dmask[None, :]
-        q = tl.load(Q + b * sqb + h * sqh + qrows[:, None] * sqs + offs_d[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + b * sdob + h * sdoh + qrows[:, None] * sdos + offs_d[None, :], mask=qmask, other=0.0)
-        lse2 = tl.load(LSE + b * slb + h * slh + qrows, mask=rmask, other=float("inf")) * 1.4426950408889634
-        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-        delta = tl.load(DELTA + b * slb + h * slh + qrows, mask=rmask, other=0.0)
+        q, do, lse2, delta = _dq_rows(Q + b * sqb + h * sqh, DO + b * sdob + h * sdoh, LSE + b * slb + h * slh,
+                                      DELTA + b * slb + h * slh, qrows, sqs, sdos, offs_d, rmask, qmask)
         k_ptr = K + b * skb + kh * skh
         v_ptr = V + b * svb + kh * svh
         dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, lo, u0, offs_m, offs_n, offs_d,
-                       dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, u0, u1, offs_m, offs_n, offs_d,
-                       dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, False, CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, u1, hi, offs_m, offs_n, offs_d,
-                       dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, True, CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
+        for part in tl.static_range(3):  # masked, unmasked, masked key ranges
+            dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs,
+                           lo if part == 0 else (u0 if part == 1 else u1),
+                           u0 if part == 0 else (u1 if part == 1 else hi),
+                           offs_m, offs_n, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, part != 1, CAUSAL,
+                           HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
         dq = dq * scale
         dq_ptrs = DQ + b * sdqb + h * sdqh + qrows[:, None] * sdqs + offs_d[None, :]
         if ACCUM:

@@ -19,7 +19,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .attention_jit import _dkdv_inner, _dq_inner, _fwd_inner
+    from .attention_jit import _dkdv_inner, _dq_inner, _dq_rows, _fwd_inner
 
     @triton.jit
     def _grouped_branch(BR, i, h, start0, S):
@@ -58,19 +58,25 @@ if HAS_TRITON:
         return sel, r, kb, mk, (pos - kb) // r, (full // BLOCK_N) * BLOCK_N, hi
 
     @triton.jit
+    def _grouped_block(BR, NB: tl.constexpr, H, R0, W0, NSEG, S, D: tl.constexpr, D_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A query-block program of the grouped schedule: batch, head, first class row, its rows (see
+        _grouped_rows) and the key / head-dim offsets."""
+        pid_bh = tl.program_id(1)
+        h = pid_bh % H
+        i0 = tl.program_id(0) * BLOCK_M
+        start0, j, m0, pos, row_ok = _grouped_rows(BR, NB, tl.program_id(2), h, R0, W0, NSEG, S, i0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        return (pid_bh // H).to(tl.int64), h, i0, start0, j, m0, pos, row_ok, tl.arange(0, BLOCK_N), offs_d, offs_d < D
+
+    @triton.jit
     def _grouped_fwd_kernel(Q, K, V, O, LSE, BR, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
                             slb, slh, H, G, S, W0, R0, NSEG, qk_scale, NB: tl.constexpr, D: tl.constexpr,
                             D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             CAUSAL: tl.constexpr, IEEE: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // H).to(tl.int64)
-        h = pid_bh % H
-        i0 = tl.program_id(0) * BLOCK_M
-        start0, j, m0, pos, row_ok = _grouped_rows(BR, NB, tl.program_id(2), h, R0, W0, NSEG, S, i0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D_PAD)
-        dmask = offs_d < D
+        b, h, i0, start0, j, m0, pos, row_ok, offs_n, offs_d, dmask = _grouped_block(BR, NB, H, R0, W0, NSEG, S, D,
+                                                                                     D_PAD, BLOCK_M, BLOCK_N)
         q = tl.load(Q + b * sqb + h * sqh + pos.to(tl.int64)[:, None] * sqs + offs_d[None, :],
                     mask=row_ok[:, None] & dmask[None, :], other=0.0)
         k_ptr = K + b * skb + (h // G) * skh
@@ -103,21 +109,12 @@ if HAS_TRITON:
                            BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
         scale = tl.full([], scale, tl.float32)
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // H).to(tl.int64)
-        h = pid_bh % H
-        i0 = tl.program_id(0) * BLOCK_M
-        start0, j, m0, pos, rmask = _grouped_rows(BR, NB, tl.program_id(2), h, R0, W0, NSEG, S, i0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D_PAD)
-        dmask = offs_d < D
+        b, h, i0, start0, j, m0, pos, rmask, offs_n, offs_d, dmask = _grouped_block(BR, NB, H, R0, W0, NSEG, S, D,
+                                                                                    D_PAD, BLOCK_M, BLOCK_N)
         p64 = pos.to(tl.int64)
         qmask = rmask[:, None] & dmask[None, :]
-        q = tl.load(Q + b * sqb + h * sqh + p64[:, None] * sqs + offs_d[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + b * sdob + h * sdoh + p64[:, None] * sdos + offs_d[None, :], mask=qmask, other=0.0)
-        lse2 = tl.load(LSE + b * slb + h * slh + p64, mask=rmask, other=float("inf")) * 1.4426950408889634
-        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-        delta = tl.load(DELTA + b * slb + h * slh + p64, mask=rmask, other=0.0)
+        q, do, lse2, delta = _dq_rows(Q + b * sqb + h * sqh, DO + b * sdob + h * sdoh, LSE + b * slb + h * slh,
+                                      DELTA + b * slb + h * slh, p64, sqs, sdos, offs_d, rmask, qmask)
         k_ptr = K + b * skb + (h // G) * skh
         v_ptr = V + b * svb + (h // G) * svh
         dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)

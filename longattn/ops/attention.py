@@ -13,16 +13,10 @@ from typing import Optional
 import torch
 
 from .. import backends as bk
-from .._autograd import register_attention_autograd
+from .._autograd import out_lse_like, register_attention_autograd
 from .._validation import check_flag, check_qkv, check_scale, check_window
 
-__all__ = ["attention", "lse_like"]
-
-
-def lse_like(q: torch.Tensor) -> torch.Tensor:
-    """An empty (B, H, S) float32 lse for q (B, S, H, D): the fake kernels' shape."""
-    b, s, h, _ = q.shape
-    return q.new_empty(b, h, s, dtype=torch.float32)
+__all__ = ["attention"]
 
 
 # ------------------------------------------------------------------ dense attention
@@ -35,11 +29,6 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out.contiguous(), lse.contiguous()
 
 
-@_attention_fwd.register_fake
-def _(q, k, v, scale, causal, window_left, window_right, q_offset, backend):
-    return torch.empty_like(q), lse_like(q)
-
-
 @torch.library.custom_op("longattn::attention_bwd", mutates_args=(), device_types=None)
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor], scale: float,
@@ -50,13 +39,9 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
-@_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, scale, causal, window_left, window_right, q_offset, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 register_attention_autograd(_attention_fwd, _attention_bwd,
-                            ("scale", "causal", "window_left", "window_right", "q_offset", "backend"))
+                            ("scale", "causal", "window_left", "window_right", "q_offset", "backend"),
+                            fwd_fake=out_lse_like)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

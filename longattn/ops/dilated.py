@@ -8,10 +8,9 @@ import torch
 from .. import backends as bk
 from .. import dilated as _dil
 from .. import tuning as _tuning
-from .._autograd import register_attention_autograd
+from .._autograd import out_lse_like, register_attention_autograd
 from .._validation import check_dilated_call
 from ..dilated.plan import DilatedPlan
-from .attention import lse_like
 
 __all__ = ["dilated_attention"]
 
@@ -24,11 +23,6 @@ def _dilated_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_leng
                         backend)
 
 
-@_dilated_fwd.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, scale, causal, backend, plan):
-    return torch.empty_like(q), lse_like(q)
-
-
 @torch.library.custom_op("longattn::dilated_bwd", mutates_args=(), device_types=None)
 def _dilated_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int],
@@ -38,13 +32,9 @@ def _dilated_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                          dilation_rates, causal, scale, backend)
 
 
-@_dilated_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, causal, backend, plan):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 register_attention_autograd(_dilated_fwd, _dilated_bwd,
-                            ("segment_lengths", "dilation_rates", "scale", "causal", "backend", "plan"))
+                            ("segment_lengths", "dilation_rates", "scale", "causal", "backend", "plan"),
+                            fwd_fake=out_lse_like)
 
 
 def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_lengths: Sequence[int],

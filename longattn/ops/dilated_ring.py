@@ -10,12 +10,11 @@ import torch.distributed as dist
 from .. import backends as bk
 from .. import dilated as _dil
 from .. import tuning as _tuning
-from .._autograd import register_attention_autograd
+from .._autograd import out_lse_like, register_attention_autograd
 from .._validation import check_dilated_call
 from ..dilated.plan import DilatedPlan
 from ..distributed import checks
 from ..distributed import dilated as _over
-from .attention import lse_like
 
 __all__ = ["dilated_attention_over_ranks"]
 
@@ -32,11 +31,6 @@ def _dist_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths
                          checks.group_from_name(group_name), backend)
 
 
-@_dist_fwd.register_fake
-def _(q, k, v, segment_lengths, dilation_rates, scale, causal, group_name, backend, plan):
-    return torch.empty_like(q), lse_like(q)
-
-
 @torch.library.custom_op("longattn::dilated_dist_bwd", mutates_args=(), device_types=None)
 def _dist_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int], dilation_rates: list[int],
@@ -46,13 +40,8 @@ def _dist_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                           checks.group_from_name(group_name), backend)
 
 
-@_dist_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, causal, group_name, backend, plan):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 register_attention_autograd(_dist_fwd, _dist_bwd, ("segment_lengths", "dilation_rates", "scale", "causal",
-                                                  "group_name", "backend", "plan"))
+                                                  "group_name", "backend", "plan"), fwd_fake=out_lse_like)
 
 
 def dilated_attention_over_ranks(q, k, v, *, segment_lengths, dilation_rates, causal=False, softmax_scale=None,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
-from .._autograd import register_attention_autograd
+from .._autograd import grads_like, register_attention_autograd
 from .._validation import check_flag, check_qkv, check_scale, check_window
 from ..distributed import checks
 from ..distributed.layout import check_layout
@@ -74,12 +74,7 @@ def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                      layout, g, backend)
 
 
-@_ring_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, window_left, window_right, layout, group_name,
-      backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
+_ring_bwd.register_fake(grads_like)
 register_attention_autograd(_ring_fwd, _ring_bwd, ("scale", "causal", "window_left", "window_right", "layout",
                                                   "group_name", "backend"), kept_outputs=2)
 

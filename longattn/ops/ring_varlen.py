@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
-from .._autograd import register_attention_autograd
+from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._validation import check_cu_seqlens, check_flag, check_qkv, check_scale, check_window
 from ..distributed import checks
 from ..distributed.fused_varlen import fusable, fused_call
@@ -44,11 +44,6 @@ def _ring_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out[0], lse[0]
 
 
-@_ring_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens, scale, causal, window_left, window_right, layout, group_name, backend):
-    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-
-
 @torch.library.custom_op("longattn::ring_varlen_bwd", mutates_args=(), device_types=None)
 def _ring_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, scale: float,
@@ -62,15 +57,9 @@ def _ring_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return dq[0], dk[0], dv[0]
 
 
-@_ring_varlen_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens, scale, causal, window_left, window_right, layout, group_name,
-      backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 register_attention_autograd(_ring_varlen_fwd, _ring_varlen_bwd,
                             ("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend"),
-                            extra_tensors=1)
+                            extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
 def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,

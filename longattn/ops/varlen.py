@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import backends as bk
-from .._autograd import register_attention_autograd
+from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._validation import check_cu_seqlens, check_flag, check_qkv, check_scale, check_window
 from ..backends import varlen as _varlen
 
@@ -27,11 +27,6 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     return _varlen.forward(kernel, q, k, v, cu_seqlens.to(q.device), max_seqlen, spec, backend)
 
 
-@_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, scale, causal, window_left, window_right, backend, kernel):
-    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-
-
 @torch.library.custom_op("longattn::varlen_bwd", mutates_args=(), device_types=None)
 def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -42,15 +37,9 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                             backend)
 
 
-@_varlen_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, scale, causal, window_left, window_right, backend,
-      kernel):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 register_attention_autograd(_varlen_fwd, _varlen_bwd,
                             ("max_seqlen", "scale", "causal", "window_left", "window_right", "backend", "kernel"),
-                            extra_tensors=1)
+                            extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
