@@ -177,11 +177,9 @@ def test_base_unit_adoption_limits():
     assert not adoptable(2, torch.empty(1, 64, 16, 128, device="meta"), 2 ** 31)
 
 
-def _fused_with(tuner, segs, rates, causal, schedule):
+def fused_with(tuner, segs, rates, causal, schedule, scale=16 ** -0.5):
     """The fused engine's passes with an explicit autotuner, as an autograd function returning (out, lse)."""
     from longattn.dilated import fused
-
-    scale = 16 ** -0.5
 
     class F(torch.autograd.Function):
         @staticmethod
@@ -220,7 +218,7 @@ def test_triton_autotune_per_shape(tmp_path):
     q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
     do, dl = torch.randn(1, s, h, 16), torch.randn(1, h, s)
     ref = lambda causal: lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=causal)
-    run = lambda tuner, causal: check_op(_fused_with(tuner, segs, rates, causal, "per_branch"), ref(causal),
+    run = lambda tuner, causal: check_op(fused_with(tuner, segs, rates, causal, "per_branch"), ref(causal),
                                          [q, k, v], do, dl, TOL)
     with pytest.warns(UserWarning, match="autotuning"):  # the first tuning says so, once
         run(tuner, False)  # a launch per branch: per-branch keys
@@ -292,7 +290,7 @@ def test_triton_grouped_autotune(tmp_path):
     s, h, hkv, segs, rates = 40, 4, 2, [8, 16, 32], [1, 2, 4]
     q, k, v = torch.randn(1, s, h, 16), torch.randn(1, s, hkv, 16), torch.randn(1, s, hkv, 16)
     with pytest.warns(UserWarning, match="autotuning"):
-        check_op(_fused_with(tuner, segs, rates, True, "grouped"),
+        check_op(fused_with(tuner, segs, rates, True, "grouped"),
                  lambda q, k, v: dilated_ref(q, k, v, segs, rates, causal=True), [q, k, v],
                  torch.randn(1, s, h, 16), torch.randn(1, h, s), TOL)
     assert {key[0] for key in tuner.by_shape} == {"grouped_fwd", "grouped_dkdv", "grouped_dq"}

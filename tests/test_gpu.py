@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import longattn
+from longattn.tuning import DilatedTuning
 from reference import attention_ref, dilated_ref, grads_of, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -67,25 +68,25 @@ def _dilated_ref_grads(q, k, v, do, segs, rates, causal, chunk=2):
 # 6000 tokens: partial segments (8192 > seqlen); 8192: the views path stacks offset classes per
 # segment (4096, r=4) and per branch (8192, r=8 = heads), and the rate-1 branch's result is the output
 @pytest.mark.parametrize("segs,seqlen", [([512, 1024, 2048, 8192], 6000), ([512, 1024, 4096, 8192], 8192)])
-def test_dilated_bf16(backend, causal, hkv, segs, seqlen, rates=(1, 2, 4, 8)):
+def test_dilated_bf16(backend, causal, hkv, segs, seqlen, rates=(1, 2, 4, 8), tuning=None, fn=None):
     rates = list(rates)
     q, k, v, do = _inputs(1, seqlen, 8, hkv, 128)
     ref = _dilated_ref_grads(q, k, v, do, segs, rates, causal)
     bar = _sdpa_errors(q, k, v, do, causal, grads_of(lambda q, k, v: attention_ref(q, k, v, causal=causal),
                                                      [q.double(), k.double(), v.double()], do))
-    o, _, g = grads_of(lambda q, k, v: longattn.dilated_attention(
-        q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal, backend=backend), [q, k, v], do)
+    fn = fn or (lambda q, k, v: longattn.dilated_attention(
+        q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal, backend=backend, tuning=tuning))
+    o, _, g = grads_of(fn, [q, k, v], do)
     got = [rel_err(o, ref[0])] + [rel_err(a, b) for a, b in zip(g, ref[2])]
     print(f"dilated {backend} hkv={hkv} causal={causal} out/dq/dk/dv {['%.1e' % x for x in got]} sdpa {['%.1e' % x for x in bar]}")
     assert all(x <= 2 * y for x, y in zip(got, bar)), (got, bar)
 
 
-@pytest.mark.parametrize("gather_rows", [0], indirect=True)
 @pytest.mark.parametrize("causal", [False, True])
-def test_dilated_views_ungathered_bf16(causal, gather_rows):
+def test_dilated_views_ungathered_bf16(causal):
     """The MHA views path with no branch gathered: offset classes stacked per
     segment (4096, r=4) and per class (1024, r=2) on strided views."""
-    test_dilated_bf16("cudnn", causal, 8, [512, 1024, 4096, 8192], 8192)
+    test_dilated_bf16("cudnn", causal, 8, [512, 1024, 4096, 8192], 8192, tuning=DilatedTuning(gather_max_rows=0))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -156,30 +157,26 @@ def test_batched_timing_hides_host_time():
     assert batched["median_ms"] < 0.95 * cold["median_ms"], (cold, batched)
 
 
-def test_dilated_triton_autotuned_bf16(monkeypatch, tmp_path):
+def test_dilated_triton_autotuned_bf16(tmp_path):
     """Autotuning on (as for users): the tuned tiles pass the same bar, the
     choices come from the candidates. Two branches: tuning compiles every
     candidate for every branch (~2 s each)."""
-    from longattn.kernels import triton_attention as ta
+    from longattn.kernels.autotune import CANDIDATES, Autotuner
+    from test_dilated import fused_with
 
-    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "1")
-    monkeypatch.setenv("LONGATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ta, "_by_shape", {})
-    monkeypatch.setattr(ta, "_on_disk", None)
-    test_dilated_bf16("triton", True, 4, [512, 2048], 4096, rates=[1, 2])  # 1024 keys per class: per branch
-    test_dilated_bf16("triton", True, 4, [256, 512], 4096, rates=[1, 2])  # 256: grouped
-    assert {key[0] for key in ta._by_shape} == {"fwd", "dkdv", "dq", "grouped_fwd", "grouped_dkdv", "grouped_dq"}
-    assert all(cfg in ta._CANDIDATES[key[0].removeprefix("grouped_")] for key, cfg in ta._by_shape.items())
+    tuner = Autotuner(mode="1", cache_dir=str(tmp_path))
+    for segs, schedule in (([512, 2048], "per_branch"), ([256, 512], "grouped")):  # 1024 / 256 keys per class
+        f = fused_with(tuner, segs, [1, 2], True, schedule, scale=128 ** -0.5)
+        test_dilated_bf16("triton", True, 4, segs, 4096, rates=[1, 2], fn=lambda q, k, v: f(q, k, v)[0])
+    assert {key[0] for key in tuner.by_shape} == {"fwd", "dkdv", "dq", "grouped_fwd", "grouped_dkdv", "grouped_dq"}
+    assert all(cfg in CANDIDATES[key[0].removeprefix("grouped_")] for key, cfg in tuner.by_shape.items())
 
 
 @pytest.mark.parametrize("schedule", ["grouped", "per_branch_zero_fill"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dilated_triton_schedules_bf16(monkeypatch, schedule, causal):
+def test_dilated_triton_schedules_bf16(schedule, causal):
     """Every fused schedule passes the same bar on the nested LongNet-like config."""
-    from longattn.kernels import triton_dilated
-
-    monkeypatch.setattr(triton_dilated, "SCHEDULE", schedule)
-    test_dilated_bf16("triton", causal, 4, [512, 1024, 2048, 8192], 6000)
+    test_dilated_bf16("triton", causal, 4, [512, 1024, 2048, 8192], 6000, tuning=DilatedTuning(schedule=schedule))
 
 
 def test_dilated_triton_op_compiles_with_inductor():
