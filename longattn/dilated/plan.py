@@ -45,7 +45,7 @@ class DilatedPlan:
     autotune: str = ""
 
     def key(self) -> str:
-        return json.dumps(dataclasses.astuple(self))
+        return _key(self)
 
     @staticmethod
     def from_key(key: str) -> "DilatedPlan":
@@ -53,6 +53,11 @@ class DilatedPlan:
 
     def engine(self, pass_: str) -> str:
         return self.fwd if pass_ == "fwd" else self.bwd
+
+
+@functools.lru_cache(maxsize=256)
+def _key(plan: DilatedPlan) -> str:
+    return json.dumps(dataclasses.astuple(plan))
 
 
 @functools.lru_cache(maxsize=256)
@@ -107,6 +112,13 @@ def _engine(pass_: str, q, k, segs, rates, causal: bool, backend: str, views_ok:
     return local if fused_refusals(q) else "fused"
 
 
+# Plans already made: short sequences are bound by host time, and walking the
+# backends' refusals costs tens of microseconds per check. The key holds
+# everything choose() reads; bounded so shapes that never repeat cannot grow it.
+_chosen: dict = {}
+_CHOSEN_MAX = 1024
+
+
 def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, causal: bool, backend: str,
            tuning: _tuning.DilatedTuning = _tuning.DILATED) -> DilatedPlan:
     """The plan of a dilated call on q (B, S, H, D), k (B, S, Hkv, D).
@@ -119,7 +131,20 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
     (grouped fused kernels); the fused kernels below the thresholds; elsewhere
     the views through the best local backend. ``tuning.schedule`` other than
     ``"auto"`` forces an engine (A/B measurements, tests)."""
-    segs, rates = list(segment_lengths), list(dilation_rates)
+    if torch.compiler.is_compiling():  # traced once per graph; shapes may be symbolic
+        return _choose(q, k, list(segment_lengths), list(dilation_rates), causal, backend, tuning)
+    key = (q.shape, k.shape, q.dtype, q.device, tuple(segment_lengths), tuple(dilation_rates), causal, backend,
+           tuning, bk.forced())
+    plan = _chosen.get(key)
+    if plan is None:
+        plan = _choose(q, k, list(segment_lengths), list(dilation_rates), causal, backend, tuning)
+        if len(_chosen) >= _CHOSEN_MAX:
+            _chosen.clear()
+        _chosen[key] = plan
+    return plan
+
+
+def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
     views_ok = kv_views_ok(rates, q.shape[2], k.shape[2])
     fwd, bwd = (_engine(p, q, k, segs, rates, causal, backend, views_ok, tuning) for p in ("fwd", "bwd"))
     if "fused" in (fwd, bwd):
