@@ -247,8 +247,12 @@ def _plan_of(mask: torch.Tensor, q_len: int, impl: str) -> _Plan:
             raise ValueError(f"attn_implementation={impl!r}: the attention mask was built for {plan.q_len} queries, "
                              f"the layer has {q_len}")
         return plan
+    raise _mask_error(impl, mask)
+
+
+def _mask_error(impl: str, mask) -> ValueError:
     shape = tuple(mask.shape) if hasattr(mask, "shape") else type(mask).__name__
-    raise ValueError(
+    return ValueError(
         f"attn_implementation={impl!r}: got a {shape} attention mask; longattn takes padding as a 2-D "
         f"(batch, seq) attention_mask and packed documents as position_ids or cu_seq_lens_q/k, and cannot run an "
         f"arbitrary 4-D mask: pass a 2-D mask, or use attn_implementation='sdpa' (or 'flex_attention') for "
@@ -385,6 +389,8 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     problem, causal, dv = "", True, value.shape[-1]
     try:
         causal, value, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            raise _mask_error(impl, attention_mask)
         if attention_mask is not None:
             raise ValueError(f"attn_implementation={impl!r}: an attention_mask with padding reached the model; give "
                              f"it to longattn.context_parallel.shard_batch(attention_mask=...) instead")
