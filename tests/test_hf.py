@@ -257,3 +257,39 @@ def test_value_head_dim_smaller_than_query():
 def test_import_longattn_does_not_import_transformers():
     code = "import sys, longattn; assert 'transformers' not in sys.modules; longattn.context_parallel"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------- example and benchmark (tiny)
+def _load(path):
+    import importlib.util
+    import os
+
+    full = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], full)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_finetune_example_runs_and_matches_sdpa():
+    ex = _load("examples/finetune_hf.py")
+    args = ["--steps", "3", "--seqlen", "64", "--batch", "2", "--hidden", "32", "--pack"]
+    got = ex.main(args + ["--attn", "longattn"])
+    want = ex.main(args + ["--attn", "sdpa"])
+    assert len(got) == 3 and all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(got, want)), (got, want)
+
+
+def test_hf_train_benchmark_tiny(tmp_path):
+    bench = _load("benchmarks/hf_train.py")
+    rows = {}
+    for attn, docs in (("longattn", "1"), ("sdpa", "1"), ("longattn", "4")):
+        out = tmp_path / f"{attn}{docs}.json"
+        payload = bench.main(["--tiny", "--attn", attn, "--docs", docs, "--steps", "2", "--warmup", "1",
+                              "--seqlen", "64", "--out", str(out)])
+        row = payload["results"][0]
+        assert row["error"] is None and row["step_ms_median"] > 0 and row["tokens_per_s_per_gpu"] > 0
+        assert {"transformers", "torch", "commit", "command", "device"} <= set(payload["env"])
+        assert out.exists()
+        rows[attn, docs] = row
+    a, b = rows["longattn", "1"]["losses"], rows["sdpa", "1"]["losses"]
+    assert all(abs(x - y) < 1e-4 * abs(y) for x, y in zip(a, b)), (a, b)

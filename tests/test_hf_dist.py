@@ -161,3 +161,38 @@ def test_ring_model_matches_unsharded(world):
 @pytest.mark.dist
 def test_ring_model_errors_raise_on_every_rank():
     run_world(_check_errors, 2)
+
+
+def _check_scripts(rank, world):
+    """examples/finetune_hf.py with --cp and benchmarks/hf_train.py with
+    longattn_ring run under gloo and give the one-device losses."""
+    import importlib.util
+    import os
+
+    def load(path):
+        full = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+        spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], full)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    ex = load("examples/finetune_hf.py")
+    args = ["--steps", "2", "--seqlen", "64", "--batch", "2", "--hidden", "32", "--pack"]
+    ring = ex.main(args + ["--attn", "longattn_ring", "--cp", str(world)])
+    if rank == 0:
+        one = ex.main(args + ["--attn", "longattn"])
+        assert all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(ring, one)), (ring, one)
+    bench = load("benchmarks/hf_train.py")
+    for docs in ("1", "4"):
+        row = bench.main(["--tiny", "--attn", "longattn_ring", "--seqlen", "64", "--docs", docs, "--steps", "1",
+                          "--warmup", "1"])["results"][0]
+        assert row["error"] is None and row["world"] == world
+        if rank == 0:  # the same losses as one device (the ranks' shares summed)
+            one = bench.run(bench.parse(["--tiny", "--attn", "longattn", "--seqlen", "64", "--docs", docs,
+                                         "--steps", "1", "--warmup", "1"]), 1, torch.device("cpu"))
+            assert all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(row["losses"], one["losses"])), (row, one)
+
+
+@pytest.mark.dist
+def test_ring_example_and_benchmark_run():
+    run_world(_check_scripts, 2)
