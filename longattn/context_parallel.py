@@ -91,8 +91,9 @@ def agree(group, what: str, problem: str = "", **fields) -> None:
     t = torch.tensor([digest, 1 if problem else 0], dtype=torch.int64, device=_device_for(group))
     got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, t, group=group)
-    digests = [int(x[0]) for x in got]
-    flagged = [r for r, x in enumerate(got) if int(x[1])]
+    vals = torch.stack(got).cpu().tolist()  # one device-to-host copy
+    digests = [int(x[0]) for x in vals]
+    flagged = [r for r, x in enumerate(vals) if int(x[1])]
     if problem:
         raise ValueError(problem)
     if flagged:

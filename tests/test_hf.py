@@ -127,6 +127,18 @@ def test_eager_reference_is_sensitive():
     assert rel_err(model(ids).logits.detach(), ref_logits) > 1e-2
 
 
+def test_autocast_bf16():
+    """Under autocast RoPE leaves q/k in float32 while v is bf16; q/k/v run in the
+    autocast dtype, as autocast does for SDPA."""
+    model, ref = _pair("llama")
+    ref = ref.float()
+    ids, kw, real = _inputs("left")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(ids, **kw).logits, ref(ids, **kw).logits
+    got.float().sum().backward()
+    assert got.dtype == torch.bfloat16 and rel_err(got[real].detach(), want[real].detach()) < 2e-2
+
+
 def _greedy(model, ids, mask, n):
     return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
 

@@ -51,10 +51,15 @@ def _cases():
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], list(range(7)) + list(range(5))])
     yield "packed documents", dict(input_ids=ids, labels=ids.clone(), position_ids=pos)
     yield "uneven length", dict(input_ids=ids[:, :10], labels=ids[:, :10].clone())
+    # labels=None: the next token wherever both are real (right padding: labels masked at padding)
+    yield "default labels", dict(input_ids=ids, attention_mask=mask.flip(1), labels=None,
+                                 ref_labels=ids.masked_fill(mask.flip(1) == 0, -100))
 
 
 def _reference(ref, case):
-    kw = {k: v for k, v in case.items() if k != "input_ids"}
+    kw = {k: v for k, v in case.items() if k not in ("input_ids", "ref_labels")}
+    if "ref_labels" in case:
+        kw["labels"] = case["ref_labels"]
     ref.zero_grad(set_to_none=True)
     out = ref(case["input_ids"], use_cache=False, **kw)
     out.loss.backward()
@@ -68,7 +73,7 @@ def _check_matches(rank, world):
         model, ref = _models(kind)
         for name, case in _cases():
             want_loss, want_logits, want_grads = _reference(ref, case)
-            batch = cp.shard_batch(**case)
+            batch = cp.shard_batch(**{k: v for k, v in case.items() if k != "ref_labels"})
             model.zero_grad(set_to_none=True)
             out = model(**batch)
             out.loss.backward()

@@ -294,6 +294,16 @@ def _check_call(impl: str, module, query, key, value, dropout, softcap, kwargs):
     return causal, value, dv
 
 
+def _autocast(query, key, value):
+    """Under autocast, q/k/v in the autocast dtype, as autocast does for SDPA
+    (RoPE in float32 can leave q/k in float32 while v is already bf16)."""
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return query.to(dt), key.to(dt), value.to(dt)
+    return query, key, value
+
+
 def _window(sliding_window, causal: bool, length: int) -> tuple[int, int]:
     """transformers' sliding window as longattn's window_size; none when it
     cannot cut anything at this length."""
@@ -337,16 +347,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ``"sdpa"``/``"eager"`` on every real token (see the module docstring)."""
     impl = "longattn"
     causal, value, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
+    query, key, value = _autocast(query, key, value)
     b, h, sq, d = query.shape
     sk = key.shape[2]
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     plan = _plan_of(attention_mask, sq, impl) if attention_mask is not None else None
     fa = _flash_kwargs(kwargs)
-    if plan is not None and plan.pattern is not None and plan.pattern.window is not None:
-        if sliding_window is not None and plan.pattern.window != sliding_window:
+    if plan is not None and plan.pattern is not None:  # where transformers built a mask, it is the truth
+        pat = plan.pattern
+        causal = causal if pat.causal is None else pat.causal
+        mask_window = pat.window if pat.window is not None else pat.bidirectional_window
+        if sliding_window is not None and mask_window != sliding_window:
             raise ValueError(f"attn_implementation={impl!r}: the layer's sliding_window ({sliding_window}) differs "
-                             f"from its mask's ({plan.pattern.window})")
-        sliding_window = plan.pattern.window if sliding_window is None else sliding_window
+                             f"from its mask's ({mask_window})")
+        sliding_window = mask_window
     if plan is not None and (not plan.packed or fa is None):
         window = _window(sliding_window, causal, plan.max_k)
         if window != (-1, -1) and plan.holes:
@@ -410,6 +424,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                   causal=causal, window=sliding_window, layout=ctx.layout)
     elif problem:
         raise ValueError(problem)
+    query, key, value = _autocast(query, key, value)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if ctx.cu_seqlens is None:
         window = _window(sliding_window, causal, ctx.seqlen)
@@ -456,6 +471,7 @@ def dilated_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         if not (plan.right_padded and causal):
             raise ValueError(f"attn_implementation={impl!r}: only right padding is exact (causal, padding after "
                              f"every real token); set tokenizer.padding_side = 'right'")
+    query, key, value = _autocast(query, key, value)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out = longattn.dilated_attention(q, k, v, segment_lengths=[int(x) for x in segs],
                                      dilation_rates=[int(x) for x in rates], causal=causal, softmax_scale=scaling)
