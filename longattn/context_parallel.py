@@ -149,8 +149,8 @@ def _shift(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 def _digest(*tensors) -> str:
     h = hashlib.sha1()
     for t in tensors:
-        if t is None:
-            h.update(b"none")
+        if not isinstance(t, torch.Tensor):
+            h.update(repr(type(t)).encode())
             continue
         c = t.detach().cpu().contiguous()
         h.update(repr((tuple(c.shape), str(c.dtype))).encode())
@@ -199,6 +199,9 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
     """
     g = resolve_group(group, mesh_dim)
     world = dist.get_world_size(g)
+    if check:  # first, so that a rank whose batch is malformed does not raise alone
+        agree(g, "shard_batch", batch=_digest(input_ids, labels, attention_mask, position_ids, cu_seqlens),
+              layout=layout)
     if layout not in ("zigzag", "contiguous"):
         raise ValueError(f"layout={layout!r}: choose 'zigzag' or 'contiguous'")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -222,9 +225,6 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
         cu_list = [int(x) for x in cu_seqlens.tolist()]
         if cu_list[0] != 0 or cu_list[-1] != s or any(y < x for x, y in zip(cu_list, cu_list[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to seqlen ({s}), got {cu_list[:8]}...")
-    if check:
-        agree(g, "shard_batch", batch=_digest(input_ids, labels, attention_mask, position_ids, cu_seqlens),
-              layout=layout)
 
     valid = torch.ones(b, s, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
     # Positions the model would use unsharded (its default is arange per row).
@@ -263,7 +263,7 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
     elif cu_seqlens is not None:
         starts = torch.zeros(1, s, dtype=torch.bool, device=dev)
         starts[0, torch.tensor([c for c in cu_list[:-1] if c < s], dtype=torch.long, device=dev)] = True
-    elif attention_mask is None and position_ids is not None:
+    elif attention_mask is None:  # packed when positions restart (transformers' rule)
         brk = torch.ones(b, s, dtype=torch.bool, device=dev)
         brk[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
         if bool(brk[:, 1:].any()):
