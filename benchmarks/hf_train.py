@@ -196,7 +196,8 @@ def run(args, world, dev):
         # shard_batch shifts the labels itself: unshifted labels whose shift is `shift`
         batch = cp.shard_batch(ids, labels=torch.cat([ids[:, :1], shift[:, :-1]], dim=1), position_ids=pos,
                                group=group)
-        model_in = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "num_items_in_batch", "use_cache")}
+        model_in = {k: v for k, v in batch.items()
+                    if k not in ("labels", "shift_labels", "num_items_in_batch", "use_cache")}
         local_shift, local_items = batch["shift_labels"], batch["num_items_in_batch"]
     elif args.attn == "torch_cp":
         if pos is not None:
@@ -321,8 +322,9 @@ def main(argv=None):
         if out is None and not args.tiny:
             tag = f"_docs{args.docs}" if args.docs > 1 else ""
             tag += "_ckpt" if args.grad_ckpt else ""
+            commit = (env.get("commit") or "nocommit")[:7]
             out = os.path.join(ROOT, "benchmarks", "results",
-                               f"hf_train_{args.attn}_s{args.seqlen}_w{world}{tag}_{env.get('commit') or 'nocommit'}.json")
+                               f"hf_train_{args.attn}_s{args.seqlen}_w{world}{tag}_{commit}.json")
         if out:
             write_json(out, payload)
         summary = {k: row[k] for k in ("attn", "seqlen", "docs", "world", "step_ms_median", "tokens_per_s_per_gpu",

@@ -11,7 +11,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the hf extra needs Python >= 3.11
 
-import longattn  # noqa: E402
 import longattn.integrations.transformers as lt  # noqa: E402
 from reference import rel_err  # noqa: E402
 
@@ -183,7 +182,8 @@ def test_dilated_right_padding_is_exact():
         alone = model(ids[r:r + 1, :n]).logits[0]
         assert rel_err(batched[r, :n].detach(), alone.detach()) < TOL
     dense = transformers.AutoModelForCausalLM.from_config(
-        _config("llama", longattn_segment_lengths=[4, 8], longattn_dilation_rates=[1, 2]), attn_implementation="longattn")
+        _config("llama", longattn_segment_lengths=[4, 8], longattn_dilation_rates=[1, 2]),
+        attn_implementation="longattn")
     dense.load_state_dict(model.state_dict())
     assert rel_err(dense(ids).logits.detach(), model(ids).logits.detach()) > 1e-3  # the branches do act
 
