@@ -206,6 +206,12 @@ def run(args, world, dev):
         from torch.distributed.tensor.experimental import context_parallel
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        try:  # causal load balancing (head-tail chunks, like zigzag); on by default, set to be explicit
+            from torch.distributed.tensor.experimental._attention import _cp_options
+
+            _cp_options.enable_load_balance = True
+        except ImportError:  # pragma: no cover - a torch without the option
+            pass
         mesh = init_device_mesh(dev.type, (world,))
         pos_full = torch.arange(args.seqlen, device=dev).expand(args.batch, -1).contiguous()
         ids_b, shift_b = ids.clone(), shift.clone()
