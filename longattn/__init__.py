@@ -25,6 +25,16 @@ def kernels_available(device: str = "cpu") -> bool:
     return _common.available(torch.device(device))
 
 
+def __getattr__(name: str):
+    # Imported on first use, so that `import longattn` stays cheap (the
+    # transformers adapter imports transformers).
+    if name in ("context_parallel", "integrations"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'longattn' has no attribute {name!r}")
+
+
 __all__ = [
     "attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
     "shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen",

@@ -1,0 +1,307 @@
+"""transformers models under attn_implementation="longattn" / "longattn_dilated"
+against the same weights under transformers' own "sdpa" and "eager" attention
+in float64 (masks written out by transformers): logits on real tokens and every parameter gradient,
+with no mask, right and left padding, packed sequences; greedy generation
+against "sdpa"; and the errors for what longattn does not run."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the hf extra needs Python >= 3.11
+
+import longattn.integrations.transformers as lt  # noqa: E402
+from reference import rel_err  # noqa: E402
+
+lt.register()
+TOL = 1e-4
+S = 12
+
+
+def _config(kind: str, **extra):
+    common = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, pad_token_id=0,
+                  eos_token_id=None, bos_token_id=None)
+    common.update(extra)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common)
+    if kind == "mistral":
+        return transformers.MistralConfig(sliding_window=4, **common)
+    if kind == "qwen2":  # layer 0 full attention, layer 1 a sliding window of 4
+        return transformers.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)
+    raise ValueError(kind)
+
+
+def _pair(kind: str, impl: str = "longattn", ref_impl: str = "sdpa", **extra):
+    """The same random weights under impl (float32) and ref_impl (float64)."""
+    torch.manual_seed(0)  # (each model its own config: from_config records the attention in it)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(kind, **extra), attn_implementation=ref_impl).double()
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **extra), attn_implementation=impl)
+    model.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    return model, ref
+
+
+def _inputs(case: str):
+    torch.manual_seed(1)
+    ids = torch.randint(1, 50, (2, S))
+    kw, real = {}, torch.ones(2, S, dtype=torch.bool)
+    if case in ("right", "left"):
+        mask = torch.ones(2, S, dtype=torch.long)
+        if case == "right":
+            mask[0, 8:] = 0
+            mask[1, 11:] = 0
+        else:
+            mask[0, :5] = 0
+            mask[1, :1] = 0
+        kw["attention_mask"] = mask
+        real = mask.bool()
+    elif case == "packed":  # documents of 5, 3, 4 tokens in row 0; 7 and 5 in row 1
+        kw["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], list(range(7)) + list(range(5))])
+        kw["use_cache"] = False  # transformers treats restarting positions as documents only without a cache
+    elif case == "flash_kwargs":  # one packed row with the flash-attention varlen keywords
+        ids = ids[:1]
+        real = real[:1]
+        cu = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
+        kw["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+        kw["use_cache"] = False
+        kw["extra"] = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    return ids, kw, real
+
+
+def _run(model, ids, kw, real, weights):
+    extra = kw.get("extra", {})
+    kw = {k: v for k, v in kw.items() if k != "extra"}
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, **kw, **extra).logits
+    loss = (logits[real] * weights.to(logits.dtype)).sum()  # real tokens only: padding rows are not defined
+    loss.backward()
+    return logits[real].detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _compare(model, ref, case):
+    """Logits on real tokens and every parameter gradient of a loss on them."""
+    ids, kw, real = _inputs(case)
+    torch.manual_seed(2)
+    w = torch.randn(int(real.sum()), model.config.vocab_size)
+    got, g_got = _run(model, ids, kw, real, w)
+    want, g_want = _run(ref, ids, kw, real, w)
+    errs = {"logits": rel_err(got, want)}
+    errs.update({n: rel_err(g_got[n], g_want[n]) for n in g_want})
+    bad = {n: e for n, e in errs.items() if not e < TOL}
+    assert not bad, f"{case}: {bad}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_logits_and_gradients_match_sdpa_and_eager(kind):
+    """Against sdpa and eager in float64. Mistral: every layer has a window of 4 <
+    12 tokens; Qwen2: one full layer, one windowed; all GQA (4 query heads, 2 kv
+    heads). Eager only where no padding row sees no key at all: its float64
+    additive mask turns such rows into NaN (softmax in float32), which then
+    spread through the padding rows of later layers."""
+    model, ref = _pair(kind, ref_impl="sdpa")
+    cases = ["none", "right", "left", "packed"] + (["flash_kwargs"] if kind == "llama" else [])
+    for case in cases:
+        _compare(model, ref, case)
+    model, ref = _pair(kind, ref_impl="eager")
+    for case in ["none", "packed"] + (["right"] if kind == "llama" else []):
+        _compare(model, ref, case)
+
+
+def test_eager_reference_is_sensitive():
+    """The comparison can fail: a window the model does not have changes the logits."""
+    model, ref = _pair("llama")
+    ids, _, _ = _inputs("none")
+    ref_logits = ref(ids).logits.detach().float()
+    wrong = lt.attention_forward
+
+    def windowed(module, q, k, v, mask, **kw):
+        kw["sliding_window"] = 3
+        return wrong(module, q, k, v, mask, **kw)
+
+    transformers.AttentionInterface.register("longattn_test_wrong", windowed)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        "longattn_test_wrong", transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["longattn"])
+    model.set_attn_implementation("longattn_test_wrong")
+    assert rel_err(model(ids).logits.detach(), ref_logits) > 1e-2
+
+
+def test_autocast_bf16():
+    """Under autocast RoPE leaves q/k in float32 while v is bf16; q/k/v run in the
+    autocast dtype, as autocast does for SDPA."""
+    model, ref = _pair("llama")
+    ref = ref.float()
+    ids, kw, real = _inputs("left")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(ids, **kw).logits, ref(ids, **kw).logits
+    got.float().sum().backward()
+    assert got.dtype == torch.bfloat16 and rel_err(got[real].detach(), want[real].detach()) < 2e-2
+
+
+def _greedy(model, ids, mask, n):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_generate_matches_sdpa(kind):
+    """Greedy tokens with the KV cache (queries shorter than keys), without and
+    with left padding; Mistral's window (4) is shorter than the prompt (7), so the
+    sliding cache layers run too."""
+    model, ref = _pair(kind, ref_impl="sdpa")
+    ref = ref.float()
+    torch.manual_seed(3)
+    ids = torch.randint(1, 50, (2, 7))
+    full = torch.ones(2, 7, dtype=torch.long)
+    left = full.clone()
+    left[0, :3] = 0
+    for mask in (full, left):
+        want = _greedy(ref, ids, mask, 6)
+        got = _greedy(model, ids, mask, 6)
+        assert torch.equal(got, want), (mask, got, want)
+
+
+# ------------------------------------------------------------------------- dilated
+def test_dilated_one_full_segment_is_dense_causal():
+    """One branch whose segment covers the sequence (rate 1) is dense causal
+    attention: equal to eager, no mask and right padding."""
+    model, ref = _pair("llama", impl="longattn_dilated", longattn_segment_lengths=[64], longattn_dilation_rates=[1])
+    for case in ("none", "right"):
+        _compare(model, ref, case)
+
+
+def test_dilated_right_padding_is_exact():
+    """LongNet branches (segments 4, 8; rates 1, 2): a right-padded batch gives the
+    logits of each sequence run alone, on its real tokens."""
+    cfg = _config("llama", longattn_segment_lengths=[4, 8], longattn_dilation_rates=[1, 2])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="longattn_dilated")
+    ids, kw, real = _inputs("right")
+    batched = model(ids, **kw).logits
+    for r in range(2):
+        n = int(real[r].sum())
+        alone = model(ids[r:r + 1, :n]).logits[0]
+        assert rel_err(batched[r, :n].detach(), alone.detach()) < TOL
+    dense = transformers.AutoModelForCausalLM.from_config(
+        _config("llama", longattn_segment_lengths=[4, 8], longattn_dilation_rates=[1, 2]),
+        attn_implementation="longattn")
+    dense.load_state_dict(model.state_dict())
+    assert rel_err(dense(ids).logits.detach(), model(ids).logits.detach()) > 1e-3  # the branches do act
+
+
+def test_dilated_errors():
+    cfg = _config("llama", longattn_segment_lengths=[4, 8], longattn_dilation_rates=[1, 2])
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="longattn_dilated")
+    ids, kw, _ = _inputs("left")
+    with pytest.raises(ValueError, match="padding_side = 'right'"):
+        model(ids, **kw)
+    ids, kw, _ = _inputs("packed")
+    with pytest.raises(ValueError, match="packed documents"):
+        model(ids, **kw)
+    with pytest.raises(ValueError, match="dilated decoding"):
+        model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)
+    out = model.generate(ids[:, :4], max_new_tokens=2, do_sample=False, use_cache=False)
+    assert out.shape == (2, 6)
+    bare = transformers.AutoModelForCausalLM.from_config(_config("llama"), attn_implementation="longattn_dilated")
+    with pytest.raises(ValueError, match="longattn_segment_lengths"):
+        bare(ids)
+    mistral = transformers.AutoModelForCausalLM.from_config(
+        _config("mistral", longattn_segment_lengths=[4], longattn_dilation_rates=[1]),
+        attn_implementation="longattn_dilated")
+    with pytest.raises(ValueError, match="sliding_window = None"):
+        mistral(ids)
+
+
+# -------------------------------------------------------------------------- errors
+def test_unsupported_options_raise():
+    ids = torch.randint(1, 50, (1, 8))
+    drop = transformers.AutoModelForCausalLM.from_config(_config("llama", attention_dropout=0.1),
+                                                         attn_implementation="longattn")
+    drop.train()
+    with pytest.raises(ValueError, match="attention_dropout"):
+        drop(ids)
+    drop.eval()
+    drop(ids)  # no dropout outside training
+    model, _ = _pair("llama")
+    with pytest.raises(ValueError, match="output_attentions=False"):
+        model(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="4-D mask|2-D"):
+        model(ids, attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="static"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static")
+    attn = model.model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 8, 8)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        lt.attention_forward(attn, q, k, k, None)
+    with pytest.raises(ValueError, match="soft-capping"):
+        lt.attention_forward(attn, q, q, q, None, softcap=30.0)
+
+
+def test_custom_mask_parts_raise():
+    """Chunked attention (Llama 4) and or-masks cannot be expressed: the mask hook
+    raises instead of dropping them."""
+    from transformers import masking_utils as mu
+
+    hook = mu.ALL_MASK_ATTENTION_FUNCTIONS["longattn"]
+    chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunked"):
+        hook(batch_size=1, q_length=8, kv_length=8, mask_function=chunked)
+    custom = mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: k == 0)
+    with pytest.raises(ValueError, match="flex_attention"):
+        hook(batch_size=1, q_length=8, kv_length=8, mask_function=custom)
+
+
+def test_value_head_dim_smaller_than_query():
+    """MLA-style value heads narrower than q/k: padded with zeros and cropped (exact)."""
+    model, _ = _pair("llama")
+    attn = model.model.layers[0].self_attn
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 6)
+    out, w = lt.attention_forward(attn, q, k, v, None, scaling=0.3)
+    assert w is None and out.shape == (2, 9, 4, 6)
+    from reference import attention_ref
+
+    vp = torch.nn.functional.pad(v, (0, 2))
+    ref, _ = attention_ref(q.transpose(1, 2).double(), k.transpose(1, 2).double(), vp.transpose(1, 2).double(),
+                        causal=True, scale=0.3)
+    assert rel_err(out, ref[..., :6]) < TOL
+
+
+def test_import_longattn_does_not_import_transformers():
+    code = "import sys, longattn; assert 'transformers' not in sys.modules; longattn.context_parallel"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------- example and benchmark (tiny)
+def _load(path):
+    import importlib.util
+    import os
+
+    full = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], full)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_finetune_example_runs_and_matches_sdpa():
+    ex = _load("examples/finetune_hf.py")
+    args = ["--steps", "3", "--seqlen", "64", "--batch", "2", "--hidden", "32", "--pack"]
+    got = ex.main(args + ["--attn", "longattn"])
+    want = ex.main(args + ["--attn", "sdpa"])
+    assert len(got) == 3 and all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(got, want)), (got, want)
+
+
+def test_hf_train_benchmark_tiny(tmp_path):
+    bench = _load("benchmarks/hf_train.py")
+    rows = {}
+    for attn, docs in (("longattn", "1"), ("sdpa", "1"), ("longattn", "4")):
+        out = tmp_path / f"{attn}{docs}.json"
+        payload = bench.main(["--tiny", "--attn", attn, "--docs", docs, "--steps", "2", "--warmup", "1",
+                              "--seqlen", "64", "--out", str(out)])
+        row = payload["results"][0]
+        assert row["error"] is None and row["step_ms_median"] > 0 and row["tokens_per_s_per_gpu"] > 0
+        assert {"transformers", "torch", "commit", "command", "device"} <= set(payload["env"])
+        assert out.exists()
+        rows[attn, docs] = row
+    a, b = rows["longattn", "1"]["losses"], rows["sdpa", "1"]["losses"]
+    assert all(abs(x - y) < 1e-4 * abs(y) for x, y in zip(a, b)), (a, b)

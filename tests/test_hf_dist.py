@@ -1,0 +1,203 @@
+"""A transformers model under attn_implementation="longattn_ring", its batch
+sharded by longattn.context_parallel (gloo, world 2 and 3), against the same
+weights unsharded under "sdpa" in float64: the loss, every parameter gradient
+(summed over the group) and the gathered logits; dense rows, packed documents,
+right and left padding, a length the zigzag layout cannot split evenly, a
+sliding window; and bad inputs that raise on every rank without a hang."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the hf extra needs Python >= 3.11
+
+from dist_utils import assert_group_usable, run_world  # noqa: E402
+from reference import rel_err  # noqa: E402
+
+TOL = 1e-4
+
+
+def _config(kind="llama", **extra):
+    common = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, pad_token_id=0)
+    common.update(extra)
+    if kind == "mistral":
+        return transformers.MistralConfig(sliding_window=4, **common)
+    return transformers.LlamaConfig(**common)
+
+
+def _models(kind):
+    import longattn.integrations.transformers as lt
+
+    lt.register()
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation="sdpa").double()
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation="longattn_ring")
+    model.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    return model, ref
+
+
+def _cases():
+    torch.manual_seed(1)
+    ids = torch.randint(1, 40, (2, 12))
+    yield "dense", dict(input_ids=ids, labels=ids.clone())
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    yield "right padding", dict(input_ids=ids, labels=labels, attention_mask=mask)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 4] = -100  # predicted from padding: not trained
+    yield "left padding", dict(input_ids=ids, labels=labels, attention_mask=mask)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], list(range(7)) + list(range(5))])
+    yield "packed documents", dict(input_ids=ids, labels=ids.clone(), position_ids=pos)
+    yield "uneven length", dict(input_ids=ids[:, :10], labels=ids[:, :10].clone())
+    # labels=None: the next token wherever both are real (right padding: labels masked at padding)
+    yield "default labels", dict(input_ids=ids, attention_mask=mask.flip(1), labels=None,
+                                 ref_labels=ids.masked_fill(mask.flip(1) == 0, -100))
+
+
+def _reference(ref, case):
+    kw = {k: v for k, v in case.items() if k not in ("input_ids", "ref_labels")}
+    if "ref_labels" in case:
+        kw["labels"] = case["ref_labels"]
+    ref.zero_grad(set_to_none=True)
+    out = ref(case["input_ids"], use_cache=False, **kw)
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _check_matches(rank, world):
+    from longattn import context_parallel as cp
+
+    for kind in ("llama", "mistral"):
+        model, ref = _models(kind)
+        for name, case in _cases():
+            want_loss, want_logits, want_grads = _reference(ref, case)
+            batch = cp.shard_batch(**{k: v for k, v in case.items() if k != "ref_labels"})
+            model.zero_grad(set_to_none=True)
+            out = model(**batch)
+            out.loss.backward()
+            cp.all_reduce_grads(model)
+            errs = {"loss": rel_err(cp.reduce_loss(out.loss), want_loss)}
+            real = case.get("attention_mask", torch.ones_like(case["input_ids"])).bool()
+            errs["logits"] = rel_err(batch["longattn_cp"].gather(out.logits.detach())[real], want_logits[real])
+            errs.update({n: rel_err(p.grad, want_grads[n]) for n, p in model.named_parameters()})
+            bad = {n: e for n, e in errs.items() if not e < TOL}
+            assert not bad, f"rank {rank}/{world} {kind} {name}: {bad}"
+            # the same loss from the helper, for models whose loss ignores shift_labels
+            assert rel_err(cp.reduce_loss(cp.loss(out.logits, batch)), want_loss) < TOL
+
+    # a DeviceMesh names the group too
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, ref = _models("llama")
+    name, case = next(iter(_cases()))
+    want_loss, _, _ = _reference(ref, case)
+    batch = cp.shard_batch(**case, group=mesh)
+    assert rel_err(cp.reduce_loss(model(**batch).loss, mesh), want_loss) < TOL
+
+
+def _raises_everywhere(world, match, fn):
+    with pytest.raises(ValueError, match=match):
+        fn()
+    assert_group_usable(world)
+
+
+def _check_errors(rank, world):
+    from longattn import context_parallel as cp
+
+    model, _ = _models("llama")
+    torch.manual_seed(1)
+    ids = torch.randint(1, 40, (1, 12))
+    batch = cp.shard_batch(ids)
+    mismatch = "raised an error|differ across ranks"
+
+    # the full batch differs on one rank
+    other = ids.clone()
+    other[0, 3] += 1 if rank == world - 1 else 0
+    _raises_everywhere(world, "differ across ranks", lambda: cp.shard_batch(other))
+
+    # dropout in training: every rank raises, naming the config setting
+    drop = transformers.AutoModelForCausalLM.from_config(_config(attention_dropout=0.1),
+                                                         attn_implementation="longattn_ring").train()
+    _raises_everywhere(world, "attention_dropout", lambda: drop(**batch))
+
+    # heads that GQA cannot pair
+    odd = transformers.AutoModelForCausalLM.from_config(_config(num_key_value_heads=3, head_dim=8),
+                                                        attn_implementation="longattn_ring")
+    _raises_everywhere(world, "num_key_value_heads", lambda: odd(**batch))
+
+    # a padding mask given to the model (on one rank only) instead of to shard_batch
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, 0] = 0 if rank == 0 else 1
+    _raises_everywhere(world, "shard_batch" if rank == 0 else mismatch,
+                       lambda: model(**batch, attention_mask=mask))
+
+    # a 4-D mask
+    four_d = torch.ones(1, 1, batch["input_ids"].shape[1], batch["input_ids"].shape[1], dtype=torch.bool)
+    _raises_everywhere(world, "4-D|2-D", lambda: model(**batch, attention_mask=four_d))
+
+    # local shards of different lengths (one rank drops a token)
+    cut = dict(batch)
+    if rank == 0:
+        cut["input_ids"], cut["position_ids"] = batch["input_ids"][:, :-2], batch["position_ids"][:, :-2]
+        cut["labels"] = cut["shift_labels"] = batch["labels"][:, :-2]
+    _raises_everywhere(world, mismatch, lambda: model(**cut))
+
+    # labels predicted from padding
+    mask = torch.ones(1, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    _raises_everywhere(world, "padding", lambda: cp.shard_batch(ids, labels=ids, attention_mask=mask))
+
+    # without the sharded batch
+    _raises_everywhere(world, "shard_batch", lambda: model(ids))
+
+    # everything still runs afterwards
+    model(**batch).loss.backward()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_model_matches_unsharded(world):
+    run_world(_check_matches, world)
+
+
+@pytest.mark.dist
+def test_ring_model_errors_raise_on_every_rank():
+    run_world(_check_errors, 2)
+
+
+def _check_scripts(rank, world):
+    """examples/finetune_hf.py with --cp and benchmarks/hf_train.py with
+    longattn_ring run under gloo and give the one-device losses."""
+    import importlib.util
+    import os
+
+    def load(path):
+        full = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+        spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], full)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    ex = load("examples/finetune_hf.py")
+    args = ["--steps", "2", "--seqlen", "64", "--batch", "2", "--hidden", "32", "--pack"]
+    ring = ex.main(args + ["--attn", "longattn_ring", "--cp", str(world)])
+    if rank == 0:
+        one = ex.main(args + ["--attn", "longattn"])
+        assert all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(ring, one)), (ring, one)
+    bench = load("benchmarks/hf_train.py")
+    for docs in ("1", "4"):
+        row = bench.main(["--tiny", "--attn", "longattn_ring", "--seqlen", "64", "--docs", docs, "--steps", "1",
+                          "--warmup", "1"])["results"][0]
+        assert row["error"] is None and row["world"] == world
+        if rank == 0:  # the same losses as one device (the ranks' shares summed)
+            one = bench.run(bench.parse(["--tiny", "--attn", "longattn", "--seqlen", "64", "--docs", docs,
+                                         "--steps", "1", "--warmup", "1"]), 1, torch.device("cpu"))
+            assert all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(row["losses"], one["losses"])), (row, one)
+
+
+@pytest.mark.dist
+def test_ring_example_and_benchmark_run():
+    run_world(_check_scripts, 2)
