@@ -137,9 +137,13 @@ class HeadPlan:
 
 # ------------------------------------------------------------------ the all-to-alls
 def _a2a(x: torch.Tensor, out_rows, in_rows, group) -> torch.Tensor:
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed._functional_collectives import (AsyncCollectiveTensor, all_to_all_single_autograd,
+                                                           wait_tensor)
 
-    return all_to_all_single_autograd(x, out_rows, in_rows, group)
+    out = all_to_all_single_autograd(x, out_rows, in_rows, group)
+    # Eager gives an AsyncCollectiveTensor that waits at its first use that is not a view: a result that
+    # is a view of it would leave the op unwaited (its stream not joined), so wait here. Traced, it is waited.
+    return wait_tensor(out) if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def _chunk_order(layout: str, world: int) -> list[tuple[int, int]]:
