@@ -7,9 +7,10 @@ non-causal which the balancer refuses; CUDA only, see ``torch_cp_reason``);
 for dilated configs our dilated attention over ranks; for varlen configs
 ``ring_attention_varlen`` in both layouts against ``attention_varlen`` (auto)
 on one device; Ulysses (``ulysses``: all-to-all head parallelism over every
-rank) and the Ulysses x ring hybrid (``hybrid:UxR``, ``hybrid-contiguous:UxR``:
-U ulysses ranks per ring position, consecutive ranks, R ring positions; ``--mesh UxR``
-names the mesh of a bare ``hybrid``), dense and packed documents. T_single is measured on rank 0 in the same run (``longattn.attention``,
+rank) and the Ulysses x ring hybrid (``hybrid:UxR`` zigzag, ``hybrid-contiguous:UxR``:
+U consecutive ulysses ranks per ring position, R ring positions; ``--mesh UxR``
+names the mesh of a bare ``hybrid``), dense and packed documents. T_single is
+measured on rank 0 in the same run (``longattn.attention``,
 ``longattn.dilated_attention`` or ``attention_varlen``, backend auto). A row
 that cannot run here is recorded as unsupported with its reason, before any
 of it runs. Efficiency = W * T_single / (p * T_p) where W is the work of the parallel
