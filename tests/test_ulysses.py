@@ -8,7 +8,7 @@ import torch.distributed as dist
 import longattn
 from dist_utils import assert_group_usable, assert_unsharded_close, run_world
 from longattn.distributed.ulysses import HeadPlan
-from reference import assert_close, attention_ref
+from reference import assert_close, attention_ref, rel_err
 from test_varlen import varlen_ref
 
 TOL = 1e-4
@@ -136,12 +136,25 @@ def _check_errors(rank, world):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+def _check_bf16(rank, world):
+    """bf16 moves through the exchanges unchanged: the error against float64 is single-device bf16's."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 32, 4, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)
+    ref = attention_ref(q, k, v, causal=True)[0]
+    single = longattn.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend="math")
+    sh = lambda x: longattn.shard(x.bfloat16(), layout="zigzag")
+    out = longattn.ulysses_attention(sh(q), sh(k), sh(v), causal=True, layout="zigzag", backend="math")
+    assert out.dtype == torch.bfloat16
+    assert rel_err(longattn.unshard(out, layout="zigzag"), ref) <= 1.01 * rel_err(single, ref)
+
+
 def _check(rank, world):
     _check_dense(world)
     _check_varlen(world)
     if world == 2:  # in the same spawned world: process start-up is most of a gloo test's time
         _check_compiled(rank, world)
         _check_errors(rank, world)
+        _check_bf16(rank, world)
 
 
 @pytest.mark.dist
