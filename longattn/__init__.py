@@ -5,12 +5,18 @@
 * :func:`dilated_attention` — LongNet dilated attention (fused Triton kernel on
   CUDA, gather path elsewhere), optionally sharded over ranks.
 * :func:`ring_attention` — context parallelism over ``torch.distributed``.
+* :func:`ulysses_attention` — head parallelism by all-to-all; :func:`context_parallel_attention`
+  — the Ulysses x ring hybrid over a 2-D DeviceMesh.
 * :mod:`longattn.nn` — modules; :mod:`longattn.bench` — the benchmark CLI.
 """
 from .backends import BACKENDS, available_backends, use_backend
 from .ops import attention, attention_varlen, dilated_attention, ring_attention, ring_attention_varlen
 from .distributed import shard, shard_positions, shard_varlen, unshard, unshard_varlen
 from . import nn, tuning
+from .ops import (context_parallel_attention, context_parallel_attention_varlen, ulysses_attention,
+                  ulysses_attention_varlen)
+from .distributed.ulysses import (shard_for_mesh, shard_positions_for_mesh, shard_varlen_for_mesh,
+                                  unshard_for_mesh, unshard_varlen_for_mesh)
 
 __version__ = "0.1.0"
 
@@ -37,6 +43,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
+    "ulysses_attention", "ulysses_attention_varlen", "context_parallel_attention", "context_parallel_attention_varlen",
     "shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen",
+    "shard_for_mesh", "unshard_for_mesh", "shard_positions_for_mesh", "shard_varlen_for_mesh", "unshard_varlen_for_mesh",
     "nn", "tuning", "use_backend", "available_backends", "kernels_available", "BACKENDS",
 ]

@@ -208,3 +208,35 @@ def test_default_command_runs_on_cpu():
                          env=dict(os.environ, TRITON_INTERPRET="0"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| tiny | longattn |" in out.stdout and "| dilated_tiny | longattn-dilated |" in out.stdout
+
+
+@pytest.mark.dist
+def test_dist_ulysses_and_hybrid_under_torchrun(tmp_path):
+    """`dist --impl ulysses hybrid --mesh 2x2` on 4 gloo ranks, dense and
+    packed documents; a mesh that does not fit the run is unsupported, with its reason."""
+    path = tmp_path / "u.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "-m", "longattn.bench", "dist",
+           "--config", "tiny", "varlen_tiny", "--impl", "ulysses", "hybrid", "hybrid-contiguous:3x1", "--mesh",
+           "2x2", "--seqlen", "256", "--heads", "4", "--batch", "1", "--iters", "1", "--warmup", "1",
+           "--json", str(path)]
+    res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {(r["config"], r["impl"]): r for r in json.loads(path.read_text())["results"]}
+    for cfg in ("tiny", "varlen_tiny"):
+        for impl in ("ulysses", "hybrid:2x2"):
+            assert rows[cfg, impl]["status"] == "ok" and rows[cfg, impl]["efficiency_fwd_bwd"] > 0, rows[cfg, impl]
+        assert rows[cfg, "hybrid-contiguous:3x1"]["status"] == "unsupported"
+        assert "3 ranks, the run 4" in rows[cfg, "hybrid-contiguous:3x1"]["reason"]
+
+
+def test_dist_mesh_option():
+    from longattn.bench.dist import parse_mesh, with_mesh
+
+    assert parse_mesh("2x4") == (2, 4)
+    assert with_mesh(["hybrid", "hybrid-contiguous+copy", "hybrid:4x1", "ulysses"], "2x2") == [
+        "hybrid:2x2", "hybrid-contiguous:2x2+copy", "hybrid:4x1", "ulysses"]
+    with pytest.raises(ValueError, match="UxR"):
+        parse_mesh("2by2")
+    with pytest.raises(SystemExit):
+        main(["dist", "--config", "tiny", "--impl", "hybrid", "--mesh", "two"])

@@ -59,7 +59,7 @@ _WARMUP_HELP = "untimed calls before timing (the first compiles, autotunes, fill
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .dist import RING_IMPLS
+    from .dist import DIST_IMPLS
 
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="python -m longattn.bench", description=__doc__, formatter_class=raw)
@@ -79,12 +79,16 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", help="torch device, e.g. cuda:1 or cpu (default: cuda when present, else cpu)")
     _add_overrides(pr)
     pd = sub.add_parser("dist", help="under torchrun: one device vs N ranks, efficiency, memory per rank",
-                        epilog=f"implementations (--impl): {', '.join(RING_IMPLS)}; dilated configs run "
-                               "dilated-over-ranks (ring-contiguous). Example on CPU (gloo):\n"
-                               "  torchrun --nproc_per_node=2 -m longattn.bench dist --config tiny",
+                        epilog=f"implementations (--impl): {', '.join(DIST_IMPLS)}; dilated configs run "
+                               "dilated-over-ranks (ring-contiguous). Examples on CPU (gloo):\n"
+                               "  torchrun --nproc_per_node=2 -m longattn.bench dist --config tiny\n"
+                               "  torchrun --nproc_per_node=4 -m longattn.bench dist --config tiny "
+                               "--impl ring-zigzag ulysses hybrid --mesh 2x2",
                         formatter_class=raw)
     pd.add_argument("--config", nargs="+", required=True, help=_CONFIG_HELP)
-    pd.add_argument("--impl", nargs="+", help=f"from {', '.join(RING_IMPLS)} (default: those that apply)")
+    pd.add_argument("--impl", nargs="+", help=f"from {', '.join(DIST_IMPLS)} (default: the ring's and torch's)")
+    pd.add_argument("--mesh", help="UxR: the hybrid's mesh, U ulysses ranks (consecutive, one node) x R ring ranks; "
+                                   "or name it per impl, hybrid:UxR")
     pd.add_argument("--weak", action="store_true", help="global seqlen = N x config seqlen")
     pd.add_argument("--json", help=_JSON_HELP + "; rank 0 writes it after each config")
     pd.add_argument("--no-backward", action="store_true", help="time the forward only")
@@ -107,6 +111,15 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("paths", nargs="+", help="result JSON files of run, scale or dist")
     pp.add_argument("--out", default=None, help="folder for report.md and plots (default: beside the first JSON)")
     return p
+
+
+def _dist_impls(p, a):
+    from .dist import with_mesh
+
+    try:
+        return with_mesh(a.impl, a.mesh)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def main(argv=None):
@@ -157,7 +170,7 @@ def main(argv=None):
 
         from .dist import format_table, run_dist
 
-        res = run_dist(cfgs, a.impl, weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
+        res = run_dist(cfgs, _dist_impls(p, a), weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
                        iters=a.iters, json_path=a.json, timing=a.timing)
         if dist.get_rank() == 0:
             _emit(res, a, format_table(res["results"]))

@@ -6,7 +6,11 @@ Rows: our ring (contiguous and zigzag layouts), torch's context_parallel
 non-causal which the balancer refuses; CUDA only, see ``torch_cp_reason``);
 for dilated configs our dilated attention over ranks; for varlen configs
 ``ring_attention_varlen`` in both layouts against ``attention_varlen`` (auto)
-on one device. T_single is measured on rank 0 in the same run (``longattn.attention``,
+on one device; Ulysses (``ulysses``: all-to-all head parallelism over every
+rank) and the Ulysses x ring hybrid (``hybrid:UxR`` zigzag, ``hybrid-contiguous:UxR``:
+U consecutive ulysses ranks per ring position, R ring positions; ``--mesh UxR``
+names the mesh of a bare ``hybrid``), dense and packed documents. T_single is
+measured on rank 0 in the same run (``longattn.attention``,
 ``longattn.dilated_attention`` or ``attention_varlen``, backend auto). A row
 that cannot run here is recorded as unsupported with its reason, before any
 of it runs. Efficiency = W * T_single / (p * T_p) where W is the work of the parallel
@@ -16,6 +20,7 @@ the config seqlen) W = FLOPs ratio, p^2 for dense attention, ~p for dilated.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from typing import Optional
@@ -33,6 +38,45 @@ from .impls import fwd_flops, varlen_cu_seqlens
 from ..distributed import transport as _transport
 
 RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
+CP_IMPLS = ("ulysses", "hybrid", "hybrid-contiguous")
+DIST_IMPLS = RING_IMPLS + CP_IMPLS
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """"UxR" -> (ulysses ranks, ring ranks)."""
+    u, _, r = str(text).partition("x")
+    if not (u.isdigit() and r.isdigit() and int(u) > 0 and int(r) > 0):
+        raise ValueError(f"mesh {text!r}: write UxR, ulysses ranks x ring ranks, e.g. 2x2 or 8x1")
+    return int(u), int(r)
+
+
+def with_mesh(impls, mesh: Optional[str]):
+    """Bare ``hybrid`` / ``hybrid-contiguous`` names get the ``--mesh`` shape: ``hybrid:2x2``."""
+    if impls is None or mesh is None:
+        return impls
+    parse_mesh(mesh)
+    return [f"{i.partition('+')[0]}:{mesh}{i.partition('+')[1]}{i.partition('+')[2]}"
+            if i.partition("+")[0] in ("hybrid", "hybrid-contiguous") else i for i in impls]
+
+
+def _cp_reason(cfg: Config, impl: str) -> Optional[str]:
+    """Why ``ulysses`` / ``hybrid[-contiguous]:UxR`` cannot run ``cfg`` on this world (None: it can)."""
+    world = dist.get_world_size()
+    name, _, mesh = impl.partition("+")[0].partition(":")
+    if name == "ulysses":
+        u, r = world, 1
+    elif not mesh:
+        return f"{name} needs a mesh: --mesh UxR (U ulysses x R ring ranks = {world}) or --impl {name}:UxR"
+    else:
+        try:
+            u, r = parse_mesh(mesh)
+        except ValueError as e:
+            return str(e)
+        if u * r != world:
+            return f"mesh {mesh} has {u * r} ranks, the run {world}"
+    if cfg.heads % u:
+        return f"{cfg.heads} heads do not split over {u} ulysses ranks (nheads must be divisible by U)"
+    return None
 
 
 def _init():
@@ -63,8 +107,11 @@ def _reason(cfg: Config, impl: str, dev) -> Optional[str]:
         return "dilated configs run as dilated-over-ranks (ring-contiguous: contiguous shards) only"
     if impl == "torch-cp":
         return torch_cp_reason(cfg, dev)
+    if impl.partition("+")[0].partition(":")[0] in CP_IMPLS:
+        return _cp_reason(cfg, impl)
     if impl.partition("+")[0] not in ("ring-contiguous", "ring-zigzag"):
-        return f"unknown implementation; dist runs {', '.join(RING_IMPLS)} (ring-*+TRANSPORT picks a transport)"
+        return (f"unknown implementation; dist runs {', '.join(DIST_IMPLS)} (ring-*+TRANSPORT picks a transport; "
+                f"hybrid:UxR a mesh)")
     return None
 
 
@@ -108,9 +155,41 @@ def _ours(cfg, impl, make, dev, warmup, iters, backward, batched, label):
     return tf, tb, mf + held, None if mb is None else mb + held, hf, hb
 
 
+@functools.lru_cache(maxsize=None)  # one mesh (and its process groups) per shape for the whole run
+def _mesh(device_type: str, u: int, r: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # ulysses ranks consecutive (the GPUs of a node under torchrun), ring across them
+    return init_device_mesh(device_type, (r, u), mesh_dim_names=("ring", "ulysses"))
+
+
+def _cp_call(cfg, impl, q, k, v, dev):
+    """(fn, local shards) of ``ulysses`` / ``hybrid[-contiguous]:UxR``."""
+    name, _, shape = impl.partition(":")
+    kw = dict(causal=cfg.causal, window_size=cfg.window)
+    cu = varlen_cu_seqlens(cfg.with_overrides(seqlen=q.shape[1]), dev) if cfg.kind == "varlen" else None
+    if name == "ulysses":
+        if cu is None:
+            fn = lambda q_, k_, v_: longattn.ulysses_attention(q_, k_, v_, **kw)
+            return fn, [longattn.shard(x) for x in (q, k, v)]
+        fn = lambda q_, k_, v_: longattn.ulysses_attention_varlen(q_, k_, v_, cu, **kw)
+        return fn, [longattn.shard_varlen(x.flatten(0, 1), cu, layout="contiguous")[0] for x in (q, k, v)]
+    mesh, layout = _mesh(dev.type, *parse_mesh(shape)), "contiguous" if name == "hybrid-contiguous" else "zigzag"
+    if cu is None:
+        fn = lambda q_, k_, v_: longattn.context_parallel_attention(q_, k_, v_, mesh=mesh, layout=layout, **kw)
+        return fn, [longattn.shard_for_mesh(x, mesh, layout=layout) for x in (q, k, v)]
+    fn = lambda q_, k_, v_: longattn.context_parallel_attention_varlen(q_, k_, v_, cu, mesh=mesh, layout=layout,
+                                                                       **kw)
+    return fn, [longattn.shard_varlen_for_mesh(x.flatten(0, 1), cu, mesh, layout=layout)[0] for x in (q, k, v)]
+
+
 def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched, label):
     layout = "zigzag" if impl == "ring-zigzag" else "contiguous"
     q, k, v = make()
+    if impl.partition(":")[0] in CP_IMPLS:
+        fn, (ql, kl, vl) = _cp_call(cfg, impl, q, k, v, dev)
+        del q, k, v
+        return _timed_call(fn, ql, kl, vl, dev, warmup, iters, backward, batched, label)
     if cfg.kind == "dilated":
         fn = lambda q_, k_, v_: longattn.dilated_attention(q_, k_, v_, segment_lengths=cfg.segment_lengths,
                                                             dilation_rates=cfg.dilation_rates, causal=cfg.causal,
@@ -128,6 +207,11 @@ def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched, label):
     else:
         ql, kl, vl = (longattn.shard(x, layout=layout) for x in (q, k, v))
     del q, k, v
+    return _timed_call(fn, ql, kl, vl, dev, warmup, iters, backward, batched, label)
+
+
+def _timed_call(fn, ql, kl, vl, dev, warmup, iters, backward, batched, label):
+    """fn on the local shards: forward alone and forward + backward (see _time_pair)."""
     fwd = lambda: fn(ql, kl, vl)
     step = None
     if backward:

@@ -6,5 +6,9 @@ from .dilated import dilated_attention
 from .ring import ring_attention
 from .ring_varlen import ring_attention_varlen
 from .varlen import attention_varlen
+from .ulysses import ulysses_attention, ulysses_attention_varlen
+from .hybrid import context_parallel_attention, context_parallel_attention_varlen
 
-__all__ = ["attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen"]
+__all__ = ["attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
+           "ulysses_attention", "ulysses_attention_varlen", "context_parallel_attention",
+           "context_parallel_attention_varlen"]

@@ -1,0 +1,165 @@
+"""Ulysses all-to-all attention on gloo in spawned processes (world 2, 3, 4)
+against the float64 single-device reference: outputs, lse and all gradients,
+dense and packed documents; the GQA head plan; errors on every rank."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import longattn
+from dist_utils import assert_group_usable, assert_unsharded_close, run_world
+from longattn.distributed.ulysses import HeadPlan
+from reference import assert_close, attention_ref, rel_err
+from test_varlen import varlen_ref
+
+TOL = 1e-4
+H = 12  # divisible by 2, 3 and 4
+
+# (layout, causal, window, nheads_kv) per world size: MHA, kv heads = p, kv heads < p (replicated),
+# and kv heads whose groups straddle two ranks (expanded locally after the exchange)
+CONFIGS = {
+    2: [("contiguous", False, (-1, -1), 12), ("zigzag", True, (-1, -1), 2), ("contiguous", True, (-1, -1), 1),
+        ("zigzag", False, (3, 5), 4)],
+    3: [("zigzag", True, (-1, -1), 3), ("contiguous", True, (4, 0), 4), ("contiguous", False, (-1, -1), 1)],
+    4: [("zigzag", True, (-1, -1), 4), ("contiguous", False, (-1, 2), 2), ("zigzag", True, (6, 0), 3),
+        ("contiguous", True, (-1, -1), 6)],
+}
+VARLEN = {  # (doc lengths, layout, causal, window, nheads_kv)
+    2: [([3, 20, 1, 9], "contiguous", True, (-1, -1), 2), ([5, 9, 16], "zigzag", False, (-1, -1), 12)],
+    3: [([3, 20, 1, 9], "zigzag", True, (4, 0), 4), ([31], "contiguous", False, (-1, -1), 1)],
+    4: [([7, 2, 13, 11], "contiguous", True, (-1, -1), 3), ([3, 20, 1, 9], "zigzag", True, (-1, -1), 2)],
+}
+
+
+def _reference(q, k, v, do, dl, fn):
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ro, rl = fn(qr, kr, vr)
+    ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+    return ro, rl, (qr.grad, kr.grad, vr.grad)
+
+
+def _check_dense(world):
+    for layout, causal, window, hkv in CONFIGS[world]:
+        torch.manual_seed(11)
+        b, s, d = 2, 2 * world * 3, 8
+        q, k, v = torch.randn(b, s, H, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
+        do, dl = torch.randn(b, s, H, d), torch.randn(b, H, s)
+        ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: attention_ref(*x, causal=causal, window=window))
+        sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
+        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+        out, lse = longattn.ulysses_attention(ql, kl, vl, causal=causal, window_size=window, layout=layout,
+                                              return_lse=True, backend="math")
+        ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl, 2)).sum()).backward()
+        us = lambda x, dim=1: longattn.unshard(x, layout=layout, seq_dim=dim)
+        assert_unsharded_close(f"ulysses world={world} {layout} causal={causal} window={window} hkv={hkv}", us,
+                               out, lse, (ql.grad, kl.grad, vl.grad), ro, rl, rg, TOL)
+
+
+def _check_varlen(world):
+    for lens, layout, causal, window, hkv in VARLEN[world]:
+        torch.manual_seed(5)
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        total, d = int(cu[-1]), 8
+        q, k, v = torch.randn(total, H, d), torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+        do, dl = torch.randn(total, H, d), torch.randn(H, total)
+        ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: varlen_ref(*x, cu, causal, window))
+        sh = lambda x: longattn.shard_varlen(x, cu, layout=layout)[0]
+        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+        out, lse = longattn.ulysses_attention_varlen(ql, kl, vl, cu, layout=layout, causal=causal,
+                                                     window_size=window, return_lse=True, backend="math")
+        assert (out[~longattn.shard_varlen(torch.ones(total), cu, layout=layout)[0].bool()] == 0).all()
+        ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl.t()).t()).sum()).backward()
+        us = lambda x: longattn.unshard_varlen(x.detach(), cu, layout=layout)
+        got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
+        assert_close(got, dict(out=ro, lse=rl, dq=rg[0], dk=rg[1], dv=rg[2]), TOL,
+                     f"ulysses varlen world={world} docs={lens} {layout} causal={causal} window={window} hkv={hkv}")
+
+
+def test_head_plan_replicates_only_what_is_read():
+    """Each rank receives exactly the kv heads its query heads read (one
+    exchange row per distinct head), and the local call maps query head i to
+    the kv head the global GQA mapping gives."""
+    for h, hkv, p in [(12, 12, 4), (12, 4, 4), (12, 2, 4), (12, 1, 3), (12, 4, 3), (12, 6, 4), (32, 8, 8),
+                      (24, 8, 3), (12, 3, 2)]:
+        plan, g = HeadPlan(h, hkv, p), h // hkv
+        for r in range(p):
+            (a, b), (lo, hi) = plan.q_heads(r), plan.kv_heads(r)
+            assert set(range(lo, hi)) == {i // g for i in range(a, b)}, (h, hkv, p, r)
+            idx = plan.local_kv_index(r)
+            local = list(range(hi - lo)) if idx is None else list(idx)
+            per = (b - a) // len(local)
+            assert [lo + local[i // per] for i in range(b - a)] == [i // g for i in range(a, b)], (h, hkv, p, r)
+        if hkv % p == 0:  # no replication: the plan splits the kv heads
+            assert [plan.kv_heads(r) for r in range(p)] == [(r * hkv // p, (r + 1) * hkv // p) for r in range(p)]
+            assert all(plan.local_kv_index(r) is None for r in range(p))
+
+
+def _check_compiled(rank, world):
+    """torch.compile traces the exchanges (functional collectives) and the
+    local op, and gives the eager values and gradients."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    f = lambda q, k, v: longattn.ulysses_attention(q, k, v, causal=True, layout="zigzag", return_lse=True,
+                                                   backend="math")
+    res = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*x)
+        (out.square().sum() + lse.sum()).backward()
+        res.append([out.detach(), lse.detach()] + [t.grad for t in x])
+    for got, want in zip(*res):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _check_errors(rank, world):
+    """Bad inputs raise on every rank before any exchange, and the group stays usable."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    q = torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError, match=r"divisible by the size of the group \(2\).*\[1\]"):
+        longattn.ulysses_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3])  # 3 heads over 2 ranks
+    with pytest.raises(ValueError, match="even local seqlen"):
+        longattn.ulysses_attention(q[:, :3], q[:, :3], q[:, :3], layout="zigzag")
+    with pytest.raises(ValueError, match="shard_varlen"):
+        longattn.ulysses_attention_varlen(q[0], q[0], q[0], torch.tensor([0, 5, 30], dtype=torch.int32))
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ring", "ulysses"))
+    with pytest.raises(TypeError, match="2-D DeviceMesh"):
+        longattn.ulysses_attention(q, q, q, group=mesh)
+    s = 4 if rank == 0 else 6  # ranks disagree on the local length
+    with pytest.raises(ValueError, match="differ across ranks"):
+        longattn.ulysses_attention(torch.randn(1, s, 4, 8), torch.randn(1, s, 4, 8), torch.randn(1, s, 4, 8))
+    with pytest.raises(ValueError, match="differ across ranks"):
+        longattn.ulysses_attention(q, q, q, causal=rank == 1)
+    assert_group_usable(world)
+    # a 1-D mesh dim is a group
+    out = longattn.ulysses_attention(q, q, q, group=mesh["ulysses"], backend="math")
+    ref = longattn.ulysses_attention(q, q, q, group=dist.group.WORLD, backend="math")
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def _check_bf16(rank, world):
+    """bf16 moves through the exchanges unchanged: the error against float64 is single-device bf16's."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 32, 4, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)
+    ref = attention_ref(q, k, v, causal=True)[0]
+    single = longattn.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, backend="math")
+    sh = lambda x: longattn.shard(x.bfloat16(), layout="zigzag")
+    out = longattn.ulysses_attention(sh(q), sh(k), sh(v), causal=True, layout="zigzag", backend="math")
+    assert out.dtype == torch.bfloat16
+    assert rel_err(longattn.unshard(out, layout="zigzag"), ref) <= 1.01 * rel_err(single, ref)
+
+
+def _check(rank, world):
+    _check_dense(world)
+    _check_varlen(world)
+    if world == 2:  # in the same spawned world: process start-up is most of a gloo test's time
+        _check_compiled(rank, world)
+        _check_errors(rank, world)
+        _check_bf16(rank, world)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses(world):
+    """Against the reference at every world size; at world 2 also under
+    torch.compile and with inputs that must raise on every rank."""
+    run_world(_check, world)
