@@ -5,12 +5,17 @@
 * :func:`dilated_attention` — LongNet dilated attention (fused Triton kernel on
   CUDA, gather path elsewhere), optionally sharded over ranks.
 * :func:`ring_attention` — context parallelism over ``torch.distributed``.
+* :func:`flex_attention`, :func:`ring_flex_attention` — any pattern
+  (FlexAttention ``mask_mod``/``score_mod`` on global positions, e.g. from
+  :mod:`longattn.masks`) on one device or across ranks.
 * :mod:`longattn.nn` — modules; :mod:`longattn.bench` — the benchmark CLI.
 """
 from .backends import BACKENDS, available_backends, use_backend
 from .ops import attention, attention_varlen, dilated_attention, ring_attention, ring_attention_varlen
 from .distributed import shard, shard_positions, shard_varlen, unshard, unshard_varlen
 from . import nn, tuning
+from .ops import flex_attention, ring_flex_attention
+from . import masks
 
 __version__ = "0.1.0"
 
@@ -28,4 +33,5 @@ __all__ = [
     "attention", "attention_varlen", "dilated_attention", "nn", "ring_attention", "ring_attention_varlen", "shard", "unshard", "shard_positions",
     "shard_varlen", "unshard_varlen",
     "use_backend", "available_backends", "kernels_available", "BACKENDS", "tuning",
+    "flex_attention", "ring_flex_attention", "masks",
 ]

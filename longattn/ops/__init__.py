@@ -3,8 +3,10 @@
 validate inputs, decide once how a call runs, and document it."""
 from .attention import attention
 from .dilated import dilated_attention
+from .flex import flex_attention, ring_flex_attention
 from .ring import ring_attention
 from .ring_varlen import ring_attention_varlen
 from .varlen import attention_varlen
 
-__all__ = ["attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen"]
+__all__ = ["attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
+           "flex_attention", "ring_flex_attention"]
