@@ -100,17 +100,20 @@ def mask_dims(mask_mod: Callable, batch: int, heads: int, qpos, kpos) -> tuple[i
     """(Bm, Hm, broadcast): the batch and head extents the mask depends on (1
     where it does not), and whether it runs on broadcast index tensors."""
     try:
-        r = _broadcast_eval(mask_mod, batch, heads, qpos[:1], kpos[:1])
+        r = _broadcast_eval(mask_mod, batch, heads, qpos[:2], kpos[:2])  # 2 x 2: query and key shapes differ
         shape = torch.broadcast_shapes(tuple(r.shape), (1, 1, 1, 1))
         ok = isinstance(r, torch.Tensor) and len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads)
-    except Exception:  # noqa: BLE001 - a scalar-only mask (e.g. Python control flow on tensors): vmap it
+    except Exception:  # noqa: BLE001 - a mask that runs on scalars only: vmap it
         ok = False
     if not ok:
-        _check_result(create_mask(_at(mask_mod, qpos[:1], kpos[:1]), 1, 1, 1, 1, qpos.device),
-                      "(evaluated with torch.vmap)")
-        return batch, heads, False
+        return _vmap_dims(mask_mod, batch, heads, qpos, kpos)
     _check_result(r, "(evaluated on broadcast index tensors)")
     return shape[0], shape[1], True
+
+
+def _vmap_dims(mask_mod, batch, heads, qpos, kpos) -> tuple[int, int, bool]:
+    _check_result(create_mask(_at(mask_mod, qpos[:1], kpos[:1]), 1, 1, 1, 1, qpos.device), "(evaluated with torch.vmap)")
+    return batch, heads, False
 
 
 def evaluate(mask_mod: Callable, dims: tuple[int, int, bool], qpos, kpos) -> torch.Tensor:
@@ -149,6 +152,17 @@ def block_table(mask_mod: Optional[Callable], batch: int, heads: int, qpos: torc
         full = torch.ones(1, 1, nqb, nkb, dtype=torch.bool, device=dev)
         return BlockTable(torch.zeros_like(full), full)
     dims = mask_dims(mask_mod, batch, heads, qpos, kpos)
+    if dims[2]:
+        try:
+            return _table(mask_mod, dims, qpos, kpos, block)
+        except Exception:  # noqa: BLE001 - ran on the probe, not on larger broadcast shapes: vmap it
+            dims = _vmap_dims(mask_mod, batch, heads, qpos, kpos)
+    return _table(mask_mod, dims, qpos, kpos, block)
+
+
+def _table(mask_mod, dims, qpos, kpos, block) -> BlockTable:
+    lq, lk, dev = len(qpos), len(kpos), qpos.device
+    nqb, nkb = (lq + block - 1) // block, (lk + block - 1) // block
     bm, hm, _ = dims
     count = torch.empty(bm, hm, nqb, nkb, dtype=torch.int32, device=dev)
     rows = max(block, _CHUNK // max(1, bm * hm * lk) // block * block)
