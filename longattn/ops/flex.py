@@ -92,6 +92,10 @@ class FlexStep:
     def __init__(self, block_mask, score_mod: Optional[Callable], scale: float, compile: Optional[str]):
         self.block_mask, self.score_mod, self.scale, self.compile = block_mask, score_mod, scale, compile
         self._joint = None
+        lq, lk = block_mask.seq_lengths
+        # The rows and keys it covers as a plain call: the ring sizes its accumulators from these. They never
+        # run in its place (the backward below never declines, see Call.run).
+        self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)
 
     def _options(self, q, k, v) -> dict:
         return _apply_kernel_options(q, k, v, True, dict(_OPTIONS))
