@@ -8,7 +8,7 @@ import longattn
 from longattn import masks
 from longattn.distributed import flex_plan as fp
 from longattn.ops.flex import FlexStep, pretrace_score
-from reference import check_op, flex_ref
+from reference import check_op, dense_mask, flex_ref
 
 TOL = 1e-4
 B, S, H, D = 2, 40, 4, 16
@@ -139,3 +139,20 @@ def test_dilated_mask_against_dilated_attention():
     many = longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates)
     union = longattn.flex_attention(q, k, v, mask_mod=masks.dilated(segs, rates))
     assert (many - union).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("pattern", ["swg", "doc", "prefix", "bsparse"])
+def test_bench_flex_configs(pattern):
+    """The bench's pattern configs: pairs counted exactly (FLOPs count only
+    those), and longattn-flex through the bench's runner on CPU."""
+    from longattn.bench import configs as C
+    from longattn.bench import impls as I
+    from longattn.bench.single import bench_impl
+
+    for causal in (False, True):
+        cfg = C.get(f"flex_{pattern}_tiny").with_overrides(seqlen=300, causal=causal)
+        assert I.flex_pairs(cfg) == dense_mask(I.flex_mask(cfg, "cpu"), 1, 1, 300).sum().item()
+    cfg = C.get(f"flex_{pattern}_tiny").with_overrides(seqlen=128)
+    row = bench_impl(cfg, "longattn-flex", torch.device("cpu"), torch.float32, warmup=1, iters=1, bwd_alone=False)
+    assert row["status"] == "ok" and row["fwd_bwd_ms"] > 0 and "mask=" in row["shape"]
+    assert I.IMPLS["dense-cudnn"].reason(cfg, torch.device("cpu")) and I.IMPLS["torch-flex"].computes is None
