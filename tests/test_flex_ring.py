@@ -85,11 +85,11 @@ class _CountingOp(BackendOp):
 
 
 def _check_schedule(rank, world):
-    """Contiguous shards of 8 over 4 ranks: which steps run, how many, what moves."""
+    """Contiguous shards of 8 over 3 ranks: which steps run, how many, what moves."""
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
     run = lambda mask: ring_schedule(q, k, mask_mod=mask, layout="contiguous", scale=8 ** -0.5)
-    # causal: rank r sees the blocks of ranks <= r, so the ring has 4 steps and rank r computes r + 1 of them
+    # causal: rank r sees the blocks of ranks <= r, so the ring has 3 steps and rank r computes r + 1 of them
     causal = run(masks.causal())
     assert causal.steps == world
     nonempty = [bool(causal.calls((rank - s) % world)) for s in range(causal.steps)]
@@ -99,7 +99,7 @@ def _check_schedule(rank, world):
     assert op.calls == rank + 1  # the empty steps computed nothing (their blocks still moved on)
     want = longattn.ring_flex_attention(q, k, v, mask_mod=masks.causal(), layout="contiguous")
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    # a causal window of 5 sees at most the previous shard: the ring ends after 2 of 4 steps,
+    # a causal window of 5 sees at most the previous shard: the ring ends after 2 of 3 steps,
     # and the forward sends K/V once
     window = run(masks.sliding_window(5, 0))
     assert window.steps == 2 and bool(window.calls((rank - 1) % world)) == (rank > 0)
@@ -121,7 +121,7 @@ def _check_schedule(rank, world):
 
 @pytest.mark.dist
 def test_ring_flex_skips_empty_steps_and_ends_early():
-    run_world(_check_schedule, 4)
+    run_world(_check_schedule, 3)
 
 
 def _flaky_mask(b, h, q_idx, kv_idx):
