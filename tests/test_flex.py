@@ -106,7 +106,8 @@ def test_compiled_path_graphs():
         res = []
         for step in (eager, comp):
             out, lse = step.forward(q, k, v)
-            res.append((out, lse, *step.backward(do, q, k, v, out, lse, dl), *step.backward(do, q, k, v, out, lse, None)))
+            res.append((out, lse, *step.backward(do, q, k, v, out, lse, dl),
+                        *step.backward(do, q, k, v, out, lse, None)))
         for a, b in zip(*res):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert len(graphs) == 3  # forward, backward with an lse gradient, backward without

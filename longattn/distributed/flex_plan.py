@@ -112,7 +112,8 @@ def mask_dims(mask_mod: Callable, batch: int, heads: int, qpos, kpos) -> tuple[i
 
 
 def _vmap_dims(mask_mod, batch, heads, qpos, kpos) -> tuple[int, int, bool]:
-    _check_result(create_mask(_at(mask_mod, qpos[:1], kpos[:1]), 1, 1, 1, 1, qpos.device), "(evaluated with torch.vmap)")
+    probe = create_mask(_at(mask_mod, qpos[:1], kpos[:1]), 1, 1, 1, 1, qpos.device)
+    _check_result(probe, "(evaluated with torch.vmap)")
     return batch, heads, False
 
 

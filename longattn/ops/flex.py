@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import types
 from typing import Callable, Optional
 
 import torch
@@ -69,9 +70,14 @@ def _bwd_impl(q, k, v, out, lse2, dout, dlse2, score_mod, block_mask, scale, opt
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(which: str, backend: str):
+def _compiled(which: str, backend, pattern):
+    """The compiled pass for one pattern. Dynamo keeps graphs, and counts them
+    against its recompile limit (8; past it the eager implementation runs: dense
+    scores), per code object: each pattern gets a copy of the function's code, so
+    patterns do not share that budget (each shape of a pattern is one graph)."""
     fn = {"fwd": _fwd_impl, "bwd": _bwd_impl}[which]
-    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
 
 
 def compile_backend(device: torch.device) -> Optional[str]:
@@ -86,11 +92,15 @@ class FlexStep:
     on (B, L, H, D) tensors; lse natural-log float32, -inf where a row sees no key.
 
     ``compile``: a ``torch.compile`` backend ("inductor" on CUDA; "aot_eager"
-    traces the same graphs on CPU) or None for the eager implementation.
+    traces the same graphs on CPU) or None for the eager implementation;
+    ``pattern``: a hashable name of the (mask, score) pattern, whose compiled
+    graphs the steps of every call with it share.
     """
 
-    def __init__(self, block_mask, score_mod: Optional[Callable], scale: float, compile: Optional[str]):
+    def __init__(self, block_mask, score_mod: Optional[Callable], scale: float, compile: Optional[str],
+                 pattern=None):
         self.block_mask, self.score_mod, self.scale, self.compile = block_mask, score_mod, scale, compile
+        self.pattern = pattern
         self._joint = None
         lq, lk = block_mask.seq_lengths
         # The rows and keys it covers as a plain call: the ring sizes its accumulators from these. They never
@@ -103,7 +113,8 @@ class FlexStep:
     def forward(self, q, k, v):
         qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
         if self.compile:
-            out, lse = _compiled("fwd", self.compile)(qt, kt, vt, self.score_mod, self.block_mask, self.scale)
+            run = _compiled("fwd", self.compile, self.pattern)
+            out, lse = run(qt, kt, vt, self.score_mod, self.block_mask, self.scale)
         else:
             out, lse2, _ = _flex_hop(qt, kt, vt, self.score_mod or _identity, self.block_mask.as_tuple(), self.scale,
                                      self._options(qt, kt, vt))
@@ -129,8 +140,9 @@ class FlexStep:
         dlse2 = None if dlse is None else dlse.float() * LN2  # ... and the gradient with respect to it
         opts = self._options(qt, kt, vt)
         if self.compile:
-            dq, dk, dv = _compiled("bwd", self.compile)(qt, kt, vt, ot, lse2, dot, dlse2, self.score_mod or _identity,
-                                                      self.block_mask, self.scale, opts)
+            run = _compiled("bwd", self.compile, self.pattern)
+            dq, dk, dv = run(qt, kt, vt, ot, lse2, dot, dlse2, self.score_mod or _identity, self.block_mask, self.scale,
+                             opts)
         else:
             dq, dk, dv, _ = _flex_bwd_hop(qt, kt, vt, ot, lse2, dot, dlse2, self.score_mod or _identity,
                                           self._joint_graph(qt), self.block_mask.as_tuple(), self.scale, opts, (), ())
@@ -194,11 +206,11 @@ def pretrace_score(score_mod: Callable, dtype: torch.dtype, device: str) -> Call
 
 
 def _make_step(table, mask_mod, score_mod, scale, qmap, kmap, q, k) -> FlexStep:
-    comp = compile_backend(q.device)
+    comp, pattern = compile_backend(q.device), (_key(mask_mod), _key(score_mod))
     if comp and score_mod is not None:
         score_mod = pretrace_score(score_mod, q.dtype, str(q.device))
     return FlexStep(fp.block_mask(table, mask_mod, qmap, kmap, (q.shape[1], k.shape[1])),
-                    fp.localize_score(score_mod, qmap, kmap), scale, comp)
+                    fp.localize_score(score_mod, qmap, kmap), scale, comp, pattern)
 
 
 def _single_step(q, k, mask_mod, score_mod, scale) -> Optional[FlexStep]:
