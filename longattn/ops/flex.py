@@ -294,9 +294,10 @@ _OP = BackendOp()  # every call of a flex ring carries its executor (Call.run)
 
 class _RingFlex(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, schedule, group):
+    def forward(ctx, q, k, v, schedule, group, keep_last: bool):
         ctx.set_materialize_grads(False)
-        out, lse, kv_last = ring_forward(q, k, v, schedule, _OP, ring_transport(group), keep_last=True)
+        # keep_last: the block the backward starts on, kept only where a backward will run
+        out, lse, kv_last = ring_forward(q, k, v, schedule, _OP, ring_transport(group), keep_last=keep_last)
         ctx.save_for_backward(q, k, v, out, lse, *(kv_last or ()))
         ctx.schedule, ctx.group = schedule, group
         return out, lse
@@ -307,7 +308,7 @@ class _RingFlex(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, dlse, ctx.schedule, _OP, ring_transport(ctx.group),
                                    tuple(last) or None)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 # ------------------------------------------------------------------ public functions
@@ -406,6 +407,8 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     stay within a shard end it early). Block masks are built on the first call
     per (shape, pattern) and cached (one small collective then).
 
+    Runs outside ``torch.compile`` graphs (a graph break); its local steps are compiled on CUDA.
+
     Equivalent PyTorch::
 
         full = lambda x: longattn.unshard(x, layout=layout)
@@ -419,5 +422,6 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
         raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {q.shape[1]}")
     checks.check_consistent(g, "ring_flex_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                             layout=layout, scale=scale, mask=_signature(mask_mod), score=_signature(score_mod))
-    out, lse = _RingFlex.apply(q, k, v, _ring_plan(q, k, mask_mod, score_mod, scale, layout, g), g)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    out, lse = _RingFlex.apply(q, k, v, _ring_plan(q, k, mask_mod, score_mod, scale, layout, g), g, grad)
     return (out, lse) if return_lse else out
