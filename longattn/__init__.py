@@ -7,16 +7,19 @@
 * :func:`ring_attention` — context parallelism over ``torch.distributed``.
 * :func:`ulysses_attention` — head parallelism by all-to-all; :func:`context_parallel_attention`
   — the Ulysses x ring hybrid over a 2-D DeviceMesh.
+* :func:`flex_attention`, :func:`ring_flex_attention` — any pattern
+  (FlexAttention ``mask_mod``/``score_mod`` on global positions, e.g. from
+  :mod:`longattn.masks`) on one device or across ranks.
 * :mod:`longattn.nn` — modules; :mod:`longattn.bench` — the benchmark CLI.
 """
 from .backends import BACKENDS, available_backends, use_backend
-from .ops import attention, attention_varlen, dilated_attention, ring_attention, ring_attention_varlen
+from .ops import (attention, attention_varlen, context_parallel_attention, context_parallel_attention_varlen,
+                  dilated_attention, flex_attention, ring_attention, ring_attention_varlen, ring_flex_attention,
+                  ulysses_attention, ulysses_attention_varlen)
 from .distributed import shard, shard_positions, shard_varlen, unshard, unshard_varlen
-from . import nn, tuning
-from .ops import (context_parallel_attention, context_parallel_attention_varlen, ulysses_attention,
-                  ulysses_attention_varlen)
 from .distributed.ulysses import (shard_for_mesh, shard_positions_for_mesh, shard_varlen_for_mesh,
                                   unshard_for_mesh, unshard_varlen_for_mesh)
+from . import masks, nn, tuning
 
 __version__ = "0.1.0"
 
@@ -43,8 +46,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
-    "ulysses_attention", "ulysses_attention_varlen", "context_parallel_attention", "context_parallel_attention_varlen",
-    "shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen",
-    "shard_for_mesh", "unshard_for_mesh", "shard_positions_for_mesh", "shard_varlen_for_mesh", "unshard_varlen_for_mesh",
-    "nn", "tuning", "use_backend", "available_backends", "kernels_available", "BACKENDS",
+    "ulysses_attention", "ulysses_attention_varlen", "context_parallel_attention",
+    "context_parallel_attention_varlen", "flex_attention", "ring_flex_attention",
+    "shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen", "shard_for_mesh", "unshard_for_mesh",
+    "shard_positions_for_mesh", "shard_varlen_for_mesh", "unshard_varlen_for_mesh",
+    "masks", "nn", "tuning", "use_backend", "available_backends", "kernels_available", "BACKENDS",
 ]

@@ -80,6 +80,34 @@ def dilated_ref(q, k, v, segment_lengths, dilation_rates, *, causal=False, scale
     return torch.einsum("bhqk,bkhd->bqhd", p, vcat), lse
 
 
+def dense_mask(mask_mod, batch, nheads, sq, sk=None):
+    """(B, H, Sq, Sk) bool: a FlexAttention-style mask_mod evaluated at every
+    (b, h, q, k) (broadcast index tensors; None: every key)."""
+    sk = sq if sk is None else sk
+    if mask_mod is None:
+        return torch.ones(batch, nheads, sq, sk, dtype=torch.bool)
+    idx = lambda n, d: torch.arange(n).view([n if i == d else 1 for i in range(4)])
+    return mask_mod(idx(batch, 0), idx(nheads, 1), idx(sq, 2), idx(sk, 3)).expand(batch, nheads, sq, sk)
+
+
+def flex_ref(q, k, v, mask_mod=None, score_mod=None, scale=None):
+    """FlexAttention's definition in float64: scores * scale, then score_mod
+    (called on the whole (B, H, Sq, Sk) score tensor with broadcast indices),
+    then the mask; rows with no key: 0 and -inf."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    qd, kd, vd = q.double(), expand_kv(k.double(), h), expand_kv(v.double(), h)
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    if score_mod is not None:
+        idx = lambda n, d: torch.arange(n).view([n if i == d else 1 for i in range(4)])
+        s = score_mod(s, idx(b, 0), idx(h, 1), idx(sq, 2), idx(sk, 3))
+    s = s.masked_fill(~dense_mask(mask_mod, b, h, sq, sk), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vd), lse
+
+
 def rel_err(got, ref):
     got, ref = got.double(), ref.double()
     fin = torch.isfinite(ref)

@@ -141,3 +141,50 @@ def get(name: str) -> Config:
     if name not in CONFIGS:
         raise ValueError(f"unknown config {name!r}; `python -m longattn.bench list` shows them")
     return CONFIGS[name]
+
+
+# ------------------------------------------------------------------ attention patterns (FlexAttention masks)
+@dataclasses.dataclass(frozen=True)
+class FlexConfig(Config):
+    """A config whose pattern is a :mod:`longattn.masks` mask (kind "flex"),
+    built by ``impls.flex_mask``: ``pattern`` names it, ``pattern_args`` are
+    its parameters (fractions of the seqlen where the pattern scales with it)."""
+
+    pattern: str = "local_global"
+    pattern_args: tuple = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pattern not in FLEX_PATTERNS:
+            raise ValueError(f"config {self.name}: pattern must be one of {FLEX_PATTERNS}")
+
+    @property
+    def kind(self) -> str:
+        return "flex"
+
+    def describe(self) -> str:
+        # "full" would misname a masked pattern; "causal" stays (the mask is then and-ed with causal)
+        return super().describe().replace(" full ", " ") + f" mask={self.pattern}{list(self.pattern_args)}"
+
+
+FLEX_PATTERNS = ("local_global", "causal_document", "prefix_lm", "block_sparse")
+"""local_global (window, global tokens): Longformer/BigBird band + global tokens;
+causal_document (doc lengths...): causal packed documents, the lengths repeated
+to fill the sequence; prefix_lm (prefix fraction,); block_sparse (block, band,
+density, seed): BigBird-like layout (a band of blocks, the first block row and
+column, random blocks)."""
+
+for _s, _tag in ((1024, "tiny"), (32768, "32k"), (131072, "128k")):
+    _big = _s > 1024
+    _shape = dict(batch=1, seqlen=_s, heads=16 if _big else 4, head_dim=128 if _big else 64)
+    _add(FlexConfig(f"flex_swg_{_tag}", **_shape, pattern="local_global",
+                    pattern_args=(1024, 128) if _big else (64, 16),
+                    note="sliding window +-w and global tokens (Longformer/BigBird)"))
+    _add(FlexConfig(f"flex_doc_{_tag}", **_shape, pattern="causal_document",
+                    pattern_args=(8192, 512, 2048, 128, 4096, 1024, 256, 16256) if _big else (300, 60, 500, 164),
+                    note="causal packed documents (lengths repeated to fill the sequence)"))
+    _add(FlexConfig(f"flex_prefix_{_tag}", **_shape, pattern="prefix_lm", pattern_args=(0.25,),
+                    note="prefix-LM: bidirectional first quarter, causal rest"))
+    _add(FlexConfig(f"flex_bsparse_{_tag}", **_shape, pattern="block_sparse",
+                    pattern_args=(128, 1, 0.02, 0) if _big else (64, 1, 0.1, 0),
+                    note="block-sparse layout: band of blocks, first block row/column, random blocks"))

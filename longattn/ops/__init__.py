@@ -3,12 +3,13 @@
 validate inputs, decide once how a call runs, and document it."""
 from .attention import attention
 from .dilated import dilated_attention
+from .flex import flex_attention, ring_flex_attention
+from .hybrid import context_parallel_attention, context_parallel_attention_varlen
 from .ring import ring_attention
 from .ring_varlen import ring_attention_varlen
-from .varlen import attention_varlen
 from .ulysses import ulysses_attention, ulysses_attention_varlen
-from .hybrid import context_parallel_attention, context_parallel_attention_varlen
+from .varlen import attention_varlen
 
 __all__ = ["attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
            "ulysses_attention", "ulysses_attention_varlen", "context_parallel_attention",
-           "context_parallel_attention_varlen"]
+           "context_parallel_attention_varlen", "flex_attention", "ring_flex_attention"]

@@ -1,0 +1,427 @@
+"""``flex_attention`` and ``ring_flex_attention``: any attention pattern
+(FlexAttention ``mask_mod`` / ``score_mod`` on global positions) on one device
+or over a sequence sharded across ranks.
+
+The ring is :mod:`longattn.distributed.ring` with one call per step whose
+executor (:class:`FlexStep`) runs FlexAttention on (local queries x the
+visiting K/V block) under that step's block mask
+(:mod:`longattn.distributed.flex_plan`): empty blocks are skipped by the
+kernel, empty steps are not computed (their exchange still runs), and the
+ring ends after the last step any rank needs. Partial results merge by lse
+in float32 as in every ring.
+
+Backward: each step's FlexAttention backward runs with the MERGED output and
+lse (``torch.ops.higher_order.flex_attention_backward`` takes both as
+arguments), which makes its dQ, dK, dV exact pieces of the full gradient
+(the ring identity: P = exp(S - lse) with the final lse, and
+D = rowsum(dO * O) - dlse with the final O). FlexAttention's own autograd
+would use the step's partial output and is not called.
+
+Local compute: FlexAttention compiled by inductor on CUDA (the Triton
+backend, whose lse is base 2, converted here to the natural log every
+longattn op returns); elsewhere the eager implementation torch runs there
+(dense scores per step: small shapes only).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import types
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+from torch._higher_order_ops.flex_attention import flex_attention as _flex_hop
+from torch._higher_order_ops.flex_attention import flex_attention_backward as _flex_bwd_hop
+from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options, _identity
+from torch.nn.attention.flex_attention import flex_attention as _torch_flex
+
+from .. import backends as bk
+from .._merge import empty_state
+from .._validation import check_flag, check_qkv, check_scale
+from ..distributed import checks
+from ..distributed import flex_plan as fp
+from ..distributed.layout import check_layout
+from ..distributed.plan import Call
+from ..distributed.ring import BackendOp, RingSchedule, ring_backward, ring_forward
+from ..distributed.transport import ring_transport
+
+__all__ = ["flex_attention", "ring_flex_attention", "FlexStep", "ring_schedule"]
+
+LN2 = math.log(2.0)
+_OPTIONS = {"BACKEND": "TRITON"}  # lse in base 2 and an lse gradient in the backward (the FLASH backend has neither)
+
+
+# ------------------------------------------------------------------ the local op
+def _fwd_impl(q, k, v, score_mod, block_mask, scale):
+    out, aux = _torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                           enable_gqa=q.shape[1] != k.shape[1], kernel_options=dict(_OPTIONS),
+                           return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def _bwd_impl(q, k, v, out, lse2, dout, dlse2, score_mod, block_mask, scale, options):
+    # joint graph None: dynamo derives it from score_mod, as for FlexAttention's own backward
+    dq, dk, dv, _ = _flex_bwd_hop(q, k, v, out, lse2, dout, dlse2, score_mod, None, block_mask.as_tuple(), scale,
+                                  options, (), ())
+    return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(which: str, backend, pattern):
+    """The compiled pass for one pattern. Dynamo keeps graphs, and counts them
+    against its recompile limit (8; past it the eager implementation runs: dense
+    scores), per code object: each pattern gets a copy of the function's code, so
+    patterns do not share that budget (each shape of a pattern is one graph)."""
+    fn = {"fwd": _fwd_impl, "bwd": _bwd_impl}[which]
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
+
+
+def compile_backend(device: torch.device) -> Optional[str]:
+    """How FlexAttention runs on ``device``: inductor's kernels on CUDA; None
+    (the eager implementation) elsewhere (inductor's CPU FlexAttention has no backward)."""
+    return "inductor" if device.type == "cuda" else None
+
+
+class FlexStep:
+    """The local op of one ring step (``Call.run``): FlexAttention of the
+    local queries against one K/V block under ``block_mask`` (local indices),
+    on (B, L, H, D) tensors; lse natural-log float32, -inf where a row sees no key.
+
+    ``compile``: a ``torch.compile`` backend ("inductor" on CUDA; "aot_eager"
+    traces the same graphs on CPU) or None for the eager implementation;
+    ``pattern``: a hashable name of the (mask, score) pattern, whose compiled
+    graphs the steps of every call with it share.
+    """
+
+    def __init__(self, block_mask, score_mod: Optional[Callable], scale: float, compile: Optional[str],
+                 pattern=None):
+        self.block_mask, self.score_mod, self.scale, self.compile = block_mask, score_mod, scale, compile
+        self.pattern = pattern
+        self._joint = None
+        lq, lk = block_mask.seq_lengths
+        # The rows and keys it covers as a plain call: the ring sizes its accumulators from these. They never
+        # run in its place (the backward below never declines, see Call.run).
+        self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)
+
+    def _options(self, q, k, v) -> dict:
+        return _apply_kernel_options(q, k, v, True, dict(_OPTIONS))
+
+    def forward(self, q, k, v):
+        qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
+        if self.compile:
+            run = _compiled("fwd", self.compile, self.pattern)
+            out, lse = run(qt, kt, vt, self.score_mod, self.block_mask, self.scale)
+        else:
+            out, lse2, _ = _flex_hop(qt, kt, vt, self.score_mod or _identity, self.block_mask.as_tuple(), self.scale,
+                                     self._options(qt, kt, vt))
+            lse = lse2 * LN2
+        return out.transpose(1, 2), lse.float()
+
+    def _joint_graph(self, q):
+        """The score_mod's joint graph for the eager backward (what FlexAttention's
+        autograd builds; the eager backward cannot build it itself under no-grad)."""
+        if self._joint is None:
+            from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+            ex = (q.new_zeros((), requires_grad=True),) + tuple(q.new_zeros((), dtype=torch.int) for _ in range(4))
+            with torch.enable_grad(), TransformGetItemToIndex():
+                _, self._joint = create_fw_bw_graph(self.score_mod or _identity, ex, ())
+        return self._joint
+
+    def backward(self, dout, q, k, v, out, lse, dlse):
+        """(dq, dk, dv) of this block given the MERGED out and lse (natural log)
+        and the lse gradient (None: zero)."""
+        qt, kt, vt, ot, dot = (x.detach().transpose(1, 2) for x in (q, k, v, out, dout))
+        lse2 = lse.float() / LN2  # FlexAttention's backward takes the base-2 lse ...
+        dlse2 = None if dlse is None else dlse.float() * LN2  # ... and the gradient with respect to it
+        opts = self._options(qt, kt, vt)
+        if self.compile:
+            run = _compiled("bwd", self.compile, self.pattern)
+            dq, dk, dv = run(qt, kt, vt, ot, lse2, dot, dlse2, self.score_mod or _identity, self.block_mask, self.scale,
+                             opts)
+        else:
+            dq, dk, dv, _ = _flex_bwd_hop(qt, kt, vt, ot, lse2, dot, dlse2, self.score_mod or _identity,
+                                          self._joint_graph(qt), self.block_mask.as_tuple(), self.scale, opts, (), ())
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ------------------------------------------------------------------ plans (cached)
+class _LRU(collections.OrderedDict):
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        val = self[key] = make()
+        if len(self) > self.size:
+            self.popitem(last=False)
+        return val
+
+
+_PLANS = _LRU(64)
+"""Block masks and executors per (shape, pattern, rank): a training loop builds them once."""
+
+
+def _key(fn):
+    """A mask or score function as a cache key: its pattern_key (longattn.masks), else itself."""
+    return None if fn is None else getattr(fn, "pattern_key", None) or fn
+
+
+def _signature(fn) -> str:
+    """What ranks compare: the pattern key, or the function's qualified name."""
+    if fn is None:
+        return "none"
+    key = getattr(fn, "pattern_key", None)
+    return repr(key) if key is not None else getattr(fn, "__qualname__", type(fn).__name__)
+
+
+@functools.lru_cache(maxsize=64)
+def pretrace_score(score_mod: Callable, dtype: torch.dtype, device: str) -> Callable:
+    """``score_mod`` as a graph of aten ops (tensor lookups such as ``bias[h]``
+    become ``aten.index``), behind a plain function. Dynamo's tracing of
+    FlexAttention's backward re-traces the score function without FlexAttention's
+    indexing transform and fails on such lookups; on a pre-traced graph it does
+    not. Tensors the function captures stay the same tensors (graph constants),
+    and Python control flow on tensor values raises here as in FlexAttention."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ex = (torch.zeros((), dtype=dtype, device=device),) + tuple(
+            torch.zeros((), dtype=torch.int32, device=device) for _ in range(4))
+    with TransformGetItemToIndex():
+        graph = make_fx(score_mod)(*ex)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return graph(s, b, h, q_idx, kv_idx)
+    return score
+
+
+def _make_step(table, mask_mod, score_mod, scale, qmap, kmap, q, k) -> FlexStep:
+    comp, pattern = compile_backend(q.device), (_key(mask_mod), _key(score_mod))
+    if comp and score_mod is not None:
+        score_mod = pretrace_score(score_mod, q.dtype, str(q.device))
+    return FlexStep(fp.block_mask(table, mask_mod, qmap, kmap, (q.shape[1], k.shape[1])),
+                    fp.localize_score(score_mod, qmap, kmap), scale, comp, pattern)
+
+
+def _single_step(q, k, mask_mod, score_mod, scale) -> Optional[FlexStep]:
+    def make():
+        qpos = torch.arange(q.shape[1], dtype=torch.int32, device=q.device)
+        kpos = torch.arange(k.shape[1], dtype=torch.int32, device=q.device)
+        table = fp.block_table(mask_mod, q.shape[0], q.shape[2], qpos, kpos)
+        if table.empty:
+            return None
+        ident = fp.position_map("contiguous", 0, 1, q.shape[1], q.device)  # local index = global position
+        kmap = fp.position_map("contiguous", 0, 1, k.shape[1], k.device)
+        return _make_step(table, mask_mod, score_mod, scale, ident, kmap, q, k)
+    key = ("single", _key(mask_mod), _key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device))
+    return _PLANS.get_or(key, make)
+
+
+def _gather_steps(group, need: int, failed: bool) -> tuple[int, list[int]]:
+    """Every rank's (steps needed, planning failed): the ring's step count and the failed ranks."""
+    t = torch.tensor([need, int(failed)], dtype=torch.int64, device=checks._device_for(group))
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, t, group=group)
+    return max(int(x[0]) for x in got), [r for r, x in enumerate(got) if int(x[1])]
+
+
+def _ring_plan(q, k, mask_mod, score_mod, scale, layout, group) -> RingSchedule:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    b, length, h, _ = q.shape
+
+    def make():
+        err = None
+        try:
+            tables = fp.rank_tables(mask_mod, layout, rank, world, length, b, h, device=q.device)
+            need = fp.steps_needed(tables)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            err, need = e, 0
+        steps, failed = _gather_steps(group, need, err is not None)
+        if err is not None:
+            raise err
+        if failed:
+            raise ValueError(f"ring_flex_attention: mask_mod failed on ranks {failed} (see their errors); "
+                             f"every rank raises")
+        qmap = fp.position_map(layout, rank, world, length, q.device)
+        calls = []
+        for s in range(steps):
+            if tables[s].empty:  # nothing visible: no compute at this step (the block still passes on)
+                calls.append(())
+                continue
+            kmap = fp.position_map(layout, (rank - s) % world, world, length, q.device)
+            step = _make_step(tables[s], mask_mod, score_mod, scale, qmap, kmap, q, k)
+            calls.append((Call(0, length, 0, length, bk.BlockSpec(scale), run=step),))
+        return RingSchedule(steps, lambda src: calls[(rank - src) % world])
+    key = ("ring", _key(mask_mod), _key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device),
+           layout, checks.group_name(group))
+    return _PLANS.get_or(key, make)
+
+
+# ------------------------------------------------------------------ autograd
+class _Flex(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, step):
+        ctx.set_materialize_grads(False)
+        if step is None:  # no query sees any key
+            out, lse = empty_state(q, q.dtype)
+        else:
+            out, lse = step.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.step = step
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.step is None:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        return (*ctx.step.backward(dout, q, k, v, out, lse, dlse), None)
+
+
+_OP = BackendOp()  # every call of a flex ring carries its executor (Call.run)
+
+
+class _RingFlex(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, schedule, group, keep_last: bool):
+        ctx.set_materialize_grads(False)
+        # keep_last: the block the backward starts on, kept only where a backward will run
+        out, lse, kv_last = ring_forward(q, k, v, schedule, _OP, ring_transport(group), keep_last=keep_last)
+        ctx.save_for_backward(q, k, v, out, lse, *(kv_last or ()))
+        ctx.schedule, ctx.group = schedule, group
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *last = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, dlse, ctx.schedule, _OP, ring_transport(ctx.group),
+                                   tuple(last) or None)
+        return dq, dk, dv, None, None, None
+
+
+# ------------------------------------------------------------------ public functions
+def _check_mods(mask_mod, score_mod) -> None:
+    for fn, name in ((mask_mod, "mask_mod"), (score_mod, "score_mod")):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function {name}(...) (FlexAttention's signature) or None, "
+                            f"got {type(fn).__name__}")
+    for cell in getattr(score_mod, "__closure__", None) or ():
+        try:
+            val = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(val, torch.Tensor) and val.requires_grad:
+            raise ValueError("score_mod captures a tensor that requires grad; these ops give no gradient to "
+                             "score_mod's tensors: detach it (or use torch's flex_attention on one device)")
+
+
+def _check_common(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seqlen: bool) -> float:
+    check_qkv(q, k, v, same_seqlen=same_seqlen)
+    _check_mods(mask_mod, score_mod)
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    return bk.default_scale(q.shape[-1], softmax_scale)
+
+
+@torch.compiler.disable
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod: Optional[Callable] = None,
+                   score_mod: Optional[Callable] = None, softmax_scale: Optional[float] = None,
+                   return_lse: bool = False):
+    """Attention with any pattern: PyTorch's FlexAttention in longattn's layout.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k, v: ``(batch, seqlen_k, nheads_kv, headdim)`` (GQA/MQA from the head counts).
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True: visible), e.g.
+            from :mod:`longattn.masks`; None: every key.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied to
+            the scaled score before the softmax (a bias, a soft cap); None: none.
+            Tensors it captures get no gradient.
+        softmax_scale: default ``headdim ** -0.5``.
+        return_lse: also return lse ``(batch, nheads, seqlen_q)`` float32 (natural log).
+
+    Returns:
+        out ``(batch, seqlen_q, nheads, headdim)``; rows that see no key hold 0
+        (and lse -inf).
+
+    Equivalent PyTorch (``mask``, ``bias`` the functions evaluated on every (b, h, i, j))::
+
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k_expanded) * scale + bias
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0)
+        out = torch.einsum("bhqk,bkhd->bqhd", p, v_expanded)
+
+    On CUDA FlexAttention is compiled (once per shape and pattern; block masks
+    cached per pattern, see :mod:`longattn.masks`); elsewhere torch's eager
+    FlexAttention runs (dense scores: small shapes). Runs outside ``torch.compile``
+    graphs (a graph break).
+    """
+    scale = _check_common(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seqlen=False)
+    out, lse = _Flex.apply(q, k, v, _single_step(q, k, mask_mod, score_mod, scale))
+    return (out, lse) if return_lse else out
+
+
+def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag", scale: float, group=None
+                  ) -> RingSchedule:
+    """The ring schedule ``ring_flex_attention`` runs (cached): ``steps`` (the
+    same on every rank) and ``calls(src)``, one call with its :class:`FlexStep`
+    or none where the step is empty. A collective on first use of a pattern."""
+    return _ring_plan(q, k, mask_mod, score_mod, scale, layout, checks.resolve_group(group))
+
+
+@torch.compiler.disable
+def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod: Optional[Callable] = None,
+                        score_mod: Optional[Callable] = None, layout: str = "zigzag",
+                        softmax_scale: Optional[float] = None, return_lse: bool = False, group=None):
+    """Attention with any pattern over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: this rank's shard ``(batch, seqlen_local, nheads, headdim)`` (see
+            :func:`longattn.shard`); k, v: ``(batch, seqlen_local, nheads_kv, headdim)``.
+        mask_mod, score_mod: as :func:`flex_attention`, on GLOBAL positions of
+            the unsharded sequence (the same functions as on one device).
+        layout: ``"zigzag"`` (rank r holds chunks r and 2p-1-r of 2p: balanced
+            work for causal-like patterns) or ``"contiguous"``.
+        softmax_scale, return_lse: as :func:`flex_attention`.
+        group: a ProcessGroup (default WORLD).
+
+    Returns:
+        This rank's shard of the output (and lse). ``unshard(out)`` equals
+        :func:`flex_attention` on the unsharded q, k, v.
+
+    Each step attends to the visiting K/V block under the block mask of
+    (local queries x that block) in global positions: empty blocks are
+    skipped, a step with no visible key is not computed, and the ring ends
+    after the last step any rank needs (a sliding window or documents that
+    stay within a shard end it early). Block masks are built on the first call
+    per (shape, pattern) and cached (one small collective then).
+
+    Runs outside ``torch.compile`` graphs (a graph break); its local steps are compiled on CUDA.
+
+    Equivalent PyTorch::
+
+        full = lambda x: longattn.unshard(x, layout=layout)
+        out = longattn.shard(longattn.flex_attention(full(q), full(k), full(v), mask_mod=mask_mod,
+                                                     score_mod=score_mod), layout=layout)
+    """
+    scale = _check_common(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seqlen=True)
+    check_layout(layout)
+    g = checks.resolve_group(group)
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {q.shape[1]}")
+    checks.check_consistent(g, "ring_flex_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
+                            layout=layout, scale=scale, mask=_signature(mask_mod), score=_signature(score_mod))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    out, lse = _RingFlex.apply(q, k, v, _ring_plan(q, k, mask_mod, score_mod, scale, layout, g), g, grad)
+    return (out, lse) if return_lse else out

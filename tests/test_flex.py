@@ -1,0 +1,159 @@
+"""longattn.flex_attention on one device (CPU: torch's eager FlexAttention)
+against the float64 masked reference: outputs, lse and all gradients; the
+compiled path's graphs (traced with the aot_eager backend on CPU); input checks."""
+import pytest
+import torch
+
+import longattn
+from longattn import masks
+from longattn.distributed import flex_plan as fp
+from longattn.ops.flex import FlexStep, pretrace_score
+from reference import check_op, dense_mask, flex_ref
+
+TOL = 1e-4
+B, S, H, D = 2, 40, 4, 16
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+DOCS = torch.tensor([0] * 7 + [1] * 13 + [2] * 20)
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - SLOPES[h] * (q_idx - kv_idx).abs()
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 3.0 * torch.tanh(score / 3.0)
+
+
+PATTERNS = {
+    "full": (None, None),
+    "causal": (masks.causal(), None),
+    "sliding window": (masks.sliding_window(6, 0), None),
+    "local + global": (masks.local_global(3, 4), None),
+    "causal documents": (masks.and_(masks.causal(), masks.document(DOCS)), None),
+    "prefix-LM": (masks.prefix_lm(9), None),
+    "block-sparse per head": (masks.block_sparse(torch.rand(H, 5, 5, generator=torch.Generator().manual_seed(1)) < 0.5,
+                                                 8), None),
+    "dilated": (masks.dilated((8, 20), (1, 2), causal=True), None),
+    "alibi + causal": (masks.causal(), alibi),
+    "softcap": (None, softcap),
+    "softcap + documents": (masks.document(DOCS), softcap),
+}
+
+
+def _inputs(hkv, sq=S, sk=S):
+    q = torch.randn(B, sq, H, D)
+    k, v = torch.randn(B, sk, hkv, D), torch.randn(B, sk, hkv, D)
+    return q, k, v, torch.randn(B, sq, H, D), torch.randn(B, H, sq)
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_flex_matches_reference(name, hkv):
+    mask_mod, score_mod = PATTERNS[name]
+    q, k, v, do, dl = _inputs(hkv)
+    ref = lambda q, k, v: flex_ref(q, k, v, mask_mod, score_mod)
+    dl = torch.where(torch.isfinite(ref(q, k, v)[1]), dl, 0)  # rows with no key have no lse to differentiate
+    fn = lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True)
+    check_op(fn, ref, (q, k, v), do, dl, TOL, name)
+
+
+def test_cross_lengths_mqa_scale_and_output_only():
+    """seqlen_q != seqlen_k (FlexAttention's indices: both from 0), MQA, a given scale, no lse."""
+    q, k, v, do, _ = _inputs(1, sq=24, sk=40)
+    mask = masks.prefix_lm(10)
+    fn = lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask, score_mod=alibi, softmax_scale=0.3)
+    check_op(fn, lambda q, k, v: flex_ref(q, k, v, mask, alibi, scale=0.3), (q, k, v), do, tol=TOL)
+
+
+def test_rows_without_keys():
+    """Rows that see no key: output 0, lse -inf, no NaN in any gradient; a
+    mask with no visible key at all gives zeros everywhere."""
+    q, k, v, do, _ = _inputs(2)
+    for mask in (masks.and_(masks.causal(), lambda b, h, qi, ki: qi >= 10), lambda b, h, qi, ki: qi < 0):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = longattn.flex_attention(*xs, mask_mod=mask, return_lse=True)
+        (out * do).sum().backward()
+        assert torch.all(out[:, :10] == 0) and torch.all(lse[:, :, :10] == float("-inf"))
+        assert not any(torch.isnan(t).any() for t in (out, lse, *(x.grad for x in xs)))
+    assert torch.all(out == 0) and torch.all(xs[1].grad == 0)
+
+
+def test_compiled_path_graphs():
+    """The step executor as CUDA runs it (torch.compile of FlexAttention's
+    forward and of its backward with the merged out/lse), traced here with
+    the aot_eager backend: the same values as the eager executor, and one
+    graph per pass for every step of a ring (positions and block masks are
+    graph inputs, not constants). The score_mod looks up a captured tensor,
+    which the compiled backward can trace only pre-traced."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    world, length, hkv = 3, 12, 2
+    q, k, v, do, dl = (x[:, :length] if x.dim() == 4 else x[..., :length] for x in _inputs(hkv))
+    mask = masks.and_(masks.causal(), masks.document(DOCS[:world * length]))
+    qmap = fp.position_map("zigzag", 1, world, length)
+    tables = fp.rank_tables(mask, "zigzag", 1, world, length, B, H, block=4)
+    for s, table in enumerate(tables):
+        kmap = fp.position_map("zigzag", (1 - s) % world, world, length)
+        bm = fp.block_mask(table, mask, qmap, kmap, (length, length), block=4)
+        eager = FlexStep(bm, fp.localize_score(alibi, qmap, kmap), D ** -0.5, None)
+        comp = FlexStep(bm, fp.localize_score(pretrace_score(alibi, q.dtype, "cpu"), qmap, kmap), D ** -0.5, counting)
+        res = []
+        for step in (eager, comp):
+            out, lse = step.forward(q, k, v)
+            res.append((out, lse, *step.backward(do, q, k, v, out, lse, dl),
+                        *step.backward(do, q, k, v, out, lse, None)))
+        for a, b in zip(*res):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(graphs) == 3  # forward, backward with an lse gradient, backward without
+
+
+def test_input_checks():
+    q, k, v, _, _ = _inputs(2)
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        longattn.flex_attention(q, k, v, mask_mod="causal")
+    with pytest.raises(TypeError, match="mask_mod must return a bool tensor"):
+        longattn.flex_attention(q, k, v, mask_mod=lambda b, h, qi, ki: qi - ki)
+    w = torch.ones(H, requires_grad=True)
+    with pytest.raises(ValueError, match="score_mod captures a tensor that requires grad"):
+        longattn.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * w[h])
+    with pytest.raises(ValueError, match="multiple of nheads"):
+        longattn.flex_attention(q, torch.randn(B, S, 3, D), torch.randn(B, S, 3, D))
+    with pytest.raises(TypeError, match="return_lse"):
+        longattn.flex_attention(q, k, v, return_lse=1)
+
+
+def test_dilated_mask_against_dilated_attention():
+    """One branch: the mask version is LongNet's branch exactly. Several
+    branches: dilated_attention counts a pair two branches give twice, the
+    mask once (masks.dilated's docstring), so the two differ."""
+    q, k, v, _, _ = _inputs(4)
+    one = longattn.dilated_attention(q, k, v, segment_lengths=[20], dilation_rates=[2], causal=True)
+    got = longattn.flex_attention(q, k, v, mask_mod=masks.dilated_branch(20, 2, causal=True))
+    torch.testing.assert_close(got, one, rtol=TOL, atol=TOL)
+    segs, rates = [8, 20], [1, 2]
+    many = longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates)
+    union = longattn.flex_attention(q, k, v, mask_mod=masks.dilated(segs, rates))
+    assert (many - union).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("pattern", ["swg", "doc", "prefix", "bsparse"])
+def test_bench_flex_configs(pattern):
+    """The bench's pattern configs: pairs counted exactly (FLOPs count only
+    those), and longattn-flex through the bench's runner on CPU."""
+    from longattn.bench import configs as C
+    from longattn.bench import impls as I
+    from longattn.bench.single import bench_impl
+
+    for causal in (False, True):
+        cfg = C.get(f"flex_{pattern}_tiny").with_overrides(seqlen=300, causal=causal)
+        assert I.flex_pairs(cfg) == dense_mask(I.flex_mask(cfg, "cpu"), 1, 1, 300).sum().item()
+    cfg = C.get(f"flex_{pattern}_tiny").with_overrides(seqlen=128)
+    row = bench_impl(cfg, "longattn-flex", torch.device("cpu"), torch.float32, warmup=1, iters=1, bwd_alone=False)
+    assert row["status"] == "ok" and row["fwd_bwd_ms"] > 0 and "mask=" in row["shape"]
+    assert I.IMPLS["dense-cudnn"].reason(cfg, torch.device("cpu")) and I.IMPLS["torch-flex"].computes is None

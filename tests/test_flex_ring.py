@@ -1,0 +1,152 @@
+"""ring_flex_attention on gloo in spawned processes against the float64
+single-device reference with the same mask (outputs, lse, all gradients);
+empty steps skipped and the ring ended early (counted); bad inputs raise on
+every rank."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import longattn
+from dist_utils import assert_group_usable, assert_unsharded_close, run_world
+from longattn import masks
+from longattn.distributed import transport
+from longattn.distributed.ring import BackendOp, ring_forward
+from longattn.distributed.transport import ring_transport
+from longattn.ops.flex import ring_schedule
+from reference import flex_ref
+
+TOL = 1e-4
+B, L, H, D = 2, 12, 4, 8  # L tokens per rank (zigzag: two chunks of 6)
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - SLOPES[h] * (q_idx - kv_idx).abs()
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 2.0 * torch.tanh(score / 2.0)
+
+
+def patterns(world):
+    """(name, mask_mod, score_mod, kv heads) on a sequence of world * L tokens."""
+    s = world * L
+    docs = torch.arange(s) * 5 // s  # five documents, boundaries off the shard edges
+    layout = torch.rand(H, s // 4, s // 4, generator=torch.Generator().manual_seed(world)) < 0.3
+    return [
+        ("full", None, None, 2),
+        ("causal", masks.causal(), None, 1),
+        ("causal sliding window", masks.sliding_window(5, 0), None, 4),  # ends the ring early
+        ("local + global", masks.local_global(2, 3), None, 2),
+        ("causal documents", masks.and_(masks.causal(), masks.document(docs)), None, 2),
+        ("prefix-LM", masks.prefix_lm(7), None, 4),
+        ("block-sparse per head", masks.block_sparse(layout, 4), None, 2),
+        ("dilated", masks.dilated((6, 2 * L), (1, 3), causal=True), None, 4),
+        ("alibi + causal", masks.causal(), alibi, 2),
+        ("softcap + documents", masks.document(docs), softcap, 1),
+    ]
+
+
+def _check_patterns(rank, world):
+    s = world * L
+    for layout in ("contiguous", "zigzag"):
+        for name, mask, score, hkv in patterns(world):
+            torch.manual_seed(7)
+            q, k, v = torch.randn(B, s, H, D), torch.randn(B, s, hkv, D), torch.randn(B, s, hkv, D)
+            do, dl = torch.randn(B, s, H, D), torch.randn(B, H, s)
+            qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+            ro, rl = flex_ref(qr, kr, vr, mask, score)
+            dl = torch.where(torch.isfinite(rl), dl, 0).float()  # rows that see no key: no lse to differentiate
+            ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+            sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
+            ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+            out, lse = longattn.ring_flex_attention(ql, kl, vl, mask_mod=mask, score_mod=score, layout=layout,
+                                                    return_lse=True)
+            ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl, 2)).sum()).backward()
+            us = lambda x, dim=1: longattn.unshard(x, layout=layout, seq_dim=dim)
+            assert_unsharded_close(f"world={world} {layout} {name} hkv={hkv}", us, out, lse,
+                                   (ql.grad, kl.grad, vl.grad), ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_flex_matches_reference(world):
+    run_world(_check_patterns, world)
+
+
+class _CountingOp(BackendOp):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, c, q, k, v):
+        self.calls += 1
+        return super().forward(c, q, k, v)
+
+
+def _check_schedule(rank, world):
+    """Contiguous shards of 8 over 3 ranks: which steps run, how many, what moves."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
+    run = lambda mask: ring_schedule(q, k, mask_mod=mask, layout="contiguous", scale=8 ** -0.5)
+    # causal: rank r sees the blocks of ranks <= r, so the ring has 3 steps and rank r computes r + 1 of them
+    causal = run(masks.causal())
+    assert causal.steps == world
+    nonempty = [bool(causal.calls((rank - s) % world)) for s in range(causal.steps)]
+    assert nonempty == [s <= rank for s in range(world)]
+    op = _CountingOp()
+    out, lse, _ = ring_forward(q, k, v, causal, op, ring_transport(dist.group.WORLD))
+    assert op.calls == rank + 1  # the empty steps computed nothing (their blocks still moved on)
+    want = longattn.ring_flex_attention(q, k, v, mask_mod=masks.causal(), layout="contiguous")
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    # a causal window of 5 sees at most the previous shard: the ring ends after 2 of 3 steps,
+    # and the forward sends K/V once
+    window = run(masks.sliding_window(5, 0))
+    assert window.steps == 2 and bool(window.calls((rank - 1) % world)) == (rank > 0)
+    sent = transport.traffic["bytes_sent"]
+    with torch.no_grad():
+        longattn.ring_flex_attention(q, k, v, mask_mod=masks.sliding_window(5, 0), layout="contiguous")
+    assert transport.traffic["bytes_sent"] - sent == 2 * k.numel() * k.element_size()
+    # documents within shards: one step, nothing sent at all (forward and backward)
+    docs = masks.document(torch.arange(8 * world) // 8)
+    assert run(docs).steps == 1
+    sent = transport.traffic["bytes_sent"]
+    qg = q.clone().requires_grad_()
+    longattn.ring_flex_attention(qg, k, v, mask_mod=docs, layout="contiguous").sum().backward()
+    assert transport.traffic["bytes_sent"] == sent and qg.grad is not None
+    # block masks are built once per pattern: the same pattern rebuilt hits the cache
+    assert run(masks.sliding_window(5, 0)) is window
+    assert run(masks.and_(masks.causal(), docs)) is run(masks.and_(masks.causal(), docs))
+
+
+@pytest.mark.dist
+def test_ring_flex_skips_empty_steps_and_ends_early():
+    run_world(_check_schedule, 3)
+
+
+def _flaky_mask(b, h, q_idx, kv_idx):
+    """The same function on every rank, but rank 1 returns positions instead of a mask."""
+    return q_idx - kv_idx if dist.get_rank() == 1 else kv_idx <= q_idx
+
+
+def _check_errors(rank, world):
+    q = torch.randn(1, 8, 2, 8)
+    mine = torch.randn(1, 8 if rank == 0 else 6, 2, 8)
+    with pytest.raises(ValueError, match="differ across ranks"):
+        longattn.ring_flex_attention(mine, mine, mine, mask_mod=masks.causal())
+    with pytest.raises(ValueError, match="even local seqlen"):
+        longattn.ring_flex_attention(q[:, :7], q[:, :7], q[:, :7], layout="zigzag")
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        longattn.ring_flex_attention(q, q, q, mask_mod=3)
+    # a mask that fails on one rank only: that rank raises its error, the others say where it failed
+    want = (TypeError, "must return a bool tensor") if rank == 1 else (ValueError, r"failed on ranks \[1\]")
+    with pytest.raises(want[0], match=want[1]):
+        longattn.ring_flex_attention(q, q, q, mask_mod=_flaky_mask, layout="contiguous")
+    assert_group_usable(world)
+    out = longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal())  # and the ring still runs
+    assert out.shape == q.shape
+
+
+@pytest.mark.dist
+def test_ring_flex_bad_inputs_raise_on_every_rank():
+    run_world(_check_errors, 2)
