@@ -240,3 +240,34 @@ def test_dist_mesh_option():
         parse_mesh("2by2")
     with pytest.raises(SystemExit):
         main(["dist", "--config", "tiny", "--impl", "hybrid", "--mesh", "two"])
+
+
+@pytest.mark.dist
+def test_dist_flex_under_torchrun(tmp_path):
+    """Flex configs under `dist` on 2 gloo ranks: by default ring_flex_attention
+    in both layouts beside T_single (longattn-flex on CPU, where torch-flex does
+    not run) and torch's context-parallel FlexAttention, unsupported on CPU with its reason."""
+    path = tmp_path / "f.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "longattn.bench", "dist",
+           "--config", "flex_doc_tiny", "--seqlen", "512", "--heads", "2", "--iters", "1", "--warmup", "1",
+           "--json", str(path)]
+    res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["results"]}
+    assert list(rows) == ["single:longattn-flex", "flex-ring", "flex-ring-contiguous", "torch-cp-flex"]
+    assert rows["single:longattn-flex"]["status"] == "ok" and rows["single:longattn-flex"]["fwd_bwd_ms"] > 0
+    for impl in ("flex-ring", "flex-ring-contiguous"):
+        r = rows[impl]
+        assert r["status"] == "ok" and r["efficiency_fwd"] > 0 and r["efficiency_fwd_bwd"] > 0, r
+        assert "mask=causal_document" in r["shape"] and r["fwd_flops"] < 4 * 2 * 64 * 512 * 512 / 2
+    assert rows["torch-cp-flex"]["status"] == "unsupported" and "CUDA" in rows["torch-cp-flex"]["reason"]
+
+
+def test_dist_flex_impls_run_flex_configs_only():
+    from longattn.bench.dist import _reason
+
+    cpu = torch.device("cpu")
+    assert "flex configs" in _reason(C.get("tiny"), "flex-ring", cpu)
+    assert "flex-ring" in _reason(C.get("flex_swg_tiny"), "ring-zigzag", cpu)
+    assert _reason(C.get("flex_swg_tiny"), "flex-ring-contiguous", cpu) is None

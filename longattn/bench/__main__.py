@@ -60,6 +60,7 @@ _WARMUP_HELP = "untimed calls before timing (the first compiles, autotunes, fill
 
 def _parser() -> argparse.ArgumentParser:
     from .dist import DIST_IMPLS
+    from .impls import FLEX_DIST_IMPLS
 
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="python -m longattn.bench", description=__doc__, formatter_class=raw)
@@ -80,13 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_overrides(pr)
     pd = sub.add_parser("dist", help="under torchrun: one device vs N ranks, efficiency, memory per rank",
                         epilog=f"implementations (--impl): {', '.join(DIST_IMPLS)}; dilated configs run "
-                               "dilated-over-ranks (ring-contiguous). Examples on CPU (gloo):\n"
+                               "dilated-over-ranks (ring-contiguous); flex configs run "
+                               f"{', '.join(FLEX_DIST_IMPLS)}. Examples on CPU (gloo):\n"
                                "  torchrun --nproc_per_node=2 -m longattn.bench dist --config tiny\n"
                                "  torchrun --nproc_per_node=4 -m longattn.bench dist --config tiny "
                                "--impl ring-zigzag ulysses hybrid --mesh 2x2",
                         formatter_class=raw)
     pd.add_argument("--config", nargs="+", required=True, help=_CONFIG_HELP)
-    pd.add_argument("--impl", nargs="+", help=f"from {', '.join(DIST_IMPLS)} (default: the ring's and torch's)")
+    pd.add_argument("--impl", nargs="+", help=f"from {', '.join(DIST_IMPLS)}; flex configs: "
+                                              f"{', '.join(FLEX_DIST_IMPLS)} (default: the ring's and torch's)")
     pd.add_argument("--mesh", help="UxR: the hybrid's mesh, U ulysses ranks (consecutive, one node) x R ring ranks; "
                                    "or name it per impl, hybrid:UxR")
     pd.add_argument("--weak", action="store_true", help="global seqlen = N x config seqlen")
@@ -122,79 +125,100 @@ def _dist_impls(p, a):
         p.error(str(e))
 
 
+def _check_impls(p, a) -> None:
+    """Unknown `run`/`scale` implementations are a usage error, before anything runs."""
+    from .impls import IMPLS
+
+    unknown = [n for n in a.impl if n not in IMPLS]
+    if unknown:
+        p.error(f"unknown implementation(s) {', '.join(unknown)}; `{a.cmd} --help` lists them")
+
+
+def _cmd_list(p, a, cfgs) -> int:
+    print("| name | kind | shape | note |\n|---|---|---|---|")
+    for c in C.CONFIGS.values():
+        print(f"| {c.name} | {c.kind} | {c.describe()} | {c.note} |")
+    return 0
+
+
+def _cmd_default(p, a, cfgs) -> int:
+    from .single import format_table, run
+
+    cuda = torch.cuda.is_available()
+    names = ["small", "longnet_32k"] if cuda else ["tiny", "dilated_tiny"]
+    # CPU: one warm-up call fills the caches (nothing autotunes or compiles there)
+    res = run([C.get(n) for n in names], warmup=3 if cuda else 1, iters=20 if cuda else 5)
+    print(f"# {res['env']['device']}, torch {res['env']['torch']}\n")
+    print(format_table(res["results"]))
+    return 0
+
+
+def _cmd_run(p, a, cfgs) -> int:
+    from .single import format_table, run
+
+    res = run(cfgs, a.impl, device=a.device, backward=not a.no_backward, warmup=a.warmup,
+              iters=a.iters, timing=a.timing)
+    _emit(res, a, format_table(res["results"]))
+    return 0
+
+
+def _cmd_scale(p, a, cfgs) -> int:
+    from .single import format_table, scale
+
+    res = scale(cfgs[0], a.impl, device=a.device, backward=not a.no_backward, max_seqlen=a.max_seqlen)
+    _emit(res, a, format_table(res["results"]) + f"\n\nlongest: {res['longest_seqlen']}")
+    return 0
+
+
+def _cmd_dist(p, a, cfgs) -> int:
+    import torch.distributed as dist
+
+    from .dist import format_table, run_dist
+
+    res = run_dist(cfgs, _dist_impls(p, a), weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
+                   iters=a.iters, json_path=a.json, timing=a.timing)
+    if dist.get_rank() == 0:
+        _emit(res, a, format_table(res["results"]))
+    dist.barrier()  # no rank tears down while a peer still talks to it
+    dist.destroy_process_group()
+    return 0
+
+
+def _cmd_report(p, a, cfgs) -> int:
+    from .report import load, markdown, plots
+
+    docs = load(a.paths)
+    out = a.out or os.path.dirname(os.path.abspath(a.paths[0]))
+    md = markdown(docs)
+    pngs, missing = plots(docs, out)
+    md += "\n" + "\n".join(f"![{os.path.basename(x)}]({os.path.basename(x)})" for x in pngs) + "\n"
+    if missing:
+        md += "\nPlots these results cannot make yet:\n\n" + "\n".join(f"- {m}" for m in missing) + "\n"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(md)
+    print(md)
+    print(f"wrote {os.path.join(out, 'report.md')} and {len(pngs)} plot(s)"
+          + (f"; {len(missing)} more need more runs (listed in report.md)" if missing else ""), file=sys.stderr)
+    return 0
+
+
+_COMMANDS = {None: _cmd_default, "list": _cmd_list, "run": _cmd_run, "scale": _cmd_scale, "dist": _cmd_dist,
+             "report": _cmd_report}
+
+
 def main(argv=None):
     p = _parser()
     a = p.parse_args(argv)
     if a.cmd in ("run", "scale") and a.impl:
-        from .impls import IMPLS
-
-        unknown = [n for n in a.impl if n not in IMPLS]
-        if unknown:
-            p.error(f"unknown implementation(s) {', '.join(unknown)}; `{a.cmd} --help` lists them")
+        _check_impls(p, a)
+    cfgs = None
     if a.cmd in ("run", "scale", "dist"):
         try:
             cfgs = _configs(a.config if a.cmd != "scale" else [a.config], a)
         except ValueError as e:
             p.error(str(e))
-
-    if a.cmd == "list":
-        print("| name | kind | shape | note |\n|---|---|---|---|")
-        for c in C.CONFIGS.values():
-            print(f"| {c.name} | {c.kind} | {c.describe()} | {c.note} |")
-        return 0
-    if a.cmd is None:
-        from .single import format_table, run
-
-        cuda = torch.cuda.is_available()
-        names = ["small", "longnet_32k"] if cuda else ["tiny", "dilated_tiny"]
-        # CPU: one warm-up call fills the caches (nothing autotunes or compiles there)
-        res = run([C.get(n) for n in names], warmup=3 if cuda else 1, iters=20 if cuda else 5)
-        print(f"# {res['env']['device']}, torch {res['env']['torch']}\n")
-        print(format_table(res["results"]))
-        return 0
-    if a.cmd == "run":
-        from .single import format_table, run
-
-        res = run(cfgs, a.impl, device=a.device, backward=not a.no_backward, warmup=a.warmup,
-                  iters=a.iters, timing=a.timing)
-        _emit(res, a, format_table(res["results"]))
-        return 0
-    if a.cmd == "scale":
-        from .single import format_table, scale
-
-        res = scale(cfgs[0], a.impl, device=a.device, backward=not a.no_backward, max_seqlen=a.max_seqlen)
-        _emit(res, a, format_table(res["results"]) + f"\n\nlongest: {res['longest_seqlen']}")
-        return 0
-    if a.cmd == "dist":
-        import torch.distributed as dist
-
-        from .dist import format_table, run_dist
-
-        res = run_dist(cfgs, _dist_impls(p, a), weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
-                       iters=a.iters, json_path=a.json, timing=a.timing)
-        if dist.get_rank() == 0:
-            _emit(res, a, format_table(res["results"]))
-        dist.barrier()  # no rank tears down while a peer still talks to it
-        dist.destroy_process_group()
-        return 0
-    if a.cmd == "report":
-        from .report import load, markdown, plots
-
-        docs = load(a.paths)
-        out = a.out or os.path.dirname(os.path.abspath(a.paths[0]))
-        md = markdown(docs)
-        pngs, missing = plots(docs, out)
-        md += "\n" + "\n".join(f"![{os.path.basename(x)}]({os.path.basename(x)})" for x in pngs) + "\n"
-        if missing:
-            md += "\nPlots these results cannot make yet:\n\n" + "\n".join(f"- {m}" for m in missing) + "\n"
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "report.md"), "w") as f:
-            f.write(md)
-        print(md)
-        print(f"wrote {os.path.join(out, 'report.md')} and {len(pngs)} plot(s)"
-              + (f"; {len(missing)} more need more runs (listed in report.md)" if missing else ""), file=sys.stderr)
-        return 0
-    return 1
+    return _COMMANDS[a.cmd](p, a, cfgs)
 
 
 if __name__ == "__main__":

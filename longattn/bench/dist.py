@@ -9,9 +9,13 @@ for dilated configs our dilated attention over ranks; for varlen configs
 on one device; Ulysses (``ulysses``: all-to-all head parallelism over every
 rank) and the Ulysses x ring hybrid (``hybrid:UxR`` zigzag, ``hybrid-contiguous:UxR``:
 U consecutive ulysses ranks per ring position, R ring positions; ``--mesh UxR``
-names the mesh of a bare ``hybrid``), dense and packed documents. T_single is
+names the mesh of a bare ``hybrid``), dense and packed documents; for flex
+configs (a ``longattn.masks`` pattern) ``ring_flex_attention`` in both layouts
+(``flex-ring``: zigzag, ``flex-ring-contiguous``) and torch's context_parallel
+running FlexAttention (``torch-cp-flex``, CUDA only). T_single is
 measured on rank 0 in the same run (``longattn.attention``,
-``longattn.dilated_attention`` or ``attention_varlen``, backend auto). A row
+``longattn.dilated_attention`` or ``attention_varlen``, backend auto; for flex
+configs torch's compiled FlexAttention, ``longattn.flex_attention`` on CPU). A row
 that cannot run here is recorded as unsupported with its reason, before any
 of it runs. Efficiency = W * T_single / (p * T_p) where W is the work of the parallel
 problem over the one-device one: 1 in strong scaling (the same global
@@ -20,6 +24,7 @@ the config seqlen) W = FLOPs ratio, p^2 for dense attention, ~p for dilated.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
@@ -34,7 +39,7 @@ from . import measure
 from . import tables as T
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
-from .impls import fwd_flops, varlen_cu_seqlens
+from .impls import FLEX_DIST_IMPLS, flex_dist_build, flex_dist_reason, fwd_flops, varlen_cu_seqlens
 from ..distributed import transport as _transport
 
 RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
@@ -103,6 +108,10 @@ def torch_cp_reason(cfg: Config, dev) -> Optional[str]:
 
 
 def _reason(cfg: Config, impl: str, dev) -> Optional[str]:
+    if cfg.kind == "flex":
+        return flex_dist_reason(cfg, impl, dev)
+    if impl in FLEX_DIST_IMPLS:
+        return f"{impl} runs flex configs (kind flex: `python -m longattn.bench list`) only"
     if cfg.kind == "dilated" and impl.partition("+")[0] != "ring-contiguous":
         return "dilated configs run as dilated-over-ranks (ring-contiguous: contiguous shards) only"
     if impl == "torch-cp":
@@ -184,30 +193,33 @@ def _cp_call(cfg, impl, q, k, v, dev):
 
 
 def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched, label):
-    layout = "zigzag" if impl == "ring-zigzag" else "contiguous"
     q, k, v = make()
+    fn, (ql, kl, vl) = _call_and_shards(cfg, impl, q, k, v, dev)
+    del q, k, v
+    return _timed_call(fn, ql, kl, vl, dev, warmup, iters, backward, batched, label)
+
+
+def _call_and_shards(cfg, impl, q, k, v, dev):
+    """(fn, this rank's shards of the global q, k, v) of a row other than ``torch-cp``."""
+    if cfg.kind == "flex":
+        return flex_dist_build(cfg, impl, q, k, v)
     if impl.partition(":")[0] in CP_IMPLS:
-        fn, (ql, kl, vl) = _cp_call(cfg, impl, q, k, v, dev)
-        del q, k, v
-        return _timed_call(fn, ql, kl, vl, dev, warmup, iters, backward, batched, label)
-    if cfg.kind == "dilated":
-        fn = lambda q_, k_, v_: longattn.dilated_attention(q_, k_, v_, segment_lengths=cfg.segment_lengths,
-                                                            dilation_rates=cfg.dilation_rates, causal=cfg.causal,
-                                                            group=dist.group.WORLD)
-    elif cfg.kind == "varlen":
+        return _cp_call(cfg, impl, q, k, v, dev)
+    layout = "zigzag" if impl == "ring-zigzag" else "contiguous"
+    if cfg.kind == "varlen":
         # packed documents: global cu_seqlens over batch*seqlen tokens, each rank's tokens from shard_varlen
         cu = varlen_cu_seqlens(cfg.with_overrides(seqlen=q.shape[1]), dev)
         fn = lambda q_, k_, v_: longattn.ring_attention_varlen(q_, k_, v_, cu, layout=layout, causal=cfg.causal,
                                                                 window_size=cfg.window)
+        return fn, [longattn.shard_varlen(x.flatten(0, 1), cu, layout=layout)[0] for x in (q, k, v)]
+    if cfg.kind == "dilated":
+        fn = lambda q_, k_, v_: longattn.dilated_attention(q_, k_, v_, segment_lengths=cfg.segment_lengths,
+                                                            dilation_rates=cfg.dilation_rates, causal=cfg.causal,
+                                                            group=dist.group.WORLD)
     else:
         fn = lambda q_, k_, v_: longattn.ring_attention(q_, k_, v_, causal=cfg.causal, window_size=cfg.window,
                                                          layout=layout)
-    if cfg.kind == "varlen":
-        ql, kl, vl = (longattn.shard_varlen(x.flatten(0, 1), cu, layout=layout)[0] for x in (q, k, v))
-    else:
-        ql, kl, vl = (longattn.shard(x, layout=layout) for x in (q, k, v))
-    del q, k, v
-    return _timed_call(fn, ql, kl, vl, dev, warmup, iters, backward, batched, label)
+    return fn, [longattn.shard(x, layout=layout) for x in (q, k, v)]
 
 
 def _timed_call(fn, ql, kl, vl, dev, warmup, iters, backward, batched, label):
@@ -292,6 +304,149 @@ def _fmt_eff(v) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One `dist` run's settings, the same for every row."""
+
+    rank: int
+    world: int
+    dev: torch.device
+    weak: bool
+    backward: bool
+    warmup: int
+    iters: int
+    batched: bool
+
+
+def _free(dev) -> None:
+    """Drop what one row left behind: its cached blocks are not the next row's to keep."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _one_device_impl(cfg: Config, dev) -> str:
+    """The `run` implementation T_single is measured with."""
+    if cfg.kind == "flex":
+        # torch's compiled FlexAttention; it has no CPU path, where our (eager) flex_attention stands in
+        return "torch-flex" if dev.type == "cuda" else "longattn-flex"
+    return {"dilated": "longattn-dilated", "varlen": "longattn-varlen"}.get(cfg.kind, "longattn")
+
+
+def _default_impls(cfg: Config) -> tuple[str, ...]:
+    return {"dilated": ("ring-contiguous",), "varlen": ("ring-zigzag", "ring-contiguous"),
+            "flex": FLEX_DIST_IMPLS}.get(cfg.kind, RING_IMPLS)
+
+
+def _single_row(cfg: Config, single_cfg: Config, base: dict, dt, run: _Run) -> tuple[dict, dict]:
+    """On rank 0: (bench_impl's row of ``single_cfg`` on one device, the result row made from it)."""
+    single_impl = _one_device_impl(cfg, run.dev)
+    tag = f"[dist] {cfg.name} one device ({single_impl}, S={single_cfg.seqlen})"
+    _log(f"{tag} ...")
+    single = bench_impl(single_cfg, single_impl, run.dev, dt, backward=run.backward, warmup=run.warmup,
+                        iters=run.iters, timing="batched" if run.batched else "warmup", label=tag, bwd_alone=False)
+    _log(f"{tag}: {single['status']}, fwd {_fmt_ms(single.get('fwd_ms'))}, "
+         f"fwd+bwd {_fmt_ms(single.get('fwd_bwd_ms'))}")
+    _free(run.dev)
+    row = dict(base, impl=f"single:{single_impl}", world_size=1, seqlen=single_cfg.seqlen,
+               status=single["status"], reason=single.get("reason"), fwd_ms=single.get("fwd_ms"),
+               fwd_bwd_ms=single.get("fwd_bwd_ms"), fwd_host_ms=single.get("fwd_host_ms"),
+               fwd_bwd_host_ms=single.get("fwd_bwd_host_ms"),
+               peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes") or single.get("fwd_peak_mem_bytes"))
+    return single, row
+
+
+def _measure(cfg: Config, impl: str, seqlen: int, dt, run: _Run, tag: str):
+    """(this rank's (tf, tb, mf, mb, hf, hb), None), or (Nones, the failure)."""
+    # The global inputs are made inside the timed helpers and dropped once
+    # sharded: held here they would sit beside the run (3 x 16 GiB at 4M tokens).
+    make = lambda: _inputs(cfg, seqlen, run.dev, dt)
+    args = (make, run.dev, run.warmup, run.iters, run.backward, run.batched, tag)
+    try:
+        if impl == "torch-cp":
+            measured, err = _torch_cp(cfg, *args), None
+        else:
+            measured, err = _ours(cfg, impl, *args), None
+    except Exception as e:  # noqa: BLE001 - recorded
+        measured, err = (None,) * 6, _failure(e)
+    _free(run.dev)
+    return measured, err
+
+
+def _merge_ranks(row: dict, measured, err: Optional[str], t1: tuple, world: int) -> None:
+    """Fill ``row`` from every rank's figures (the slowest time, the largest
+    peak); a failure on any rank fails the row on every rank. ``t1``: (T_single
+    fwd, fwd+bwd, work of the parallel problem over the one-device one)."""
+    if _allmax(1.0 if err else 0.0):
+        row.update(status="failed", reason=err or "failed on another rank")
+        return
+    tf, tb, mf, mb, hf, hb = measured
+    tf, tb, mf, mb = _allmax(tf), _allmax(tb), _allmax(mf), _allmax(mb)
+    row.update(fwd_ms=tf, fwd_bwd_ms=tb, peak_mem_fwd_bytes=mf, peak_mem_fwd_bwd_bytes=mb,
+               fwd_host_ms=_allmax(hf), fwd_bwd_host_ms=_allmax(hb))
+    t1f, t1b, work = t1
+    if t1f:
+        row["efficiency_fwd"] = work * t1f / (world * tf)
+        row["speedup_fwd"] = work * t1f / tf
+    if t1b and tb:
+        row["efficiency_fwd_bwd"] = work * t1b / (world * tb)
+        row["speedup_fwd_bwd"] = work * t1b / tb
+    # per rank; the key's name is the one earlier result files use
+    row["fwd_tflops_per_gpu"] = row["fwd_flops"] / (tf * 1e-3) / 1e12 / world
+
+
+def _log_row(tag: str, row: dict) -> None:
+    """A row's progress line, from rank 0 only."""
+    if dist.get_rank() != 0:
+        return
+    if row["status"] != "ok":
+        _log(f"{tag}: {row['status']}: {row.get('reason')}")
+    else:
+        _log(f"{tag}: ok, fwd {_fmt_ms(row.get('fwd_ms'))}, fwd+bwd {_fmt_ms(row.get('fwd_bwd_ms'))}, "
+             f"efficiency fwd {_fmt_eff(row.get('efficiency_fwd'))}, "
+             f"fwd+bwd {_fmt_eff(row.get('efficiency_fwd_bwd'))}")
+
+
+def _impl_row(cfg: Config, impl: str, base: dict, dt, t1: tuple, run: _Run) -> dict:
+    """One implementation's row: unsupported with its reason (decided from the
+    config and device alone, so the same on every rank), or timed on every rank."""
+    why = _reason(cfg, impl, run.dev)
+    name = "dilated-over-ranks" if cfg.kind == "dilated" and not why else impl
+    row = dict(base, impl=name, status="ok")
+    tag = f"[dist] {cfg.name} {name} ({run.world} ranks)"
+    if why:
+        row.update(status="unsupported", reason=why)
+        _log_row(tag, row)
+        return row
+    if run.rank == 0:
+        _log(f"{tag} ...")
+    measured, err = _measure(cfg, impl, base["seqlen"], dt, run, tag)
+    _merge_ranks(row, measured, err, t1, run.world)
+    _log_row(tag, row)
+    return row
+
+
+def _config_rows(cfg: Config, impls, run: _Run) -> list[dict]:
+    """T_single (rank 0) and every implementation's row of one config."""
+    _, dt = device_and_dtype(cfg, run.dev.type)
+    s_global = cfg.seqlen * run.world if run.weak else cfg.seqlen
+    gcfg = cfg.with_overrides(seqlen=s_global)
+    base = dict(config=cfg.name, shape=gcfg.describe(), world_size=run.world, seqlen=s_global, weak=run.weak,
+                causal=cfg.causal, fwd_flops=fwd_flops(gcfg))
+    # T_single on rank 0: the same global problem (weak mode: the per-rank problem)
+    single_cfg = cfg if run.weak else gcfg
+    rows, single = [], {}
+    if run.rank == 0:
+        single, row = _single_row(cfg, single_cfg, base, dt, run)
+        rows.append(row)
+    dist.barrier()
+    # work of the parallel problem over the single-device one (1 in strong scaling)
+    t1 = (_from_rank0(single.get("fwd_ms")), _from_rank0(single.get("fwd_bwd_ms")),
+          fwd_flops(gcfg) / fwd_flops(single_cfg))
+    rows += [_impl_row(cfg, impl, base, dt, t1, run) for impl in impls or _default_impls(cfg)]
+    return rows
+
+
 def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10, json_path=None,
              timing="cold") -> dict:
     """``timing``: "cold" (an idle GPU at each call's start: host time to the first
@@ -303,94 +458,10 @@ def run_dist(cfgs, impls=None, *, weak=False, backward=True, warmup=3, iters=10,
     env = measure.environment(dev)
     env["world_size"] = world
     env["timing"] = timing if dev.type == "cuda" else "cold"  # batching is for GPU streams
-    batched = timing == "batched"
+    run = _Run(rank, world, dev, weak, backward, warmup, iters, batched=timing == "batched")
     results = []
     for cfg in cfgs:
-        _, dt = device_and_dtype(cfg, dev.type)
-        s_global = cfg.seqlen * world if weak else cfg.seqlen
-        gcfg = cfg.with_overrides(seqlen=s_global)
-        base = dict(config=cfg.name, shape=gcfg.describe(), world_size=world, seqlen=s_global, weak=weak,
-                    causal=cfg.causal, fwd_flops=fwd_flops(gcfg))
-        # T_single on rank 0: the same global problem (weak mode: the per-rank problem)
-        single_cfg = cfg if weak else gcfg
-        single_impl = {"dilated": "longattn-dilated", "varlen": "longattn-varlen"}.get(cfg.kind, "longattn")
-        single = None
-        if rank == 0:
-            tag = f"[dist] {cfg.name} one device ({single_impl}, S={single_cfg.seqlen})"
-            _log(f"{tag} ...")
-            single = bench_impl(single_cfg, single_impl, dev, dt, backward=backward, warmup=warmup, iters=iters,
-                                timing="batched" if timing == "batched" else "warmup", label=tag,
-                                bwd_alone=False)
-            _log(f"{tag}: {single['status']}, fwd {_fmt_ms(single.get('fwd_ms'))}, "
-                 f"fwd+bwd {_fmt_ms(single.get('fwd_bwd_ms'))}")
-            gc.collect()
-            if dev.type == "cuda":  # the single-device run's cached blocks are not the ring's to keep
-                torch.cuda.empty_cache()
-            results.append(dict(base, impl=f"single:{single_impl}", world_size=1, seqlen=single_cfg.seqlen,
-                                status=single["status"], reason=single.get("reason"), fwd_ms=single.get("fwd_ms"),
-                                fwd_bwd_ms=single.get("fwd_bwd_ms"), fwd_host_ms=single.get("fwd_host_ms"),
-                                fwd_bwd_host_ms=single.get("fwd_bwd_host_ms"),
-                                peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes")
-                                or single.get("fwd_peak_mem_bytes")))
-        dist.barrier()
-        t1f = _from_rank0(single.get("fwd_ms") if single else None)
-        t1b = _from_rank0(single.get("fwd_bwd_ms") if single else None)
-        # work of the parallel problem over the single-device one (1 in strong scaling)
-        work = fwd_flops(gcfg) / fwd_flops(single_cfg)
-        names = impls or {"dilated": ("ring-contiguous",), "varlen": ("ring-zigzag", "ring-contiguous")}.get(
-            cfg.kind, RING_IMPLS)
-        for impl in names:
-            why = _reason(cfg, impl, dev)
-            name = "dilated-over-ranks" if cfg.kind == "dilated" and not why else impl
-            row = dict(base, impl=name, status="ok")
-            tag = f"[dist] {cfg.name} {name} ({world} ranks)"
-            if why:  # the same on every rank: decided from the config and device alone
-                row.update(status="unsupported", reason=why)
-                if rank == 0:
-                    _log(f"{tag}: unsupported: {why}")
-                results.append(row)
-                continue
-            if rank == 0:
-                _log(f"{tag} ...")
-            # The global inputs are made inside the timed helpers and dropped once
-            # sharded: held here they would sit beside the run (3 x 16 GiB at 4M tokens).
-            make = lambda: _inputs(cfg, s_global, dev, dt)
-            err = None
-            try:
-                if impl == "torch-cp":
-                    tf, tb, mf, mb, hf, hb = _torch_cp(cfg, make, dev, warmup, iters, backward, batched, tag)
-                else:
-                    tf, tb, mf, mb, hf, hb = _ours(cfg, impl, make, dev, warmup, iters, backward, batched, tag)
-            except Exception as e:  # noqa: BLE001 - recorded
-                err = _failure(e)
-                tf = tb = mf = mb = hf = hb = None
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            # a failure on any rank fails the row on every rank
-            failed = _allmax(1.0 if err else 0.0)
-            if failed:
-                row.update(status="failed", reason=err or "failed on another rank")
-            else:
-                tf, tb, mf, mb = _allmax(tf), _allmax(tb), _allmax(mf), _allmax(mb)
-                row.update(fwd_ms=tf, fwd_bwd_ms=tb, peak_mem_fwd_bytes=mf, peak_mem_fwd_bwd_bytes=mb,
-                           fwd_host_ms=_allmax(hf), fwd_bwd_host_ms=_allmax(hb))
-                if t1f:
-                    row["efficiency_fwd"] = work * t1f / (world * tf)
-                    row["speedup_fwd"] = work * t1f / tf
-                if t1b and tb:
-                    row["efficiency_fwd_bwd"] = work * t1b / (world * tb)
-                    row["speedup_fwd_bwd"] = work * t1b / tb
-                # per rank; the key's name is the one earlier result files use
-                row["fwd_tflops_per_gpu"] = row["fwd_flops"] / (tf * 1e-3) / 1e12 / world
-            if rank == 0:
-                if row["status"] != "ok":
-                    _log(f"{tag}: {row['status']}: {row.get('reason')}")
-                else:
-                    _log(f"{tag}: ok, fwd {_fmt_ms(row.get('fwd_ms'))}, fwd+bwd {_fmt_ms(row.get('fwd_bwd_ms'))}, "
-                         f"efficiency fwd {_fmt_eff(row.get('efficiency_fwd'))}, "
-                         f"fwd+bwd {_fmt_eff(row.get('efficiency_fwd_bwd'))}")
-            results.append(row)
+        results += _config_rows(cfg, impls, run)
         if json_path and rank == 0:  # partial results survive a run cut short
             measure.write_json(json_path, dict(kind="dist", env=env, results=results, partial=True))
     return dict(kind="dist", env=env, results=results)

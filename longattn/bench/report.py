@@ -65,35 +65,11 @@ def _bars(ax, groups: list[str], series: dict[str, list], ylabel: str) -> None:
     ax.legend(fontsize=7)
 
 
-def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
-    """Write the PNG plots these results support; returns (paths written,
-    lines naming each plot that needs more runs and what it needs).
-
-    One run (``run``) gives, per config, time and FLOP/s per implementation;
-    one ``dist`` run gives the parallel efficiency per implementation at its
-    number of ranks. Curves need more points: time and memory against the
-    sequence length (one implementation at two or more lengths: ``scale``, or
-    ``run`` files at different ``--seqlen``) and efficiency against the number
-    of ranks (``dist`` at two or more world sizes)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _impl_plots(docs, plt, save) -> None:
+    """Per `run` file and config: time and FLOP/s of each implementation."""
     from . import tables as T
     from .single import bwd_measured
 
-    os.makedirs(outdir, exist_ok=True)
-    written, missing = [], []
-
-    def save(fig, name, dpi=100):
-        p = os.path.join(outdir, name)
-        fig.tight_layout()
-        fig.savefig(p, dpi=dpi)
-        plt.close(fig)
-        written.append(p)
-
-    # per run and config: time and FLOP/s of each implementation
     for d in docs:
         if d.get("kind") != "run":
             continue
@@ -115,8 +91,11 @@ def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
                   f"{unit} (useful pairs)")
             fig.suptitle(f"{cfg}: {rows[0].get('shape', '')}, ran in {rows[0].get('dtype')}", fontsize=9)
             save(fig, f"{_safe(_stem(d))}_{_safe(cfg)}_impls.png")
-    # time and memory against sequence length: one series per implementation
-    # and shape family (heads, kv heads, head dim, causal); only real curves
+
+
+def _seqlen_series(docs) -> dict:
+    """``{(impl, heads, kv heads, head dim, causal): {seqlen: row}}`` over the
+    `run` and `scale` files: one series per implementation and shape family."""
     series = defaultdict(dict)
     for d in docs:
         if d.get("kind") not in ("run", "scale"):
@@ -125,30 +104,42 @@ def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
             if r.get("status") == "ok" and r.get("fwd_ms") is not None:
                 key = (r["impl"], r.get("heads"), r.get("kv_heads"), r.get("head_dim"), r.get("causal"))
                 series[key][r["seqlen"]] = r
+    return series
+
+
+def _seqlen_curves(docs, plt, save) -> list[str]:
+    """Time and memory against sequence length, only real curves (two or more
+    lengths); returns the missing-plot line when there are none."""
+    series = _seqlen_series(docs)
     curves = {k: v for k, v in series.items() if len(v) >= 2}
-    if curves:
-        fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-        for (impl, h, hkv, hd, causal), pts in sorted(curves.items(), key=lambda kv: str(kv[0])):
-            xs = sorted(pts)
-            lbl = f"{impl} H={h}{'/' + str(hkv) if hkv != h else ''} D={hd}{' causal' if causal else ''}"
-            axes[0].plot(xs, [pts[x]["fwd_ms"] for x in xs], marker="o", label=lbl)
-            xb = [x for x in xs if pts[x].get("fwd_bwd_ms") is not None]
-            axes[1].plot(xb, [pts[x]["fwd_bwd_ms"] for x in xb], marker="o", label=lbl)
-            xm = [x for x in xs if pts[x].get("fwd_bwd_peak_mem_bytes") is not None]
-            axes[2].plot(xm, [pts[x]["fwd_bwd_peak_mem_bytes"] / 2**20 for x in xm], marker="o", label=lbl)
-        for ax, yl in zip(axes, ("forward time (ms)", "forward+backward time (ms)",
-                                 "peak extra memory, fwd+bwd (MiB)")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("sequence length")
-            ax.set_ylabel(yl)
-            ax.grid(True, which="both", alpha=0.3)
-        axes[0].legend(fontsize=7)
-        save(fig, "time_memory_vs_seqlen.png")
-    elif series:
-        missing.append("time and memory against sequence length: needs one implementation at two or more "
-                       "sequence lengths (`scale`, or `run` result files at different `--seqlen`)")
-    # per dist run: efficiency of each implementation at its number of ranks
+    if not curves:
+        if not series:
+            return []
+        return ["time and memory against sequence length: needs one implementation at two or more "
+                "sequence lengths (`scale`, or `run` result files at different `--seqlen`)"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    for (impl, h, hkv, hd, causal), pts in sorted(curves.items(), key=lambda kv: str(kv[0])):
+        xs = sorted(pts)
+        lbl = f"{impl} H={h}{'/' + str(hkv) if hkv != h else ''} D={hd}{' causal' if causal else ''}"
+        axes[0].plot(xs, [pts[x]["fwd_ms"] for x in xs], marker="o", label=lbl)
+        xb = [x for x in xs if pts[x].get("fwd_bwd_ms") is not None]
+        axes[1].plot(xb, [pts[x]["fwd_bwd_ms"] for x in xb], marker="o", label=lbl)
+        xm = [x for x in xs if pts[x].get("fwd_bwd_peak_mem_bytes") is not None]
+        axes[2].plot(xm, [pts[x]["fwd_bwd_peak_mem_bytes"] / 2**20 for x in xm], marker="o", label=lbl)
+    for ax, yl in zip(axes, ("forward time (ms)", "forward+backward time (ms)",
+                             "peak extra memory, fwd+bwd (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(yl)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    save(fig, "time_memory_vs_seqlen.png")
+    return []
+
+
+def _efficiency_bars(docs, plt, save) -> None:
+    """Per `dist` file: the efficiency of each implementation at its number of ranks."""
     for d in docs:
         if d.get("kind") != "dist":
             continue
@@ -166,7 +157,11 @@ def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
             _bars(ax, groups, vals, f"parallel efficiency, {title}")
             ax.axhline(1.0, color="grey", lw=0.5)
         save(fig, f"{_safe(_stem(d))}_efficiency.png")
-    # efficiency against the number of ranks
+
+
+def _efficiency_vs_ranks(docs, plt, save) -> list[str]:
+    """Efficiency (fwd+bwd) against the number of ranks, one curve per config
+    and implementation; returns the missing-plot line when no curve has two points."""
     eff = defaultdict(dict)
     for d in docs:
         if d.get("kind") != "dist":
@@ -174,19 +169,52 @@ def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
         for r in d["results"]:
             if r.get("efficiency_fwd_bwd") is not None:  # only what the axis says
                 eff[(r["config"], r["impl"])][r["world_size"]] = r["efficiency_fwd_bwd"]
-    if any(len(pts) >= 2 for pts in eff.values()):
-        fig, ax = plt.subplots(figsize=(9, 5.5))
-        styles = {"ring-zigzag": "-", "ring-contiguous": ":", "torch-cp": "--", "dilated-over-ranks": "-."}
-        for (cfg, impl), pts in sorted(eff.items()):
-            ws = sorted(pts)
-            ax.plot(ws, [pts[w] for w in ws], marker="o", ls=styles.get(impl, "-"), label=f"{cfg} {impl}")
-        ax.set_xlabel("ranks")
-        ax.set_ylabel("parallel efficiency (fwd+bwd)")
-        ax.axhline(1.0, color="grey", lw=0.5)
-        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-        ax.grid(True, alpha=0.3)
-        save(fig, "efficiency_vs_gpus.png", dpi=110)  # file name as in earlier reports
-    elif any(d.get("kind") == "dist" for d in docs):
-        missing.append("efficiency against the number of ranks: needs `dist` results of one config at two or more "
-                       "world sizes (e.g. `torchrun --nproc_per_node=2` and `=4`)")
+    if not any(len(pts) >= 2 for pts in eff.values()):
+        if not any(d.get("kind") == "dist" for d in docs):
+            return []
+        return ["efficiency against the number of ranks: needs `dist` results of one config at two or more "
+                "world sizes (e.g. `torchrun --nproc_per_node=2` and `=4`)"]
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    styles = {"ring-zigzag": "-", "ring-contiguous": ":", "torch-cp": "--", "dilated-over-ranks": "-."}
+    for (cfg, impl), pts in sorted(eff.items()):
+        ws = sorted(pts)
+        ax.plot(ws, [pts[w] for w in ws], marker="o", ls=styles.get(impl, "-"), label=f"{cfg} {impl}")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("parallel efficiency (fwd+bwd)")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.grid(True, alpha=0.3)
+    save(fig, "efficiency_vs_gpus.png", dpi=110)  # file name as in earlier reports
+    return []
+
+
+def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
+    """Write the PNG plots these results support; returns (paths written,
+    lines naming each plot that needs more runs and what it needs).
+
+    One run (``run``) gives, per config, time and FLOP/s per implementation;
+    one ``dist`` run gives the parallel efficiency per implementation at its
+    number of ranks. Curves need more points: time and memory against the
+    sequence length (one implementation at two or more lengths: ``scale``, or
+    ``run`` files at different ``--seqlen``) and efficiency against the number
+    of ranks (``dist`` at two or more world sizes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(outdir, exist_ok=True)
+    written = []
+
+    def save(fig, name, dpi=100):
+        p = os.path.join(outdir, name)
+        fig.tight_layout()
+        fig.savefig(p, dpi=dpi)
+        plt.close(fig)
+        written.append(p)
+
+    _impl_plots(docs, plt, save)
+    missing = _seqlen_curves(docs, plt, save)
+    _efficiency_bars(docs, plt, save)
+    missing += _efficiency_vs_ranks(docs, plt, save)
     return written, missing

@@ -42,8 +42,94 @@ def _failure(e: BaseException) -> str:
 
 
 REFERENCES = {"dense": "longattn.attention", "dilated": "longattn.dilated_attention",
-              "varlen": "longattn.attention_varlen"}
+              "varlen": "longattn.attention_varlen", "flex": "longattn.flex_attention"}
 """The reference each row's output is compared with: our op, backend auto, on the same inputs."""
+
+
+def _row_head(cfg: Config, impl_name: str, dt) -> dict:
+    """The fields every `run`/`scale` row carries, whatever became of it."""
+    row = dict(config=cfg.name, impl=impl_name, shape=cfg.describe(), dtype=str(dt).replace("torch.", ""),
+               batch=cfg.batch, seqlen=cfg.seqlen, heads=cfg.heads, kv_heads=cfg.hkv, head_dim=cfg.head_dim,
+               causal=cfg.causal, status="ok")
+    if IMPLS[impl_name].computes:
+        row["computes"] = IMPLS[impl_name].computes
+    return row
+
+
+def _timer(dev, warmup: int, iters: int, batched: bool, label: Optional[str]):
+    """``timed(call, what)``: measure.time_ms with one row's settings; ``what``
+    names the pass in the progress lines (none when ``label`` is None)."""
+    return lambda call, what: measure.time_ms(call, dev, warmup=warmup, iters=iters, batched=batched,
+                                              label=None if label is None else f"{label} {what}")
+
+
+def _time_forward(row: dict, fn, cfg: Config, dev, dt, timed, *, reference, comparable: bool,
+                  profile: bool) -> None:
+    """Forward alone, without autograd: the rel diff against ``reference``,
+    the median time, peak memory (and the top kernels with ``profile``)."""
+    q, k, v = make_inputs(cfg, dev, dt, requires_grad=False)
+    call = lambda: fn(q, k, v)
+    with torch.no_grad():
+        out = call()
+        if reference is not None and comparable:
+            row["rel_diff_vs_ref"] = float((out.float() - reference.float()).norm() / reference.float().norm())
+            row["reference"] = f"{REFERENCES[cfg.kind]} (auto)"
+        del out
+        t = timed(call, "fwd")
+        row["fwd_ms"] = t["median_ms"]
+        row["fwd_runs"] = t["runs"]
+        row["timing"], row["fwd_host_ms"] = t["timing"], t["host_ms"]
+        row["fwd_peak_mem_bytes"] = measure.peak_memory_bytes(call, dev)
+        if profile:
+            row["fwd_top_kernels"] = measure.profile_top_kernels(call, dev)
+    row["fwd_tflops"] = row["fwd_flops"] / (row["fwd_ms"] * 1e-3) / 1e12
+    row["fwd_tokens_per_s"] = cfg.batch * cfg.seqlen / (row["fwd_ms"] * 1e-3)
+
+
+def _time_backward(row: dict, fn, cfg: Config, dev, dt, timed, *, profile: bool, bwd_alone: bool) -> None:
+    """A training step (forward + backward), then the backward by itself; a
+    failure is recorded in the row (``bwd_status`` / ``bwd_alone_reason``)."""
+    try:
+        q, k, v = make_inputs(cfg, dev, dt, requires_grad=True)
+        dout = torch.randn(q.shape, device=dev, dtype=dt)
+
+        def step():
+            out = fn(q, k, v)
+            out.backward(dout)
+            q.grad = k.grad = v.grad = None
+
+        t = timed(step, "fwd+bwd")
+        row["fwd_bwd_ms"] = t["median_ms"]
+        row["fwd_bwd_host_ms"] = t["host_ms"]
+        row["fwd_bwd_peak_mem_bytes"] = measure.peak_memory_bytes(step, dev)
+        row["fwd_bwd_tokens_per_s"] = cfg.batch * cfg.seqlen / (row["fwd_bwd_ms"] * 1e-3)
+        if profile:
+            row["fwd_bwd_top_kernels"] = measure.profile_top_kernels(step, dev)
+    except Exception as e:  # noqa: BLE001
+        row.update(bwd_status="failed", bwd_reason=_failure(e))
+        return
+    if bwd_alone:
+        _time_backward_alone(row, fn, (q, k, v), dout, timed)
+
+
+def _time_backward_alone(row: dict, fn, inputs, dout, timed) -> None:
+    """The backward by itself: one forward's graph is kept and each timed call
+    runs its backward again (``retain_graph``), so the time is measured, not a
+    difference of two medians."""
+    try:
+        graph = fn(*inputs)
+
+        def bwd():
+            graph.backward(dout, retain_graph=True)
+            for x in inputs:
+                x.grad = None
+
+        t = timed(bwd, "bwd")
+        row["bwd_ms"] = t["median_ms"]
+        row["bwd_host_ms"] = t["host_ms"]
+        row["bwd_tflops"] = 2.5 * row["fwd_flops"] / (row["bwd_ms"] * 1e-3) / 1e12
+    except Exception as e:  # noqa: BLE001 - the fwd+bwd figures stand; only this one is missing
+        row["bwd_alone_reason"] = _failure(e)
 
 
 def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, warmup: int = 3, iters: int = 10,
@@ -57,39 +143,19 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
     lines for slow work (None: silent).
     """
     impl = IMPLS[impl_name]
-    row = dict(config=cfg.name, impl=impl_name, shape=cfg.describe(), dtype=str(dt).replace("torch.", ""),
-               batch=cfg.batch, seqlen=cfg.seqlen, heads=cfg.heads, kv_heads=cfg.hkv, head_dim=cfg.head_dim,
-               causal=cfg.causal, status="ok")
-    if impl.computes:
-        row["computes"] = impl.computes
+    row = _row_head(cfg, impl_name, dt)
     why = impl.reason(cfg, dev)
     if why:
         row.update(status="unsupported", reason=why)
         return row
     # FLOPs of the pairs this implementation computes (head-split computes 1/n of LongNet's)
-    flops = fwd_flops(cfg) * impl.pair_fraction(cfg)
-    row["fwd_flops"] = flops
-    batched = timing == "batched"
-    sub = (lambda what: None) if label is None else (lambda what: f"{label} {what}")
+    row["fwd_flops"] = fwd_flops(cfg) * impl.pair_fraction(cfg)
+    timed = _timer(dev, warmup, iters, timing == "batched", label)
+    profile = timing == "profiler"
     try:
         fn = impl.build(cfg, dev)
-        q, k, v = make_inputs(cfg, dev, dt, requires_grad=False)
-        with torch.no_grad():
-            out = fn(q, k, v)
-            if reference is not None and impl.comparable:
-                row["rel_diff_vs_ref"] = float((out.float() - reference.float()).norm() / reference.float().norm())
-                row["reference"] = f"{REFERENCES[cfg.kind]} (auto)"
-            del out
-            t = measure.time_ms(lambda: fn(q, k, v), dev, warmup=warmup, iters=iters, batched=batched,
-                                label=sub("fwd"))
-            row["fwd_ms"] = t["median_ms"]
-            row["fwd_runs"] = t["runs"]
-            row["timing"], row["fwd_host_ms"] = t["timing"], t["host_ms"]
-            row["fwd_peak_mem_bytes"] = measure.peak_memory_bytes(lambda: fn(q, k, v), dev)
-            if timing == "profiler":
-                row["fwd_top_kernels"] = measure.profile_top_kernels(lambda: fn(q, k, v), dev)
-        row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
-        row["fwd_tokens_per_s"] = cfg.batch * cfg.seqlen / (row["fwd_ms"] * 1e-3)
+        _time_forward(row, fn, cfg, dev, dt, timed, reference=reference, comparable=impl.comparable,
+                      profile=profile)
     except Exception as e:  # noqa: BLE001 - recorded, not hidden
         row.update(status="failed", reason=_failure(e))
         return row
@@ -97,42 +163,7 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
         gc.collect()
     if not backward:
         return row
-    try:
-        del q, k, v
-        q, k, v = make_inputs(cfg, dev, dt, requires_grad=True)
-        dout = torch.randn(q.shape, device=dev, dtype=dt)
-
-        def step():
-            out = fn(q, k, v)
-            out.backward(dout)
-            q.grad = k.grad = v.grad = None
-
-        t = measure.time_ms(step, dev, warmup=warmup, iters=iters, batched=batched, label=sub("fwd+bwd"))
-        row["fwd_bwd_ms"] = t["median_ms"]
-        row["fwd_bwd_host_ms"] = t["host_ms"]
-        row["fwd_bwd_peak_mem_bytes"] = measure.peak_memory_bytes(step, dev)
-        row["fwd_bwd_tokens_per_s"] = cfg.batch * cfg.seqlen / (row["fwd_bwd_ms"] * 1e-3)
-        if timing == "profiler":
-            row["fwd_bwd_top_kernels"] = measure.profile_top_kernels(step, dev)
-    except Exception as e:  # noqa: BLE001
-        row.update(bwd_status="failed", bwd_reason=_failure(e))
-        bwd_alone = False
-    graph = None
-    if bwd_alone:
-        try:
-            graph = fn(q, k, v)  # the forward's graph, kept: each timed call runs its backward again
-
-            def bwd():
-                graph.backward(dout, retain_graph=True)
-                q.grad = k.grad = v.grad = None
-
-            t = measure.time_ms(bwd, dev, warmup=warmup, iters=iters, batched=batched, label=sub("bwd"))
-            row["bwd_ms"] = t["median_ms"]
-            row["bwd_host_ms"] = t["host_ms"]
-            row["bwd_tflops"] = 2.5 * flops / (row["bwd_ms"] * 1e-3) / 1e12
-        except Exception as e:  # noqa: BLE001 - the fwd+bwd figures stand; only this one is missing
-            row["bwd_alone_reason"] = _failure(e)
-    del graph
+    _time_backward(row, fn, cfg, dev, dt, timed, profile=profile, bwd_alone=bwd_alone)
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -145,7 +176,7 @@ def reference_output(cfg: Config, dev, dt):
     different function and shows it)."""
     import longattn
 
-    from .impls import varlen_cu_seqlens
+    from .impls import flex_mask, varlen_cu_seqlens
 
     q, k, v = make_inputs(cfg, dev, dt, requires_grad=False)
     with torch.no_grad():
@@ -159,6 +190,8 @@ def reference_output(cfg: Config, dev, dt):
                 o = longattn.attention_varlen(q.reshape(b * s, h, d), k.reshape(b * s, -1, d),
                                               v.reshape(b * s, -1, d), cu, causal=cfg.causal)
                 return o.view(b, s, h, d)
+            if cfg.kind == "flex":
+                return longattn.flex_attention(q, k, v, mask_mod=flex_mask(cfg, dev))
             return longattn.attention(q, k, v, causal=cfg.causal, window_size=cfg.window)
         except Exception:  # noqa: BLE001 - rows then carry no rel diff
             return None
