@@ -103,3 +103,14 @@ def check_cu_seqlens(cu_seqlens, total: int, name: str = "cu_seqlens") -> None:
         raise ValueError(f"{name} must start at 0 and be non-decreasing, got {vals[:8]}...")
     if vals[-1] != total:
         raise ValueError(f"{name}[-1] ({vals[-1]}) must equal the number of tokens ({total})")
+
+
+def check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, *, same_seqlen: bool = False,
+                         ndim: int = 4) -> tuple[int, int]:
+    """The checks every attention entry point shares (tensors, flags, scale,
+    window); returns the window as (left, right)."""
+    check_qkv(q, k, v, same_seqlen=same_seqlen, ndim=ndim)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    return check_window(window_size)

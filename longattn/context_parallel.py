@@ -198,91 +198,27 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
         position 0 and no target.
     """
     g = resolve_group(group, mesh_dim)
-    world = dist.get_world_size(g)
     if check:  # first, so that a rank whose batch is malformed does not raise alone
         agree(g, "shard_batch", batch=_digest(input_ids, labels, attention_mask, position_ids, cu_seqlens),
               layout=layout)
-    if layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"layout={layout!r}: choose 'zigzag' or 'contiguous'")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a (batch, seqlen) tensor, got "
-                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+    position_ids, cu_list = _check_batch(input_ids, labels, attention_mask, position_ids, cu_seqlens, layout)
     b, s = input_ids.shape
     dev = input_ids.device
-    for name, x in (("labels", labels), ("attention_mask", attention_mask)):
-        if x is not None and tuple(x.shape) != (b, s):
-            raise ValueError(f"{name} must have the shape of input_ids {(b, s)}, got {tuple(x.shape)}")
-    if position_ids is not None:
-        if position_ids.dim() != 2 or position_ids.shape[1] != s or position_ids.shape[0] not in (1, b):
-            raise ValueError(f"position_ids must be (batch or 1, seqlen) = ({b} or 1, {s}), "
-                             f"got {tuple(position_ids.shape)}")
-        position_ids = position_ids.expand(b, s).to(dev)
-    if cu_seqlens is not None:
-        if attention_mask is not None:
-            raise ValueError("pass either cu_seqlens (packed documents) or attention_mask (padding), not both")
-        if b != 1:
-            raise ValueError(f"cu_seqlens describes one packed row: input_ids must be (1, seqlen), got {(b, s)}")
-        cu_list = [int(x) for x in cu_seqlens.tolist()]
-        if cu_list[0] != 0 or cu_list[-1] != s or any(y < x for x, y in zip(cu_list, cu_list[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to seqlen ({s}), got {cu_list[:8]}...")
-
     valid = torch.ones(b, s, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
-    # Positions the model would use unsharded (its default is arange per row).
-    if position_ids is None:
-        position_ids = torch.arange(s, device=dev).expand(b, s)
-        if cu_seqlens is not None:
-            starts = torch.tensor(cu_list[:-1], device=dev)
-            doc = torch.searchsorted(torch.tensor(cu_list[1:], device=dev), torch.arange(s, device=dev), right=True)
-            position_ids = (torch.arange(s, device=dev) - starts[doc])[None]
-    if labels is None:
-        nxt = _shift(input_ids, ignore_index)
-        shift_labels = nxt.masked_fill(~(valid & _shift(valid.long(), 0).bool()), ignore_index)
-    else:
-        shift_labels = _shift(labels.to(dev), ignore_index)
-        bad = (~valid) & (shift_labels != ignore_index)
-        if bool(bad.any()):
-            r, t = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"labels: position {t} of row {r} is padding but is trained to predict "
-                             f"labels[{r}, {t + 1}] = {int(shift_labels[r, t])}; padding rows are not computed "
-                             f"under context parallelism: set that label to {ignore_index} (with left padding, the "
-                             f"label of each row's first real token)")
-    num_items = (shift_labels != ignore_index).sum()
-
-    # Document starts of a packed stream, or None for dense rows.
-    starts = None
-    if attention_mask is not None and not bool(valid.all()):
-        n_valid = valid.sum(1)
-        first = valid.float().argmax(1)
-        last = s - 1 - valid.flip(1).float().argmax(1)
-        if bool(((n_valid > 0) & (last - first + 1 != n_valid)).any()):
-            raise ValueError("attention_mask has zeros between real tokens; only left or right padding can be "
-                             "sharded (pack such sequences as separate documents)")
-        starts = torch.zeros(b, s, dtype=torch.bool, device=dev)
-        rows = torch.nonzero(n_valid > 0).flatten()
-        starts[rows, first[rows]] = True
-    elif cu_seqlens is not None:
-        starts = torch.zeros(1, s, dtype=torch.bool, device=dev)
-        starts[0, torch.tensor([c for c in cu_list[:-1] if c < s], dtype=torch.long, device=dev)] = True
-    elif attention_mask is None:  # packed when positions restart (transformers' rule)
-        brk = torch.ones(b, s, dtype=torch.bool, device=dev)
-        brk[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-        if bool(brk[:, 1:].any()):
-            starts = brk
-    if starts is None and s % (2 * world if layout == "zigzag" else world):
-        starts = torch.zeros(b, s, dtype=torch.bool, device=dev)
-        starts[:, 0] = True  # one document per row: the packed layout pads each document itself
-
-    common = dict(use_cache=False, num_items_in_batch=num_items)
+    if position_ids is None:  # the positions the model would use unsharded (its default is arange per row)
+        position_ids = _default_positions(b, s, cu_list, dev)
+    shift_labels = _shift_labels(input_ids, labels, valid, ignore_index)
+    common = dict(use_cache=False, num_items_in_batch=(shift_labels != ignore_index).sum())
+    starts = _document_starts(valid, position_ids, cu_list, attention_mask is not None, dist.get_world_size(g),
+                              layout)
     if starts is None:
         ctx = CPContext(g, layout, b, s)
         sh = lambda x: shard(x, layout=layout, group=g, seq_dim=1)
         shifted = sh(shift_labels)
         return dict(input_ids=sh(input_ids), position_ids=sh(position_ids.contiguous()), labels=shifted,
                     shift_labels=shifted, longattn_cp=ctx, **common)
-
     token_index = torch.nonzero(valid.flatten()).flatten()
-    starts = starts.flatten()[token_index]
-    doc_starts = torch.nonzero(starts).flatten()
+    doc_starts = torch.nonzero(starts.flatten()[token_index]).flatten()
     cu = torch.cat([doc_starts, torch.tensor([token_index.numel()], device=dev)]).to(torch.int32).cpu()
     flat = lambda x: x.reshape(-1)[token_index]
     ids_l, meta = shard_varlen(flat(input_ids), cu, layout=layout, group=g)
@@ -292,6 +228,91 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
     ctx = CPContext(g, layout, b, s, cu, meta, token_index)
     return dict(input_ids=ids_l[None], position_ids=pos_l[None], labels=lab_l[None], shift_labels=lab_l[None],
                 longattn_cp=ctx, **common)
+
+
+def _check_batch(input_ids, labels, attention_mask, position_ids, cu_seqlens, layout):
+    """Shapes and boundaries of a batch (ValueError naming the argument); returns
+    (position_ids expanded to (batch, seqlen) or None, cu_seqlens as a list or None)."""
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout={layout!r}: choose 'zigzag' or 'contiguous'")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a (batch, seqlen) tensor, got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+    b, s = input_ids.shape
+    for name, x in (("labels", labels), ("attention_mask", attention_mask)):
+        if x is not None and tuple(x.shape) != (b, s):
+            raise ValueError(f"{name} must have the shape of input_ids {(b, s)}, got {tuple(x.shape)}")
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.shape[1] != s or position_ids.shape[0] not in (1, b):
+            raise ValueError(f"position_ids must be (batch or 1, seqlen) = ({b} or 1, {s}), "
+                             f"got {tuple(position_ids.shape)}")
+        position_ids = position_ids.expand(b, s).to(input_ids.device)
+    cu_list = None
+    if cu_seqlens is not None:
+        if attention_mask is not None:
+            raise ValueError("pass either cu_seqlens (packed documents) or attention_mask (padding), not both")
+        if b != 1:
+            raise ValueError(f"cu_seqlens describes one packed row: input_ids must be (1, seqlen), got {(b, s)}")
+        cu_list = [int(x) for x in cu_seqlens.tolist()]
+        if cu_list[0] != 0 or cu_list[-1] != s or any(y < x for x, y in zip(cu_list, cu_list[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to seqlen ({s}), got {cu_list[:8]}...")
+    return position_ids, cu_list
+
+
+def _default_positions(b: int, s: int, cu_list, dev) -> torch.Tensor:
+    """arange per row; in a packed stream, positions restarting at each document."""
+    if cu_list is None:
+        return torch.arange(s, device=dev).expand(b, s)
+    starts = torch.tensor(cu_list[:-1], device=dev)
+    doc = torch.searchsorted(torch.tensor(cu_list[1:], device=dev), torch.arange(s, device=dev), right=True)
+    return (torch.arange(s, device=dev) - starts[doc])[None]
+
+
+def _shift_labels(input_ids, labels, valid, ignore_index: int) -> torch.Tensor:
+    """Each position's target (the next label), ``ignore_index`` where none; a
+    target predicted from a padding position raises (padding is not computed)."""
+    if labels is None:
+        nxt = _shift(input_ids, ignore_index)
+        return nxt.masked_fill(~(valid & _shift(valid.long(), 0).bool()), ignore_index)
+    shift_labels = _shift(labels.to(input_ids.device), ignore_index)
+    bad = (~valid) & (shift_labels != ignore_index)
+    if bool(bad.any()):
+        r, t = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"labels: position {t} of row {r} is padding but is trained to predict "
+                         f"labels[{r}, {t + 1}] = {int(shift_labels[r, t])}; padding rows are not computed "
+                         f"under context parallelism: set that label to {ignore_index} (with left padding, the "
+                         f"label of each row's first real token)")
+    return shift_labels
+
+
+def _document_starts(valid, position_ids, cu_list, has_mask: bool, world: int, layout: str):
+    """(batch, seqlen) bool marking where packed documents start, or None for
+    dense rows that shard as they are."""
+    b, s = valid.shape
+    dev = valid.device
+    starts = None
+    if has_mask and not bool(valid.all()):
+        n_valid = valid.sum(1)
+        first = valid.float().argmax(1)
+        last = s - 1 - valid.flip(1).float().argmax(1)
+        if bool(((n_valid > 0) & (last - first + 1 != n_valid)).any()):
+            raise ValueError("attention_mask has zeros between real tokens; only left or right padding can be "
+                             "sharded (pack such sequences as separate documents)")
+        starts = torch.zeros(b, s, dtype=torch.bool, device=dev)
+        rows = torch.nonzero(n_valid > 0).flatten()
+        starts[rows, first[rows]] = True
+    elif cu_list is not None:
+        starts = torch.zeros(1, s, dtype=torch.bool, device=dev)
+        starts[0, torch.tensor([c for c in cu_list[:-1] if c < s], dtype=torch.long, device=dev)] = True
+    elif not has_mask:  # packed when positions restart (transformers' rule)
+        brk = torch.ones(b, s, dtype=torch.bool, device=dev)
+        brk[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        if bool(brk[:, 1:].any()):
+            starts = brk
+    if starts is None and s % (2 * world if layout == "zigzag" else world):
+        starts = torch.zeros(b, s, dtype=torch.bool, device=dev)
+        starts[:, 0] = True  # one document per row: the packed layout pads each document itself
+    return starts
 
 
 def loss(logits: torch.Tensor, batch: dict, ignore_index: int = -100) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import checks
 from .layout import check_layout, shard, unshard
 from .plan import local_length
-from .varlen_layout import VarlenShard, _index, shard_varlen, unshard_varlen
+from .varlen_layout import VarlenShard, global_index, shard_varlen, unshard_varlen
 
 MESH_DIMS = ("ulysses", "ring")
 
@@ -218,7 +218,7 @@ def lse_to_seq(lse: torch.Tensor, layout: str, group) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _packed_rows(cu: tuple, layout: str, world: int, device: str) -> torch.Tensor:
     """Row of each packed token in the concatenation of every rank's shard."""
-    gidx = torch.cat([_index(cu, layout, world, r) for r in range(world)])
+    gidx = torch.cat([global_index(cu, layout, world, r) for r in range(world)])
     rows = torch.empty(cu[-1], dtype=torch.long)
     keep = gidx >= 0
     rows[gidx[keep]] = torch.arange(gidx.numel())[keep]

@@ -21,7 +21,7 @@ from .layout import check_layout
 from .plan import pieces
 
 
-def _index(cu: tuple, layout: str, world: int, rank: int) -> torch.Tensor:
+def global_index(cu: tuple, layout: str, world: int, rank: int) -> torch.Tensor:
     """Global packed index of each local token, -1 for padding."""
     parts, length = pieces(cu, layout, world, rank)
     idx = torch.full((length,), -1, dtype=torch.long)
@@ -56,7 +56,7 @@ def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, layout: str = "zi
     g = resolve_group(group)
     world, rank = dist.get_world_size(g), dist.get_rank(g)
     cu = tuple(int(v) for v in cu_seqlens.tolist())
-    idx = _index(cu, layout, world, rank)
+    idx = global_index(cu, layout, world, rank)
     pos = torch.zeros_like(idx)
     starts = torch.tensor(cu[:-1])
     valid = idx >= 0
@@ -76,7 +76,7 @@ class _GatherVarlen(torch.autograd.Function):
         out = x.new_zeros((cu[-1], *x.shape[1:]))
         ctx.idx = []
         for r, p in enumerate(parts):
-            idx = _index(cu, layout, world, r).to(x.device)
+            idx = global_index(cu, layout, world, r).to(x.device)
             keep = idx >= 0
             out[idx[keep]] = p[keep]
             ctx.idx.append(idx)

@@ -14,7 +14,7 @@ import torch
 
 from .. import backends as bk
 from .._autograd import out_lse_like, register_attention_autograd
-from .._validation import check_flag, check_qkv, check_scale, check_window
+from .._validation import check_attention_call
 
 __all__ = ["attention"]
 
@@ -75,11 +75,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         s = s.masked_fill(~mask, float("-inf"))
         out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(g, 2))
     """
-    check_qkv(q, k, v)
-    check_flag(causal, "causal")
-    check_flag(return_lse, "return_lse")
-    check_scale(softmax_scale)
-    left, right = check_window(window_size)
+    left, right = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size)
     bk.check_backend_name(backend)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     q_offset = k.shape[1] - q.shape[1]

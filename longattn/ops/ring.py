@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .._autograd import grads_like, register_attention_autograd
-from .._validation import check_flag, check_qkv, check_scale, check_window
+from .._validation import check_attention_call
 from ..distributed import checks
 from ..distributed.layout import check_layout
 from ..distributed.plan import num_steps, plan
@@ -106,11 +106,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         full = lambda x: longattn.unshard(x, layout=layout)
         out = longattn.shard(longattn.attention(full(q), full(k), full(v), causal=causal), layout=layout)
     """
-    check_qkv(q, k, v, same_seqlen=True)
-    check_flag(causal, "causal")
-    check_flag(return_lse, "return_lse")
-    check_scale(softmax_scale)
-    window = check_window(window_size)
+    window = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True)
     check_layout(layout)
     bk.check_backend_name(backend)
     g = checks.resolve_group(group)

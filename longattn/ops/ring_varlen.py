@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
-from .._validation import check_cu_seqlens, check_flag, check_qkv, check_scale, check_window
+from .._validation import check_attention_call, check_cu_seqlens
 from ..distributed import checks
 from ..distributed.fused_varlen import fusable, fused_call
 from ..distributed.layout import check_layout
@@ -81,12 +81,8 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         total_tokens_local)``); padding rows hold 0 and lse -inf.
         ``unshard_varlen(out, cu_seqlens)`` equals ``attention_varlen`` of the packed input.
     """
-    check_qkv(q, k, v, same_seqlen=True, ndim=3)
+    window = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True, ndim=3)
     check_layout(layout)
-    check_flag(causal, "causal")
-    check_flag(return_lse, "return_lse")
-    check_scale(softmax_scale)
-    window = check_window(window_size)
     bk.check_backend_name(backend)
     g = checks.resolve_group(group)
     check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]))

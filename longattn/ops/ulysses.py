@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
-from .._validation import check_cu_seqlens, check_flag, check_qkv, check_scale, check_window
+from .._validation import check_attention_call, check_cu_seqlens
 from ..distributed import checks
 from ..distributed import ulysses as U
 from ..distributed.layout import check_layout
@@ -29,11 +29,7 @@ __all__ = ["ulysses_attention", "ulysses_attention_varlen"]
 
 def check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=4):
     """The argument checks every Ulysses / hybrid entry point shares; returns (window, scale)."""
-    check_qkv(q, k, v, same_seqlen=True, ndim=ndim)
-    check_flag(causal, "causal")
-    check_flag(return_lse, "return_lse")
-    check_scale(softmax_scale)
-    window = check_window(window_size)
+    window = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True, ndim=ndim)
     check_layout(layout)
     bk.check_backend_name(backend)
     return window, bk.default_scale(q.shape[-1], softmax_scale)

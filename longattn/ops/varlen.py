@@ -13,7 +13,7 @@ import torch
 
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
-from .._validation import check_cu_seqlens, check_flag, check_qkv, check_scale, check_window
+from .._validation import check_attention_call, check_cu_seqlens
 from ..backends import varlen as _varlen
 
 __all__ = ["attention_varlen"]
@@ -62,12 +62,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                 for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
         out = torch.cat(outs)
     """
-    check_qkv(q, k, v, same_seqlen=True, ndim=3)
+    left, right = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True,
+                                       ndim=3)
     check_cu_seqlens(cu_seqlens, q.shape[0])
-    check_flag(causal, "causal")
-    check_flag(return_lse, "return_lse")
-    check_scale(softmax_scale)
-    left, right = check_window(window_size)
     bk.check_backend_name(backend)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1])
     if max_seqlen is None:
