@@ -106,9 +106,10 @@ class VarlenTuning:
     """Which kernel runs ``attention_varlen`` on CUDA."""
 
     loop_min_mean_tokens: int = measured(
-        4096, "documents of at least this mean length run as one cuDNN call each; shorter ones through "
-              "FlashAttention-2's varlen kernel (its backward beat our Triton varlen kernel 1.6x)",
-        "run_varlen_h200_e12dbda.json")
+        2048, "documents of at least this mean length run as one cuDNN call each, shorter ones through "
+              "FlashAttention-2's varlen kernel: mean 3641 tokens (varlen_mix_32k) per-document cuDNN 2.95 / 7.75 ms "
+              "fwd / bwd vs flash varlen 4.55 / 12.55; mean 1170 (varlen_chat_16k) 1.94 / 6.49 vs 1.04 / 2.74; "
+              "the crossing between the two means is not measured", "run_varlen_h200_e12dbda.json")
 
 
 @dataclasses.dataclass(frozen=True)
