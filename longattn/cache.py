@@ -113,8 +113,8 @@ class KVCache:
         except (TypeError, ValueError) as e:
             problem, lens = e, None
         if g is not None:
-            _dec.agree(g, "KVCache.from_prefill", problem, k=_dec.describe(k), v=_dec.describe(v), seqlens=lens,
-                       layout=layout, reserve=reserve, block=block)
+            _dec.agree(g, "KVCache.from_prefill", problem, k=_dec.describe(k), v=_dec.describe(v),
+                       seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
         elif problem is not None:
             raise problem
         cache = cls._empty_like(k, g, block)
@@ -143,8 +143,8 @@ class KVCache:
         except (TypeError, ValueError) as e:
             problem, lens = e, None
         if g is not None:
-            _dec.agree(g, "KVCache.from_sequence", problem, k=_dec.describe(k), v=_dec.describe(v), seqlens=lens,
-                       layout=layout, reserve=reserve, block=block)
+            _dec.agree(g, "KVCache.from_sequence", problem, k=_dec.describe(k), v=_dec.describe(v),
+                       seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
         elif problem is not None:
             raise problem
         cache = cls._empty_like(k, g, block)
