@@ -201,3 +201,23 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="seqlens must hold"):
         longattn.KVCache.from_prefill(k, k, seqlens=[3, 11])
     assert cache.attend(q).shape == q.shape
+
+
+def test_bench_decode_tiny(tmp_path):
+    """python -m longattn.bench decode on CPU: dense and dilated rows with
+    measured prefill, per-token latency and tokens/s, the JSON with its env."""
+    import json
+
+    from longattn.bench.__main__ import main
+
+    path = tmp_path / "decode.json"
+    main(["decode", "--context", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--warmup", "1",
+          "--iters", "2", "--layers", "2", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2",
+          "--json", str(path)])
+    d = json.loads(path.read_text())
+    assert d["kind"] == "decode" and d["world"] == 1 and {"torch", "commit", "command", "device"} <= set(d["env"])
+    assert [r["impl"] for r in d["results"]] == ["longattn", "longattn-dilated"]
+    for r in d["results"]:
+        assert r["status"] == "ok" and r["context"] == 64 and r["layers"] == 2
+        assert r["prefill_ms"] > 0 and r["decode_ms_per_layer"] > 0 and r["tokens_per_s"] > 0
+        assert r["cache_bytes_per_rank"] >= 2 * 2 * 64 * 16 * 4  # two layers' K and V, float32

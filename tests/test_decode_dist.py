@@ -128,6 +128,16 @@ def _check_errors(rank, world):
     assert cache.attend(q).shape == q.shape
 
 
+def _check_errors_and_bench(rank, world):
+    _check_errors(rank, world)
+    from longattn.bench.decode import parse, run  # the bench under torchrun: the cache sharded
+
+    res = run(parse(["--context", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--warmup", "1",
+                     "--iters", "2", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2"]))
+    assert res["world"] == world and [r["status"] for r in res["results"]] == ["ok", "ok"]
+    assert all(r["decode_ms_per_layer"] > 0 and r["prefill_ms"] > 0 for r in res["results"])
+
+
 @pytest.mark.dist
 def test_bad_inputs_raise_on_every_rank():
-    run_world(_check_errors, 2)
+    run_world(_check_errors_and_bench, 2)
