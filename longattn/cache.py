@@ -64,7 +64,7 @@ class KVCache:
     * :meth:`append` ``(batch, n, nheads_kv, headdim)`` puts the new tokens on one
       rank, chosen the same way on every rank to keep the parts balanced
       (within ``block`` tokens; see :class:`~longattn.distributed.cache.CacheLayout`).
-      Capacity is preallocated (``reserve``) and doubles when full.
+      Capacity is preallocated (``reserve``) and grows by an eighth when full (a copy).
     * :meth:`attend` runs the queries of the tokens appended last over every
       part, dense or dilated: each rank attends to its part, the partial
       results merge by lse with one all-gather of ``(batch, q_len, nheads,
@@ -174,9 +174,11 @@ class KVCache:
         self.v = self.v.new_empty(b, capacity, hkv, d)
 
     def _grow(self, needed: int) -> None:
+        # By an eighth (at least two blocks): a part of a context that barely
+        # fits must not double; the copy is amortised over many appends.
         old = self.k.shape[1]
         k, v = self.k, self.v
-        self._alloc(max(needed, 2 * old))
+        self._alloc(max(needed, old + max(old // 8, 2 * self.layout.block)))
         self.k[:, :old] = k
         self.v[:, :old] = v
 
