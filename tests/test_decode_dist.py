@@ -73,7 +73,22 @@ def _check_steps(rank, world):
             loc = c.layout.local
             assert [sum(r[i] for r in loc) for i in range(b)] == c.layout.seqlens
             assert max(max(r) for r in loc) - min(max(r) for r in loc) <= 3, loc
+    _check_empty_part(rank, world)
     _check_generate(rank, world)
+
+
+def _check_empty_part(rank, world):
+    """The last rank holds no key of row 0: its part has weight 0, no NaN."""
+    gen = torch.Generator().manual_seed(12)
+    k, v = torch.randn(2, 4 * world, 2, 8, generator=gen), torch.randn(2, 4 * world, 2, 8, generator=gen)
+    q = torch.randn(2, 1, 4, 8, generator=gen)
+    part = slice(4 * rank, 4 * rank + 4)
+    lens = torch.tensor([0 if rank == world - 1 else 4, 4], dtype=torch.int32)
+    got = longattn.decode_attention(q, k[:, part], v[:, part], cache_seqlens=lens, causal=False, return_lse=True,
+                                    group=dist.group.WORLD)
+    n0 = 4 * (world - 1)
+    refs = [attention_ref(q[:1], k[:1, :n0], v[:1, :n0]), attention_ref(q[1:], k[1:], v[1:])]
+    _compare(f"world={world} empty part", got, refs)
 
 
 def _check_generate(rank, world):

@@ -368,6 +368,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     -> ``((batch, q_len, heads, dim), None)``. Equivalent to transformers'
     ``"sdpa"``/``"eager"`` on every real token (see the module docstring)."""
     impl = "longattn"
+    if getattr(key, "_longattn_layer", None) is not None:
+        raise ValueError(f"attn_implementation={impl!r} got a ShardedCache: it serves 'longattn_ring' and "
+                         f"'longattn_dilated'; use the default cache with 'longattn'")
     causal, value, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
     query, key, value = _autocast(query, key, value)
     b, h, sq, d = query.shape
@@ -635,7 +638,9 @@ def _sharded_cache_class():
         ``attn_implementation="longattn_ring"`` or ``"longattn_dilated"``: each
         layer is a :class:`longattn.KVCache` sharded over ``group`` (default: the
         whole world), filled by the prefill and appended to one rank per token
-        (see the module docstring).
+        (see the module docstring). Only those two attention implementations
+        read it: ``update`` returns the new tokens alone, so ``"sdpa"`` or
+        ``"eager"`` would attend to nothing else (``"longattn"`` raises).
 
         Args:
             group: ProcessGroup (default WORLD; torch.distributed must be
