@@ -10,6 +10,8 @@
 * :func:`flex_attention`, :func:`ring_flex_attention` — any pattern
   (FlexAttention ``mask_mod``/``score_mod`` on global positions, e.g. from
   :mod:`longattn.masks`) on one device or across ranks.
+* :func:`decode_attention`, :func:`dilated_decode_attention`, :class:`KVCache` —
+  decoding with a KV cache, on one device or sharded over ranks.
 * :mod:`longattn.nn` — modules; :mod:`longattn.bench` — the benchmark CLI.
 """
 from .backends import BACKENDS, available_backends, use_backend
@@ -20,6 +22,8 @@ from .distributed import shard, shard_positions, shard_varlen, unshard, unshard_
 from .distributed.ulysses import (shard_for_mesh, shard_positions_for_mesh, shard_varlen_for_mesh,
                                   unshard_for_mesh, unshard_varlen_for_mesh)
 from . import masks, nn, tuning
+from .ops import decode_attention, dilated_decode_attention
+from .cache import KVCache
 
 __version__ = "0.1.0"
 
@@ -51,4 +55,5 @@ __all__ = [
     "shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen", "shard_for_mesh", "unshard_for_mesh",
     "shard_positions_for_mesh", "shard_varlen_for_mesh", "unshard_varlen_for_mesh",
     "masks", "nn", "tuning", "use_backend", "available_backends", "kernels_available", "BACKENDS",
+    "decode_attention", "dilated_decode_attention", "KVCache",
 ]

@@ -197,10 +197,9 @@ def test_dilated_errors():
     ids, kw, _ = _inputs("packed")
     with pytest.raises(ValueError, match="packed documents"):
         model(ids, **kw)
-    with pytest.raises(ValueError, match="dilated decoding"):
-        model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)
-    out = model.generate(ids[:, :4], max_new_tokens=2, do_sample=False, use_cache=False)
-    assert out.shape == (2, 6)
+    ids, kw, _ = _inputs("left")
+    with pytest.raises(ValueError, match="padding_side = 'right'"):  # left padding in generation too
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, **kw)
     bare = transformers.AutoModelForCausalLM.from_config(_config("llama"), attn_implementation="longattn_dilated")
     with pytest.raises(ValueError, match="longattn_segment_lengths"):
         bare(ids)
@@ -209,6 +208,19 @@ def test_dilated_errors():
         attn_implementation="longattn_dilated")
     with pytest.raises(ValueError, match="sliding_window = None"):
         mistral(ids)
+
+
+def test_dilated_generate_decodes_from_the_cache():
+    """Greedy tokens decoded from the KV cache (dilated_decode_attention) equal
+    those of recomputing dilated attention over the whole sequence at every
+    step (use_cache=False); a prompt longer than the largest segment, GQA."""
+    cfg = _config("llama", longattn_segment_lengths=[4, 8], longattn_dilation_rates=[1, 2])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="longattn_dilated")
+    ids = torch.randint(1, 50, (2, 11), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got, want = model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw)
+    assert torch.equal(got, want), (got, want)
 
 
 # -------------------------------------------------------------------------- errors

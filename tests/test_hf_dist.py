@@ -201,3 +201,51 @@ def _check_scripts(rank, world):
 @pytest.mark.dist
 def test_ring_example_and_benchmark_run():
     run_world(_check_scripts, 2)
+
+
+# ------------------------------------------------------------------- generation
+def _check_generate(rank, world):
+    """model.generate from a ShardedCache: "longattn_ring" gives the greedy
+    tokens of "sdpa" on one device (the prompt given whole, and a prefill
+    sharded end to end through shard_batch); "longattn_dilated" those of
+    recomputing dilated attention without a cache (use_cache=False)."""
+    import longattn.integrations.transformers as lt
+    from longattn import context_parallel as cp
+
+    lt.register()
+    extra = dict(eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(**extra), attn_implementation="sdpa")
+    ring = transformers.AutoModelForCausalLM.from_config(_config(**extra), attn_implementation="longattn_ring")
+    ring.load_state_dict(ref.state_dict())
+    ids = torch.randint(1, 40, (2, 13), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = ref.generate(ids, **kw)
+    sharded = lt.ShardedCache(reserve=6, block=2)
+    got = ring.generate(ids, past_key_values=sharded, **kw)
+    assert torch.equal(got, want), (rank, got, want)
+    part = sharded.layers[0].kv  # each rank holds a part: 13 + 5 tokens over the group
+    assert part.layout.seqlens == [18, 18] and max(part.local_seqlens.tolist()) <= -(-18 // world) + 2
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    _raises_everywhere(world, "padding", lambda: ring.generate(ids, attention_mask=mask,
+                                                               past_key_values=lt.ShardedCache(), **kw))
+    cache = lt.ShardedCache(block=1)
+    ring(**cp.shard_batch(ids[:, :-1]), past_key_values=cache)  # 12 tokens: dense zigzag rows for world 2 and 3
+    assert cache.get_seq_length() == 12
+    got = ring.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(got, want), (rank, got, want)
+
+    dil_extra = dict(longattn_segment_lengths=[4, 8], longattn_dilation_rates=[1, 2], **extra)
+    dil = transformers.AutoModelForCausalLM.from_config(_config(**dil_extra), attn_implementation="longattn_dilated")
+    dil.load_state_dict(ref.state_dict())
+    want = dil.generate(ids, use_cache=False, **kw)
+    got = dil.generate(ids, past_key_values=lt.ShardedCache(layout="contiguous", block=2), **kw)
+    assert torch.equal(got, want), (rank, got, want)
+    assert not torch.equal(want, ref.generate(ids, **kw))  # the branches do act
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_generate_from_sharded_cache(world):
+    run_world(_check_generate, world)

@@ -208,6 +208,11 @@ _COMMANDS = {None: _cmd_default, "list": _cmd_list, "run": _cmd_run, "scale": _c
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["decode"]:  # long-context inference: its own parser (`decode --help`), longattn/bench/decode.py
+        from .decode import main as decode_main
+
+        return decode_main(argv[1:])
     p = _parser()
     a = p.parse_args(argv)
     if a.cmd in ("run", "scale") and a.impl:

@@ -37,9 +37,26 @@ padding and packed documents, :func:`longattn.ring_attention_varlen` on the glob
 document boundaries. The batch comes from
 :func:`longattn.context_parallel.shard_batch`, whose ``longattn_cp`` entry
 carries the group and layout to every attention call through the model's
-keyword arguments: ``model(**batch)``. Training and prefill only (no KV cache).
-Problems are raised on every rank of the group (one small all-gather per
-forward, at the first layer) so that no rank waits in the ring.
+keyword arguments: ``model(**batch)``. Problems are raised on every rank of the
+group (one small all-gather per forward, at the first layer) so that no rank
+waits in the ring. Generation (context-parallel inference) takes a
+:class:`ShardedCache`, a transformers ``Cache`` whose layers are
+:class:`longattn.KVCache` parts sharded over the group::
+
+    out = model.generate(input_ids, past_key_values=lt.ShardedCache(group), max_new_tokens=64)
+
+Every rank runs ``generate`` with the same prompt. Prefill: each rank keeps
+the K/V of its pieces of the prompt (zigzag by default) and computes the
+attention of its pieces' queries (the projections and MLPs, outside the
+attention call, run on the whole prompt on every rank); decoding: each new
+token's K/V goes to one rank and every rank attends to its part, merged by
+lse (:meth:`longattn.KVCache.attend`). For a prefill sharded end to end, run
+the prompt but its last token as a sharded batch first:
+``model(**cp.shard_batch(input_ids[:, :-1]), past_key_values=cache)`` (ring
+attention; each rank keeps its shard's K/V), then
+``model.generate(input_ids, past_key_values=cache, ...)``. Prompts of one
+length (no padding mask), no sliding window, greedy or sampled with the same
+seed on every rank; no beam search. Every rank returns the same tokens.
 
 ``"longattn_dilated"`` — LongNet dilated attention
 (:func:`longattn.dilated_attention`) with the branches read from the model
@@ -47,8 +64,10 @@ config: ``config.longattn_segment_lengths`` and ``config.longattn_dilation_rates
 (lists of ints, one (segment, rate) pair per branch). Causal as the layer
 says. Right padding is exact under causal attention (padding comes after
 every real token and positions, hence segments, are unchanged); left
-padding, packed documents, sliding windows and a query shorter than the keys
-(decoding with a KV cache; ``generate(..., use_cache=False)`` works) raise.
+padding, packed documents and sliding windows raise. Generation decodes from
+the KV cache with :func:`longattn.dilated_decode_attention` (the last rows of
+causal dilated attention: the tokens of ``generate(..., use_cache=False)``),
+or from a :class:`ShardedCache` sharded over a group.
 
 Raised, never ignored (each error names the setting to change): attention
 dropout in training (``config.attention_dropout``), logit soft-capping,
@@ -64,12 +83,15 @@ import functools
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 import longattn
 from longattn import context_parallel as _cp
+from longattn.distributed import checks as _checks
+from longattn.distributed.cache import prefill_pieces
 
 __all__ = ["register", "NAMES", "SEGMENT_LENGTHS_KEY", "DILATION_RATES_KEY", "attention_forward",
-           "ring_attention_forward", "dilated_attention_forward"]
+           "ring_attention_forward", "dilated_attention_forward", "ShardedCache"]
 
 NAMES = ("longattn", "longattn_ring", "longattn_dilated")
 SEGMENT_LENGTHS_KEY = "longattn_segment_lengths"
@@ -346,6 +368,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     -> ``((batch, q_len, heads, dim), None)``. Equivalent to transformers'
     ``"sdpa"``/``"eager"`` on every real token (see the module docstring)."""
     impl = "longattn"
+    if getattr(key, "_longattn_layer", None) is not None:
+        raise ValueError(f"attn_implementation={impl!r} got a ShardedCache: it serves 'longattn_ring' and "
+                         f"'longattn_dilated'; use the default cache with 'longattn'")
     causal, value, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
     query, key, value = _autocast(query, key, value)
     b, h, sq, d = query.shape
@@ -395,6 +420,10 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     rank's shard of the sequence (the batch made by
     :func:`longattn.context_parallel.shard_batch`, passed as ``model(**batch)``)."""
     impl = "longattn_ring"
+    layer = getattr(key, "_longattn_layer", None)
+    if layer is not None:
+        return _cached_forward(impl, layer, module, query, key, value, attention_mask, scaling, dropout,
+                               sliding_window, softcap, kwargs)
     ctx = kwargs.get("longattn_cp")
     if not isinstance(ctx, _cp.CPContext):
         raise ValueError(f"attn_implementation={impl!r} runs on a batch sharded by "
@@ -411,7 +440,8 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         if query.shape[2] != key.shape[2]:
             raise ValueError(f"attn_implementation={impl!r} runs training and prefill over a sharded sequence, "
                              f"without a KV cache (queries {query.shape[2]}, keys {key.shape[2]}): call the model "
-                             f"with use_cache=False; generate with attn_implementation='longattn'")
+                             f"with use_cache=False; generate with past_key_values=ShardedCache(group) "
+                             f"(longattn.integrations.transformers)")
         if _flash_kwargs(kwargs) is not None:
             raise ValueError(f"attn_implementation={impl!r}: pass packed documents to "
                              f"longattn.context_parallel.shard_batch (cu_seqlens=...), not cu_seq_lens_q/k")
@@ -446,7 +476,7 @@ def dilated_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     :func:`longattn.dilated_attention` with the branches of
     ``config.longattn_segment_lengths`` / ``config.longattn_dilation_rates``."""
     impl = "longattn_dilated"
-    causal, value, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
+    causal, padded, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
     cfg = getattr(module, "config", None)
     segs, rates = getattr(cfg, SEGMENT_LENGTHS_KEY, None), getattr(cfg, DILATION_RATES_KEY, None)
     if segs is None or rates is None:
@@ -457,10 +487,11 @@ def dilated_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         raise ValueError(f"attn_implementation={impl!r}: this layer has a sliding window ({sliding_window}); dilated "
                          f"attention replaces it: set config.sliding_window = None (Qwen2: use_sliding_window=False) "
                          f"or use attn_implementation='longattn'")
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(f"attn_implementation={impl!r}: dilated decoding (queries shorter than keys: generation with "
-                         f"a KV cache) is not available yet; generate with use_cache=False, or with "
-                         f"attn_implementation='longattn'")
+    branches = dict(segment_lengths=[int(x) for x in segs], dilation_rates=[int(x) for x in rates])
+    layer = getattr(key, "_longattn_layer", None)
+    if layer is not None:
+        return _cached_forward(impl, layer, module, query, key, value, attention_mask, scaling, dropout,
+                               sliding_window, softcap, kwargs, branches)
     if _flash_kwargs(kwargs) is not None:
         raise ValueError(f"attn_implementation={impl!r} does not run packed documents (cu_seq_lens_q/k)")
     if attention_mask is not None:
@@ -471,8 +502,167 @@ def dilated_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         if not (plan.right_padded and causal):
             raise ValueError(f"attn_implementation={impl!r}: only right padding is exact (causal, padding after "
                              f"every real token); set tokenizer.padding_side = 'right'")
+    query, key, value = _autocast(query, key, padded)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if q.shape[1] != k.shape[1]:  # decoding: the queries are the last tokens of the cache
+        if not causal:
+            raise ValueError(f"attn_implementation={impl!r}: decoding from a KV cache needs a causal layer")
+        lens = torch.full((k.shape[0],), k.shape[1], dtype=torch.int32)
+        out = longattn.dilated_decode_attention(q, k, v, cache_seqlens=lens, softmax_scale=scaling, **branches)
+    else:
+        out = longattn.dilated_attention(q, k, v, causal=causal, softmax_scale=scaling, **branches)
+    return (out[..., :dv] if dv != out.shape[-1] else out), None
+
+
+# ------------------------------------------------------------ generation over ranks
+def _cached_forward(impl: str, layer, module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+                    softcap, kwargs, branches: Optional[dict] = None):
+    """The attention call of a layer whose cache is a :class:`ShardedCache`
+    layer: ``key``/``value`` are the tokens of this forward (the cache's
+    ``update`` already appended them when decoding)."""
+    cache = layer.owner
+    g = cache.group
+    ctx = kwargs.get("longattn_cp")
+    problem, causal, dv = "", True, value.shape[-1]
+    try:
+        causal, value, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
+        if attention_mask is not None:
+            raise ValueError(f"attn_implementation={impl!r} with a ShardedCache: got a padding mask; generate from "
+                             f"prompts of one length (no padding), or one prompt per call")
+        if sliding_window is not None:
+            raise ValueError(f"attn_implementation={impl!r} with a ShardedCache has no sliding window (this layer has "
+                             f"{sliding_window}); set config.sliding_window = None or use the default cache")
+        if not causal:
+            raise ValueError(f"attn_implementation={impl!r}: decoding from a ShardedCache needs a causal layer")
+        if ctx is not None:
+            if branches is not None or layer.kv is not None or ctx.cu_seqlens is not None:
+                raise ValueError(f"attn_implementation={impl!r}: a sharded batch (longattn_cp) fills an empty "
+                                 f"ShardedCache with dense rows of one length under 'longattn_ring' (no padding, no "
+                                 f"packed documents); decode with model.generate(input_ids, past_key_values=cache)")
+            if _checks.group_name(ctx.group) != _checks.group_name(g):
+                raise ValueError(f"attn_implementation={impl!r}: the sharded batch's group differs from the "
+                                 f"ShardedCache's group")
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(f"attn_implementation={impl!r}: the ShardedCache returned {key.shape[2]} keys for "
+                             f"{query.shape[2]} queries")
+    except ValueError as e:
+        problem = str(e)
+    if getattr(module, "layer_idx", None) in (None, 0):  # once per forward: every rank raises together
+        _cp.agree(g, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
+                  prefill=layer.kv is None, sharded_batch=ctx is not None)
+    elif problem:
+        raise ValueError(problem)
     query, key, value = _autocast(query, key, value)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    out = longattn.dilated_attention(q, k, v, segment_lengths=[int(x) for x in segs],
-                                     dilation_rates=[int(x) for x in rates], causal=causal, softmax_scale=scaling)
+    if layer.kv is not None:
+        out = layer.kv.attend(q, softmax_scale=scaling, **(branches or {}))
+    elif ctx is not None:  # this rank's shard of the prompt: ring attention, then keep the shard's K/V
+        out = longattn.ring_attention(q, k, v, causal=True, softmax_scale=scaling, layout=ctx.layout, group=g)
+        layer.kv = longattn.KVCache.from_prefill(k, v, layout=ctx.layout, group=g, reserve=cache.reserve,
+                                                 block=cache.block)
+    else:  # the whole prompt on every rank: keep this rank's pieces
+        layer.kv = longattn.KVCache.from_sequence(k, v, layout=cache.layout, group=g, reserve=cache.reserve,
+                                                  block=cache.block)
+        if branches is not None:
+            out = longattn.dilated_attention(q, k, v, causal=True, softmax_scale=scaling, **branches)
+        else:
+            out = _pieces_attention(q, k, v, scaling, cache.layout, g)
     return (out[..., :dv] if dv != out.shape[-1] else out), None
+
+
+def _pieces_attention(q, k, v, scale, layout: str, group) -> torch.Tensor:
+    """Causal attention of the whole prompt when every rank holds all of q, k,
+    v: each rank computes the queries of its pieces (their keys are all at or
+    before them: no communication) and one all-reduce assembles the output."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    for g0, n in prefill_pieces(layout, rank, world, q.shape[1]):
+        if n:
+            out[:, g0:g0 + n] = longattn.attention(q[:, g0:g0 + n], k[:, :g0 + n], v[:, :g0 + n], causal=True,
+                                                   softmax_scale=scale)
+    dist.all_reduce(out, group=group)  # the other ranks add zeros: exact
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_cache_class():
+    # Built on first use: importing this module does not import transformers.
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class ShardedLayer(CacheLayerMixin):
+        """One layer of a :class:`ShardedCache`: a :class:`longattn.KVCache` built by
+        the layer's first attention call (the prefill), appended by ``update``."""
+
+        is_compileable = False
+        is_sliding = False
+
+        def __init__(self, owner):
+            super().__init__()
+            self.owner, self.kv = owner, None
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if self.kv is not None:
+                self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
+            # The attention call finds the layer here (the model passes it the
+            # returned tensors, not the cache): the new tokens only, never the
+            # cache's parts.
+            key_states._longattn_layer = self
+            return key_states, value_states
+
+        def get_seq_length(self) -> int:
+            return 0 if self.kv is None else self.kv.layout.seqlens[0]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.get_seq_length() + query_length, 0
+
+        def get_max_length(self) -> int:
+            return -1
+
+        def reset(self) -> None:
+            self.kv, self.is_initialized = None, False
+
+        def _unsupported(self, *args, **kwargs):
+            raise NotImplementedError("a ShardedCache cannot be reordered, cropped or re-batched (beam search, "
+                                      "assisted decoding); use greedy or sampled generation")
+
+        reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+    class ShardedCache(Cache):
+        """A transformers ``Cache`` for context-parallel generation with
+        ``attn_implementation="longattn_ring"`` or ``"longattn_dilated"``: each
+        layer is a :class:`longattn.KVCache` sharded over ``group`` (default: the
+        whole world), filled by the prefill and appended to one rank per token
+        (see the module docstring). Only those two attention implementations
+        read it: ``update`` returns the new tokens alone, so ``"sdpa"`` or
+        ``"eager"`` would attend to nothing else (``"longattn"`` raises).
+
+        Args:
+            group: ProcessGroup (default WORLD; torch.distributed must be
+                initialised); a group of one rank works too.
+            layout: how a prompt given whole is split for the cache (``"zigzag"``
+                or ``"contiguous"``; any length); a sharded batch brings its own.
+            reserve: tokens to be generated, preallocated (otherwise the parts
+                grow when full, a copy each time).
+            block: tokens that go to one rank before the next is chosen.
+        """
+
+        def __init__(self, group=None, *, layout: str = "zigzag", reserve: int = 0, block: int = 256):
+            if layout not in ("contiguous", "zigzag"):
+                raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+            self.group = _cp.resolve_group(group)
+            self.layout, self.reserve, self.block = layout, reserve, block
+            super().__init__(layer_class_to_replicate=functools.partial(ShardedLayer, self))
+
+    return ShardedCache
+
+
+def __getattr__(name: str):
+    if name == "ShardedCache":
+        return _sharded_cache_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

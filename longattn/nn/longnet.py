@@ -1,13 +1,19 @@
 """A small LongNet-style decoder LM: token embedding, pre-norm blocks of
-MultiheadDilatedAttention + MLP, tied output head."""
+MultiheadDilatedAttention + MLP, tied output head; greedy generation with a
+KV cache, on one device or with the prompt and the cache sharded over ranks."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..cache import KVCache
+from ..distributed import checks
+from ..distributed.layout import shard, shard_positions
+from ..ops import dilated_attention
 from .attention import MultiheadDilatedAttention
 
 
@@ -24,6 +30,21 @@ class Block(nn.Module):
     def forward(self, x):
         h = self.ln1(x)
         x = x + self.drop(self.attn(h, h, h, is_causal=True)[0])
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+    def _qkv(self, x):
+        a = self.attn
+        h = self.ln1(x)
+        b, s, _ = h.shape
+        return (a.q_proj(h).view(b, s, a.num_heads, a.head_dim), a.k_proj(h).view(b, s, a.num_kv_heads, a.head_dim),
+                a.v_proj(h).view(b, s, a.num_kv_heads, a.head_dim))
+
+    def _finish(self, x, attn_out):
+        a = self.attn
+        o = attn_out.reshape(*attn_out.shape[:2], a.embed_dim)
+        if a.norm is not None:
+            o = a.norm(o)
+        x = x + self.drop(a.out_proj(o))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -75,3 +96,82 @@ class LongNetLM(nn.Module):
         logits = self.head(self.ln_f(x))
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
+
+    def _branches(self):
+        att = self.blocks[0].attn.attention
+        return att.segment_lengths, att.dilation_rates, att.softmax_scale, att.backend
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, seqlens=None, group=None) -> torch.Tensor:
+        """Greedy decoding with a KV cache per block (:class:`longattn.KVCache`).
+
+        Args:
+            tokens: ``(batch, seqlen)`` prompts, the same on every rank; rows
+                shorter than ``seqlen`` are right-padded (any id in range).
+            max_new_tokens: tokens to generate per row.
+            seqlens: real prompt length of each row (``(batch,)`` ints, >= 1);
+                default ``seqlen``.
+            group: a ProcessGroup: context-parallel inference. The prompt is sharded
+                contiguously over the group (prefill with
+                ``dilated_attention(..., group=group)``, whose segment lengths must
+                divide the shard length or be multiples of it), each rank keeps
+                the K/V of its positions (:meth:`KVCache.from_prefill`), and each
+                new token's K/V goes to one rank; every rank returns the same tokens.
+
+        Returns:
+            ``(batch, max_new_tokens)`` int64 token ids: row b continues its first
+            ``seqlens[b]`` tokens. The same tokens as taking the argmax of
+            ``forward`` on the growing sequence. Attention is dilated as the model
+            says, dense (no branch logic) when its one branch is rate 1 and
+            covers ``max_seqlen``. Call ``model.eval()`` first when it has dropout.
+        """
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(f"tokens must be a (batch, seqlen) int64 tensor, got "
+                             f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        b, s = tokens.shape
+        lens = [s] * b if seqlens is None else [int(x) for x in (seqlens.tolist() if isinstance(seqlens, torch.Tensor)
+                                                                   else seqlens)]
+        if len(lens) != b or any(not 1 <= n <= s for n in lens):
+            raise ValueError(f"seqlens must hold {b} lengths in [1, {s}], got {lens}")
+        if max(lens) + max_new_tokens > self.max_seqlen:
+            raise ValueError(f"prompt ({max(lens)}) + max_new_tokens ({max_new_tokens}) exceeds max_seqlen "
+                             f"({self.max_seqlen}); build the model with a larger max_seqlen")
+        segs, rates, scale, backend = self._branches()
+        dense = len(segs) == 1 and rates[0] == 1 and segs[0] >= self.max_seqlen
+        branches = {} if dense else dict(segment_lengths=segs, dilation_rates=rates)
+        g = None if group is None else checks.resolve_group(group)
+        dev = tokens.device
+
+        # prefill: this rank's shard of every row, all of it on one device
+        local = tokens if g is None else shard(tokens, group=g)
+        pos = torch.arange(s, device=dev) if g is None else shard_positions(s, group=g, device=dev)
+        x = self.tok(local) + self.pos(pos)
+        caches = []
+        for blk in self.blocks:
+            q, k, v = blk._qkv(x)
+            a = dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=True,
+                                  softmax_scale=scale, backend=backend, group=g)
+            caches.append(KVCache.from_prefill(k, v, seqlens=lens, group=g, reserve=max_new_tokens))
+            x = blk._finish(x, a)
+        # the last real token of each row lives on one rank: gather those rows
+        last = torch.zeros(b, x.shape[-1], dtype=x.dtype, device=dev)
+        p0 = int(pos[0])
+        for row, n in enumerate(lens):
+            if p0 <= n - 1 < p0 + x.shape[1]:
+                last[row] = x[row, n - 1 - p0]
+        if g is not None:
+            dist.all_reduce(last, group=g)  # one rank holds each row; the others add zeros
+        nxt = self.head(self.ln_f(last)).argmax(-1)
+
+        out = [nxt]
+        for step in range(1, max_new_tokens):
+            x = self.tok(nxt[:, None]) + self.pos(torch.tensor([n + step - 1 for n in lens], device=dev))[:, None]
+            for blk, cache in zip(self.blocks, caches):
+                q, k, v = blk._qkv(x)
+                cache.append(k, v)
+                x = blk._finish(x, cache.attend(q, softmax_scale=scale, backend=backend, **branches))
+            nxt = self.head(self.ln_f(x[:, 0])).argmax(-1)
+            out.append(nxt)
+        return torch.stack(out, 1)

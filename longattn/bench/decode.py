@@ -1,0 +1,264 @@
+"""python -m longattn.bench decode: long-context inference.
+
+For each context length: the prefill of one attention layer (``attention`` on
+one rank, ``ring_attention`` zigzag under torchrun; ``dilated_attention`` for
+dilated rows) and the building of its :class:`longattn.KVCache`, then
+decoding: one token per step through ``--layers`` layers' caches (append the
+token's K/V, attend), timed per step with CUDA events (``measure.time_ms``:
+``--timing cold``, one isolated step per sample, host time counts; or
+``batched``, steps back to back as in a generation loop). Under torchrun the cache is
+sharded over the ranks (one all-gather of the partial outputs per layer and
+token). On one rank, beside it: SDPA decoding over one layer's whole cache
+(``scaled_dot_product_attention`` of one query over a preallocated
+``(batch, kv_heads, context, head_dim)`` cache, each backend that runs),
+where it fits.
+
+Rows: ``impl`` (``longattn`` with ``backend``, ``longattn-dilated``,
+``sdpa-flash`` / ``sdpa-cudnn`` / ``sdpa-efficient``), ``prefill_ms`` (one
+layer's attention), ``cache_build_ms``, ``decode_ms_per_layer`` (one token, one
+layer: append + attend), ``step_ms`` (all layers), ``tokens_per_s``
+(``batch`` tokens per step over ``step_ms``: the attention part of a model's
+step), ``cache_bytes_per_rank`` (all layers), ``peak_mem_bytes``. A
+measurement that fails (out of memory) is recorded with its reason.
+
+Examples::
+
+    python -m longattn.bench decode                                   # defaults for this device
+    python -m longattn.bench decode --context 131072 1048576 --json benchmarks/results/decode_h100.json
+    torchrun --nproc_per_node=2 -m longattn.bench decode --context 1048576 --layers 24
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import longattn
+
+from . import measure
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m longattn.bench decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, nargs="+",
+                   help="context lengths (default: 131072 1048576 on CUDA, 1024 4096 on CPU)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, help="query heads (default 32 on CUDA, 4 on CPU)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default 8 on CUDA, 2 on CPU)")
+    p.add_argument("--head-dim", type=int, help="head dim (default 128 on CUDA, 64 on CPU)")
+    p.add_argument("--dtype", choices=list(_DTYPES), help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--layers", type=int, default=1, help="attention layers whose caches are held and decoded "
+                                                          "each step (model-sized memory; default 1)")
+    p.add_argument("--backend", nargs="+", help="our local backends to time (default: auto flash cudnn on "
+                                                "CUDA, auto on CPU)")
+    p.add_argument("--segment-lengths", type=int, nargs="+", help="also time dilated decoding with these branches")
+    p.add_argument("--dilation-rates", type=int, nargs="+", help="the branches' rates (with --segment-lengths)")
+    p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA rows")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
+    p.add_argument("--iters", type=int, default=20, help="timed decode steps (the median is reported; default 20)")
+    p.add_argument("--timing", choices=["cold", "batched"], default="cold",
+                   help="cold: one step per sample, the GPU idle at its start (host time counts); batched: steps "
+                        "back to back, time per step (the host runs ahead, as in a generation loop; CUDA only)")
+    p.add_argument("--json", help="write the results to this JSON file (rank 0; and a CSV beside it)")
+    a = p.parse_args(argv)
+    if (a.segment_lengths is None) != (a.dilation_rates is None):
+        p.error("--segment-lengths and --dilation-rates go together")
+    return a
+
+
+def _init():
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return rank, world, dev
+
+
+def _failure(e: BaseException) -> str:
+    if isinstance(e, torch.OutOfMemoryError):
+        return "OOM"
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _free(dev) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def _peak(dev) -> Optional[int]:
+    return int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
+
+
+def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[dict]) -> list[dict]:
+    """Prefill one layer (backend auto), hold ``layers`` caches, time a decode
+    step through all of them with each of ``backends``: one row per backend."""
+    g = dist.group.WORLD if world > 1 else None
+    b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
+    layout = "contiguous" if branches else "zigzag"
+    base = dict(impl="longattn-dilated" if branches else "longattn", world=world, context=n, batch=b, heads=h,
+                kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""), layers=a.layers,
+                layout=layout if world > 1 else None, status="ok", **(branches or {}))
+    if n % (world if branches else 2 * world):
+        return [dict(base, backend=be, status="unsupported",
+                     reason=f"context {n} does not split over {world} ranks ({layout})") for be in backends]
+    _free(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    local = n // world
+    q, k, v = (torch.randn(b, local, hh, d, device=dev, dtype=dt, generator=gen) for hh in (h, hkv, hkv))
+    if branches:
+        prefill = lambda: longattn.dilated_attention(q, k, v, causal=True, group=g, **branches)
+    elif g is None:
+        prefill = lambda: longattn.attention(q, k, v, causal=True)
+    else:
+        prefill = lambda: longattn.ring_attention(q, k, v, causal=True, layout=layout, group=g)
+    reserve = len(backends) * (a.warmup + 11 * a.iters) + 8  # batched timing runs up to 10 steps per sample
+    with torch.no_grad():
+        try:
+            base["prefill_ms"] = measure.time_ms(prefill, dev, warmup=1, iters=1)["median_ms"]
+        except ValueError as e:
+            # shapes the op refuses (segments that do not align with the shards): the same on every rank
+            return [dict(base, backend=be, status="unsupported", reason=_failure(e)) for be in backends]
+        del q
+        build = lambda: longattn.KVCache.from_prefill(k, v, layout=layout, group=g, reserve=reserve)
+        base["cache_build_ms"] = measure.time_ms(build, dev, warmup=0, iters=1)["median_ms"]
+        caches = [build() for _ in range(a.layers)]
+    del k, v
+    base["cache_bytes_per_rank"] = sum(2 * c.k.numel() * c.k.element_size() for c in caches)
+    kn, vn = (torch.randn(b, 1, hkv, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
+    qn = torch.randn(b, 1, h, d, device=dev, dtype=dt, generator=gen)
+    rows = []
+    for be in backends:
+        def step():
+            for c in caches:
+                c.append(kn, vn)
+                c.attend(qn, backend=be, **(branches or {}))
+
+        row = dict(base, backend=be)
+        try:
+            t = measure.time_ms(step, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched",
+                                agree=None if g is None else _agree_max)
+            row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"],
+                       host_ms=t["host_ms"], decode_ms_per_layer=t["median_ms"] / a.layers,
+                       tokens_per_s=b * 1e3 / t["median_ms"], peak_mem_bytes=_peak(dev))
+        except ValueError as e:  # a backend that cannot take the call says why, on every rank
+            row.update(status="unsupported", reason=_failure(e))
+        rows.append(row)
+    return rows
+
+
+def _agree_max(x: int) -> int:
+    t = torch.tensor([x], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def bench_sdpa(a, n: int, dev, dt, kernel: str) -> dict:
+    """SDPA decoding over one layer's whole cache (the one-GPU baseline)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
+    row = dict(impl=f"sdpa-{kernel}", backend=kernel, world=1, context=n, batch=b, heads=h, kv_heads=hkv,
+               head_dim=d, dtype=str(dt).replace("torch.", ""), layers=1, status="ok")
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[kernel]
+    _free(dev)
+    try:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        kc, vc = (torch.randn(b, hkv, n + 1, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
+        kn, vn = (torch.randn(b, hkv, 1, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
+        qn = torch.randn(b, h, 1, d, device=dev, dtype=dt, generator=gen)
+        row["cache_bytes_per_rank"] = 2 * kc.numel() * kc.element_size()
+
+        def step():
+            kc[:, :, n:] = kn  # the new token's K/V into the preallocated cache, as a static cache does
+            vc[:, :, n:] = vn
+            with sdpa_kernel(which):
+                return sdpa(qn, kc, vc, enable_gqa=hkv != h)
+
+        with torch.no_grad():
+            t = measure.time_ms(step, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched")
+        row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"], host_ms=t["host_ms"],
+                   decode_ms_per_layer=t["median_ms"], tokens_per_s=b * 1e3 / t["median_ms"],
+                   peak_mem_bytes=_peak(dev))
+    except Exception as e:  # noqa: BLE001 - recorded, never filled in
+        row.update(status="failed", reason=_failure(e))
+    return row
+
+
+def format_table(rows) -> str:
+    head = "| impl | backend | world | context | layers | prefill ms | decode ms/layer | tokens/s | cache MiB/rank |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['impl']} | {r.get('backend')} | {r['world']} | {r['context']} | {r['layers']} | "
+                         f"{r['status']}: {r.get('reason', '')} | | | |")
+            continue
+        pre = f"{r['prefill_ms']:.1f}" if r.get("prefill_ms") is not None else "-"
+        lines.append(f"| {r['impl']} | {r.get('backend')} | {r['world']} | {r['context']} | {r['layers']} | {pre} | "
+                     f"{r['decode_ms_per_layer']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['cache_bytes_per_rank'] / 2**20:.1f} |")
+    return "\n".join(lines)
+
+
+def run(a) -> dict:
+    rank, world, dev = _init()
+    cuda = dev.type == "cuda"
+    a.context = a.context or ([131072, 1048576] if cuda else [1024, 4096])
+    a.heads = a.heads or (32 if cuda else 4)
+    a.kv_heads = a.kv_heads or (8 if cuda else 2)
+    a.head_dim = a.head_dim or (128 if cuda else 64)
+    dt = _DTYPES[a.dtype or ("bf16" if cuda else "fp32")]
+    if not cuda and dt != torch.float32:
+        dt = torch.float32  # CPU kernels have no fast half path
+    backends = a.backend or (["auto", "flash", "cudnn"] if cuda else ["auto"])
+    branches = None if a.segment_lengths is None else dict(segment_lengths=a.segment_lengths,
+                                                            dilation_rates=a.dilation_rates)
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    rows = []
+    for n in a.context:
+        for br in [None] + ([branches] if branches else []):
+            log(f"decode: context {n}, {'dilated' if br else 'dense'}, world {world}, backends {backends}")
+            try:
+                rows += bench_longattn(a, n, dev, dt, world, backends, br)
+            except Exception as e:  # noqa: BLE001 - under torchrun a rank out of memory stops the run
+                if world > 1:
+                    raise
+                rows.append(dict(impl="longattn-dilated" if br else "longattn", backend=",".join(backends),
+                                 world=world, context=n, layers=a.layers, status="failed", reason=_failure(e)))
+        if world == 1 and not a.no_sdpa and cuda:
+            for kernel in ("flash", "cudnn", "efficient"):
+                log(f"decode: context {n}, sdpa-{kernel}")
+                rows.append(bench_sdpa(a, n, dev, dt, kernel))
+    return dict(kind="decode", env=measure.environment(dev), world=world, timing=a.timing, results=rows)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    res = run(a)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        if a.json:
+            measure.write_json(a.json, res)
+            print(f"wrote {a.json}", file=sys.stderr)
+        print(format_table(res["results"]))
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears down while a peer still talks to it
+        dist.destroy_process_group()
+    return 0

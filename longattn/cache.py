@@ -1,0 +1,297 @@
+"""``KVCache``: one attention layer's key/value cache for decoding, on one
+device or sharded over the ranks of a process group (context-parallel
+inference: a prompt too long for one GPU's memory)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import backends as bk
+from ._validation import check_dilation, check_flag, check_scale, check_tensor
+from .distributed import checks
+from .distributed.cache import CacheLayout, prefill_pieces
+from .ops import decode as _dec
+
+__all__ = ["KVCache"]
+
+
+def _check_kv(k, v, batch: Optional[int], nheads_kv: Optional[int], headdim: Optional[int], names=("k", "v")):
+    for x, n in zip((k, v), names):
+        check_tensor(x, n, 4)
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(f"{names[0]} and {names[1]} must have the same shape, dtype and device, got "
+                         f"{tuple(k.shape)} {k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} {v.device}")
+    want = (batch, nheads_kv, headdim)
+    got = (k.shape[0], k.shape[2], k.shape[3])
+    if any(w is not None and w != x for w, x in zip(want, got)):
+        raise ValueError(f"{names[0]}/{names[1]} must be (batch={batch}, n, nheads_kv={nheads_kv}, "
+                         f"headdim={headdim}), got {tuple(k.shape)}")
+
+
+def _seqlens(seqlens, batch: int, total: int) -> list[int]:
+    if seqlens is None:
+        return [total] * batch
+    vals = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
+    if len(vals) != batch or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= total
+                                 for x in vals):
+        raise ValueError(f"seqlens must hold {batch} ints in [0, {total}] (the real tokens of each row, right "
+                         f"padding after them), got {vals}")
+    return vals
+
+
+class KVCache:
+    """One attention layer's K/V cache for decoding, on one device or sharded
+    over the ranks of ``group`` (every rank holds a part; the query is the
+    same on every rank).
+
+    What is stored: ``k``/``v`` ``(batch, capacity, nheads_kv, headdim)`` on each
+    rank, its part (kv heads only: GQA), slot ``j`` of row ``b`` valid for
+    ``j < local_seqlens[b]``; ``layout`` (:class:`~longattn.distributed.cache.CacheLayout`)
+    says which global position every rank's slots hold, the same object on
+    every rank. Dense decoding needs every token. Dilated decoding reads, for
+    each branch (w, r), the keys of the query's current segment in its offset
+    class: every token (all kv heads, since heads differ in class) from
+    :func:`longattn.ops.decode.dilated_read_start` on; the cache keeps all
+    tokens, so one cache serves both and a model may mix them.
+
+    * Build it from a context-parallel prefill: :meth:`from_prefill` (each rank
+      passes its shard, contiguous or zigzag as the ring used) or
+      :meth:`from_sequence` (every rank passes the whole prompt's K/V, each
+      keeps its pieces); or empty (``KVCache(batch, nheads_kv, headdim, ...)``)
+      and :meth:`append` the prompt.
+    * :meth:`append` ``(batch, n, nheads_kv, headdim)`` puts the new tokens on one
+      rank, chosen the same way on every rank to keep the parts balanced
+      (within ``block`` tokens; see :class:`~longattn.distributed.cache.CacheLayout`).
+      Capacity is preallocated (``reserve``) and grows by an eighth when full (a copy).
+    * :meth:`attend` runs the queries of the tokens appended last over every
+      part, dense or dilated: each rank attends to its part, the partial
+      results merge by lse with one all-gather of ``(batch, q_len, nheads,
+      headdim + 1)`` floats per call.
+
+    Rows may hold different lengths (right-padded prompts: padding is never
+    stored). Inference only (no autograd).
+    """
+
+    def __init__(self, batch: int, nheads_kv: int, headdim: int, *, dtype: torch.dtype = torch.float32,
+                 device=None, capacity: int = 0, group=None, block: int = 256):
+        for name, val in (("batch", batch), ("nheads_kv", nheads_kv), ("headdim", headdim), ("capacity", capacity)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < (0 if name == "capacity" else 1):
+                raise ValueError(f"{name} must be a {'non-negative' if name == 'capacity' else 'positive'} int, "
+                                 f"got {val!r}")
+        self.group = None if group is None else checks.resolve_group(group)
+        self.world = 1 if self.group is None else dist.get_world_size(self.group)
+        self.rank = 0 if self.group is None else dist.get_rank(self.group)
+        self.layout = CacheLayout(self.world, batch, block)
+        self.k = torch.empty(batch, capacity, nheads_kv, headdim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_prefill(cls, k: torch.Tensor, v: torch.Tensor, *, seqlens=None, layout: str = "contiguous",
+                     group=None, reserve: int = 0, block: int = 256) -> "KVCache":
+        """The cache after a context-parallel prefill: ``k``/``v`` ``(batch,
+        seqlen_local, nheads_kv, headdim)`` are this rank's shard of the prompt,
+        split by ``layout`` as :func:`longattn.shard` does (what
+        :func:`longattn.ring_attention` and ``dilated_attention(..., group=)``
+        take); without ``group``, the whole prompt. ``seqlens``: real tokens per
+        row (right padding after them; default all). ``reserve``: tokens to be
+        appended, preallocated."""
+        g = None if group is None else checks.resolve_group(group)
+        world = 1 if g is None else dist.get_world_size(g)
+        problem = None
+        try:
+            _check_kv(k, v, None, None, None)
+            if layout not in ("contiguous", "zigzag"):
+                raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+            if layout == "zigzag" and k.shape[1] % 2:
+                raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {k.shape[1]}")
+            lens = _seqlens(seqlens, k.shape[0], k.shape[1] * world)
+            if not isinstance(reserve, int) or reserve < 0:
+                raise ValueError(f"reserve must be a non-negative int (tokens to be appended), got {reserve!r}")
+        except (TypeError, ValueError) as e:
+            problem, lens = e, None
+        if g is not None:
+            _dec.agree(g, "KVCache.from_prefill", problem, k=_dec.describe(k), v=_dec.describe(v),
+                       seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
+        elif problem is not None:
+            raise problem
+        cache = cls._empty_like(k, g, block)
+        cache.layout = CacheLayout.from_prefill(lens, k.shape[1] * world, layout=layout, world=world, block=block)
+        cache._alloc(max(cache.layout.fullest()[cache.rank], k.shape[1]) + cache._reserve_local(reserve))
+        cache.k[:, :k.shape[1]] = k
+        cache.v[:, :v.shape[1]] = v
+        return cache
+
+    @classmethod
+    def from_sequence(cls, k: torch.Tensor, v: torch.Tensor, *, seqlens=None, layout: str = "zigzag", group=None,
+                      reserve: int = 0, block: int = 256) -> "KVCache":
+        """The cache of a prompt whose K/V ``(batch, seqlen, nheads_kv, headdim)``
+        every rank holds whole (e.g. computed replicated): each rank keeps the
+        pieces ``layout`` gives it (:func:`longattn.distributed.cache.prefill_pieces`;
+        any length). ``seqlens``, ``reserve`` as :meth:`from_prefill`."""
+        g = None if group is None else checks.resolve_group(group)
+        problem = None
+        try:
+            _check_kv(k, v, None, None, None)
+            if layout not in ("contiguous", "zigzag"):
+                raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+            lens = _seqlens(seqlens, k.shape[0], k.shape[1])
+            if not isinstance(reserve, int) or reserve < 0:
+                raise ValueError(f"reserve must be a non-negative int (tokens to be appended), got {reserve!r}")
+        except (TypeError, ValueError) as e:
+            problem, lens = e, None
+        if g is not None:
+            _dec.agree(g, "KVCache.from_sequence", problem, k=_dec.describe(k), v=_dec.describe(v),
+                       seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
+        elif problem is not None:
+            raise problem
+        cache = cls._empty_like(k, g, block)
+        s = k.shape[1]
+        cache.layout = CacheLayout.from_prefill(lens, s, layout=layout, world=cache.world, block=block)
+        pieces = prefill_pieces(layout, cache.rank, cache.world, s)
+        cache._alloc(sum(n for _, n in pieces) + cache._reserve_local(reserve))
+        slot = 0
+        for g0, n in pieces:
+            cache.k[:, slot:slot + n] = k[:, g0:g0 + n]
+            cache.v[:, slot:slot + n] = v[:, g0:g0 + n]
+            slot += n
+        return cache
+
+    @classmethod
+    def _empty_like(cls, k, group, block):
+        return cls(k.shape[0], k.shape[2], k.shape[3], dtype=k.dtype, device=k.device, group=group, block=block)
+
+    def _reserve_local(self, reserve: int) -> int:
+        # Appends reach a rank a block at a time and the parts stay within a
+        # block of each other.
+        return reserve if self.world == 1 else -(-reserve // self.world) + self.layout.block
+
+    def _alloc(self, capacity: int) -> None:
+        b, _, hkv, d = self.k.shape
+        self.k = self.k.new_empty(b, capacity, hkv, d)
+        self.v = self.v.new_empty(b, capacity, hkv, d)
+
+    def _grow(self, needed: int) -> None:
+        # By an eighth (at least two blocks): a part of a context that barely
+        # fits must not double; the copy is amortised over many appends.
+        old = self.k.shape[1]
+        k, v = self.k, self.v
+        self._alloc(max(needed, old + max(old // 8, 2 * self.layout.block)))
+        self.k[:, :old] = k
+        self.v[:, :old] = v
+
+    # ------------------------------------------------------------ state
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def nheads_kv(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def headdim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated on this rank."""
+        return self.k.shape[1]
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """Tokens of each row, all ranks together: int32 ``(batch,)`` on the CPU."""
+        return torch.tensor(self.layout.seqlens, dtype=torch.int32)
+
+    @property
+    def local_seqlens(self) -> torch.Tensor:
+        """Tokens of each row stored on this rank: int32 ``(batch,)`` on the CPU."""
+        return torch.tensor(self.layout.local[self.rank], dtype=torch.int32)
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch={self.batch}, nheads_kv={self.nheads_kv}, headdim={self.headdim}, "
+                f"seqlens={self.layout.seqlens}, rank={self.rank}/{self.world}, local={self.layout.local[self.rank]}, "
+                f"capacity={self.capacity}, dtype={self.k.dtype})")
+
+    # ------------------------------------------------------------ decoding
+    def _agree(self, what: str, problem, **fields) -> None:
+        if self.group is not None:
+            _dec.agree(self.group, what, problem, **fields)
+        elif problem is not None:
+            raise problem
+
+    @torch.no_grad()
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> int:
+        """Append ``(batch, n, nheads_kv, headdim)`` new tokens (position
+        ``seqlens[b] + i`` of row b), the same on every rank; one rank stores them
+        (returned), chosen the same way on every rank."""
+        problem = None
+        try:
+            _check_kv(k_new, v_new, self.batch, self.nheads_kv, self.headdim, ("k_new", "v_new"))
+            if k_new.dtype != self.k.dtype or k_new.device != self.k.device:
+                raise TypeError(f"k_new/v_new must be {self.k.dtype} on {self.k.device} like the cache, got "
+                                f"{k_new.dtype} on {k_new.device}")
+            if k_new.shape[1] == 0:
+                raise ValueError("k_new/v_new hold no token (n = 0)")
+        except (TypeError, ValueError) as e:
+            problem = e
+        self._agree("KVCache.append", problem, k=_dec.describe(k_new), v=_dec.describe(v_new))
+        n = k_new.shape[1]
+        start = list(self.layout.local[self.rank])
+        owner = self.layout.place(n)
+        if owner == self.rank:
+            if max(start) + n > self.capacity:
+                self._grow(max(start) + n)
+            if len(set(start)) == 1:
+                self.k[:, start[0]:start[0] + n] = k_new
+                self.v[:, start[0]:start[0] + n] = v_new
+            else:
+                for b, s in enumerate(start):
+                    self.k[b, s:s + n] = k_new[b]
+                    self.v[b, s:s + n] = v_new[b]
+        return owner
+
+    @torch.no_grad()
+    def attend(self, q: torch.Tensor, *, segment_lengths: Optional[Sequence[int]] = None,
+               dilation_rates: Optional[Sequence[int]] = None, softmax_scale: Optional[float] = None,
+               return_lse: bool = False, backend: str = "auto"):
+        """Attention of the queries ``(batch, q_len, nheads, headdim)`` of the
+        tokens appended last (``q_len`` at most the last :meth:`append`'s ``n``)
+        over the whole cache, causal: query i of row b sits at position
+        ``seqlens[b] - q_len + i``. Dense (:func:`longattn.decode_attention`
+        semantics), or dilated with ``segment_lengths``/``dilation_rates``
+        (:func:`longattn.dilated_decode_attention` semantics: the last rows of
+        ``dilated_attention(..., causal=True)``). Sharded: every rank calls it
+        with the same q and gets the same result."""
+        problem = None
+        dilated = segment_lengths is not None or dilation_rates is not None
+        segs = rates = None
+        try:
+            _dec.check_cache_tensors(q, self.k, self.v)
+            if dilated:
+                segs, rates = check_dilation(segment_lengths, dilation_rates)
+            check_flag(return_lse, "return_lse")
+            check_scale(softmax_scale)
+            bk.check_backend_name(backend)
+            lq = q.shape[1]
+            if lq > self.layout.last_count:
+                raise ValueError(f"attend() runs the queries of the tokens appended last: q_len ({lq}) exceeds "
+                                 f"the last append ({self.layout.last_count} tokens); append their keys and values "
+                                 f"in one call first")
+        except (TypeError, ValueError) as e:
+            problem = e
+        self._agree("KVCache.attend", problem, q=_dec.describe(q), segs=segs, rates=rates, scale=softmax_scale,
+                    lse=return_lse, backend=backend)
+        scale = bk.default_scale(q.shape[-1], softmax_scale)
+        lay, me = self.layout, self.rank
+        if dilated:
+            out, lse = _dec.dilated_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], segs, rates,
+                                         scale, backend)
+        else:
+            out, lse = _dec.dense_part(q, self.k, self.v, lay.local[me], me == lay.last_owner, scale, backend)
+        if self.group is not None:
+            out, lse = _dec.merge_over_ranks(out, lse, self.group)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out

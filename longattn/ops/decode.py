@@ -1,0 +1,367 @@
+"""Decoding with a KV cache: the queries of the newest tokens against the
+cached keys, dense or dilated, on one device or with the cache sharded over
+the ranks of a group (each rank attends to its part; the parts merge by lse).
+
+The public functions take the cache as tensors (flash-attn's
+``flash_attn_with_kvcache`` convention); :class:`longattn.KVCache` owns such
+tensors, knows where each token lives when sharded, and calls the parts below
+(``dense_part``, ``dilated_part``, ``merge_over_ranks``). Inference only: no
+autograd graph is built.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import backends as bk
+from .._merge import merge_
+from .._validation import check_dilation, check_flag, check_scale, check_tensor
+from ..distributed import checks
+
+__all__ = ["decode_attention", "dilated_decode_attention", "dilated_read_start"]
+
+
+# ------------------------------------------------------------------ checks
+def check_cache_tensors(q, k_cache, v_cache) -> None:
+    """q ``(B, Lq, H, D)``, cache ``(B, capacity, Hkv, D)`` twice, ``H % Hkv == 0``."""
+    for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        check_tensor(x, n, 4)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not (q.device == k_cache.device == v_cache.device):
+        raise ValueError(f"q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, "
+                         f"{v_cache.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if q.shape[0] != k_cache.shape[0]:
+        raise ValueError(f"q and k_cache must have the same batch size, got {q.shape[0]} and {k_cache.shape[0]}")
+    if q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"q and k_cache must have the same head dim, got {q.shape[-1]} and {k_cache.shape[-1]}")
+    h, hkv = q.shape[2], k_cache.shape[2]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"nheads of q ({h}) must be a multiple of nheads of the cache ({hkv}) for grouped-query "
+                         f"attention")
+    if q.shape[1] == 0:
+        raise ValueError("q needs at least one query (q_len 0 given)")
+
+
+def check_seqlens_tensor(cache_seqlens, batch: int) -> None:
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch.Tensor (int32, (batch,)), got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.dim() != 1 or cache_seqlens.numel() != batch:
+        raise ValueError(f"cache_seqlens must be a 1-D int32 tensor of {batch} lengths (one per batch row), got "
+                         f"dtype {cache_seqlens.dtype} shape {tuple(cache_seqlens.shape)}")
+
+
+def check_lengths(lens: Sequence[int], capacity: int, q_len: int, need_queries: bool) -> None:
+    """Every length in [0, capacity]; at least q_len where the part holds the
+    queries' own keys."""
+    if any(not 0 <= n <= capacity for n in lens):
+        raise ValueError(f"cache_seqlens must lie in [0, {capacity}] (the cache capacity, k_cache.shape[1]), "
+                         f"got {list(lens)}")
+    if need_queries and any(n < q_len for n in lens):
+        raise ValueError(f"cache_seqlens ({list(lens)}) must be at least q_len ({q_len}): the cache must already hold "
+                         f"the queries' own keys and values (append them before attending)")
+
+
+def describe(x, capacity: bool = True):
+    """What a cross-rank check compares of an argument (a cache's capacity, dim
+    1, may differ across ranks)."""
+    if isinstance(x, torch.Tensor):
+        shape = tuple(x.shape) if capacity or x.dim() < 2 else (x.shape[0], *x.shape[2:])
+        return (type(x).__name__, shape, str(x.dtype), x.device.type)
+    return type(x).__name__
+
+
+def agree(group, what: str, problem: Optional[Exception], **fields) -> None:
+    """Raise on every rank of ``group`` when a rank found a ``problem`` or when
+    ``fields`` differ across ranks; nothing otherwise. One small all-gather per
+    distinct signature (:func:`longattn.distributed.checks.check_consistent`;
+    the problem is part of the signature), so steady decoding pays none. A
+    rank with a problem raises its own error; the others name the mismatch."""
+    text = "" if problem is None else f"{type(problem).__name__}: {problem}"
+    try:
+        checks.check_consistent(group, what, problem=text, **fields)
+    except ValueError:
+        if problem is not None:
+            raise problem from None
+        raise
+    if problem is not None:
+        raise problem
+
+
+# ------------------------------------------------------------------ dense
+def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
+               scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each
+    row; ``causal``: bottom-right (query i sees ``lens[b] - Lq + i + 1`` keys).
+    Returns out in q's dtype and lse ``(B, H, Lq)`` float32; a row with no key
+    gives 0 and -inf. One backend call when the rows have equal lengths, else
+    one per row (views of the cache, never copies)."""
+    b, lq, h, _ = q.shape
+    masked = causal and lq > 1  # one query sees every cached key
+    if len(set(lens)) == 1:
+        return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    for i, n in enumerate(lens):
+        out[i:i + 1], lse[i:i + 1] = _dense_rows(q[i:i + 1], k_cache[i:i + 1], v_cache[i:i + 1], n, masked, scale,
+                                                 backend)
+    return out, lse
+
+
+def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend: str):
+    b, lq, h, _ = q.shape
+    if n == 0:
+        return torch.zeros_like(q), torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
+    k, v = k_cache[:, :n], v_cache[:, :n]
+    if masked:
+        spec = bk.BlockSpec(scale, True, (-1, -1), n - lq)
+        be = bk.select_backend(q, k, spec, backend)
+    else:
+        spec = bk.BlockSpec(scale)
+        be = _unmasked_backend(q, k, spec, backend)
+    return be.forward(q, k, v, spec)
+
+
+def _unmasked_backend(q, k, spec, backend: str):
+    # Chosen on one key row: an unmasked call's refusals do not depend on the
+    # key count, and a shape that stays the same as the cache grows is looked
+    # up once instead of walking every backend's refusals per token.
+    return bk.select_backend(q, k[:, :1], spec, backend)
+
+
+# ------------------------------------------------------------------ dilated
+def dilated_read_start(position: int, segment_lengths: Sequence[int]) -> int:
+    """The first position that dilated decoding of a query at ``position`` (or
+    any later one) reads: the start of the earliest current segment,
+    ``min over branches of (position // w) * w``. Keys before it are never read
+    again; the cache must hold every token from there on (all kv heads: each
+    head reads its own offset class)."""
+    return min((position // w) * w for w in segment_lengths)
+
+
+def _kv_heads(c: int, r: int, h: int, hkv: int):
+    """The kv heads query heads ``c, c + r, ...`` read, as an index into the
+    cache's head dim, in the order the backend's GQA grouping expects."""
+    g = h // hkv
+    if g == 1:
+        return slice(c, h, r)
+    if r % g == 0:  # one kv head per query head of the class
+        return slice(c // g, hkv, r // g)
+    if g % r == 0:  # every kv head, each for g / r consecutive heads of the class
+        return slice(0, hkv)
+    return [hh // g for hh in range(c, h, r)]  # irregular: one (copied) kv head per query head
+
+
+def dilated_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs, q_pos: Sequence[int],
+                 segment_lengths: Sequence[int], dilation_rates: Sequence[int], scale: float, backend: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dilated attention of q ``(B, Lq, H, D)`` over the cached slots of each row.
+
+    ``runs[b]``: ``(global_start, local_start, length)`` runs of row b's slots
+    (:class:`longattn.distributed.cache.CacheLayout`; one device: one run
+    ``(0, 0, length)``); ``q_pos[b]``: global position of row b's first query.
+    Query i at position p = q_pos[b] + i, branch (w, r): heads h with
+    ``h % r == (p % w) % r`` read the keys at p, p - r, ... down to the segment
+    start ``(p // w) * w``; all branches are one softmax (merged by lse). Each
+    (query, branch, run) is one backend call on strided views of the cache.
+    Returns out float32 ``(B, Lq, H, D)`` and lse ``(B, H, Lq)``.
+    """
+    b, lq, h, d = q.shape
+    hkv = k_cache.shape[2]
+    out = torch.zeros(b, lq, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, lq, h), float("-inf"), dtype=torch.float32, device=q.device)
+    spec = bk.BlockSpec(scale)
+    for row in range(b):
+        for i in range(lq):
+            p = q_pos[row] + i
+            for w, r in zip(segment_lengths, dilation_rates):
+                s0 = (p // w) * w
+                c = (p - s0) % r
+                if c >= h:
+                    continue
+                qs = q[row:row + 1, i:i + 1, c::r]
+                heads = _kv_heads(c, r, h, hkv)
+                for g0, l0, n in runs[row]:
+                    lo, hi = max(g0, s0), min(g0 + n - 1, p)
+                    if lo > hi:
+                        continue
+                    j0 = lo + (p - lo) % r  # first position >= lo in p's class
+                    if j0 > hi:
+                        continue
+                    a = l0 + j0 - g0
+                    e = a + (hi - j0) // r * r + 1
+                    k = k_cache[row:row + 1, a:e:r][:, :, heads]
+                    v = v_cache[row:row + 1, a:e:r][:, :, heads]
+                    o, l = _unmasked_backend(qs, k, spec, backend).forward(qs, k, v, spec)
+                    merge_(out[row:row + 1, i:i + 1, c::r], lse[row:row + 1, i:i + 1, c::r], o, l.transpose(1, 2))
+    return out, lse.transpose(1, 2).contiguous()
+
+
+# ------------------------------------------------------------------ over ranks
+def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optional[Exception] = None,
+                     check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's partial (out ``(B, Lq, H, D)``, lse ``(B, H, Lq)``) merged by
+    lse in float32, the same on every rank: one all-gather of
+    ``B * Lq * H * (D + 1)`` floats per rank, whatever the context length.
+
+    ``check``: the gathered block also carries a flag per rank, and every rank
+    raises when one reported a ``problem`` (that rank joins the all-gather
+    with zeros first, so no rank waits); reading the flags costs a device sync.
+    """
+    b, lq, h, d = out.shape
+    world = dist.get_world_size(group)
+    parts = [out.float().reshape(-1), lse.transpose(1, 2).float().reshape(-1)]
+    if check:
+        parts.append(torch.full((1,), 1.0 if problem is not None else 0.0, device=out.device))
+    flat = torch.cat(parts)
+    got = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(got, flat, group=group)
+    if check:
+        flags = torch.stack([x[-1] for x in got]).tolist()
+        bad = [r for r, f in enumerate(flags) if f]
+        if problem is not None:
+            raise problem
+        if bad:
+            raise ValueError(f"decode_attention: rank(s) {bad} of the group raised an error (see their message); "
+                             f"every rank stops here so that none waits in a collective")
+    n_out = b * lq * h * d
+    acc_out = got[0][:n_out].view(b, lq, h, d).clone()
+    acc_lse = got[0][n_out:n_out + b * lq * h].view(b, lq, h).clone()
+    for x in got[1:]:  # the same order on every rank: bitwise the same result everywhere
+        merge_(acc_out, acc_lse, x[:n_out].view(b, lq, h, d), x[n_out:n_out + b * lq * h].view(b, lq, h))
+    return acc_out, acc_lse.transpose(1, 2).contiguous()
+
+
+# ------------------------------------------------------------------ public
+@torch.no_grad()
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cache_seqlens: torch.Tensor,
+                     causal: bool = True, softmax_scale: Optional[float] = None, return_lse: bool = False,
+                     backend: str = "auto", group=None):
+    """Attention of the newest tokens' queries over a KV cache (decoding).
+
+    Args:
+        q: ``(batch, q_len, nheads, headdim)``, usually ``q_len == 1``.
+        k_cache, v_cache: ``(batch, capacity, nheads_kv, headdim)``; row ``b``'s
+            keys are its first ``cache_seqlens[b]`` slots (the rest is unused
+            capacity). GQA: query head ``h`` reads kv head ``h // (nheads // nheads_kv)``.
+        cache_seqlens: int32 ``(batch,)`` valid lengths (rows may differ); they are
+            read on the host, so a CPU tensor saves a device sync per call.
+        causal: bottom-right as :func:`longattn.attention`: the queries are the
+            last ``q_len`` tokens of the cache, query ``i`` at position
+            ``cache_seqlens[b] - q_len + i`` sees the keys up to it (so
+            ``cache_seqlens >= q_len``). False: every valid key (e.g. a cache of
+            another sequence). With one query both are the same.
+        softmax_scale, return_lse, backend: as :func:`longattn.attention`.
+        group: a ProcessGroup: the cache is sharded, ``k_cache``/``v_cache``/
+            ``cache_seqlens`` are this rank's part and q is the same on every
+            rank. Each rank attends to its part (``causal`` applies to the part:
+            True on the rank whose part ends with the queries' own keys, False
+            on the others, whose keys all precede the queries; a part may be
+            empty) and the parts merge by lse in float32 with one all-gather of
+            ``(batch, q_len, nheads, headdim + 1)`` floats per rank, whatever the
+            context length; the result is the same on every rank. The
+            all-gather carries a flag so that lengths out of range on one rank
+            raise on every rank. :class:`longattn.KVCache` manages such parts.
+
+    Returns:
+        ``out`` ``(batch, q_len, nheads, headdim)`` in q's dtype, and lse
+        ``(batch, nheads, q_len)`` float32 when asked. Rows that see no key: 0
+        and -inf.
+
+    Equivalent PyTorch (one row ``b``, ``n = cache_seqlens[b]``)::
+
+        longattn.attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], causal=causal)
+    """
+    if group is None:
+        check_cache_tensors(q, k_cache, v_cache)
+        check_seqlens_tensor(cache_seqlens, q.shape[0])
+        check_flag(causal, "causal")
+        check_flag(return_lse, "return_lse")
+        check_scale(softmax_scale)
+        bk.check_backend_name(backend)
+        lens = cache_seqlens.tolist()
+        check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
+        out, lse = dense_part(q, k_cache, v_cache, lens, causal, bk.default_scale(q.shape[-1], softmax_scale),
+                              backend)
+        return (out, lse) if return_lse else out
+    g = checks.resolve_group(group)
+    problem = None
+    try:
+        check_cache_tensors(q, k_cache, v_cache)
+        check_seqlens_tensor(cache_seqlens, q.shape[0])
+        check_flag(causal, "causal")
+        check_flag(return_lse, "return_lse")
+        check_scale(softmax_scale)
+        bk.check_backend_name(backend)
+    except (TypeError, ValueError) as e:
+        problem = e
+    # the capacity and the lengths may differ across ranks; everything else may not
+    agree(g, "decode_attention", problem, q=describe(q), k=describe(k_cache, capacity=False),
+          v=describe(v_cache, capacity=False), seqlens=describe(cache_seqlens), scale=softmax_scale,
+          lse=return_lse, backend=backend)
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    lens = cache_seqlens.tolist()
+    try:
+        check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
+        out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend)
+    except ValueError as e:
+        problem = e
+        out, lse = torch.zeros_like(q), torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"),
+                                                   device=q.device)
+    out, lse = merge_over_ranks(out, lse, g, problem, check=True)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+@torch.no_grad()
+def dilated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                             cache_seqlens: torch.Tensor, segment_lengths: Sequence[int],
+                             dilation_rates: Sequence[int], softmax_scale: Optional[float] = None,
+                             return_lse: bool = False, backend: str = "auto"):
+    """LongNet dilated attention of the newest tokens over a KV cache on one
+    device: exactly the last ``q_len`` rows of
+    ``dilated_attention(..., causal=True)`` on each row's whole sequence
+    (the cache's first ``cache_seqlens[b]`` tokens, the queries being the last
+    ``q_len`` of them).
+
+    A query at position p, branch ``(w, r)``: the heads h with
+    ``h % r == (p % w) % r`` read the keys at p, p - r, p - 2r, ... down to its
+    segment's start ``(p // w) * w``; the other heads get nothing from that
+    branch. All branches are one softmax over the union (a key given twice
+    counts twice). What must stay cached: every token (all kv heads) from
+    :func:`dilated_read_start` on. Sharded caches: :meth:`longattn.KVCache.attend`.
+
+    Args:
+        q: ``(batch, q_len, nheads, headdim)``.
+        k_cache, v_cache, cache_seqlens: as :func:`decode_attention`
+            (``cache_seqlens >= q_len``).
+        segment_lengths, dilation_rates: one ``(w, r)`` per branch.
+        softmax_scale, return_lse, backend: as :func:`longattn.attention`.
+
+    Returns:
+        ``out`` like q (and lse ``(batch, nheads, q_len)`` float32 if asked).
+
+    Equivalent PyTorch (row ``b``, ``n = cache_seqlens[b]``, ``Q`` the queries of
+    all n tokens)::
+
+        longattn.dilated_attention(Q, k_cache[b:b+1, :n], v_cache[b:b+1, :n], causal=True,
+                                   segment_lengths=segment_lengths, dilation_rates=dilation_rates)[:, -q_len:]
+    """
+    check_cache_tensors(q, k_cache, v_cache)
+    check_seqlens_tensor(cache_seqlens, q.shape[0])
+    segs, rates = check_dilation(segment_lengths, dilation_rates)
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    bk.check_backend_name(backend)
+    lens = cache_seqlens.tolist()
+    lq = q.shape[1]
+    check_lengths(lens, k_cache.shape[1], lq, True)
+    out, lse = dilated_part(q, k_cache, v_cache, [[(0, 0, n)] for n in lens], [n - lq for n in lens], segs, rates,
+                            bk.default_scale(q.shape[-1], softmax_scale), backend)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,254 @@
+"""Decoding with a KV cache on one device against float64 references over the
+whole context: decode_attention (dense, GQA, rows of different lengths, one
+and several queries), dilated_decode_attention (the last rows of causal
+dilated attention), KVCache step by step, the placement bookkeeping, what a
+dilated cache must keep, LongNetLM.generate against recomputing the forward,
+and bad inputs."""
+import pytest
+import torch
+
+import longattn
+from longattn.distributed.cache import CacheLayout, prefill_pieces
+from longattn.ops.decode import dilated_read_start
+from reference import assert_close, attention_ref, dilated_ref
+
+TOL = 1e-4
+I32 = torch.int32
+
+
+def _dense_ref(q, k, v, n, causal=True):
+    """One row: q (1, Lq, H, D) over its first n keys."""
+    if n == 0:
+        return torch.zeros(q.shape, dtype=torch.float64), torch.full((1, q.shape[2], q.shape[1]), float("-inf"),
+                                                                     dtype=torch.float64)
+    return attention_ref(q, k[:, :n], v[:, :n], causal=causal)
+
+
+def _dilated_ref(q, k, v, n, segs, rates, seed=0):
+    """The last Lq rows of causal dilated attention over one row's n tokens
+    (the earlier queries are arbitrary: they do not change the last rows)."""
+    lq = q.shape[1]
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(1, n, q.shape[2], q.shape[3], generator=g)
+    full[:, n - lq:] = q
+    out, lse = dilated_ref(full, k[:, :n], v[:, :n], segs, rates, causal=True)
+    return out[:, n - lq:], lse[:, :, n - lq:]
+
+
+def _rows(fn_got, fn_ref, lens, tag):
+    out, lse = fn_got
+    for b, n in enumerate(lens):
+        ro, rl = fn_ref(b, n)
+        assert_close(dict(out=out[b:b + 1], lse=lse[b:b + 1]), dict(out=ro, lse=rl), TOL, f"{tag} row {b} n={n}")
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2), (6, 1)])
+def test_decode_attention_matches_reference(h, hkv):
+    torch.manual_seed(1)
+    b, cap, d = 3, 24, 8
+    k, v = torch.randn(b, cap, hkv, d), torch.randn(b, cap, hkv, d)
+    for lq, causal, lens in ((1, True, [17, 5, 24]), (3, True, [3, 20, 9]), (2, False, [0, 11, 11])):
+        q = torch.randn(b, lq, h, d)
+        got = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), causal=causal,
+                                        return_lse=True)
+        _rows(got, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
+              f"h={h}/{hkv} lq={lq} causal={causal}")
+    # equal lengths: one call for the batch, scale given
+    q = torch.randn(b, 1, h, d)
+    out = longattn.decode_attention(q, k, v, cache_seqlens=torch.full((b,), 13, dtype=I32), softmax_scale=0.3)
+    ref, _ = attention_ref(q, k[:, :13], v[:, :13], causal=True, scale=0.3)
+    assert_close(dict(out=out), dict(out=ref), TOL, "equal lengths")
+
+
+# (segments, rates, heads, kv heads): GQA whose rates and group size divide each
+# other both ways, and one where they do not (group 3, rate 2); a segment longer
+# than the context; a repeated branch (its keys count twice)
+DILATED = [([4, 8, 16], [1, 2, 4], 4, 2), ([6, 12, 64], [1, 2, 3], 6, 2), ([4, 8], [2, 4], 8, 2),
+           ([5, 5, 10], [1, 1, 2], 4, 4)]
+
+
+@pytest.mark.parametrize("segs,rates,h,hkv", DILATED)
+def test_dilated_decode_is_the_last_rows_of_dilated_attention(segs, rates, h, hkv):
+    torch.manual_seed(2)
+    b, cap, d = 3, 30, 8
+    k, v = torch.randn(b, cap, hkv, d), torch.randn(b, cap, hkv, d)
+    for lq, lens in ((1, [29, 8, 17]), (3, [12, 30, 5])):
+        q = torch.randn(b, lq, h, d)
+        got = longattn.dilated_decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32),
+                                                segment_lengths=segs, dilation_rates=rates, return_lse=True)
+        _rows(got, lambda i, n: _dilated_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, segs, rates), lens,
+              f"{segs}/{rates} h={h}/{hkv} lq={lq}")
+
+
+def test_dilated_cache_needs_only_the_current_segments():
+    """Keys before dilated_read_start are never read: poisoning them changes nothing."""
+    torch.manual_seed(3)
+    segs, rates = [4, 8, 16], [1, 2, 4]
+    k, v = torch.randn(1, 40, 2, 8), torch.randn(1, 40, 2, 8)
+    q = torch.randn(1, 1, 4, 8)
+    n = 37
+    start = dilated_read_start(n - 1, segs)
+    assert start == 32
+    want = longattn.dilated_decode_attention(q, k, v, cache_seqlens=torch.tensor([n], dtype=I32),
+                                             segment_lengths=segs, dilation_rates=rates)
+    k[:, :start], v[:, :start] = float("nan"), float("nan")
+    got = longattn.dilated_decode_attention(q, k, v, cache_seqlens=torch.tensor([n], dtype=I32),
+                                            segment_lengths=segs, dilation_rates=rates)
+    assert torch.equal(got, want)
+
+
+def test_kv_cache_steps_match_full_context():
+    """A right-padded prompt through KVCache.from_prefill, then decoding steps
+    (one token, then two at once, then one): after every append, dense and
+    dilated attention of the new queries equal the float64 reference over the
+    row's whole context."""
+    torch.manual_seed(4)
+    b, s, h, hkv, d = 2, 12, 4, 2, 8
+    segs, rates = [4, 8], [1, 2]
+    lens = [12, 7]
+    k, v = torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
+    cache = longattn.KVCache.from_prefill(k, v, seqlens=lens, reserve=2)
+    assert cache.seqlens.tolist() == lens and cache.capacity == 14
+    full_k = [k[i:i + 1, :n] for i, n in enumerate(lens)]
+    full_v = [v[i:i + 1, :n] for i, n in enumerate(lens)]
+    for step, n_new in enumerate((1, 2, 1, 1)):  # the third step outgrows the reserve: the cache grows
+        kn, vn, q = torch.randn(b, n_new, hkv, d), torch.randn(b, n_new, hkv, d), torch.randn(b, n_new, h, d)
+        cache.append(kn, vn)
+        for i in range(b):
+            full_k[i] = torch.cat([full_k[i], kn[i:i + 1]], 1)
+            full_v[i] = torch.cat([full_v[i], vn[i:i + 1]], 1)
+        now = cache.seqlens.tolist()
+        _rows(cache.attend(q, return_lse=True),
+              lambda i, n: _dense_ref(q[i:i + 1], full_k[i], full_v[i], n), now, f"dense step {step}")
+        _rows(cache.attend(q, segment_lengths=segs, dilation_rates=rates, return_lse=True),
+              lambda i, n: _dilated_ref(q[i:i + 1], full_k[i], full_v[i], n, segs, rates), now, f"dilated step {step}")
+    assert cache.capacity >= 17
+
+
+def test_cache_layout_placement():
+    # pieces: contiguous and zigzag, divisible or not
+    assert prefill_pieces("contiguous", 1, 3, 12) == [(4, 4)]
+    assert prefill_pieces("zigzag", 0, 2, 8) == [(0, 2), (6, 2)]
+    pieces = sorted(p for r in range(3) for p in prefill_pieces("zigzag", r, 3, 13))
+    assert [g for g, _ in pieces] == [0, 2, 4, 6, 8, 10] and sum(n for _, n in pieces) == 13
+    # a right-padded zigzag prefill keeps real tokens only, in slot order
+    lay = CacheLayout.from_prefill([8, 3], 8, layout="zigzag", world=2, block=2)
+    assert lay.runs[0] == [[(0, 0, 2), (6, 2, 2)], [(0, 0, 2)]]
+    assert lay.runs[1] == [[(2, 0, 2), (4, 2, 2)], [(2, 0, 1)]]
+    assert lay.local == [[4, 2], [4, 1]]
+    # appends: blocks of 2 tokens, each to the emptiest rank; runs extend within a block
+    owners = [lay.place(1) for _ in range(6)]
+    assert owners == [1, 1, 0, 0, 1, 1]
+    assert lay.runs[1][0][-2:] == [(8, 4, 2), (12, 6, 2)] and lay.seqlens == [14, 9]
+    for r in range(2):
+        for row in range(2):
+            pos = lay.positions(r, row)
+            assert pos == sorted(pos) and len(pos) == lay.local[r][row]
+    assert sorted(lay.positions(0, 0) + lay.positions(1, 0)) == list(range(14))
+    assert sorted(lay.positions(0, 1) + lay.positions(1, 1)) == list(range(9))  # padding never stored
+    # several tokens at once go to one rank; a call larger than the block starts one of its size
+    assert lay.place(3) == 0 and lay.last_count == 3 and lay.last_owner == 0
+
+
+def test_longnet_generate_matches_recomputing_forward():
+    """Greedy tokens from the cache (dilated, GQA, right-padded batch) equal the
+    argmax of forward() on the growing sequence; a dense model (one full
+    branch) decodes with the dense path."""
+    from longattn.nn import LongNetLM
+
+    for segs, rates in (((4, 8, 16), (1, 2, 4)), ((64,), (1,))):
+        torch.manual_seed(5)
+        model = LongNetLM(50, dim=32, depth=2, num_heads=4, segment_lengths=segs, dilation_rates=rates,
+                          num_kv_heads=2, max_seqlen=64).eval()
+        toks = torch.randint(0, 50, (2, 16))
+        lens = [16, 11]
+        got = model.generate(toks, 6, seqlens=lens)
+        for i, n in enumerate(lens):
+            seq = toks[i:i + 1, :n]
+            for _ in range(6):
+                seq = torch.cat([seq, model(seq)[0][:, -1:].argmax(-1)], 1)
+            assert got[i].tolist() == seq[0, n:].tolist(), (segs, i)
+
+
+def test_bad_inputs_raise():
+    q, k = torch.randn(2, 1, 4, 8), torch.randn(2, 10, 2, 8)
+    ok = torch.tensor([4, 5], dtype=I32)
+    call = lambda **kw: longattn.decode_attention(**{**dict(q=q, k_cache=k, v_cache=k, cache_seqlens=ok), **kw})
+    with pytest.raises(ValueError, match="int32"):
+        call(cache_seqlens=ok.long())
+    with pytest.raises(TypeError, match="cache_seqlens must be a torch.Tensor"):
+        call(cache_seqlens=[4, 5])
+    with pytest.raises(ValueError, match=r"\[0, 10\]"):
+        call(cache_seqlens=torch.tensor([4, 11], dtype=I32))
+    with pytest.raises(ValueError, match="at least q_len"):
+        call(q=torch.randn(2, 5, 4, 8))
+    with pytest.raises(ValueError, match="multiple of nheads"):
+        call(q=torch.randn(2, 1, 3, 8))
+    with pytest.raises(ValueError, match="same shape"):
+        call(v_cache=torch.randn(2, 9, 2, 8))
+    with pytest.raises(TypeError, match="share a dtype"):
+        call(v_cache=k.double())
+    with pytest.raises(ValueError, match="segment_lengths"):
+        longattn.dilated_decode_attention(q, k, k, cache_seqlens=ok, segment_lengths=[4, 8], dilation_rates=[1])
+    cache = longattn.KVCache.from_prefill(k, k)
+    with pytest.raises(ValueError, match="append their keys"):
+        cache.attend(q)
+    with pytest.raises(ValueError, match="nheads_kv=2"):
+        cache.append(torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8))
+    cache.append(torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8))
+    with pytest.raises(ValueError, match="q_len \\(2\\) exceeds"):
+        cache.attend(torch.randn(2, 2, 4, 8))
+    with pytest.raises(ValueError, match="seqlens must hold"):
+        longattn.KVCache.from_prefill(k, k, seqlens=[3, 11])
+    assert cache.attend(q).shape == q.shape
+
+
+def test_bench_decode_tiny(tmp_path):
+    """python -m longattn.bench decode on CPU: dense and dilated rows with
+    measured prefill, per-token latency and tokens/s, the JSON with its env."""
+    import json
+
+    from longattn.bench.__main__ import main
+
+    path = tmp_path / "decode.json"
+    main(["decode", "--context", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--warmup", "1",
+          "--iters", "2", "--layers", "2", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2",
+          "--json", str(path)])
+    d = json.loads(path.read_text())
+    assert d["kind"] == "decode" and d["world"] == 1 and {"torch", "commit", "command", "device"} <= set(d["env"])
+    assert [r["impl"] for r in d["results"]] == ["longattn", "longattn-dilated"]
+    for r in d["results"]:
+        assert r["status"] == "ok" and r["context"] == 64 and r["layers"] == 2
+        assert r["prefill_ms"] > 0 and r["decode_ms_per_layer"] > 0 and r["tokens_per_s"] > 0
+        assert r["cache_bytes_per_rank"] >= 2 * 2 * 64 * 16 * 4  # two layers' K and V, float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn", "triton"])
+def test_decode_bf16_on_cuda(backend):
+    """bf16 decoding over a 4K cache (GQA, rows of different lengths, one
+    query; dilated over 512 tokens): error against float64 at most twice
+    SDPA's on the same inputs."""
+    from reference import rel_err
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    b, cap, h, hkv, d = 2, 4096, 8, 2, 128
+    q, k, v = mk(b, 1, h, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+    lens = [4000, 512]
+    out = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), backend=backend)
+    same = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor([3000, 3000], dtype=I32), backend=backend)
+    ref, _ = attention_ref(q.double(), k[:, :3000].double(), v[:, :3000].double(), causal=True)
+    assert rel_err(same, ref) < 2e-2, backend  # equal lengths: one call on a strided view of the cache
+    segs, rates = [128, 256, 512], [1, 2, 4]
+    dil = longattn.dilated_decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32),
+                                            segment_lengths=segs, dilation_rates=rates, backend=backend)
+    for i, n in enumerate(lens):
+        qi, ki, vi = q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n]
+        ref, _ = attention_ref(qi.double(), ki.double(), vi.double(), causal=True)
+        bar = torch.nn.functional.scaled_dot_product_attention(
+            qi.transpose(1, 2), ki.transpose(1, 2), vi.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+        assert rel_err(out[i:i + 1], ref) <= 2 * max(rel_err(bar, ref), 1e-3), (backend, i)
+        if n == 512:
+            want, _ = _dilated_ref(qi.double().cpu(), ki.double().cpu(), vi.double().cpu(), n, segs, rates)
+            assert rel_err(dil[i:i + 1].cpu(), want) < 2e-2, (backend, i)

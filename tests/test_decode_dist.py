@@ -1,0 +1,158 @@
+"""Decoding from a KV cache sharded over ranks (gloo, world 2 and 3) against
+the float64 reference over the whole context: every step's output and lse,
+dense and dilated, GQA, right-padded rows of different lengths, caches built
+from a contiguous or zigzag prefill shard or from the whole prompt, and the
+raw decode_attention over parts; LongNetLM greedy generation from a sharded
+cache gives the one-device tokens; bad inputs raise on every rank."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import longattn
+from dist_utils import assert_group_usable, run_world
+from reference import assert_close, attention_ref, dilated_ref
+
+TOL = 1e-4
+
+
+def _refs(q, ks, vs, segs, rates):
+    """Per row: (dense out, lse), (dilated out, lse) of the last q_len queries
+    over the row's whole context ks[b], vs[b] (1, n, Hkv, D)."""
+    lq = q.shape[1]
+    dense, dil = [], []
+    for b, (k, v) in enumerate(zip(ks, vs)):
+        n = k.shape[1]
+        dense.append(attention_ref(q[b:b + 1], k, v, causal=True))
+        full = torch.randn(1, n, q.shape[2], q.shape[3], generator=torch.Generator().manual_seed(b))
+        full[:, n - lq:] = q[b:b + 1]
+        o, l = dilated_ref(full, k, v, segs, rates, causal=True)
+        dil.append((o[:, n - lq:], l[:, :, n - lq:]))
+    return dense, dil
+
+
+def _compare(tag, got, refs):
+    out, lse = got
+    for b, (ro, rl) in enumerate(refs):
+        assert_close(dict(out=out[b:b + 1], lse=lse[b:b + 1]), dict(out=ro, lse=rl), TOL, f"{tag} row {b}")
+
+
+def _check_steps(rank, world):
+    g = dist.group.WORLD
+    b, h, hkv, d = 2, 4, 2, 8
+    segs, rates = [4, 8, 16], [1, 2, 4]
+    for layout in ("contiguous", "zigzag"):
+        s = 4 * world
+        lens = [s, s - 5]  # row 1 right-padded: its padding is never stored
+        gen = torch.Generator().manual_seed(11)  # the same values on every rank
+        k, v = torch.randn(b, s, hkv, d, generator=gen), torch.randn(b, s, hkv, d, generator=gen)
+        caches = {
+            "from_prefill": longattn.KVCache.from_prefill(longattn.shard(k, layout=layout),
+                                                          longattn.shard(v, layout=layout), seqlens=lens,
+                                                          layout=layout, group=g, reserve=3, block=2),
+            "from_sequence": longattn.KVCache.from_sequence(k, v, seqlens=lens, layout=layout, group=g, block=1),
+        }
+        ks = [k[i:i + 1, :n] for i, n in enumerate(lens)]
+        vs = [v[i:i + 1, :n] for i, n in enumerate(lens)]
+        for step, n_new in enumerate((1, 1, 2, 1, 1, 1)):
+            kn, vn = torch.randn(b, n_new, hkv, d, generator=gen), torch.randn(b, n_new, hkv, d, generator=gen)
+            q = torch.randn(b, n_new, h, d, generator=gen)
+            ks = [torch.cat([x, kn[i:i + 1]], 1) for i, x in enumerate(ks)]
+            vs = [torch.cat([x, vn[i:i + 1]], 1) for i, x in enumerate(vs)]
+            dense, dil = _refs(q, ks, vs, segs, rates)
+            for name, c in caches.items():
+                c.append(kn, vn)
+                tag = f"world={world} {layout} {name} step {step}"
+                _compare(tag + " dense", c.attend(q, return_lse=True), dense)
+                _compare(tag + " dilated", c.attend(q, segment_lengths=segs, dilation_rates=rates, return_lse=True),
+                         dil)
+                # the raw op over the same parts: causal on the rank holding the queries' own keys
+                raw = longattn.decode_attention(q, c.k, c.v, cache_seqlens=c.local_seqlens,
+                                                causal=rank == c.layout.last_owner, return_lse=True, group=g)
+                _compare(tag + " decode_attention", raw, dense)
+        for c in caches.values():  # the parts stay balanced and hold every token once
+            loc = c.layout.local
+            assert [sum(r[i] for r in loc) for i in range(b)] == c.layout.seqlens
+            assert max(max(r) for r in loc) - min(max(r) for r in loc) <= 3, loc
+    _check_empty_part(rank, world)
+    _check_generate(rank, world)
+
+
+def _check_empty_part(rank, world):
+    """The last rank holds no key of row 0: its part has weight 0, no NaN."""
+    gen = torch.Generator().manual_seed(12)
+    k, v = torch.randn(2, 4 * world, 2, 8, generator=gen), torch.randn(2, 4 * world, 2, 8, generator=gen)
+    q = torch.randn(2, 1, 4, 8, generator=gen)
+    part = slice(4 * rank, 4 * rank + 4)
+    lens = torch.tensor([0 if rank == world - 1 else 4, 4], dtype=torch.int32)
+    got = longattn.decode_attention(q, k[:, part], v[:, part], cache_seqlens=lens, causal=False, return_lse=True,
+                                    group=dist.group.WORLD)
+    n0 = 4 * (world - 1)
+    refs = [attention_ref(q[:1], k[:1, :n0], v[:1, :n0]), attention_ref(q[1:], k[1:], v[1:])]
+    _compare(f"world={world} empty part", got, refs)
+
+
+def _check_generate(rank, world):
+    from longattn.nn import LongNetLM
+
+    torch.manual_seed(5)
+    model = LongNetLM(50, dim=32, depth=2, num_heads=4, segment_lengths=(4, 8, 48), dilation_rates=(1, 2, 4),
+                      num_kv_heads=2, max_seqlen=64).eval()
+    toks = torch.randint(0, 50, (2, 48), generator=torch.Generator().manual_seed(6))
+    lens = [48, 37]
+    got = model.generate(toks, 8, seqlens=lens, group=dist.group.WORLD)
+    want = model.generate(toks, 8, seqlens=lens)
+    assert torch.equal(got, want), (rank, got, want)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_decode_matches_full_context(world):
+    run_world(_check_steps, world)
+
+
+def _raises_everywhere(world, match, fn):
+    with pytest.raises(ValueError, match=match):
+        fn()
+    assert_group_usable(world)
+
+
+def _check_errors(rank, world):
+    g = dist.group.WORLD
+    q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 6, 2, 8)
+    lens = torch.tensor([4], dtype=torch.int32)
+    call = lambda **kw: longattn.decode_attention(**{**dict(q=q, k_cache=k, v_cache=k, cache_seqlens=lens,
+                                                            group=g), **kw})
+    call()
+    # lengths out of range on one rank (a per-call value): every rank raises after the merge's all-gather
+    bad = torch.tensor([7 if rank == 0 else 4], dtype=torch.int32)
+    _raises_everywhere(world, r"\[0, 6\]" if rank == 0 else "rank\\(s\\) \\[0\\]", lambda: call(cache_seqlens=bad))
+    # shapes that differ across ranks (the first call of each rank's signature: see
+    # checks.check_consistent for a signature that changes on some ranks only later)
+    _raises_everywhere(world, "differ across ranks", lambda: call(q=torch.randn(1, 2 + rank, 4, 8)))
+    # a problem on one rank only: that rank names it, the others name the mismatch
+    odd = torch.randn(1, 3, 3 if rank == 1 else 4, 8)
+    _raises_everywhere(world, "multiple of nheads" if rank == 1 else "differ across ranks", lambda: call(q=odd))
+    # the cache: a prefill whose shard differs, an append of the wrong shape on one rank
+    kl = torch.randn(1, 4 + 2 * rank, 2, 8)
+    _raises_everywhere(world, "differ across ranks", lambda: longattn.KVCache.from_prefill(kl, kl, group=g))
+    cache = longattn.KVCache.from_prefill(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), group=g)
+    kn = torch.randn(1, 1, 2 if rank == 0 else 3, 8)
+    _raises_everywhere(world, "nheads_kv=2" if rank == 1 else "differ across ranks", lambda: cache.append(kn, kn))
+    _raises_everywhere(world, "append their keys", lambda: cache.attend(q))
+    cache.append(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))
+    assert cache.attend(q).shape == q.shape
+
+
+def _check_errors_and_bench(rank, world):
+    _check_errors(rank, world)
+    from longattn.bench.decode import parse, run  # the bench under torchrun: the cache sharded
+
+    res = run(parse(["--context", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--warmup", "1",
+                     "--iters", "2", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2"]))
+    assert res["world"] == world and [r["status"] for r in res["results"]] == ["ok", "ok"]
+    assert all(r["decode_ms_per_layer"] > 0 and r["prefill_ms"] > 0 for r in res["results"])
+
+
+@pytest.mark.dist
+def test_bad_inputs_raise_on_every_rank():
+    run_world(_check_errors_and_bench, 2)
