@@ -100,23 +100,8 @@ class KVCache:
         appended, preallocated."""
         g = None if group is None else checks.resolve_group(group)
         world = 1 if g is None else dist.get_world_size(g)
-        problem = None
-        try:
-            _check_kv(k, v, None, None, None)
-            if layout not in ("contiguous", "zigzag"):
-                raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
-            if layout == "zigzag" and k.shape[1] % 2:
-                raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {k.shape[1]}")
-            lens = _seqlens(seqlens, k.shape[0], k.shape[1] * world)
-            if not isinstance(reserve, int) or reserve < 0:
-                raise ValueError(f"reserve must be a non-negative int (tokens to be appended), got {reserve!r}")
-        except (TypeError, ValueError) as e:
-            problem, lens = e, None
-        if g is not None:
-            _dec.agree(g, "KVCache.from_prefill", problem, k=_dec.describe(k), v=_dec.describe(v),
-                       seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
-        elif problem is not None:
-            raise problem
+        lens = _checked_build(g, "KVCache.from_prefill", k, v, seqlens, k.shape[1] * world, layout, reserve, block,
+                              zigzag_local=True)
         cache = cls._empty_like(k, g, block)
         cache.layout = CacheLayout.from_prefill(lens, k.shape[1] * world, layout=layout, world=world, block=block)
         cache._alloc(max(cache.layout.fullest()[cache.rank], k.shape[1]) + cache._reserve_local(reserve))
@@ -132,21 +117,8 @@ class KVCache:
         pieces ``layout`` gives it (:func:`longattn.distributed.cache.prefill_pieces`;
         any length). ``seqlens``, ``reserve`` as :meth:`from_prefill`."""
         g = None if group is None else checks.resolve_group(group)
-        problem = None
-        try:
-            _check_kv(k, v, None, None, None)
-            if layout not in ("contiguous", "zigzag"):
-                raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
-            lens = _seqlens(seqlens, k.shape[0], k.shape[1])
-            if not isinstance(reserve, int) or reserve < 0:
-                raise ValueError(f"reserve must be a non-negative int (tokens to be appended), got {reserve!r}")
-        except (TypeError, ValueError) as e:
-            problem, lens = e, None
-        if g is not None:
-            _dec.agree(g, "KVCache.from_sequence", problem, k=_dec.describe(k), v=_dec.describe(v),
-                       seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
-        elif problem is not None:
-            raise problem
+        lens = _checked_build(g, "KVCache.from_sequence", k, v, seqlens, k.shape[1], layout, reserve, block,
+                              zigzag_local=False)
         cache = cls._empty_like(k, g, block)
         s = k.shape[1]
         cache.layout = CacheLayout.from_prefill(lens, s, layout=layout, world=cache.world, block=block)
@@ -184,18 +156,6 @@ class KVCache:
 
     # ------------------------------------------------------------ state
     @property
-    def batch(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def nheads_kv(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def headdim(self) -> int:
-        return self.k.shape[3]
-
-    @property
     def capacity(self) -> int:
         """Slots allocated on this rank."""
         return self.k.shape[1]
@@ -211,7 +171,7 @@ class KVCache:
         return torch.tensor(self.layout.local[self.rank], dtype=torch.int32)
 
     def __repr__(self) -> str:
-        return (f"KVCache(batch={self.batch}, nheads_kv={self.nheads_kv}, headdim={self.headdim}, "
+        return (f"KVCache(batch={self.k.shape[0]}, nheads_kv={self.k.shape[2]}, headdim={self.k.shape[3]}, "
                 f"seqlens={self.layout.seqlens}, rank={self.rank}/{self.world}, local={self.layout.local[self.rank]}, "
                 f"capacity={self.capacity}, dtype={self.k.dtype})")
 
@@ -229,7 +189,8 @@ class KVCache:
         (returned), chosen the same way on every rank."""
         problem = None
         try:
-            _check_kv(k_new, v_new, self.batch, self.nheads_kv, self.headdim, ("k_new", "v_new"))
+            b, _, hkv, d = self.k.shape
+            _check_kv(k_new, v_new, b, hkv, d, ("k_new", "v_new"))
             if k_new.dtype != self.k.dtype or k_new.device != self.k.device:
                 raise TypeError(f"k_new/v_new must be {self.k.dtype} on {self.k.device} like the cache, got "
                                 f"{k_new.dtype} on {k_new.device}")
@@ -295,3 +256,26 @@ class KVCache:
             out, lse = _dec.merge_over_ranks(out, lse, self.group)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
+
+
+def _checked_build(g, what: str, k, v, seqlens, total: int, layout: str, reserve, block: int, zigzag_local: bool):
+    """The arguments of a cache build, checked (on every rank of ``g`` together:
+    one rank's bad input raises everywhere); returns the per-row lengths."""
+    problem = lens = None
+    try:
+        _check_kv(k, v, None, None, None)
+        if layout not in ("contiguous", "zigzag"):
+            raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+        if zigzag_local and layout == "zigzag" and k.shape[1] % 2:
+            raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {k.shape[1]}")
+        lens = _seqlens(seqlens, k.shape[0], total)
+        if not isinstance(reserve, int) or reserve < 0:
+            raise ValueError(f"reserve must be a non-negative int (tokens to be appended), got {reserve!r}")
+    except (TypeError, ValueError) as e:
+        problem = e
+    if g is not None:
+        _dec.agree(g, what, problem, k=_dec.describe(k), v=_dec.describe(v),
+                   seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
+    elif problem is not None:
+        raise problem
+    return lens

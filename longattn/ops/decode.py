@@ -239,6 +239,15 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optio
 
 # ------------------------------------------------------------------ public
 @torch.no_grad()
+def _check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend) -> None:
+    check_cache_tensors(q, k_cache, v_cache)
+    check_seqlens_tensor(cache_seqlens, q.shape[0])
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    check_scale(softmax_scale)
+    bk.check_backend_name(backend)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cache_seqlens: torch.Tensor,
                      causal: bool = True, softmax_scale: Optional[float] = None, return_lse: bool = False,
                      backend: str = "auto", group=None):
@@ -277,13 +286,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
         longattn.attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], causal=causal)
     """
+    check = lambda: _check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend)
     if group is None:
-        check_cache_tensors(q, k_cache, v_cache)
-        check_seqlens_tensor(cache_seqlens, q.shape[0])
-        check_flag(causal, "causal")
-        check_flag(return_lse, "return_lse")
-        check_scale(softmax_scale)
-        bk.check_backend_name(backend)
+        check()
         lens = cache_seqlens.tolist()
         check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
         out, lse = dense_part(q, k_cache, v_cache, lens, causal, bk.default_scale(q.shape[-1], softmax_scale),
@@ -292,12 +297,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g = checks.resolve_group(group)
     problem = None
     try:
-        check_cache_tensors(q, k_cache, v_cache)
-        check_seqlens_tensor(cache_seqlens, q.shape[0])
-        check_flag(causal, "causal")
-        check_flag(return_lse, "return_lse")
-        check_scale(softmax_scale)
-        bk.check_backend_name(backend)
+        check()
     except (TypeError, ValueError) as e:
         problem = e
     # the capacity and the lengths may differ across ranks; everything else may not
