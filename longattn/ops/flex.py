@@ -18,8 +18,9 @@ block's share of a row is w = exp(lse_b - L) (O = sum_b w_b o_b,
 L = log sum_b exp(lse_b)), so the block's dQ, dK, dV are the backward of
 (o_b, lse_b) with the cotangents ``w * dO`` and ``w * (rowsum(dO * (o_b - O))
 + dL)`` (0 on rows the block gives no key). Cost: one extra FlexAttention
-forward per computed ring step in the backward (the backward's K/V blocks
-do not stay from the forward: memory O(seqlen / ranks)).
+forward per computed ring step in the backward; keeping each step's autograd
+graph from the forward instead would keep every visiting K/V block (memory
+O(seqlen) instead of O(seqlen / ranks)).
 
 Local compute: on CUDA the public ``torch.nn.attention.flex_attention``
 compiled by inductor (its Triton backend, pinned: the FLASH backend has no
@@ -87,6 +88,30 @@ def _compiled(backend, pattern, grad: bool):
     return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
 
 
+def _cotangents(dout, out, lse, dlse, ob, lb):
+    """The cotangents of one block's (o_b (B, L, H, D), lse_b (B, H, L)) that
+    give its share of the merged result's gradient (the module docstring):
+    w * dO and w * (rowsum(dO * (o_b - O)) + dL), w = exp(lse_b - L), 0 on rows
+    where the block gives no key (whatever dL holds there: no NaN)."""
+    w = torch.where(lb == float("-inf"), 0.0, torch.exp(lb - lse))  # also 0 where L is -inf
+    wr = w.transpose(1, 2).unsqueeze(-1)
+    grad_o = (wr * dout.float()).to(ob.dtype)
+    # w * rowsum(dO * o_b) taken from grad_o as passed (rounded to the input dtype), as FlexAttention's backward
+    # computes the rowsum it subtracts: the o_b terms cancel as in a plain backward
+    delta = (grad_o.float() * ob.float()).sum(-1) - wr.squeeze(-1) * (dout.float() * out.float()).sum(-1)
+    grad_lse = delta.transpose(1, 2)
+    if dlse is not None:
+        grad_lse = grad_lse + w * dlse
+    return grad_o, torch.where(w == 0, 0.0, grad_lse).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_cotangents(backend):
+    """``_cotangents`` fused (elementwise and row sums over (B, L, H, D): a few
+    full passes over dO, O and o_b in float32 when run eagerly)."""
+    return torch.compile(_cotangents, backend=backend, fullgraph=True)
+
+
 def compile_backend(device: torch.device) -> Optional[str]:
     """How FlexAttention runs on ``device``: inductor's kernels on CUDA; None
     (the eager operator) elsewhere (inductor's CPU FlexAttention is inference only)."""
@@ -120,7 +145,7 @@ class FlexStep:
         run = _compiled(self.compile, self.pattern, grad) if self.compile else _attend_eager
         out, lse = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.score_mod, self.block_mask,
                        self.scale)
-        return out.transpose(1, 2), lse
+        return out.transpose(1, 2), lse.float()
 
     def forward(self, q, k, v):
         with torch.no_grad():
@@ -134,17 +159,9 @@ class FlexStep:
         with torch.enable_grad():
             ob, lb = self.attend(*xs)
         with torch.no_grad():
-            w = torch.exp(lb - lse).masked_fill_(lb == float("-inf"), 0)  # (B, H, L); also 0 where lse is -inf
-            wr = w.transpose(1, 2).unsqueeze(-1)
-            grad_o = (wr * dout).to(ob.dtype)
-            # rowsum(grad_o * o_b) from the cotangent as rounded to the input dtype: FlexAttention's backward
-            # subtracts that same sum (its D), so the o_b terms cancel exactly, as in a plain bf16 backward
-            delta = (grad_o.float() * ob.float()).sum(-1) - (wr.squeeze(-1) * (dout.float() * out.float()).sum(-1))
-            grad_lse = delta.transpose(1, 2)
-            if dlse is not None:
-                grad_lse = grad_lse + w * dlse
-            grad_lse = grad_lse.masked_fill_(w == 0, 0)  # no NaN from an upstream inf on rows with no key
-        return torch.autograd.grad([ob, lb], xs, [grad_o, grad_lse.contiguous()])
+            run = _compiled_cotangents(self.compile) if self.compile else _cotangents
+            grad_o, grad_lse = run(dout, out, lse, dlse, ob.detach(), lb.detach())
+        return torch.autograd.grad([ob, lb], xs, [grad_o, grad_lse])
 
 
 # ------------------------------------------------------------------ plans (cached)
