@@ -111,18 +111,41 @@ class _BackwardSpy:
         return [f for f in self.callers if "longattn" in f]
 
 
-def _half_steps(mask, score, compile, s, h, block):
+def _half_steps(mask, score, compile, s, h, block, device=None):
     """FlexSteps of all queries (positions 0..s-1) against each key half."""
-    qmap = fp.position_map("contiguous", 0, 1, s)
-    qpos = fp.global_positions("contiguous", 0, 1, s)
+    qmap = fp.position_map("contiguous", 0, 1, s, device)
+    qpos = fp.global_positions("contiguous", 0, 1, s, device)
     steps = []
     for r in range(2):
-        kmap = fp.position_map("contiguous", r, 2, s // 2)
-        table = fp.block_table(mask, B, h, qpos, fp.global_positions("contiguous", r, 2, s // 2), block)
+        kmap = fp.position_map("contiguous", r, 2, s // 2, device)
+        table = fp.block_table(mask, B, h, qpos, fp.global_positions("contiguous", r, 2, s // 2, device), block)
         assert not table.empty
         bm = fp.block_mask(table, mask, qmap, kmap, (s, s // 2), block=block)
         steps.append(FlexStep(bm, fp.localize_score(score, qmap, kmap), D ** -0.5, compile, ("halves", compile)))
     return steps
+
+
+def _merged_halves(steps, q, k, v, do, dl) -> dict:
+    """Each half's (o_b, lse_b) merged by lse as the ring merges them, then
+    each step's backward with the merged (O, L): {out, lse, dq, dk, dv}."""
+    s = k.shape[1]
+    halves = [(k[:, :s // 2], v[:, :s // 2]), (k[:, s // 2:], v[:, s // 2:])]
+    o_l = [st.forward(q, kh, vh) for st, (kh, vh) in zip(steps, halves)]
+    lse = torch.logaddexp(o_l[0][1], o_l[1][1])
+    out = sum(torch.exp(lb - lse).nan_to_num(0).transpose(1, 2)[..., None] * ob for ob, lb in o_l)
+    grads = [st.backward(do, q, kh, vh, out, lse, dl) for st, (kh, vh) in zip(steps, halves)]
+    return dict(out=out, lse=lse, dq=grads[0][0] + grads[1][0], dk=torch.cat([grads[0][1], grads[1][1]], 1),
+                dv=torch.cat([grads[0][2], grads[1][2]], 1))
+
+
+def _crossing_pattern(s, device=None):
+    """Causal documents with one document across the two key halves, no key
+    for rows 0-2, and an alibi score_mod capturing a tensor."""
+    n = [s // 8, s // 2, s - s // 8 - s // 2]  # rows of documents 0, 1 (across s // 2), 2
+    docs = masks.document(torch.repeat_interleave(torch.arange(3), torch.tensor(n)).to(device))
+    slopes = SLOPES.to(device)
+    return (masks.and_(masks.causal(), lambda b, h, qi, ki: qi >= 3, docs),
+            lambda score, b, h, qi, ki: score - slopes[h] * (qi - ki).abs())
 
 
 @pytest.mark.parametrize("compile", [None, "aot_eager"])
@@ -135,22 +158,36 @@ def test_step_backward_two_merged_halves(compile, cpu_grads, monkeypatch):
     that see no key in one half or in both (their dL is ignored: no lse) have
     no NaN; the backward operator is called by FlexAttention's autograd only."""
     spy = _BackwardSpy(monkeypatch)
-    # rows 0-2 see no key, 3-19 the first half only, 20-29 both (a document across the halves), 30-39 the second
-    docs = masks.document(torch.tensor([0] * 7 + [1] * 23 + [2] * 10))
-    mask = masks.and_(masks.causal(), lambda b, h, qi, ki: qi >= 3, docs)
+    # rows 0-2 see no key, 3-19 the first half only, 20-24 both (a document across the halves), 25-39 the second
+    mask, score = _crossing_pattern(S)
     q, k, v, do, dl = _inputs(2)
-    halves = [(k[:, :S // 2], v[:, :S // 2]), (k[:, S // 2:], v[:, S // 2:])]
-    steps = _half_steps(mask, alibi, compile, S, H, 8)
-    o_l = [st.forward(q, kh, vh) for st, (kh, vh) in zip(steps, halves)]
-    lse = torch.logaddexp(o_l[0][1], o_l[1][1])
-    out = sum(torch.exp(lb - lse).nan_to_num(0).transpose(1, 2)[..., None] * ob for ob, lb in o_l)
-    grads = [st.backward(do, q, kh, vh, out, lse, dl) for st, (kh, vh) in zip(steps, halves)]
-    got = dict(out=out, lse=lse, dq=grads[0][0] + grads[1][0], dk=torch.cat([grads[0][1], grads[1][1]], 1),
-               dv=torch.cat([grads[0][2], grads[1][2]], 1))
-    want = results(lambda q, k, v: flex_ref(q, k, v, mask, alibi), [x.double() for x in (q, k, v)], do, dl)
-    assert torch.all(lse[:, :, :3] == float("-inf")) and torch.isfinite(lse[:, :, 3:]).all()
+    got = _merged_halves(_half_steps(mask, score, compile, S, H, 8), q, k, v, do, dl)
+    want = results(lambda q, k, v: flex_ref(q, k, v, mask, score), [x.double() for x in (q, k, v)], do, dl)
+    assert torch.all(got["lse"][:, :, :3] == float("-inf")) and torch.isfinite(got["lse"][:, :, 3:]).all()
     assert_close(got, want, TOL, f"compile={compile}")
     assert spy.callers and not spy.ours
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_forward_backward(monkeypatch):
+    """The compiled path on CUDA (inductor's Triton FlexAttention), float32
+    against the float64 reference: flex_attention (FlexAttention's autograd)
+    and a ring step's backward on two merged key halves (recompute and
+    cotangents); FlexAttention's backward operator is never called by longattn."""
+    spy = _BackwardSpy(monkeypatch)
+    dev, s = torch.device("cuda"), 512
+    mask, score = _crossing_pattern(s, dev)
+    q, k, v = torch.randn(B, s, H, D), torch.randn(B, s, 2, D), torch.randn(B, s, 2, D)
+    do, dl = torch.randn(B, s, H, D), torch.randn(B, H, s)
+    ref_mask, ref_score = _crossing_pattern(s)
+    want = results(lambda q, k, v: flex_ref(q, k, v, ref_mask, ref_score), [x.double() for x in (q, k, v)], do, dl)
+    on = [x.to(dev) for x in (q, k, v, do, dl)]
+    single = results(lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask, score_mod=score, return_lse=True),
+                     on[:3], on[3], on[4])
+    halves = _merged_halves(_half_steps(mask, score, "inductor", s, H, 128, dev), *on)
+    for name, got in (("flex_attention", single), ("two merged halves", halves)):
+        assert_close({n: t.cpu() for n, t in got.items()}, want, 1e-3, name)  # float32 dots may run as TF32
+    assert not spy.ours  # (inductor's backward is a kernel: the operator is not called at all)
 
 
 def test_compiled_path_graphs(cpu_grads, monkeypatch):
