@@ -1,14 +1,20 @@
 """longattn.flex_attention on one device (CPU: torch's eager FlexAttention)
-against the float64 masked reference: outputs, lse and all gradients; the
-compiled path's graphs (traced with the aot_eager backend on CPU); input checks."""
+against the float64 masked reference: outputs, lse and all gradients; a ring
+step's backward (recompute + the merge's cotangents) on two merged key halves;
+the compiled path CUDA takes (public FlexAttention under torch.compile, traced
+with the aot_eager backend on CPU) and its backward through FlexAttention's
+autograd; input checks."""
+import sys
+
 import pytest
 import torch
+import torch.nn.attention.flex_attention as torch_flex
 
 import longattn
 from longattn import masks
 from longattn.distributed import flex_plan as fp
-from longattn.ops.flex import FlexStep, pretrace_score
-from reference import check_op, dense_mask, flex_ref
+from longattn.ops.flex import FlexStep
+from reference import assert_close, check_op, dense_mask, flex_ref, results
 
 TOL = 1e-4
 B, S, H, D = 2, 40, 4, 16
@@ -78,13 +84,121 @@ def test_rows_without_keys():
     assert torch.all(out == 0) and torch.all(xs[1].grad == 0)
 
 
-def test_compiled_path_graphs():
-    """The step executor as CUDA runs it (torch.compile of FlexAttention's
-    forward and of its backward with the merged out/lse), traced here with
-    the aot_eager backend: the same values as the eager executor, and one
-    graph per pass for every step of a ring (positions and block masks are
-    graph inputs, not constants). The score_mod looks up a captured tensor,
-    which the compiled backward can trace only pre-traced."""
+@pytest.fixture
+def cpu_grads(monkeypatch):
+    """Lets torch's public flex_attention take inputs that require grad on CPU
+    (it refuses them there, its compiled CPU kernel being inference only), so
+    the path CUDA runs (public function, torch.compile, FlexAttention's
+    autograd) traces and runs here with the aot_eager backend."""
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda q, k, v: None)
+
+
+class _BackwardSpy:
+    """Records who calls FlexAttention's backward operator: callers[i] is the
+    file of the frame that called it."""
+
+    def __init__(self, monkeypatch):
+        hop = torch.ops.higher_order.flex_attention_backward
+        self.callers, call = [], type(hop).__call__
+
+        def spy(op, *args, **kwargs):
+            self.callers.append(sys._getframe(1).f_code.co_filename)
+            return call(op, *args, **kwargs)
+        monkeypatch.setattr(type(hop), "__call__", spy)
+
+    @property
+    def ours(self) -> list:
+        return [f for f in self.callers if "longattn" in f]
+
+
+def _half_steps(mask, score, compile, s, h, block, device=None):
+    """FlexSteps of all queries (positions 0..s-1) against each key half."""
+    qmap = fp.position_map("contiguous", 0, 1, s, device)
+    qpos = fp.global_positions("contiguous", 0, 1, s, device)
+    steps = []
+    for r in range(2):
+        kmap = fp.position_map("contiguous", r, 2, s // 2, device)
+        table = fp.block_table(mask, B, h, qpos, fp.global_positions("contiguous", r, 2, s // 2, device), block)
+        assert not table.empty
+        bm = fp.block_mask(table, mask, qmap, kmap, (s, s // 2), block=block)
+        steps.append(FlexStep(bm, fp.localize_score(score, qmap, kmap), D ** -0.5, compile, ("halves", compile)))
+    return steps
+
+
+def _merged_halves(steps, q, k, v, do, dl) -> dict:
+    """Each half's (o_b, lse_b) merged by lse as the ring merges them, then
+    each step's backward with the merged (O, L): {out, lse, dq, dk, dv}."""
+    s = k.shape[1]
+    halves = [(k[:, :s // 2], v[:, :s // 2]), (k[:, s // 2:], v[:, s // 2:])]
+    o_l = [st.forward(q, kh, vh) for st, (kh, vh) in zip(steps, halves)]
+    lse = torch.logaddexp(o_l[0][1], o_l[1][1])
+    out = sum(torch.exp(lb - lse).nan_to_num(0).transpose(1, 2)[..., None] * ob for ob, lb in o_l)
+    grads = [st.backward(do, q, kh, vh, out, lse, dl) for st, (kh, vh) in zip(steps, halves)]
+    return dict(out=out, lse=lse, dq=grads[0][0] + grads[1][0], dk=torch.cat([grads[0][1], grads[1][1]], 1),
+                dv=torch.cat([grads[0][2], grads[1][2]], 1))
+
+
+def _crossing_pattern(s, device=None):
+    """Causal documents with one document across the two key halves, no key
+    for rows 0-2, and an alibi score_mod capturing a tensor."""
+    n = [s // 8, s // 2, s - s // 8 - s // 2]  # rows of documents 0, 1 (across s // 2), 2
+    docs = masks.document(torch.repeat_interleave(torch.arange(3), torch.tensor(n)).to(device))
+    slopes = SLOPES.to(device)
+    return (masks.and_(masks.causal(), lambda b, h, qi, ki: qi >= 3, docs),
+            lambda score, b, h, qi, ki: score - slopes[h] * (qi - ki).abs())
+
+
+@pytest.mark.parametrize("compile", [None, "aot_eager"])
+def test_step_backward_two_merged_halves(compile, cpu_grads, monkeypatch):
+    """A ring step's backward on one device: the keys in two halves, each
+    half's (o_b, lse_b) merged by lse as the ring merges them, then each step's
+    backward with the MERGED (O, L) and (dO, dL) (the cotangents w * dO and
+    w * (rowsum(dO * (o_b - O)) + dL), w = exp(lse_b - L)); dQ summed and dK, dV
+    concatenated equal the float64 reference's gradients of the whole. Rows
+    that see no key in one half or in both (their dL is ignored: no lse) have
+    no NaN; the backward operator is called by FlexAttention's autograd only."""
+    spy = _BackwardSpy(monkeypatch)
+    # rows 0-2 see no key, 3-19 the first half only, 20-24 both (a document across the halves), 25-39 the second
+    mask, score = _crossing_pattern(S)
+    q, k, v, do, dl = _inputs(2)
+    got = _merged_halves(_half_steps(mask, score, compile, S, H, 8), q, k, v, do, dl)
+    want = results(lambda q, k, v: flex_ref(q, k, v, mask, score), [x.double() for x in (q, k, v)], do, dl)
+    assert torch.all(got["lse"][:, :, :3] == float("-inf")) and torch.isfinite(got["lse"][:, :, 3:]).all()
+    assert_close(got, want, TOL, f"compile={compile}")
+    assert spy.callers and not spy.ours
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_forward_backward(monkeypatch):
+    """The compiled path on CUDA (inductor's Triton FlexAttention), float32
+    against the float64 reference: flex_attention (FlexAttention's autograd)
+    and a ring step's backward on two merged key halves (recompute and
+    cotangents); FlexAttention's backward operator is never called by longattn."""
+    spy = _BackwardSpy(monkeypatch)
+    dev, s = torch.device("cuda"), 512
+    mask, score = _crossing_pattern(s, dev)
+    q, k, v = torch.randn(B, s, H, D), torch.randn(B, s, 2, D), torch.randn(B, s, 2, D)
+    do, dl = torch.randn(B, s, H, D), torch.randn(B, H, s)
+    ref_mask, ref_score = _crossing_pattern(s)
+    want = results(lambda q, k, v: flex_ref(q, k, v, ref_mask, ref_score), [x.double() for x in (q, k, v)], do, dl)
+    on = [x.to(dev) for x in (q, k, v, do, dl)]
+    single = results(lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask, score_mod=score, return_lse=True),
+                     on[:3], on[3], on[4])
+    halves = _merged_halves(_half_steps(mask, score, "inductor", s, H, 128, dev), *on)
+    for name, got in (("flex_attention", single), ("two merged halves", halves)):
+        assert_close({n: t.cpu() for n, t in got.items()}, want, 1e-3, name)  # float32 dots may run as TF32
+    assert not spy.ours  # (inductor's backward is a kernel: the operator is not called at all)
+
+
+def test_compiled_path_graphs(cpu_grads, monkeypatch):
+    """The step executor as CUDA runs it (torch.compile of the public
+    flex_attention, its backward FlexAttention's autograd of a recomputed
+    forward), traced here with the aot_eager backend: the same values as the
+    eager executor, and for every step of a ring one graph without autograd
+    (the forward), one with it (the recompute) and the cotangents' graphs:
+    positions and block masks are graph inputs, not constants. Dynamo sees the forward operator only
+    (never FlexAttention's backward operator, which it refuses on CUDA), and
+    the score_mod looks up a captured tensor."""
     from torch._dynamo.backends.debugging import aot_eager
 
     graphs = []
@@ -93,6 +207,7 @@ def test_compiled_path_graphs():
         graphs.append(gm)
         return aot_eager(gm, example_inputs)
 
+    spy = _BackwardSpy(monkeypatch)
     world, length, hkv = 3, 12, 2
     q, k, v, do, dl = (x[:, :length] if x.dim() == 4 else x[..., :length] for x in _inputs(hkv))
     mask = masks.and_(masks.causal(), masks.document(DOCS[:world * length]))
@@ -101,16 +216,19 @@ def test_compiled_path_graphs():
     for s, table in enumerate(tables):
         kmap = fp.position_map("zigzag", (1 - s) % world, world, length)
         bm = fp.block_mask(table, mask, qmap, kmap, (length, length), block=4)
-        eager = FlexStep(bm, fp.localize_score(alibi, qmap, kmap), D ** -0.5, None)
-        comp = FlexStep(bm, fp.localize_score(pretrace_score(alibi, q.dtype, "cpu"), qmap, kmap), D ** -0.5, counting)
+        score = fp.localize_score(alibi, qmap, kmap)
         res = []
-        for step in (eager, comp):
+        for step in (FlexStep(bm, score, D ** -0.5, None), FlexStep(bm, score, D ** -0.5, counting, "ring")):
             out, lse = step.forward(q, k, v)
             res.append((out, lse, *step.backward(do, q, k, v, out, lse, dl),
                         *step.backward(do, q, k, v, out, lse, None)))
         for a, b in zip(*res):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert len(graphs) == 3  # forward, backward with an lse gradient, backward without
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    ops = [{n.target for n in g.graph.nodes if n.op == "call_function"} for g in graphs]
+    assert len(graphs) == 4  # attention without and with autograd, the cotangents with and without dL
+    assert sum(torch.ops.higher_order.flex_attention in o for o in ops) == 2
+    assert not any(torch.ops.higher_order.flex_attention_backward in o for o in ops)
+    assert spy.callers and not spy.ours
 
 
 def test_input_checks():

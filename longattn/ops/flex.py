@@ -10,17 +10,23 @@ kernel, empty steps are not computed (their exchange still runs), and the
 ring ends after the last step any rank needs. Partial results merge by lse
 in float32 as in every ring.
 
-Backward: each step's FlexAttention backward runs with the MERGED output and
-lse (``torch.ops.higher_order.flex_attention_backward`` takes both as
-arguments), which makes its dQ, dK, dV exact pieces of the full gradient
-(the ring identity: P = exp(S - lse) with the final lse, and
-D = rowsum(dO * O) - dlse with the final O). FlexAttention's own autograd
-would use the step's partial output and is not called.
+Backward. On one device FlexAttention's own autograd runs (nothing is
+recomputed). In the ring each step recomputes its block's forward (o_b,
+lse_b) under FlexAttention's autograd and pulls the gradient of the merged
+result through it: with the merged (O, L) and the upstream (dO, dL), the
+block's share of a row is w = exp(lse_b - L) (O = sum_b w_b o_b,
+L = log sum_b exp(lse_b)), so the block's dQ, dK, dV are the backward of
+(o_b, lse_b) with the cotangents ``w * dO`` and ``w * (rowsum(dO * (o_b - O))
++ dL)`` (0 on rows the block gives no key). Cost: one extra FlexAttention
+forward per computed ring step in the backward; keeping each step's autograd
+graph from the forward instead would keep every visiting K/V block (memory
+O(seqlen) instead of O(seqlen / ranks)).
 
-Local compute: FlexAttention compiled by inductor on CUDA (the Triton
-backend, whose lse is base 2, converted here to the natural log every
-longattn op returns); elsewhere the eager implementation torch runs there
-(dense scores per step: small shapes only).
+Local compute: on CUDA the public ``torch.nn.attention.flex_attention``
+compiled by inductor (its Triton backend, pinned: the FLASH backend has no
+lse gradient); elsewhere FlexAttention's operator in eager mode with the same
+autograd (the public function refuses gradients on CPU; dense scores per
+step: small shapes only). lse is the natural log, as every longattn op returns.
 """
 from __future__ import annotations
 
@@ -32,9 +38,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch._higher_order_ops.flex_attention import create_fw_bw_graph
 from torch._higher_order_ops.flex_attention import flex_attention as _flex_hop
-from torch._higher_order_ops.flex_attention import flex_attention_backward as _flex_bwd_hop
 from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options, _identity
 from torch.nn.attention.flex_attention import flex_attention as _torch_flex
 
@@ -51,38 +55,66 @@ from ..distributed.transport import ring_transport
 __all__ = ["flex_attention", "ring_flex_attention", "FlexStep", "ring_schedule"]
 
 LN2 = math.log(2.0)
-_OPTIONS = {"BACKEND": "TRITON"}  # lse in base 2 and an lse gradient in the backward (the FLASH backend has neither)
+_OPTIONS = {"BACKEND": "TRITON"}  # the kernel with an lse gradient (the FLASH backend has none)
 
 
 # ------------------------------------------------------------------ the local op
-def _fwd_impl(q, k, v, score_mod, block_mask, scale):
+def _attend_public(q, k, v, score_mod, block_mask, scale):
+    """FlexAttention's public function on (B, H, L, D): out, lse (natural log), with its autograd."""
     out, aux = _torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                            enable_gqa=q.shape[1] != k.shape[1], kernel_options=dict(_OPTIONS),
                            return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
 
-def _bwd_impl(q, k, v, out, lse2, dout, dlse2, score_mod, block_mask, scale, options):
-    # joint graph None: dynamo derives it from score_mod, as for FlexAttention's own backward
-    dq, dk, dv, _ = _flex_bwd_hop(q, k, v, out, lse2, dout, dlse2, score_mod, None, block_mask.as_tuple(), scale,
-                                  options, (), ())
-    return dq, dk, dv
+def _attend_eager(q, k, v, score_mod, block_mask, scale):
+    """The same through FlexAttention's operator, which is what the public
+    function calls; its autograd (FlexAttention's own) also runs on CPU, where
+    the public function refuses inputs that require grad."""
+    opts = _apply_kernel_options(q, k, v, True, dict(_OPTIONS))
+    out, lse2, _ = _flex_hop(q, k, v, score_mod or _identity, block_mask.as_tuple(), scale, opts)
+    return out, lse2 * LN2  # the operator's lse is base 2
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(which: str, backend, pattern):
-    """The compiled pass for one pattern. Dynamo keeps graphs, and counts them
-    against its recompile limit (8; past it the eager implementation runs: dense
-    scores), per code object: each pattern gets a copy of the function's code, so
-    patterns do not share that budget (each shape of a pattern is one graph)."""
-    fn = {"fwd": _fwd_impl, "bwd": _bwd_impl}[which]
+def _compiled(backend, pattern, grad: bool):
+    """The compiled FlexAttention of one pattern, with (grad) or without
+    autograd. Dynamo keeps graphs, and counts them against its recompile limit
+    (8; past it the eager implementation runs: dense scores), per code object:
+    each (pattern, grad) gets a copy of the function's code, so they do not
+    share that budget (each shape is one graph)."""
+    fn = _attend_public
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
     return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
 
 
+def _cotangents(dout, out, lse, dlse, ob, lb):
+    """The cotangents of one block's (o_b (B, L, H, D), lse_b (B, H, L)) that
+    give its share of the merged result's gradient (the module docstring):
+    w * dO and w * (rowsum(dO * (o_b - O)) + dL), w = exp(lse_b - L), 0 on rows
+    where the block gives no key (whatever dL holds there: no NaN)."""
+    w = torch.where(lb == float("-inf"), 0.0, torch.exp(lb - lse))  # also 0 where L is -inf
+    wr = w.transpose(1, 2).unsqueeze(-1)
+    grad_o = (wr * dout.float()).to(ob.dtype)
+    # w * rowsum(dO * o_b) taken from grad_o as passed (rounded to the input dtype), as FlexAttention's backward
+    # computes the rowsum it subtracts: the o_b terms cancel as in a plain backward
+    delta = (grad_o.float() * ob.float()).sum(-1) - wr.squeeze(-1) * (dout.float() * out.float()).sum(-1)
+    grad_lse = delta.transpose(1, 2)
+    if dlse is not None:
+        grad_lse = grad_lse + w * dlse
+    return grad_o, torch.where(w == 0, 0.0, grad_lse).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_cotangents(backend):
+    """``_cotangents`` fused (elementwise and row sums over (B, L, H, D): a few
+    full passes over dO, O and o_b in float32 when run eagerly)."""
+    return torch.compile(_cotangents, backend=backend, fullgraph=True)
+
+
 def compile_backend(device: torch.device) -> Optional[str]:
     """How FlexAttention runs on ``device``: inductor's kernels on CUDA; None
-    (the eager implementation) elsewhere (inductor's CPU FlexAttention has no backward)."""
+    (the eager operator) elsewhere (inductor's CPU FlexAttention is inference only)."""
     return "inductor" if device.type == "cuda" else None
 
 
@@ -91,62 +123,45 @@ class FlexStep:
     local queries against one K/V block under ``block_mask`` (local indices),
     on (B, L, H, D) tensors; lse natural-log float32, -inf where a row sees no key.
 
-    ``compile``: a ``torch.compile`` backend ("inductor" on CUDA; "aot_eager"
-    traces the same graphs on CPU) or None for the eager implementation;
-    ``pattern``: a hashable name of the (mask, score) pattern, whose compiled
-    graphs the steps of every call with it share.
+    ``compile``: a ``torch.compile`` backend for the public FlexAttention
+    ("inductor" on CUDA; "aot_eager" traces the same graphs elsewhere) or None
+    for the eager operator; ``pattern``: a hashable name of the (mask, score)
+    pattern, whose compiled graphs the steps of every call with it share.
     """
 
     def __init__(self, block_mask, score_mod: Optional[Callable], scale: float, compile: Optional[str],
                  pattern=None):
         self.block_mask, self.score_mod, self.scale, self.compile = block_mask, score_mod, scale, compile
         self.pattern = pattern
-        self._joint = None
         lq, lk = block_mask.seq_lengths
         # The rows and keys it covers as a plain call: the ring sizes its accumulators from these. They never
         # run in its place (the backward below never declines, see Call.run).
         self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)
 
-    def _options(self, q, k, v) -> dict:
-        return _apply_kernel_options(q, k, v, True, dict(_OPTIONS))
-
-    def forward(self, q, k, v):
-        qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
-        if self.compile:
-            run = _compiled("fwd", self.compile, self.pattern)
-            out, lse = run(qt, kt, vt, self.score_mod, self.block_mask, self.scale)
-        else:
-            out, lse2, _ = _flex_hop(qt, kt, vt, self.score_mod or _identity, self.block_mask.as_tuple(), self.scale,
-                                     self._options(qt, kt, vt))
-            lse = lse2 * LN2
+    def attend(self, q, k, v):
+        """(out, lse) of q against this block, differentiable through
+        FlexAttention's autograd where the inputs require grad."""
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        run = _compiled(self.compile, self.pattern, grad) if self.compile else _attend_eager
+        out, lse = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.score_mod, self.block_mask,
+                       self.scale)
         return out.transpose(1, 2), lse.float()
 
-    def _joint_graph(self, q):
-        """The score_mod's joint graph for the eager backward (what FlexAttention's
-        autograd builds; the eager backward cannot build it itself under no-grad)."""
-        if self._joint is None:
-            from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-
-            ex = (q.new_zeros((), requires_grad=True),) + tuple(q.new_zeros((), dtype=torch.int) for _ in range(4))
-            with torch.enable_grad(), TransformGetItemToIndex():
-                _, self._joint = create_fw_bw_graph(self.score_mod or _identity, ex, ())
-        return self._joint
+    def forward(self, q, k, v):
+        with torch.no_grad():
+            return self.attend(q, k, v)
 
     def backward(self, dout, q, k, v, out, lse, dlse):
-        """(dq, dk, dv) of this block given the MERGED out and lse (natural log)
-        and the lse gradient (None: zero)."""
-        qt, kt, vt, ot, dot = (x.detach().transpose(1, 2) for x in (q, k, v, out, dout))
-        lse2 = lse.float() / LN2  # FlexAttention's backward takes the base-2 lse ...
-        dlse2 = None if dlse is None else dlse.float() * LN2  # ... and the gradient with respect to it
-        opts = self._options(qt, kt, vt)
-        if self.compile:
-            run = _compiled("bwd", self.compile, self.pattern)
-            dq, dk, dv = run(qt, kt, vt, ot, lse2, dot, dlse2, self.score_mod or _identity, self.block_mask, self.scale,
-                             opts)
-        else:
-            dq, dk, dv, _ = _flex_bwd_hop(qt, kt, vt, ot, lse2, dot, dlse2, self.score_mod or _identity,
-                                          self._joint_graph(qt), self.block_mask.as_tuple(), self.scale, opts, (), ())
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        """(dq, dk, dv) of this block given the MERGED out and lse (natural
+        log) of every block and their gradients (dlse None: zero), through a
+        recomputed forward of this block (see the module docstring)."""
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        with torch.enable_grad():
+            ob, lb = self.attend(*xs)
+        with torch.no_grad():
+            run = _compiled_cotangents(self.compile) if self.compile else _cotangents
+            grad_o, grad_lse = run(dout, out, lse, dlse, ob.detach(), lb.detach())
+        return torch.autograd.grad([ob, lb], xs, [grad_o, grad_lse])
 
 
 # ------------------------------------------------------------------ plans (cached)
@@ -182,35 +197,10 @@ def _signature(fn) -> str:
     return repr(key) if key is not None else getattr(fn, "__qualname__", type(fn).__name__)
 
 
-@functools.lru_cache(maxsize=64)
-def pretrace_score(score_mod: Callable, dtype: torch.dtype, device: str) -> Callable:
-    """``score_mod`` as a graph of aten ops (tensor lookups such as ``bias[h]``
-    become ``aten.index``), behind a plain function. Dynamo's tracing of
-    FlexAttention's backward re-traces the score function without FlexAttention's
-    indexing transform and fails on such lookups; on a pre-traced graph it does
-    not. Tensors the function captures stay the same tensors (graph constants),
-    and Python control flow on tensor values raises here as in FlexAttention."""
-    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        ex = (torch.zeros((), dtype=dtype, device=device),) + tuple(
-            torch.zeros((), dtype=torch.int32, device=device) for _ in range(4))
-    with TransformGetItemToIndex():
-        graph = make_fx(score_mod)(*ex)
-
-    def score(s, b, h, q_idx, kv_idx):
-        return graph(s, b, h, q_idx, kv_idx)
-    return score
-
-
 def _make_step(table, mask_mod, score_mod, scale, qmap, kmap, q, k) -> FlexStep:
-    comp, pattern = compile_backend(q.device), (_key(mask_mod), _key(score_mod))
-    if comp and score_mod is not None:
-        score_mod = pretrace_score(score_mod, q.dtype, str(q.device))
     return FlexStep(fp.block_mask(table, mask_mod, qmap, kmap, (q.shape[1], k.shape[1])),
-                    fp.localize_score(score_mod, qmap, kmap), scale, comp, pattern)
+                    fp.localize_score(score_mod, qmap, kmap), scale, compile_backend(q.device),
+                    (_key(mask_mod), _key(score_mod)))
 
 
 def _single_step(q, k, mask_mod, score_mod, scale) -> Optional[FlexStep]:
@@ -268,25 +258,17 @@ def _ring_plan(q, k, mask_mod, score_mod, scale, layout, group) -> RingSchedule:
 
 
 # ------------------------------------------------------------------ autograd
-class _Flex(torch.autograd.Function):
+class _NoKeys(torch.autograd.Function):
+    """The result where no query sees any key: output 0, lse -inf, zero gradients."""
+
     @staticmethod
-    def forward(ctx, q, k, v, step):
-        ctx.set_materialize_grads(False)
-        if step is None:  # no query sees any key
-            out, lse = empty_state(q, q.dtype)
-        else:
-            out, lse = step.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.step = step
-        return out, lse
+    def forward(ctx, q, k, v):
+        ctx.like = [(x.shape, x.dtype, x.device) for x in (q, k, v)]
+        return empty_state(q, q.dtype)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if ctx.step is None:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        return (*ctx.step.backward(dout, q, k, v, out, lse, dlse), None)
+        return tuple(torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.like)
 
 
 _OP = BackendOp()  # every call of a flex ring carries its executor (Call.run)
@@ -368,7 +350,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mo
     graphs (a graph break).
     """
     scale = _check_common(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seqlen=False)
-    out, lse = _Flex.apply(q, k, v, _single_step(q, k, mask_mod, score_mod, scale))
+    step = _single_step(q, k, mask_mod, score_mod, scale)
+    out, lse = _NoKeys.apply(q, k, v) if step is None else step.attend(q, k, v)  # FlexAttention's autograd
     return (out, lse) if return_lse else out
 
 
