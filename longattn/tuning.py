@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DILATED", "VARLEN", "RING_VARLEN", "describe"]
+__all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DecodeTuning", "DILATED", "VARLEN", "RING_VARLEN",
+           "DECODE", "describe"]
 
 DILATED_SCHEDULES = ("auto", "views", "grouped", "per_branch", "per_branch_zero_fill", "gather")
 
@@ -127,15 +128,26 @@ class RingVarlenTuning:
         "dist_varlen_2xh200_7284f9f.json")
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Which backends ``decode_attention`` (and :class:`longattn.KVCache`) leave out under ``backend="auto"``."""
+
+    auto_excludes: tuple = measured(
+        ("cudnn",), "cuDNN builds an execution plan for every new key length, and a decode step's key length "
+                    "changes every call: one query over 128K cached tokens took 39.3 ms through cuDNN against "
+                    "0.30 ms through flash (one H100); auto takes flash", "decode_1xh100_38fed5d.json")
+
+
 DILATED = DilatedTuning()
 VARLEN = VarlenTuning()
+DECODE = DecodeTuning()
 RING_VARLEN = RingVarlenTuning()
 
 
 def describe() -> str:
     """Every measured threshold with its value, reason and result file (one line each)."""
     lines = []
-    for obj in (DILATED, VARLEN, RING_VARLEN):
+    for obj in (DILATED, VARLEN, RING_VARLEN, DECODE):
         for f in dataclasses.fields(obj):
             src = f.metadata.get("source")
             lines.append(f"{type(obj).__name__}.{f.name} = {getattr(obj, f.name)!r}: {f.metadata.get('reason', '')}"

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
+from .. import tuning as _tuning
 from .._merge import merge_
 from .._validation import check_dilation, check_flag, check_scale, check_tensor
 from ..distributed import checks
@@ -120,7 +121,7 @@ def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend
     k, v = k_cache[:, :n], v_cache[:, :n]
     if masked:
         spec = bk.BlockSpec(scale, True, (-1, -1), n - lq)
-        be = bk.select_backend(q, k, spec, backend)
+        be = bk.select_backend(q, k, spec, backend, exclude=_tuning.DECODE.auto_excludes)
     else:
         spec = bk.BlockSpec(scale)
         be = _unmasked_backend(q, k, spec, backend)
@@ -131,7 +132,7 @@ def _unmasked_backend(q, k, spec, backend: str):
     # Chosen on one key row: an unmasked call's refusals do not depend on the
     # key count, and a shape that stays the same as the cache grows is looked
     # up once instead of walking every backend's refusals per token.
-    return bk.select_backend(q, k[:, :1], spec, backend)
+    return bk.select_backend(q, k[:, :1], spec, backend, exclude=_tuning.DECODE.auto_excludes)
 
 
 # ------------------------------------------------------------------ dilated
