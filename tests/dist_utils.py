@@ -72,3 +72,18 @@ def assert_group_usable(world: int, group=None) -> None:
     t = torch.ones(1)
     dist.all_reduce(t, group=group)
     assert t.item() == world
+
+
+def assert_compiled_matches_eager(f, inputs) -> None:
+    """f(*inputs) -> out or (out, lse): a fullgraph torch.compile (aot_eager) of f
+    gives the eager values and gradients (loss: out^2 summed, plus lse summed)."""
+    res = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        x = [t.clone().requires_grad_() for t in inputs]
+        got = fn(*x)
+        out, lse = got if isinstance(got, tuple) else (got, None)
+        loss = out.square().sum() + (0 if lse is None else lse.sum())
+        loss.backward()
+        res.append([out.detach()] + ([] if lse is None else [lse.detach()]) + [t.grad for t in x])
+    for got, want in zip(*res):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

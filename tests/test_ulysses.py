@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_group_usable, assert_unsharded_close, run_world
+from dist_utils import assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, run_world
 from longattn.distributed.ulysses import HeadPlan
 from reference import assert_close, attention_ref, rel_err
 from test_varlen import varlen_ref
@@ -100,14 +100,7 @@ def _check_compiled(rank, world):
     q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
     f = lambda q, k, v: longattn.ulysses_attention(q, k, v, causal=True, layout="zigzag", return_lse=True,
                                                    backend="math")
-    res = []
-    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
-        x = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = fn(*x)
-        (out.square().sum() + lse.sum()).backward()
-        res.append([out.detach(), lse.detach()] + [t.grad for t in x])
-    for got, want in zip(*res):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_compiled_matches_eager(f, (q, k, v))
 
 
 def _check_errors(rank, world):
