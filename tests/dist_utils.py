@@ -87,3 +87,18 @@ def assert_compiled_matches_eager(f, inputs) -> None:
         res.append([out.detach()] + ([] if lse is None else [lse.detach()]) + [t.grad for t in x])
     for got, want in zip(*res):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def dense_inputs(b: int, s: int, h: int, hkv: int, d: int):
+    """Random q, k, v (B, S, H/Hkv, D), an output gradient and an lse gradient (B, H, S)."""
+    return (torch.randn(b, s, h, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d), torch.randn(b, s, h, d),
+            torch.randn(b, h, s))
+
+
+def varlen_inputs(lens, h: int, hkv: int, d: int, seed: int):
+    """Packed documents of ``lens`` tokens: int32 cu_seqlens, q, k, v (T, H/Hkv, D), dO and dlse (H, T)."""
+    torch.manual_seed(seed)
+    cu = torch.tensor([0] + list(lens)).cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    return (cu, torch.randn(total, h, d), torch.randn(total, hkv, d), torch.randn(total, hkv, d),
+            torch.randn(total, h, d), torch.randn(h, total))

@@ -171,15 +171,7 @@ def test_ring_model_errors_raise_on_every_rank():
 def _check_scripts(rank, world):
     """examples/finetune_hf.py with --cp and benchmarks/hf_train.py with
     longattn_ring run under gloo and give the one-device losses."""
-    import importlib.util
-    import os
-
-    def load(path):
-        full = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
-        spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], full)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+    from test_hf import _load as load
 
     ex = load("examples/finetune_hf.py")
     args = ["--steps", "2", "--seqlen", "64", "--batch", "2", "--hidden", "32", "--pack"]

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, run_world
+from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close,
+                        run_world, varlen_inputs)
 from reference import assert_close, attention_ref
 from test_varlen import varlen_ref
 
@@ -60,11 +61,7 @@ def _check_dense(mesh):
 
 def _check_varlen(mesh):
     for lens, layout, causal, window, hkv in VARLEN:
-        torch.manual_seed(5)
-        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        total, d = int(cu[-1]), 8
-        q, k, v = torch.randn(total, H, d), torch.randn(total, hkv, d), torch.randn(total, hkv, d)
-        do, dl = torch.randn(total, H, d), torch.randn(H, total)
+        cu, q, k, v, do, dl = varlen_inputs(lens, H, hkv, 8, seed=5)
         ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: varlen_ref(*x, cu, causal, window))
         sh = lambda x: longattn.shard_varlen_for_mesh(x, cu, mesh, layout=layout)[0]
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, run_world
+from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close,
+                        dense_inputs, run_world)
 from longattn.distributed import transport
 from longattn.distributed.plan import num_steps, plan
 from longattn.distributed.ring import BackendOp, RingSchedule, ring_backward
@@ -37,11 +38,7 @@ def _check_configs(rank, world):
     for layout, causal, window, hkv in CONFIGS:
         torch.manual_seed(1234)
         b, s, h, d = 2, 2 * world * 5, 4, 16
-        q = torch.randn(b, s, h, d)
-        k = torch.randn(b, s, hkv, d)
-        v = torch.randn(b, s, hkv, d)
-        do = torch.randn(b, s, h, d)
-        dl = torch.randn(b, h, s)
+        q, k, v, do, dl = dense_inputs(b, s, h, hkv, d)
         # reference in float64 on the full sequence
         qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
         ro, rl = attention_ref(qr, kr, vr, causal=causal, window=window)

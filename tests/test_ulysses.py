@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, run_world
+from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, dense_inputs,
+                        run_world, varlen_inputs)
 from longattn.distributed.ulysses import HeadPlan
 from reference import assert_close, attention_ref, rel_err
 from test_varlen import varlen_ref
@@ -40,9 +41,7 @@ def _reference(q, k, v, do, dl, fn):
 def _check_dense(world):
     for layout, causal, window, hkv in CONFIGS[world]:
         torch.manual_seed(11)
-        b, s, d = 2, 2 * world * 3, 8
-        q, k, v = torch.randn(b, s, H, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
-        do, dl = torch.randn(b, s, H, d), torch.randn(b, H, s)
+        q, k, v, do, dl = dense_inputs(2, 2 * world * 3, H, hkv, 8)
         ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: attention_ref(*x, causal=causal, window=window))
         sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
@@ -56,17 +55,13 @@ def _check_dense(world):
 
 def _check_varlen(world):
     for lens, layout, causal, window, hkv in VARLEN[world]:
-        torch.manual_seed(5)
-        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        total, d = int(cu[-1]), 8
-        q, k, v = torch.randn(total, H, d), torch.randn(total, hkv, d), torch.randn(total, hkv, d)
-        do, dl = torch.randn(total, H, d), torch.randn(H, total)
+        cu, q, k, v, do, dl = varlen_inputs(lens, H, hkv, 8, seed=5)
         ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: varlen_ref(*x, cu, causal, window))
         sh = lambda x: longattn.shard_varlen(x, cu, layout=layout)[0]
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
         out, lse = longattn.ulysses_attention_varlen(ql, kl, vl, cu, layout=layout, causal=causal,
                                                      window_size=window, return_lse=True, backend="math")
-        assert (out[~longattn.shard_varlen(torch.ones(total), cu, layout=layout)[0].bool()] == 0).all()
+        assert (out[~longattn.shard_varlen(torch.ones(q.shape[0]), cu, layout=layout)[0].bool()] == 0).all()
         ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl.t()).t()).sum()).backward()
         us = lambda x: longattn.unshard_varlen(x.detach(), cu, layout=layout)
         got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
