@@ -90,14 +90,24 @@ def test_dilated_views_ungathered_bf16(causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [8, 2])
+@pytest.mark.parametrize("concurrent", [0, 1 << 30])
+def test_dilated_views_concurrent_bf16(causal, hkv, concurrent):
+    """The views path's calls on side streams at once or in order on one stream."""
+    test_dilated_bf16("cudnn", causal, hkv, [512, 1024, 4096, 8192], 8192,
+                      tuning=DilatedTuning(concurrent_max_tokens=concurrent))
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_dilated_views_under_cuda_graphs(causal):
-    """The views path (cuDNN calls, Triton gathers, merges and adds) captures
-    into CUDA graphs: torch.cuda.make_graphed_callables gives the eager op's
+    """The views path (cuDNN calls on side streams, Triton gathers, merges and
+    adds) captures into CUDA graphs: torch.cuda.make_graphed_callables gives the eager op's
     output and gradients (the bench's longattn-dilated-graphed)."""
     segs, rates = [512, 1024, 4096, 8192], [1, 2, 4, 8]
     q, k, v, do = _inputs(1, 8192, 8, 8, 128)
     f = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                   causal=causal, backend="cudnn")
+                                                   causal=causal, backend="cudnn",
+                                                   tuning=DilatedTuning(concurrent_max_tokens=1 << 30))
     graphed = torch.cuda.make_graphed_callables(f, tuple(x.clone().requires_grad_() for x in (q, k, v)))
     o, _, g = grads_of(f, [q, k, v], do)
     for _ in range(2):  # replays, not only the capture

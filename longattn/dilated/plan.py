@@ -33,7 +33,9 @@ class DilatedPlan:
     (``gather_max_rows_bwd`` in the backward), cuts calls at ``piece_bytes``
     of output and adopts the base branch's gradients whole up to
     ``adopt_bwd_max_elems`` elements. ``autotune``: the fused kernels' tile
-    mode (see :class:`longattn.kernels.autotune.Autotuner`; '' the environment's)."""
+    mode (see :class:`longattn.kernels.autotune.Autotuner`; '' the environment's).
+    ``concurrent``: the views path launches its calls on side streams at once
+    (``DilatedTuning.concurrent_max_tokens``)."""
 
     fwd: str
     bwd: str
@@ -43,6 +45,7 @@ class DilatedPlan:
     piece_bytes: int = 128 << 20
     adopt_bwd_max_elems: int = 2 ** 29
     autotune: str = ""
+    concurrent: bool = False
 
     def key(self) -> str:
         return _key(self)
@@ -155,4 +158,5 @@ def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
         fwd=fwd, bwd=bwd, fused_schedule=_fused_schedule(q.shape[1], segs, rates, tuning),
         gather_max_rows=tuning.gather_max_rows,
         gather_max_rows_bwd=tuning.gather_max_rows if causal or tuning.gather_noncausal_backward else 0,
-        piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems, autotune=tuning.autotune)
+        piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems, autotune=tuning.autotune,
+        concurrent=q.device.type == "cuda" and q.shape[0] * q.shape[1] <= tuning.concurrent_max_tokens)

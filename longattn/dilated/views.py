@@ -91,6 +91,7 @@ def forward(plan: DilatedPlan, q, k, v, segment_lengths, dilation_rates, causal:
     acc = (out_dtype or q.dtype) if q.is_cuda and kmerge.usable(q) else torch.float32
     order, nbase = ordered_units(s, segment_lengths, dilation_rates, h, plan.gather_max_rows, k.shape[2] == h)
     spec = bk.BlockSpec(scale=scale, causal=causal)
+    ready = _ready(plan, q)
     if adoptable(nbase, q, 2 ** 31):  # the base unit's results are the output: nothing allocated before them
         out, lse = _adopt_forward(order[0], q, k, v, spec, backend, acc)
         order, start = order[1:], 1
@@ -98,9 +99,10 @@ def forward(plan: DilatedPlan, q, k, v, segment_lengths, dilation_rates, causal:
         out, lse = (torch.empty(b, s, h, d, dtype=acc, device=q.device),
                     torch.empty((b, h, s), dtype=torch.float32, device=q.device)) if nbase else empty_state(q, acc)
         start = 0
-    for i, u in enumerate(order, start=start):
-        for bi in range(b):
-            _unit_forward(u, bi, q, k, v, out, lse, spec, backend, plan.piece_bytes, writes=i < nbase)
+    calls = [(i < nbase, _unit_calls(u, bi, q, k, v, out, lse, spec, backend, plan.piece_bytes))
+             for i, u in enumerate(order, start=start) for bi in range(b)]
+    for writes, res in side_streams(calls, ready):
+        _land_forward(res, writes, q.is_cuda)
     return out.to(out_dtype or q.dtype), lse
 
 
@@ -116,22 +118,90 @@ def _adopt_forward(u: Unit, q, k, v, spec, backend, acc):
     return out, lse
 
 
-def _unit_forward(u: Unit, bi: int, q, k, v, out, lse, spec, backend, piece_bytes: int, writes: bool) -> None:
-    """One unit of batch element ``bi``: its results written (a base unit) or merged into out/lse."""
+def _unit_calls(u: Unit, bi: int, q, k, v, out, lse, spec, backend, piece_bytes: int):
+    """A thunk running unit ``u`` of batch element ``bi``: it returns (out view,
+    lse view, out block, lse block) per backend call, for :func:`_land_forward`."""
     h = q.shape[2]
     qv, kv, vv, ov, lv = (u.view(x, bi, h) for x in (q, k, v, out, lse))  # (N, M, Hc, D) / (N, M, Hc)
-    if u.gathered:  # 5-D views; one call on dense copies
-        ob, lb = bk.block_forward(*_gather_views(qv, kv, vv), spec, backend)
-        merge_into(ov, lv, ob.view(ov.shape), lb.transpose(1, 2).view(lv.shape), use_triton=q.is_cuda)
-        return
-    for sl in _pieces(u, qv, q.element_size(), piece_bytes):
-        qs, ks, vs, os_, ls = _cut(sl, qv, kv, vv, ov, lv)
-        ob, lb = bk.block_forward(qs, ks, vs, spec, backend)
+
+    def run():
+        if u.gathered:  # 5-D views; one call on dense copies
+            ob, lb = bk.block_forward(*_gather_views(qv, kv, vv), spec, backend)
+            return [(ov, lv, ob.view(ov.shape), lb.transpose(1, 2).view(lv.shape))]
+        res = []
+        for sl in _pieces(u, qv, q.element_size(), piece_bytes):
+            qs, ks, vs, os_, ls = _cut(sl, qv, kv, vv, ov, lv)
+            ob, lb = bk.block_forward(qs, ks, vs, spec, backend)
+            res.append((os_, ls, ob, lb.transpose(1, 2)))
+        return res
+    return run
+
+
+def _land_forward(res, writes: bool, cuda: bool) -> None:
+    """A unit's results written into out/lse (a base unit) or merged into them."""
+    for ov, lv, ob, lb in res:
         if writes:
-            os_.copy_(ob)
-            ls.copy_(lb.transpose(1, 2))
+            ov.copy_(ob)
+            lv.copy_(lb)
         else:
-            merge_into(os_, ls, ob, lb.transpose(1, 2), use_triton=q.is_cuda)
+            merge_into(ov, lv, ob, lb, use_triton=cuda)
+
+
+def _ready(plan: DilatedPlan, q: torch.Tensor):
+    """With concurrent calls, an event on the current stream after which the
+    inputs are ready: side streams wait for it, not for the base call that
+    the current stream runs next. None where the calls run in order (also
+    inside a CUDA graph capture that starts before the side streams exist)."""
+    if not (plan.concurrent and q.is_cuda):
+        return None
+    if torch.cuda.is_current_stream_capturing() and (q.device, 0) not in _streams:
+        return None
+    return torch.cuda.current_stream().record_event()
+
+
+def side_streams(calls, ready):
+    """Run (writes, thunk) pairs and yield (writes, results) in order.
+
+    ``ready`` an event (see :func:`_ready`): every thunk is launched at once,
+    each on a side stream after ``ready``, and the current stream waits for a
+    call only when its results are landed: a short sequence's branch calls
+    are a few waves each, side by side they fill each other's tails
+    (``DilatedTuning.concurrent_max_tokens``). All results are alive until
+    landed: the tuning bounds where that memory is spent. ``None``: in order
+    on the current stream.
+
+    At the end the side streams wait for the current stream: a block the
+    allocator frees from a side stream's results is reused only by later
+    work on that side stream, which then runs after the landing that read
+    it (this also joins the side streams back into a CUDA graph capture)."""
+    if ready is None or len(calls) < 2:
+        for writes, call in calls:
+            yield writes, call()
+        return
+    main = torch.cuda.current_stream()
+    pending, used = [], {}
+    for i, (writes, call) in enumerate(calls):
+        side = used.setdefault(i % _NSTREAMS, _stream(main.device, i))
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            pending.append((writes, side, call()))
+    for writes, side, res in pending:
+        main.wait_stream(side)
+        yield writes, res
+    del pending
+    for side in used.values():
+        side.wait_stream(main)
+
+
+_streams: dict = {}
+_NSTREAMS = 4
+
+
+def _stream(device, i: int):
+    key = (device, i % _NSTREAMS)
+    if key not in _streams:
+        _streams[key] = torch.cuda.Stream(device=device)
+    return _streams[key]
 
 
 def _gather_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, out_dtype):
@@ -159,7 +229,7 @@ def backward(plan: DilatedPlan, dout, q, k, v, out, lse, dlse, segment_lengths, 
     order, nbase = ordered_units(s, segment_lengths, dilation_rates, h, plan.gather_max_rows_bwd, k.shape[2] == h)
     spec = bk.BlockSpec(scale=scale, causal=causal)
     tensors = (dout, q, k, v, out, lse, dlse)
-    grads = None
+    ready = _ready(plan, q)
     if adoptable(nbase, q, plan.adopt_bwd_max_elems):  # the base unit's gradients are the result
         grads = _adopt_backward(order[0], tensors, spec, backend)
         order, start = order[1:], 1
@@ -167,10 +237,15 @@ def backward(plan: DilatedPlan, dout, q, k, v, out, lse, dlse, segment_lengths, 
         new = torch.empty_like if nbase else torch.zeros_like
         grads = [new(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
         start = 0
-    for i, u in enumerate(order, start=start):
-        for bi in range(b):
-            _unit_backward(u, bi, tensors, grads, spec, backend, plan.piece_bytes, writes=i < nbase,
-                           fused_add=fused_add)
+    calls = [(i < nbase, _unit_grads(u, bi, tensors, grads, spec, backend, plan.piece_bytes))
+             for i, u in enumerate(order, start=start) for bi in range(b)]
+    for writes, res in side_streams(calls, ready):
+        for gvs, gb in res:
+            if writes:
+                for gv, g in zip(gvs, gb):
+                    gv.copy_(g)
+            else:
+                add_grads(gvs, gb, fused_add)
     return tuple(grads)
 
 
@@ -188,30 +263,30 @@ def _adopt_backward(u: Unit, tensors, spec, backend) -> list[torch.Tensor]:
     return grads
 
 
-def _unit_backward(u: Unit, bi: int, tensors, grads, spec, backend, piece_bytes: int, writes: bool,
-                   fused_add: bool) -> None:
-    """One unit of batch element ``bi``: its gradients written (a base unit) or added into ``grads``."""
+def _unit_grads(u: Unit, bi: int, tensors, grads, spec, backend, piece_bytes: int):
+    """A thunk running the backward of unit ``u`` of batch element ``bi``: it
+    returns (gradient views, gradient blocks) per backend call."""
     dout, q, k, v, out, lse, dlse = tensors
     h = q.shape[2]
     qv, kv, vv, dov, ov, lv = (u.view(x, bi, h) for x in (q, k, v, dout, out, lse))
     dlv = None if dlse is None else u.view(dlse, bi, h)
-    if u.gathered:  # 5-D views; one call on dense copies, its gradients added back
-        qg, kg, vg, dog, og = _gather_views(qv, kv, vv, dov, ov)
-        lb, dlb = (None if x is None else x.reshape(u.n, *x.shape[2:]).transpose(1, 2) for x in (lv, dlv))
-        gb = bk.block_backward(dog, qg, kg, vg, og, lb, spec, backend, dlse=dlb)
-        add_grads([u.view(x, bi, h) for x in grads], [g.view(qv.shape) for g in gb], fused_add)
-        return
-    for sl in _pieces(u, qv, q.element_size(), piece_bytes):
-        dos, qs, ks, vs, os_, ls = _cut(sl, dov, qv, kv, vv, ov, lv)
-        dlb = None if dlv is None else _cut(sl, dlv)[0].transpose(1, 2)
-        # lse as (n, Hc, m) views: the backends copy what they need
-        gb = bk.block_backward(dos, qs, ks, vs, os_, ls.transpose(1, 2), spec, backend, dlse=dlb)
-        gvs = _cut(sl, *(u.view(x, bi, h) for x in grads))
-        if writes:
-            for gv, g in zip(gvs, gb):
-                gv.copy_(g)
-        else:
-            add_grads(gvs, gb, fused_add)
+    gvs = [u.view(x, bi, h) for x in grads]
+
+    def run():
+        if u.gathered:  # 5-D views; one call on dense copies, its gradients added back
+            qg, kg, vg, dog, og = _gather_views(qv, kv, vv, dov, ov)
+            lb, dlb = (None if x is None else x.reshape(u.n, *x.shape[2:]).transpose(1, 2) for x in (lv, dlv))
+            gb = bk.block_backward(dog, qg, kg, vg, og, lb, spec, backend, dlse=dlb)
+            return [(gvs, [g.view(qv.shape) for g in gb])]
+        res = []
+        for sl in _pieces(u, qv, q.element_size(), piece_bytes):
+            dos, qs, ks, vs, os_, ls = _cut(sl, dov, qv, kv, vv, ov, lv)
+            dlb = None if dlv is None else _cut(sl, dlv)[0].transpose(1, 2)
+            # lse as (n, Hc, m) views: the backends copy what they need
+            gb = bk.block_backward(dos, qs, ks, vs, os_, ls.transpose(1, 2), spec, backend, dlse=dlb)
+            res.append((_cut(sl, *gvs), gb))
+        return res
+    return run
 
 
 def add_grads(dsts, srcs, fused: bool) -> None:

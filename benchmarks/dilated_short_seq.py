@@ -1,0 +1,166 @@
+"""Where the time of a short dilated call goes: host, GPU, launches, per engine.
+
+    python benchmarks/dilated_short_seq.py [--seqlens 8192 16384 32768 131072] [--iters 20]
+
+LongNet segments 2K..32K, rates 1..16, bf16, D=128, MHA 16 heads (and GQA
+32q/8kv at 32K), causal and not. For each engine of ``dilated_attention``:
+
+* ``views``: cuDNN on strided views, branch calls in order on one stream;
+* ``views_concurrent``: the same calls, each on a side stream at once
+  (``DilatedTuning.concurrent_max_tokens``);
+* ``fused``: our Triton kernels (built-in tiles: the autotuner's first call
+  of a shape takes minutes);
+* ``dense``: dense cuDNN at the same length, the yardstick.
+
+and for the forward and forward+backward: ``cold`` (one call between CUDA
+events, the GPU idle before it: host time shows), ``batched`` (calls back to
+back: the host runs ahead), ``graph`` (the call captured by
+``torch.cuda.make_graphed_callables`` and replayed: GPU time with no host
+issue time, input copies included), ``host`` (median wall time of issuing one
+call, no synchronisation) and the number of kernels launched (profiler).
+Useful TF/s count only computed pairs (flash-attn's convention, backward
+2.5x the forward). Writes $OUT/dilated_short_seq.json (or --json), a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import longattn
+from longattn.bench.measure import environment, time_ms
+from longattn.dilated.schedule import pair_count
+from longattn.tuning import DilatedTuning
+
+SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
+VARIANTS = {
+    "views": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=0)),
+    "views_concurrent": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=1 << 40)),
+    "fused": dict(backend="triton", tuning=DilatedTuning(autotune="0")),
+    "auto": dict(),
+}
+
+
+def host_ms(fn, dev, n=10):
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize(dev)
+    return statistics.median(out)
+
+
+def launches(fn):
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def measure(f, q, k, v, do, dev, iters, full=True):
+    """fwd and fwd+bwd timings of f(q, k, v) -> out; ``full`` False: cold only
+    (dense attention: no host-bound regime, seconds per call at 128K)."""
+    fwd = lambda: f(q, k, v)
+    fb = lambda: torch.autograd.grad(f(q, k, v), (q, k, v), do)
+    r = {}
+    for name, fn in (("fwd", fwd), ("fwd_bwd", fb)):
+        r[f"{name}_cold_ms"] = time_ms(fn, dev, warmup=3 if full else 1, iters=iters)["median_ms"]
+        if not full:
+            continue
+        r[f"{name}_batched_ms"] = time_ms(fn, dev, warmup=1, iters=iters, batched=True)["median_ms"]
+        r[f"{name}_host_ms"] = host_ms(fn, dev)
+        r[f"{name}_kernels"] = launches(fn)
+    if not full:
+        r["bwd_cold_ms"] = r["fwd_bwd_cold_ms"] - r["fwd_cold_ms"]
+        return r
+    try:
+        g = torch.cuda.make_graphed_callables(f, tuple(x.detach().clone().requires_grad_() for x in (q, k, v)))
+        r["fwd_graph_ms"] = time_ms(lambda: g(q, k, v), dev, warmup=2, iters=iters)["median_ms"]
+        r["fwd_bwd_graph_ms"] = time_ms(lambda: torch.autograd.grad(g(q, k, v), (q, k, v), do), dev, warmup=2,
+                                        iters=iters)["median_ms"]
+    except Exception as e:  # recorded, not hidden
+        r["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+    for t in ("cold", "batched", "graph"):
+        if f"fwd_{t}_ms" in r:
+            r[f"bwd_{t}_ms"] = r[f"fwd_bwd_{t}_ms"] - r[f"fwd_{t}_ms"]
+    return r
+
+
+def case(s, h, hkv, causal, variants, dev, iters):
+    torch.manual_seed(0)
+    q = torch.randn(1, s, h, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, s, hkv, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+    pairs = pair_count(s, SEGS, RATES, h, causal)
+    rows = []
+    ref = None
+    for name in variants:
+        if name == "dense":
+            f = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
+            work = s * s * h // (2 if causal else 1)
+        else:
+            kw = VARIANTS[name]
+            f = lambda q, k, v, kw=kw: longattn.dilated_attention(q, k, v, segment_lengths=SEGS, dilation_rates=RATES,
+                                                                  causal=causal, **kw)
+            work = pairs
+        row = dict(seqlen=s, heads=h, kv_heads=hkv, causal=causal, impl=name)
+        try:
+            if name != "dense":
+                o = f(q, k, v).float()
+                ref = o if ref is None else ref
+                row["rel_diff_vs_views"] = ((o - ref).norm() / ref.norm()).item()
+            dense = name == "dense"
+            row.update(measure(f, q, k, v, do, dev, max(3, iters * 8192 // s) if dense else iters, full=not dense))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        for t in ("cold", "batched", "graph"):
+            if f"fwd_{t}_ms" in row:
+                row[f"fwd_{t}_tflops"] = 4 * 128 * work / row[f"fwd_{t}_ms"] / 1e9
+                row[f"bwd_{t}_tflops"] = 10 * 128 * work / max(row[f"bwd_{t}_ms"], 1e-6) / 1e9
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    dense = next((r for r in rows if r["impl"] == "dense" and "error" not in r), None)
+    for r in rows:
+        for t in ("cold", "batched", "graph"):
+            for p in ("fwd", "bwd"):
+                if dense and f"{p}_{t}_tflops" in r:  # dense attention is GPU-bound: its cold time
+                    r[f"{p}_{t}_x_dense"] = r[f"{p}_{t}_tflops"] / dense[f"{p}_cold_tflops"]
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768, 131072])
+    ap.add_argument("--variants", nargs="+", default=["views", "views_concurrent", "fused", "auto", "dense"])
+    ap.add_argument("--gqa", action="store_true", help="also GQA 32q/8kv at 32K")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "dilated_short_seq.json"))
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    shapes = [(s, 16, 16) for s in a.seqlens] + ([(32768, 32, 8)] if a.gqa else [])
+    rows = []
+    for i, (s, h, hkv) in enumerate(shapes):
+        for causal in (False, True):
+            print(f"[{i + 1}/{len(shapes)}] seqlen {s} heads {h}/{hkv} causal {causal}", flush=True)
+            rows += case(s, h, hkv, causal, a.variants, dev, a.iters)
+    with open(a.json, "w") as fh:
+        json.dump(dict(env=environment(dev), command="python benchmarks/dilated_short_seq.py " +
+                       " ".join(os.sys.argv[1:]), rows=rows), fh, indent=1)
+    print(f"\n{'seqlen':>7} {'h/kv':>6} {'c':>1} {'impl':>17} | {'fwd cold/batch/graph x dense':>29} | "
+          f"{'bwd cold/batch/graph x dense':>29} | host fwd/fb ms | kernels fwd/fb")
+    for r in rows:
+        x = lambda p: " ".join(f"{r.get(f'{p}_{t}_x_dense', float('nan')):5.2f}" for t in ("cold", "batched", "graph"))
+        print(f"{r['seqlen']:>7} {r['heads']:>3}/{r['kv_heads']:<2} {int(r['causal'])} {r['impl']:>17} | "
+              f"{x('fwd'):>29} | {x('bwd'):>29} | {r.get('fwd_host_ms', 0):5.2f} / {r.get('fwd_bwd_host_ms', 0):5.2f} | "
+              f"{r.get('fwd_kernels', 0)} / {r.get('fwd_bwd_kernels', 0)}" + (f"  ERROR {r['error']}" if "error" in r else ""))
+
+
+if __name__ == "__main__":
+    main()
