@@ -8,6 +8,9 @@ LongNet segments 2K..32K, rates 1..16, bf16, D=128, MHA 16 heads (and GQA
 * ``views``: cuDNN on strided views, branch calls in order on one stream;
 * ``views_concurrent``: the same calls, each on a side stream at once
   (``DilatedTuning.concurrent_max_tokens``);
+* ``views_graphs`` (``_serial``): each pass replayed from a CUDA graph the
+  op captures per shape (``DilatedTuning.graph_max_tokens``), with the calls
+  concurrent (in order);
 * ``fused``: our Triton kernels (built-in tiles: the autotuner's first call
   of a shape takes minutes);
 * ``dense``: dense cuDNN at the same length, the yardstick.
@@ -34,13 +37,19 @@ from torch.profiler import ProfilerActivity, profile
 
 import longattn
 from longattn.bench.measure import environment, time_ms
+from longattn.dilated import graphs
 from longattn.dilated.schedule import pair_count
 from longattn.tuning import DilatedTuning
 
 SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 VARIANTS = {
-    "views": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=0)),
-    "views_concurrent": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=1 << 40)),
+    "views": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=0, graph_max_tokens=0)),
+    "views_concurrent": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=1 << 40,
+                                                  graph_max_tokens=0)),
+    "views_graphs": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=1 << 40,
+                                              graph_max_tokens=1 << 40)),
+    "views_graphs_serial": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=0,
+                                                     graph_max_tokens=1 << 40)),
     "fused": dict(backend="triton", tuning=DilatedTuning(autotune="0")),
     "auto": dict(),
 }
@@ -125,6 +134,7 @@ def case(s, h, hkv, causal, variants, dev, iters):
                 row[f"fwd_{t}_tflops"] = 4 * 128 * work / row[f"fwd_{t}_ms"] / 1e9
                 row[f"bwd_{t}_tflops"] = 10 * 128 * work / max(row[f"bwd_{t}_ms"], 1e-6) / 1e9
         rows.append(row)
+        graphs.clear()  # each variant's captured passes hold memory
         print(json.dumps(row), flush=True)
     dense = next((r for r in rows if r["impl"] == "dense" and "error" not in r), None)
     for r in rows:
@@ -138,7 +148,9 @@ def case(s, h, hkv, causal, variants, dev, iters):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768, 131072])
-    ap.add_argument("--variants", nargs="+", default=["views", "views_concurrent", "fused", "auto", "dense"])
+    ap.add_argument("--variants", nargs="+", choices=[*VARIANTS, "dense"],
+                    default=["views", "views_concurrent", "views_graphs", "views_graphs_serial", "fused", "auto",
+                             "dense"])
     ap.add_argument("--gqa", action="store_true", help="also GQA 32q/8kv at 32K")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "dilated_short_seq.json"))

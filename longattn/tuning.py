@@ -75,6 +75,9 @@ class DilatedTuning:
     concurrent_max_tokens: int = measured(
         32768, "up to this many tokens (batch x seqlen) the views path launches its branch calls on side "
                "streams at once: PROVISIONAL")
+    graph_max_tokens: int = measured(
+        32768, "up to this many tokens (batch x seqlen) each pass replays a CUDA graph captured per shape: "
+               "PROVISIONAL")
     piece_bytes: int = measured(
         128 << 20, "a views call is cut into pieces of at most this many output bytes so its transient tensors "
                    "stay small beside the (B, S, H, D) result (a memory bound, not a speed choice)")
@@ -92,7 +95,7 @@ class DilatedTuning:
             raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
         for f in ("views_min_tokens_d128", "views_min_tokens_d64_fwd", "views_min_tokens_d64_bwd",
                   "views_min_tokens_gqa", "grouped_max_keys", "gather_max_rows", "adopt_bwd_max_elems",
-                  "piece_bytes", "concurrent_max_tokens"):
+                  "piece_bytes", "concurrent_max_tokens", "graph_max_tokens"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
                 raise ValueError(f"DilatedTuning.{f} must be a non-negative int, got {getattr(self, f)!r}")
 

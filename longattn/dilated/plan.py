@@ -35,7 +35,9 @@ class DilatedPlan:
     ``adopt_bwd_max_elems`` elements. ``autotune``: the fused kernels' tile
     mode (see :class:`longattn.kernels.autotune.Autotuner`; '' the environment's).
     ``concurrent``: the views path launches its calls on side streams at once
-    (``DilatedTuning.concurrent_max_tokens``)."""
+    (``DilatedTuning.concurrent_max_tokens``). ``graphs``: each pass replays
+    a CUDA graph per shape (:mod:`longattn.dilated.graphs`,
+    ``DilatedTuning.graph_max_tokens``)."""
 
     fwd: str
     bwd: str
@@ -46,6 +48,7 @@ class DilatedPlan:
     adopt_bwd_max_elems: int = 2 ** 29
     autotune: str = ""
     concurrent: bool = False
+    graphs: bool = False
 
     def key(self) -> str:
         return _key(self)
@@ -149,6 +152,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
 
 def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
     views_ok = kv_views_ok(rates, q.shape[2], k.shape[2])
+    cuda, tokens = q.device.type == "cuda", q.shape[0] * q.shape[1]
     fwd, bwd = (_engine(p, q, k, segs, rates, causal, backend, views_ok, tuning) for p in ("fwd", "bwd"))
     if "fused" in (fwd, bwd):
         why = fused_refusals(q)
@@ -159,4 +163,5 @@ def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
         gather_max_rows=tuning.gather_max_rows,
         gather_max_rows_bwd=tuning.gather_max_rows if causal or tuning.gather_noncausal_backward else 0,
         piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems, autotune=tuning.autotune,
-        concurrent=q.device.type == "cuda" and q.shape[0] * q.shape[1] <= tuning.concurrent_max_tokens)
+        concurrent=cuda and tokens <= tuning.concurrent_max_tokens,
+        graphs=cuda and tokens <= tuning.graph_max_tokens)
