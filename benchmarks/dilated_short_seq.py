@@ -7,7 +7,7 @@ LongNet segments 2K..32K, rates 1..16, bf16, D=128, MHA 16 heads (and GQA
 
 * ``views``: cuDNN on strided views, branch calls in order on one stream;
 * ``views_concurrent``: the same calls, each on a side stream at once
-  (``DilatedTuning.concurrent_max_tokens``);
+  (``DilatedTuning.concurrent_calls``);
 * ``views_graphs`` (``_serial``): each pass replayed from a CUDA graph the
   op captures per shape (``DilatedTuning.graph_max_tokens``), with the calls
   concurrent (in order);
@@ -43,13 +43,14 @@ from longattn.tuning import DilatedTuning
 
 SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 VARIANTS = {
-    "views": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=0, graph_max_tokens=0)),
-    "views_concurrent": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=1 << 40,
-                                                  graph_max_tokens=0)),
-    "views_graphs": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=1 << 40,
-                                              graph_max_tokens=1 << 40)),
-    "views_graphs_serial": dict(tuning=DilatedTuning(schedule="views", concurrent_max_tokens=0,
-                                                     graph_max_tokens=1 << 40)),
+    "views": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="never", graph_max_tokens=0,
+                                       graph_max_tokens_gqa=0)),
+    "views_concurrent": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="always", graph_max_tokens=0,
+                                                  graph_max_tokens_gqa=0)),
+    "views_graphs": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="graphs", graph_max_tokens=1 << 40,
+                                              graph_max_tokens_gqa=1 << 40)),
+    "views_graphs_serial": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="never",
+                                                     graph_max_tokens=1 << 40, graph_max_tokens_gqa=1 << 40)),
     "fused": dict(backend="triton", tuning=DilatedTuning(autotune="0")),
     "auto": dict(),
 }
@@ -169,10 +170,11 @@ def main():
           f"{'bwd cold/batch/graph x dense':>29} | host fwd/fb ms | kernels fwd/fb")
     for r in rows:
         x = lambda p: " ".join(f"{r.get(f'{p}_{t}_x_dense', float('nan')):5.2f}" for t in ("cold", "batched", "graph"))
-        print(f"{r['seqlen']:>7} {r['heads']:>3}/{r['kv_heads']:<2} {int(r['causal'])} {r['impl']:>17} | "
-              f"{x('fwd'):>29} | {x('bwd'):>29} | {r.get('fwd_host_ms', 0):5.2f} / {r.get('fwd_bwd_host_ms', 0):5.2f} | "
-              f"{r.get('fwd_kernels', 0)} / {r.get('fwd_bwd_kernels', 0)}" + (f"  ERROR {r['error']}" if "error" in r else ""))
-
+        host = f"{r.get('fwd_host_ms', 0):5.2f} / {r.get('fwd_bwd_host_ms', 0):5.2f}"
+        err = f"  ERROR {r['error']}" if "error" in r else ""
+        print(f"{r['seqlen']:>7} {r['heads']:>3}/{r['kv_heads']:<2} {int(r['causal'])} {r['impl']:>19} | "
+              f"{x('fwd'):>29} | {x('bwd'):>29} | {host} | {r.get('fwd_kernels', 0)} / {r.get('fwd_bwd_kernels', 0)}"
+              + err)
 
 if __name__ == "__main__":
     main()

@@ -38,9 +38,11 @@ class DilatedTuning:
     group size do not divide)."""
 
     views_min_tokens_d128: int = measured(
-        32768, "MHA, D > 64: cuDNN on views beats the fused kernels from 32K tokens, both passes "
-               "(one H200, views/fused time fwd 0.72x at 32K, 0.66x at 128K, 0.73x at 1M; bwd 0.69x, 0.67x, 0.64x)",
-        "run_dilated_d128_h200_6fbc591.json")
+        8192, "MHA, D > 64: cuDNN on views (graphed below graph_max_tokens) beats the fused kernels from 8K "
+              "tokens, both passes (one H100, x dense fwd / bwd, cold: 8K 0.64 / 0.63 against 0.46 / 0.33, causal "
+              "0.47 / 0.53 against 0.33 / 0.16; 16K 0.63 / 0.70 against 0.46 / 0.41; one H200 from 32K: views/fused "
+              "time fwd 0.72x at 32K, 0.66x at 128K, 0.73x at 1M, bwd 0.69x, 0.67x, 0.64x, "
+              "run_dilated_d128_h200_6fbc591.json); below 8K not measured", "dilated_short_seq_h100_5ebe4f0.json")
     views_min_tokens_d64_fwd: int = measured(
         131072, "MHA, D <= 64 forward: the fused kernel is faster below 128K (views/fused 1.94x at 32K, 0.97x "
                 "at 128K, 0.90x at 1M)", "run_dilated_d64_h200_6fbc591.json")
@@ -72,12 +74,21 @@ class DilatedTuning:
         2 ** 29, "the backward takes the base branch's gradients whole up to this many elements: cuDNN keeps dQ "
                  "in a float32 buffer of the call's size (2 GiB at 2**29); at 1M tokens the whole call was 5% "
                  "faster and 7 GiB more peak", "adopt_1m_h200_probe.json")
-    concurrent_max_tokens: int = measured(
-        32768, "up to this many tokens (batch x seqlen) the views path launches its branch calls on side "
-               "streams at once: PROVISIONAL")
     graph_max_tokens: int = measured(
-        32768, "up to this many tokens (batch x seqlen) each pass replays a CUDA graph captured per shape: "
-               "PROVISIONAL")
+        16384, "MHA: up to this many tokens (batch x seqlen) each views pass replays a CUDA graph captured per "
+               "shape (LongNet, D=128, one H100, x dense cuDNN fwd / bwd, cold): 8K 0.64 / 0.63 graphed against "
+               "0.22 / 0.26 eager (2.0 ms of forward host time), causal 0.47 / 0.53 against 0.11 / 0.16; 16K 0.63 "
+               "/ 0.70 against 0.54 / 0.45; at 32K the eager views win (0.72 / 0.77 against 0.62 / 0.74: the "
+               "input and output copies cost more than the host time they hide)", "dilated_short_seq_h100_5ebe4f0.json")
+    graph_max_tokens_gqa: int = measured(
+        32768, "GQA (31 calls per pass): graphed views at 32K 0.69 / 0.79 x dense against 0.47 / 0.60 eager, "
+               "causal 0.56 / 0.55 against 0.34 / 0.42 (64K not measured)", "dilated_short_seq_h100_5ebe4f0.json")
+    concurrent_calls: str = measured(
+        "graphs", "when the views path launches its calls on side streams at once: 'graphs' (inside the "
+                  "captured passes only), 'always', 'never'. Graphed, concurrent against in order: 8K causal "
+                  "0.47 / 0.53 against 0.41 / 0.46 x dense, 16K causal 0.50 / 0.46 against 0.47 / 0.41, GQA 32K "
+                  "causal 0.56 / 0.55 against 0.46 / 0.47; eager the extra host time loses (8K causal forward "
+                  "host 8.1 against 4.2 ms)", "dilated_short_seq_h100_5ebe4f0.json")
     piece_bytes: int = measured(
         128 << 20, "a views call is cut into pieces of at most this many output bytes so its transient tensors "
                    "stay small beside the (B, S, H, D) result (a memory bound, not a speed choice)")
@@ -91,13 +102,24 @@ class DilatedTuning:
     def __post_init__(self):
         if self.schedule not in DILATED_SCHEDULES:
             raise ValueError(f"DilatedTuning.schedule={self.schedule!r}: choose one of {DILATED_SCHEDULES}")
+        if self.concurrent_calls not in ("graphs", "always", "never"):
+            raise ValueError(f"DilatedTuning.concurrent_calls={self.concurrent_calls!r}: choose 'graphs', 'always' "
+                             "or 'never'")
         if self.autotune not in ("", "0", "1"):
             raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
         for f in ("views_min_tokens_d128", "views_min_tokens_d64_fwd", "views_min_tokens_d64_bwd",
                   "views_min_tokens_gqa", "grouped_max_keys", "gather_max_rows", "adopt_bwd_max_elems",
-                  "piece_bytes", "concurrent_max_tokens", "graph_max_tokens"):
+                  "piece_bytes", "graph_max_tokens", "graph_max_tokens_gqa"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
                 raise ValueError(f"DilatedTuning.{f} must be a non-negative int, got {getattr(self, f)!r}")
+
+    def graphs(self, tokens: int, mha: bool) -> bool:
+        """Whether a views call of ``tokens`` (batch x seqlen) replays its passes from CUDA graphs."""
+        return tokens <= (self.graph_max_tokens if mha else self.graph_max_tokens_gqa)
+
+    def concurrent(self, graphs: bool) -> bool:
+        """Whether the views path launches its calls on side streams at once."""
+        return self.concurrent_calls == "always" or (graphs and self.concurrent_calls == "graphs")
 
     def views_min_tokens(self, pass_: str, head_dim: int, mha: bool) -> int:
         """Tokens (batch x seqlen) from which cuDNN on the views runs ``pass_``."""

@@ -91,11 +91,11 @@ def test_dilated_views_ungathered_bf16(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [8, 2])
-@pytest.mark.parametrize("concurrent", [0, 1 << 30])
+@pytest.mark.parametrize("concurrent", ["never", "always"])
 def test_dilated_views_concurrent_bf16(causal, hkv, concurrent):
-    """The views path's calls on side streams at once or in order on one stream."""
+    """The views path's calls on side streams at once or in order on one stream (eager)."""
     test_dilated_bf16("cudnn", causal, hkv, [512, 1024, 4096, 8192], 8192,
-                      tuning=DilatedTuning(concurrent_max_tokens=concurrent))
+                      tuning=DilatedTuning(concurrent_calls=concurrent, graph_max_tokens=0, graph_max_tokens_gqa=0))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -106,7 +106,7 @@ def test_dilated_passes_replayed_from_graphs(causal, hkv):
     pass run eagerly; clear() frees the graphs."""
     from longattn.dilated import graphs
     segs, rates = [512, 1024, 4096, 8192], [1, 2, 4, 8]
-    eager, graphed = (DilatedTuning(graph_max_tokens=n) for n in (0, 1 << 20))
+    eager, graphed = (DilatedTuning(graph_max_tokens=n, graph_max_tokens_gqa=n) for n in (0, 1 << 20))
     f = lambda q, k, v, t: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
                                                       causal=causal, backend="cudnn", tuning=t)
     graphs.clear()
@@ -130,7 +130,7 @@ def test_dilated_views_under_cuda_graphs(causal):
     q, k, v, do = _inputs(1, 8192, 8, 8, 128)
     f = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
                                                    causal=causal, backend="cudnn",
-                                                   tuning=DilatedTuning(concurrent_max_tokens=1 << 30))
+                                                   tuning=DilatedTuning(concurrent_calls="always"))
     graphed = torch.cuda.make_graphed_callables(f, tuple(x.clone().requires_grad_() for x in (q, k, v)))
     o, _, g = grads_of(f, [q, k, v], do)
     for _ in range(2):  # replays, not only the capture

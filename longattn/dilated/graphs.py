@@ -47,7 +47,8 @@ class _Graph:
         self.inputs = [None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs]
         self._load(inputs)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: other threads' CUDA calls (a DataLoader's pinned-memory thread) stay legal during capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
     def _load(self, inputs) -> None:

@@ -35,9 +35,10 @@ class DilatedPlan:
     ``adopt_bwd_max_elems`` elements. ``autotune``: the fused kernels' tile
     mode (see :class:`longattn.kernels.autotune.Autotuner`; '' the environment's).
     ``concurrent``: the views path launches its calls on side streams at once
-    (``DilatedTuning.concurrent_max_tokens``). ``graphs``: each pass replays
+    (``DilatedTuning.concurrent_calls``). ``graphs``: each pass replays
     a CUDA graph per shape (:mod:`longattn.dilated.graphs`,
-    ``DilatedTuning.graph_max_tokens``)."""
+    ``DilatedTuning.graph_max_tokens``; the fused engine's triton_op pair is
+    not graphed: torch.compile takes its kernels)."""
 
     fwd: str
     bwd: str
@@ -152,7 +153,8 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
 
 def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
     views_ok = kv_views_ok(rates, q.shape[2], k.shape[2])
-    cuda, tokens = q.device.type == "cuda", q.shape[0] * q.shape[1]
+    cuda = q.device.type == "cuda"
+    graphs = cuda and tuning.graphs(q.shape[0] * q.shape[1], q.shape[2] == k.shape[2])
     fwd, bwd = (_engine(p, q, k, segs, rates, causal, backend, views_ok, tuning) for p in ("fwd", "bwd"))
     if "fused" in (fwd, bwd):
         why = fused_refusals(q)
@@ -163,5 +165,4 @@ def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
         gather_max_rows=tuning.gather_max_rows,
         gather_max_rows_bwd=tuning.gather_max_rows if causal or tuning.gather_noncausal_backward else 0,
         piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems, autotune=tuning.autotune,
-        concurrent=cuda and tokens <= tuning.concurrent_max_tokens,
-        graphs=cuda and tokens <= tuning.graph_max_tokens)
+        concurrent=cuda and tuning.concurrent(graphs), graphs=graphs)

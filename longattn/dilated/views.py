@@ -166,7 +166,7 @@ def side_streams(calls, ready):
     each on a side stream after ``ready``, and the current stream waits for a
     call only when its results are landed: a short sequence's branch calls
     are a few waves each, side by side they fill each other's tails
-    (``DilatedTuning.concurrent_max_tokens``). All results are alive until
+    (``DilatedTuning.concurrent_calls``). All results are alive until
     landed: the tuning bounds where that memory is spent. ``None``: in order
     on the current stream.
 
