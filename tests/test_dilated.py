@@ -160,6 +160,41 @@ def test_views_path_stacks_branch_classes(causal, gather_rows):
                         DilatedTuning(schedule="views", gather_max_rows=gather_rows))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_longer_than_the_sequence_stack(causal):
+    """A segment longer than the sequence is the sequence (p % w == p): its
+    branch stacks as one full segment (no per-class partial parts: calls
+    cost host time) and the result matches float64."""
+    s, h, segs, rates = 48, 8, [16, 64, 128], [1, 2, 4]
+    assert all(u.part is None or u.part.r == 1 for u in dsched.units(s, segs, rates, h, 0))
+    assert dsched.pair_count(s, segs, rates, h, causal) == dsched.pair_count(s, [16, 48, 48], rates, h, causal)
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, s, h, 16) for _ in range(4))
+    dl = torch.randn(1, h, s)
+    _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math", DilatedTuning(schedule="views"))
+
+
+def test_graph_and_stream_choices():
+    """Graphed passes below the token thresholds (MHA and GQA apart), side
+    streams inside graphs only by default; CPU calls never graph (graphs.run
+    is then the function itself)."""
+    from longattn.dilated import graphs
+    from longattn.dilated.plan import choose
+
+    t = DilatedTuning()
+    assert t.graphs(t.graph_max_tokens, True) and not t.graphs(t.graph_max_tokens + 1, True)
+    assert t.graphs(t.graph_max_tokens_gqa, False)
+    assert t.concurrent(True) and not t.concurrent(False)
+    assert DilatedTuning(concurrent_calls="always").concurrent(False)
+    assert not DilatedTuning(concurrent_calls="never").concurrent(True)
+    with pytest.raises(ValueError, match="concurrent_calls"):
+        DilatedTuning(concurrent_calls="sometimes")
+    q = torch.randn(1, 64, 4, 8)
+    plan = choose(q, q, [16, 32], [1, 2], False, "auto")
+    assert not plan.graphs and not plan.concurrent
+    assert graphs.run(("k",), lambda x: (x + 1,), (q,))[0].equal(q + 1) and not graphs._graphs
+
+
 def test_base_unit_adoption_limits():
     """The rate-1 branch's whole-unit results become the output up to 2**31
     elements (1M tokens x 16 heads x 128: every index fits in int32) and the
