@@ -67,7 +67,8 @@ def run(key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]]):
     shapes where one is (or, on this shape's second call, can be) made."""
     if not _usable(inputs):
         return fn(*inputs)
-    key = (key, tuple(_signature(x) for x in inputs))
+    # inference mode in the key: buffers made under it cannot be written outside it
+    key = (key, torch.is_inference_mode_enabled(), tuple(_signature(x) for x in inputs))
     g = _graphs.get(key)
     if g is None:
         if key not in _seen:  # first call of a shape: eager, it also warms kernels and plans up
