@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import longattn
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -102,3 +104,15 @@ def varlen_inputs(lens, h: int, hkv: int, d: int, seed: int):
     total = int(cu[-1])
     return (cu, torch.randn(total, h, d), torch.randn(total, hkv, d), torch.randn(total, hkv, d),
             torch.randn(total, h, d), torch.randn(h, total))
+
+
+def run_sharded(op, q, k, v, do, dl, layout: str, **kw):
+    """``op`` on q/k/v sharded in ``layout`` (return_lse), backward of
+    sum(out * do) + sum(finite lse * dl) on the shards; returns (unshard,
+    out, lse, (dq, dk, dv)) for :func:`assert_unsharded_close`."""
+    sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
+    ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+    out, lse = op(ql, kl, vl, layout=layout, return_lse=True, **kw)
+    ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl, 2)).sum()).backward()
+    unshard = lambda x, dim=1: longattn.unshard(x, layout=layout, seq_dim=dim)
+    return unshard, out, lse, (ql.grad, kl.grad, vl.grad)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_group_usable, assert_unsharded_close, run_world
+from dist_utils import assert_group_usable, assert_unsharded_close, run_sharded, run_world
 from longattn import masks
 from longattn.distributed import transport
 from longattn.distributed.ring import BackendOp, ring_forward
@@ -58,14 +58,10 @@ def _check_patterns(rank, world):
             ro, rl = flex_ref(qr, kr, vr, mask, score)
             dl = torch.where(torch.isfinite(rl), dl, 0).float()  # rows that see no key: no lse to differentiate
             ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
-            sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
-            ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
-            out, lse = longattn.ring_flex_attention(ql, kl, vl, mask_mod=mask, score_mod=score, layout=layout,
-                                                    return_lse=True)
-            ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl, 2)).sum()).backward()
-            us = lambda x, dim=1: longattn.unshard(x, layout=layout, seq_dim=dim)
-            assert_unsharded_close(f"world={world} {layout} {name} hkv={hkv}", us, out, lse,
-                                   (ql.grad, kl.grad, vl.grad), ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
+            us, out, lse, grads = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask,
+                                              score_mod=score)
+            assert_unsharded_close(f"world={world} {layout} {name} hkv={hkv}", us, out, lse, grads, ro, rl,
+                                   (qr.grad, kr.grad, vr.grad), TOL)
 
 
 @pytest.mark.dist

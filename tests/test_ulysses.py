@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import longattn
 from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, dense_inputs,
-                        run_world, varlen_inputs)
+                        run_sharded, run_world, varlen_inputs)
 from longattn.distributed.ulysses import HeadPlan
 from reference import assert_close, attention_ref, rel_err
 from test_varlen import varlen_ref
@@ -43,14 +43,10 @@ def _check_dense(world):
         torch.manual_seed(11)
         q, k, v, do, dl = dense_inputs(2, 2 * world * 3, H, hkv, 8)
         ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: attention_ref(*x, causal=causal, window=window))
-        sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
-        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
-        out, lse = longattn.ulysses_attention(ql, kl, vl, causal=causal, window_size=window, layout=layout,
-                                              return_lse=True, backend="math")
-        ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl, 2)).sum()).backward()
-        us = lambda x, dim=1: longattn.unshard(x, layout=layout, seq_dim=dim)
+        us, out, lse, grads = run_sharded(longattn.ulysses_attention, q, k, v, do, dl, layout, causal=causal,
+                                          window_size=window, backend="math")
         assert_unsharded_close(f"ulysses world={world} {layout} causal={causal} window={window} hkv={hkv}", us,
-                               out, lse, (ql.grad, kl.grad, vl.grad), ro, rl, rg, TOL)
+                               out, lse, grads, ro, rl, rg, TOL)
 
 
 def _check_varlen(world):
