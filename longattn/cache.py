@@ -176,9 +176,11 @@ class KVCache:
                 f"capacity={self.capacity}, dtype={self.k.dtype})")
 
     # ------------------------------------------------------------ decoding
-    def _agree(self, what: str, problem, **fields) -> None:
+    def _agree(self, what: str, problem, fields) -> None:
+        # ``fields`` is a thunk: one device has nothing to compare, and a
+        # decode step is host-bound
         if self.group is not None:
-            _dec.agree(self.group, what, problem, **fields)
+            _dec.agree(self.group, what, problem, **fields())
         elif problem is not None:
             raise problem
 
@@ -198,7 +200,7 @@ class KVCache:
                 raise ValueError("k_new/v_new hold no token (n = 0)")
         except (TypeError, ValueError) as e:
             problem = e
-        self._agree("KVCache.append", problem, k=_dec.describe(k_new), v=_dec.describe(v_new))
+        self._agree("KVCache.append", problem, lambda: dict(k=_dec.describe(k_new), v=_dec.describe(v_new)))
         n = k_new.shape[1]
         start = list(self.layout.local[self.rank])
         owner = self.layout.place(n)
@@ -243,8 +245,8 @@ class KVCache:
                                  f"in one call first")
         except (TypeError, ValueError) as e:
             problem = e
-        self._agree("KVCache.attend", problem, q=_dec.describe(q), segs=segs, rates=rates, scale=softmax_scale,
-                    lse=return_lse, backend=backend)
+        self._agree("KVCache.attend", problem, lambda: dict(q=_dec.describe(q), segs=segs, rates=rates,
+                                                             scale=softmax_scale, lse=return_lse, backend=backend))
         scale = bk.default_scale(q.shape[-1], softmax_scale)
         lay, me = self.layout, self.rank
         if dilated:

@@ -158,12 +158,34 @@ class RingVarlenTuning:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTuning:
-    """Which backends ``decode_attention`` (and :class:`longattn.KVCache`) leave out under ``backend="auto"``."""
+    """How ``decode_attention`` (and :class:`longattn.KVCache`) runs under
+    ``backend="auto"`` on CUDA: the split-KV Triton kernel
+    (:mod:`longattn.kernels.decode`) for decode-sized calls over rows of
+    different lengths (one launch for the batch) and under CUDA graph capture;
+    rows of one length as ``split_kv_equal_rows`` says; else a dense backend
+    on views of the cache. And the split kernel's tiles."""
 
     auto_excludes: tuple = measured(
         ("cudnn",), "cuDNN builds an execution plan for every new key length, and a decode step's key length "
                     "changes every call: one query over 128K cached tokens took 39.3 ms through cuDNN against "
                     "0.30 ms through flash (one H100); auto takes flash", "decode_1xh100_38fed5d.json")
+    split_kv_equal_rows: bool = measured(
+        False, "PENDING", "")
+    split_kv_max_rows: int = measured(
+        64, "query rows per kv head (q_len * nheads // nheads_kv) one split program holds in registers; "
+            "longer calls are prefill-sized and the dense kernels take them", "")
+    block_n: int = measured(64, "PENDING", "")
+    num_warps: int = measured(4, "PENDING", "")
+    num_stages: int = measured(3, "PENDING", "")
+    programs_per_sm: int = measured(4, "PENDING", "")
+    min_split: int = measured(256, "PENDING", "")
+
+    def kernel_args(self, interpreted: bool) -> dict:
+        """The split kernel's tiles; the CPU interpreter takes small ones (tests)."""
+        if interpreted:
+            return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=self.programs_per_sm, min_split=16)
+        return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
+                    programs_per_sm=self.programs_per_sm, min_split=self.min_split)
 
 
 DILATED = DilatedTuning()

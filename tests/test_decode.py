@@ -60,6 +60,38 @@ def test_decode_attention_matches_reference(h, hkv):
     assert_close(dict(out=out), dict(out=ref), TOL, "equal lengths")
 
 
+triton_ok = pytest.mark.skipif(not longattn.kernels_available(),
+                               reason="Triton kernels run on CPU only under TRITON_INTERPRET=1")
+
+
+@triton_ok
+@pytest.mark.parametrize("h,hkv,lq", [(4, 4, 1), (8, 2, 1), (6, 1, 3), (4, 2, 2)])
+def test_split_kv_kernel_matches_reference(h, hkv, lq):
+    """The split-KV decode kernel (backend="triton"): rows of different
+    lengths in one launch (lengths on the host and as a tensor), equal lengths,
+    several splits per row, causal and not, an empty row, a strided cache."""
+    from longattn.kernels import decode as kdec
+    from longattn.ops.decode import split_kv_takes
+
+    torch.manual_seed(2)
+    b, cap, d = 3, 80, 16
+    big_k, big_v = torch.randn(b, cap, hkv + 1, d), torch.randn(b, cap, hkv + 1, d)
+    k, v = big_k[:, :, 1:], big_v[:, :, 1:]  # views: the kernel reads strides, never copies
+    q = torch.randn(b, lq, h, d)
+    assert split_kv_takes(q, k, v, "triton", False) and not split_kv_takes(q, k, v, "auto", True)  # CPU: flash
+    for causal, lens in ((True, [77, lq, 40]), (False, [0, 33, 80]), (True, [50, 50, 50])):
+        got = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), causal=causal,
+                                        return_lse=True, backend="triton")
+        _rows(got, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
+              f"triton h={h}/{hkv} lq={lq} causal={causal}")
+        # many splits (16 tokens each) and lengths passed as a tensor
+        many = kdec.decode(q, k, v, lens, causal and lq > 1, d ** -0.5, block_n=16, num_warps=1, num_stages=1,
+                           programs_per_sm=64, min_split=16, lens_tensor=torch.tensor(lens, dtype=I32))
+        assert kdec.splits(max(lens), b * hkv, q.device, 64, 16, 16)[1] > 1
+        _rows(many, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
+              f"triton splits h={h}/{hkv} lq={lq} causal={causal}")
+
+
 # (segments, rates, heads, kv heads): GQA whose rates and group size divide each
 # other both ways, and one where they do not (group 3, rate 2); a segment longer
 # than the context; a repeated branch (its keys count twice)
@@ -252,3 +284,31 @@ def test_decode_bf16_on_cuda(backend):
         if n == 512:
             want, _ = _dilated_ref(qi.double().cpu(), ki.double().cpu(), vi.double().cpu(), n, segs, rates)
             assert rel_err(dil[i:i + 1].cpu(), want) < 2e-2, (backend, i)
+
+
+@pytest.mark.gpu
+def test_decode_step_captured_in_a_cuda_graph():
+    """decode_attention captured in a CUDA graph (lengths on the device, the
+    split-KV kernel) replays with new lengths and queries: each replay equals
+    an eager call on the same inputs; a backend that cannot run under capture
+    raises ValueError naming the fix."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    b, cap, h, hkv, d = 2, 3000, 8, 2, 128
+    q, k, v = mk(b, 1, h, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+    lens = torch.tensor([1000, 17], dtype=I32, device="cuda")
+    longattn.decode_attention(q, k, v, cache_seqlens=lens)  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = longattn.decode_attention(q, k, v, cache_seqlens=lens, return_lse=True)
+    for step in range(3):
+        q.copy_(mk(b, 1, h, d))
+        lens += torch.tensor([500, 1], dtype=I32, device="cuda")
+        graph.replay()
+        want, want_lse = longattn.decode_attention(q, k, v, cache_seqlens=lens.cpu(), return_lse=True,
+                                                   backend="flash")
+        assert (out.float() - want.float()).abs().max().item() < 2e-2, step
+        assert (lse - want_lse).abs().max().item() < 1e-3, step
+    with pytest.raises(ValueError, match="capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            longattn.decode_attention(q, k, v, cache_seqlens=lens, backend="flash")

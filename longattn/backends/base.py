@@ -114,8 +114,9 @@ def dead_rows_to_pos_inf(lse: torch.Tensor) -> torch.Tensor:
 
 
 def pos_inf_rows_to_dead(lse: torch.Tensor) -> torch.Tensor:
-    # flash-attn marks rows with no key with +inf; the library says -inf.
-    return torch.where(lse == float("inf"), float("-inf"), lse)
+    # flash-attn marks rows with no key with +inf; the library says -inf. One
+    # kernel (a comparison and a select took two: a decode step is host-bound).
+    return torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"), neginf=float("-inf"))
 
 
 def fold_dlse(dout, out, dlse):

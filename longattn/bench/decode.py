@@ -11,7 +11,9 @@ sharded over the ranks (one all-gather of the partial outputs per layer and
 token). On one rank, beside it: SDPA decoding over one layer's whole cache
 (``scaled_dot_product_attention`` of one query over a preallocated
 ``(batch, kv_heads, context, head_dim)`` cache, each backend that runs),
-where it fits.
+where it fits; and one step of each captured in a CUDA graph and replayed
+(``*-graphed`` rows: the GPU's time, as a serving loop that captures its
+steps sees it).
 
 Rows: ``impl`` (``longattn`` with ``backend``, ``longattn-dilated``,
 ``sdpa-flash`` / ``sdpa-cudnn`` / ``sdpa-efficient``), ``prefill_ms`` (one
@@ -202,6 +204,72 @@ def bench_sdpa(a, n: int, dev, dt, kernel: str) -> dict:
     return row
 
 
+def _captured(step):
+    """``step`` captured in a CUDA graph (after warm-up calls on a side stream,
+    which compile and plan); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def bench_graphed(a, n: int, dev, dt) -> list[dict]:
+    """One decode step captured in a CUDA graph and replayed, as a serving loop
+    that captures its steps runs it (no host time): the new token's K/V into a
+    preallocated ``(batch, n + 1, ...)`` cache, then attention over it, ours
+    (``decode_attention``, lengths on the device) and SDPA's (flash, cuDNN;
+    ``(batch, kv_heads, n + 1, head_dim)``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
+    base = dict(world=1, context=n, batch=b, heads=h, kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""),
+                layers=1, status="ok")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=gen)
+    qn, kn, vn = mk(b, 1, h, d), mk(b, 1, hkv, d), mk(b, 1, hkv, d)
+    lens = torch.full((b,), n + 1, dtype=torch.int32, device=dev)
+
+    def ours(kc, vc):
+        kc[:, n:] = kn
+        vc[:, n:] = vn
+        return longattn.decode_attention(qn, kc, vc, cache_seqlens=lens)
+
+    def theirs(kc, vc, which):
+        kc[:, :, n:] = kn.transpose(1, 2)
+        vc[:, :, n:] = vn.transpose(1, 2)
+        with sdpa_kernel(which):
+            return sdpa(qn.transpose(1, 2), kc, vc, enable_gqa=hkv != h)
+
+    variants = [("longattn-graphed", "auto", (b, n + 1, hkv, d), ours)]
+    variants += [(f"sdpa-{k}-graphed", k, (b, hkv, n + 1, d), lambda kc, vc, w=w: theirs(kc, vc, w))
+                 for k, w in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))]
+    rows = []
+    for impl, backend, shape, fn in variants:
+        row = dict(base, impl=impl, backend=backend)
+        _free(dev)
+        try:
+            kc, vc = mk(*shape), mk(*shape)
+            row["cache_bytes_per_rank"] = 2 * kc.numel() * kc.element_size()
+            with torch.no_grad():
+                replay = _captured(lambda: fn(kc, vc))
+                t = measure.time_ms(replay, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched")
+            row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"],
+                       host_ms=t["host_ms"], decode_ms_per_layer=t["median_ms"], tokens_per_s=b * 1e3 / t["median_ms"],
+                       peak_mem_bytes=_peak(dev))
+            del kc, vc, replay
+        except Exception as e:  # noqa: BLE001 - recorded, never filled in
+            row.update(status="failed", reason=_failure(e))
+        rows.append(row)
+    return rows
+
+
 def format_table(rows) -> str:
     head = "| impl | backend | world | context | layers | prefill ms | decode ms/layer | tokens/s | cache MiB/rank |"
     lines = [head, "|" + "---|" * 9]
@@ -246,6 +314,8 @@ def run(a) -> dict:
             for kernel in ("flash", "cudnn", "efficient"):
                 log(f"decode: context {n}, sdpa-{kernel}")
                 rows.append(bench_sdpa(a, n, dev, dt, kernel))
+            log(f"decode: context {n}, steps captured in CUDA graphs (ours, sdpa-flash, sdpa-cudnn)")
+            rows += bench_graphed(a, n, dev, dt)
     return dict(kind="decode", env=measure.environment(dev), world=world, timing=a.timing, results=rows)
 
 

@@ -20,6 +20,7 @@ from .. import tuning as _tuning
 from .._merge import merge_
 from .._validation import check_dilation, check_flag, check_scale, check_tensor
 from ..distributed import checks
+from ..kernels import decode as _kdec
 
 __all__ = ["decode_attention", "dilated_decode_attention", "dilated_read_start"]
 
@@ -95,15 +96,38 @@ def agree(group, what: str, problem: Optional[Exception], **fields) -> None:
 
 
 # ------------------------------------------------------------------ dense
+def split_kv_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
+                   tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
+    """Whether the split-KV kernel (:mod:`longattn.kernels.decode`) runs this
+    call: the one place that picks the decode engine. ``auto``: on CUDA, for
+    ``ragged`` calls (rows of different lengths: one launch instead of one per
+    row; or lengths given on the device: the launch a CUDA graph capture
+    replays, so a warm-up call compiles it), or rows of one length where
+    ``tuning.split_kv_equal_rows``, if the kernel takes the shapes; ``triton``: wherever the kernel runs (the CPU
+    interpreter included); any other backend name (or one forced with
+    :func:`longattn.use_backend`): never. (Under CUDA graph capture the kernel
+    is the only engine: :func:`decode_attention`.)"""
+    name = (bk.forced() or "auto") if backend == "auto" else backend
+    if name == "auto" and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
+        return False
+    return name in ("auto", "triton") and not _kdec.refusals(q, k_cache, v_cache, tuning.split_kv_max_rows)
+
+
 def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
-               scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+               scale: float, backend: str, lens_tensor: Optional[torch.Tensor] = None,
+               tuning: _tuning.DecodeTuning = _tuning.DECODE) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each
     row; ``causal``: bottom-right (query i sees ``lens[b] - Lq + i + 1`` keys).
     Returns out in q's dtype and lse ``(B, H, Lq)`` float32; a row with no key
-    gives 0 and -inf. One backend call when the rows have equal lengths, else
-    one per row (views of the cache, never copies)."""
+    gives 0 and -inf. The split-KV kernel takes the whole batch in one call
+    (``lens_tensor``: the lengths on q's device, if the caller has them);
+    otherwise one backend call when the rows have equal lengths, else one per
+    row (views of the cache, never copies)."""
     b, lq, h, _ = q.shape
     masked = causal and lq > 1  # one query sees every cached key
+    if split_kv_takes(q, k_cache, v_cache, backend, lens_tensor is not None or len(set(lens)) > 1, tuning):
+        return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor,
+                            **tuning.kernel_args(q.device.type == "cpu"))
     if len(set(lens)) == 1:
         return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend)
     out = torch.empty_like(q)
@@ -249,6 +273,26 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, s
     bk.check_backend_name(backend)
 
 
+def _captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, backend: str):
+    """Inside CUDA graph capture: the lengths stay on the device (a host read
+    cannot be captured, and a replay sees the lengths of its own step), so
+    only the split-KV kernel, whose launch does not depend on them, can run;
+    keeping them within [q_len, capacity] is the caller's part."""
+    why = [] if backend in ("auto", "triton") else [f"backend={backend!r} (use 'auto' or 'triton')"]
+    if cache_seqlens.device != q.device:
+        why.append(f"cache_seqlens is on {cache_seqlens.device} (put it on {q.device})")
+    why += _kdec.refusals(q, k_cache, v_cache, _tuning.DECODE.split_kv_max_rows)
+    if why:
+        raise ValueError("decode_attention under CUDA graph capture runs the split-KV kernel over lengths read on "
+                         f"the device; it cannot here: {'; '.join(why)}")
+    return _kdec.decode(q, k_cache, v_cache, None, causal and q.shape[1] > 1, scale, lens_tensor=cache_seqlens,
+                        **_tuning.DECODE.kernel_args(False))
+
+
+def _on_device(lens: torch.Tensor, q: torch.Tensor) -> Optional[torch.Tensor]:
+    return lens if lens.device == q.device else None
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cache_seqlens: torch.Tensor,
                      causal: bool = True, softmax_scale: Optional[float] = None, return_lse: bool = False,
                      backend: str = "auto", group=None):
@@ -261,6 +305,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             capacity). GQA: query head ``h`` reads kv head ``h // (nheads // nheads_kv)``.
         cache_seqlens: int32 ``(batch,)`` valid lengths (rows may differ); they are
             read on the host, so a CPU tensor saves a device sync per call.
+            Inside CUDA graph capture (one device) they must be on q's device
+            and are read there only: the captured step replays with whatever
+            lengths the tensor holds (the split-KV kernel; see Notes).
         causal: bottom-right as :func:`longattn.attention`: the queries are the
             last ``q_len`` tokens of the cache, query ``i`` at position
             ``cache_seqlens[b] - q_len + i`` sees the keys up to it (so
@@ -286,14 +333,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Equivalent PyTorch (one row ``b``, ``n = cache_seqlens[b]``)::
 
         longattn.attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], causal=causal)
+
+    Notes:
+        Engines (``backend="auto"``, :func:`split_kv_takes`): on CUDA, rows of
+        different lengths, or lengths given on the device, go to the split-KV
+        kernel (:mod:`longattn.kernels.decode`: the cache's tokens cut into
+        splits over the whole GPU, all rows in one launch); rows of one length
+        given on the host to the flash kernel on views of the cache (one
+        launch, the least host time; ``DecodeTuning``). A whole decode
+        step can be captured in a CUDA graph and replayed with new lengths
+        (the split-KV kernel, lengths read on the device)::
+
+            lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+            longattn.decode_attention(q, k_cache, v_cache, cache_seqlens=lens)  # compiles the kernels
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = longattn.decode_attention(q, k_cache, v_cache, cache_seqlens=lens)
+            lens += 1; q.copy_(q_next); g.replay()  # out now holds the next step's output
     """
     check = lambda: _check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend)
     if group is None:
         check()
-        lens = cache_seqlens.tolist()
-        check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
-        out, lse = dense_part(q, k_cache, v_cache, lens, causal, bk.default_scale(q.shape[-1], softmax_scale),
-                              backend)
+        scale = bk.default_scale(q.shape[-1], softmax_scale)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            out, lse = _captured(q, k_cache, v_cache, cache_seqlens, causal, scale, backend)
+        else:
+            lens = cache_seqlens.tolist()
+            check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
+            out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, _on_device(cache_seqlens, q))
         return (out, lse) if return_lse else out
     g = checks.resolve_group(group)
     problem = None
@@ -309,7 +376,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lens = cache_seqlens.tolist()
     try:
         check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
-        out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend)
+        out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, _on_device(cache_seqlens, q))
     except ValueError as e:
         problem = e
         out, lse = torch.zeros_like(q), torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"),

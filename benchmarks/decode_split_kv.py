@@ -1,0 +1,149 @@
+"""The split-KV decode kernel's tiles, and decoding through it against the
+flash kernel and SDPA, in one process.
+
+For each context (one query, B rows, 32 query / 8 kv heads, D=128, bf16 by
+default): every tile (``--block-n`` x ``--warps`` x ``--stages``) and device
+fill (``--programs-per-sm``) of the split-KV kernel, timed as ten calls
+replayed from one CUDA graph (the kernels' own time, no host; the cache read
+at the memory's rate is the bound, printed as GB/s); then one decode step (append
+the token's K/V to a preallocated cache, attend) through the split-KV
+kernel with the best tiles, through the flash kernel on views of the cache,
+and SDPA (flash, cuDNN) over a whole preallocated cache, each ``cold`` (one
+isolated step, host time counts) and ``batched``. Outputs are checked
+against the flash kernel's.
+
+    python benchmarks/decode_split_kv.py --json out.json
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from longattn import tuning as tn
+from longattn.bench.measure import environment, time_ms
+from longattn.ops.decode import dense_part
+
+p = argparse.ArgumentParser()
+p.add_argument("--context", type=int, nargs="+", default=[131072, 1048576])
+p.add_argument("--batch", type=int, nargs="+", default=[1])
+p.add_argument("--heads", type=int, default=32)
+p.add_argument("--kv-heads", type=int, default=8)
+p.add_argument("--head-dim", type=int, default=128)
+p.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
+p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+p.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 4, 8])
+p.add_argument("--min-split", type=int, default=256)
+p.add_argument("--iters", type=int, default=30)
+p.add_argument("--json")
+a = p.parse_args()
+dev = torch.device("cuda")
+dt = torch.bfloat16
+log = lambda m: print(m, file=sys.stderr, flush=True)
+
+
+def tuning(bn, w, s, pps):
+    return dataclasses.replace(tn.DECODE, block_n=bn, num_warps=w, num_stages=s, programs_per_sm=pps,
+                               min_split=a.min_split)
+
+
+REPS = 10
+
+
+def graphed(fn):
+    """REPS calls captured in one CUDA graph: the replay times the kernels
+    alone (a ~0.2 ms call is otherwise bound by the host's launch time)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    return graph.replay
+
+
+def case(n, b):
+    h, hkv, d = a.heads, a.kv_heads, a.head_dim
+    g = torch.Generator(device=dev).manual_seed(0)
+    kc, vc = (torch.randn(b, n + 4096, hkv, d, device=dev, dtype=dt, generator=g) for _ in range(2))
+    q = torch.randn(b, 1, h, d, device=dev, dtype=dt, generator=g)
+    kn, vn = (torch.randn(b, 1, hkv, d, device=dev, dtype=dt, generator=g) for _ in range(2))
+    scale = d ** -0.5
+    cache_bytes = 2 * b * n * hkv * d * kc.element_size()
+    want, want_lse = dense_part(q, kc, vc, [n] * b, True, scale, "flash")
+    rows = []
+    grid = list(itertools.product(a.block_n, a.warps, a.stages, a.programs_per_sm))
+    for i, (bn, w, s, pps) in enumerate(grid):
+        t = tuning(bn, w, s, pps)
+        try:
+            out, lse = dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)
+            err = ((out.float() - want.float()).abs().max().item(), (lse - want_lse).abs().max().item())
+            ms = time_ms(graphed(lambda: dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)), dev,
+                         warmup=2, iters=a.iters)["median_ms"] / REPS
+            rows.append(dict(kind="tile", context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
+                             ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is recorded
+            rows.append(dict(kind="tile", context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
+                             status=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+        log(f"context {n} batch {b}: tile {i + 1}/{len(grid)} {rows[-1].get('ms', rows[-1].get('status'))}")
+    ok = [r for r in rows if "ms" in r]
+    best = min(ok, key=lambda r: r["ms"])
+    t_best = tuning(best["block_n"], best["warps"], best["stages"], best["programs_per_sm"])
+    pos = [n]
+
+    def ours(be, t=tn.DECODE):
+        def step():
+            kc[:, pos[0]:pos[0] + 1] = kn  # the token's K/V into the preallocated cache
+            vc[:, pos[0]:pos[0] + 1] = vn
+            return dense_part(q, kc, vc, [pos[0] + 1] * b, True, scale, be, tuning=t)
+        return step
+
+    kt, vt = kc[:, : n + 1].transpose(1, 2).contiguous(), vc[:, : n + 1].transpose(1, 2).contiguous()
+    qt, knt, vnt = q.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2)
+
+    def sdpa_step(which):
+        def step():
+            kt[:, :, n:] = knt
+            vt[:, :, n:] = vnt
+            with sdpa_kernel(which):
+                return sdpa(qt, kt, vt, enable_gqa=True)
+        return step
+
+    steps = {"split_kv_best": ours("triton", t_best), "split_kv_default": ours("triton"), "flash": ours("flash"),
+             "sdpa_flash": sdpa_step(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION)}
+    for name, fn in steps.items():
+        for timing in ("cold", "batched"):
+            r = time_ms(fn, dev, warmup=3, iters=a.iters, batched=timing == "batched")
+            rows.append(dict(kind="step", context=n, batch=b, impl=name, timing=timing, ms=r["median_ms"],
+                             host_ms=r["host_ms"]))
+        log(f"context {n} batch {b}: step {name} {rows[-2]['ms']:.3f} cold / {rows[-1]['ms']:.3f} batched ms")
+    del kc, vc, kt, vt
+    torch.cuda.empty_cache()
+    return rows, best
+
+
+res = []
+table = []
+for n in a.context:
+    for b in a.batch:
+        rows, best = case(n, b)
+        res += rows
+        steps = {(r["impl"], r["timing"]): r for r in rows if r["kind"] == "step"}
+        table.append(f"| {n} | {b} | {best['block_n']}/{best['warps']}/{best['stages']}/{best['programs_per_sm']} | "
+                     f"{best['ms']:.3f} ({best['gb_s']:.0f} GB/s) | "
+                     + " | ".join(f"{steps[(i, 'cold')]['ms']:.3f} / {steps[(i, 'batched')]['ms']:.3f}"
+                                  for i in ("split_kv_best", "split_kv_default", "flash", "sdpa_flash", "sdpa_cudnn"))
+                     + " |")
+env = environment(dev)
+env["command"] = "python " + " ".join(sys.argv)
+if a.json:
+    with open(a.json, "w") as f:
+        json.dump(dict(kind="decode_split_kv", env=env, results=res), f, indent=1)
+print("| context | batch | best tile (block_n/warps/stages/programs per SM) | kernel ms | step ms cold / batched: "
+      "split-KV best | split-KV default | flash (ours) | SDPA flash | SDPA cuDNN |")
+print("|---|---|---|---|---|---|---|---|---|")
+print("\n".join(table))

@@ -1,0 +1,200 @@
+"""Split-KV decoding (flash-decoding): the queries of the newest tokens over a
+long KV cache, in two launches.
+
+One query per kv-head group gives a dense kernel ``batch * nheads`` programs,
+too few to stream a 128K-token cache at the memory's rate. Here the cache's
+tokens are cut into splits and every (split, batch row, kv head) is one
+program: it loads the ``q_len * G`` query rows that read this kv head (``G =
+nheads // nheads_kv``: the cache is read once per kv head, whatever the
+grouping), streams its split's keys and values once, and writes a float32
+partial output and lse. A second kernel merges the splits of each query row
+by their lse. Rows may hold different lengths (one launch for the batch).
+Causal is bottom-right: query ``i`` of row ``b`` sees the keys before
+``lens[b] - q_len + i + 1``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ._common import HAS_TRITON, LOG2E, d_pad, ieee, launchable
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .attention_jit import _dot
+
+    # Lengths, split sizes and counts change every step: not specialised, so a
+    # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
+    @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT"])
+    def _split_kernel(Q, K, V, OP, LP, LENS, LEN, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, HKV, LQ, SPLIT,
+                      NSPLIT, qk_scale, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr,
+                      IEEE: tl.constexpr):
+        qk_scale = tl.full([], qk_scale, tl.float32)
+        s = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // HKV).to(tl.int64)
+        kh = (bh % HKV).to(tl.int64)
+        if PER_ROW:
+            n = tl.load(LENS + b)
+        else:
+            n = LEN
+        rows = tl.arange(0, BLOCK_M)
+        qi = rows // G
+        head = kh * G + rows % G
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        row_ok = rows < LQ * G
+        q = tl.load(Q + b * sqb + qi[:, None].to(tl.int64) * sqs + head[:, None] * sqh + offs_d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)
+        k_ptr = K + b * skb + kh * skh
+        v_ptr = V + b * svb + kh * svh
+        lo = s * SPLIT
+        hi = tl.minimum(lo + SPLIT, n)
+        last = n - LQ + qi  # causal: the last key row qi sees
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for j in range(lo, hi, BLOCK_N):
+            cols = j + offs_n
+            kv_ok = cols < hi
+            c64 = cols.to(tl.int64)
+            k = tl.load(k_ptr + c64[:, None] * sks + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(v_ptr + c64[:, None] * svs + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :], other=0.0)
+            qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+            ok = kv_ok[None, :]
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= last[:, None])
+            qk = tl.where(ok, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            m_i = m_new
+        seen = l_i > 0.0
+        lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        part = (bh * NSPLIT + s).to(tl.int64) * BLOCK_M + rows
+        tl.store(OP + part[:, None] * D_PAD + offs_d[None, :], acc / tl.where(seen, l_i, 1.0)[:, None])
+        tl.store(LP + part, lse2)
+
+    @triton.jit(do_not_specialize=["NSPLIT"])
+    def _combine_kernel(OP, LP, O, L, sob, sos, soh, slb, slh, HKV, NSPLIT, G: tl.constexpr, D: tl.constexpr,
+                        D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, S_CHUNK: tl.constexpr):
+        bh = tl.program_id(0)
+        r = tl.program_id(1)
+        b = (bh // HKV).to(tl.int64)
+        head = (bh % HKV).to(tl.int64) * G + r % G
+        qi = (r // G).to(tl.int64)
+        base = (bh * NSPLIT).to(tl.int64)
+        offs_d = tl.arange(0, D_PAD)
+        sc = tl.arange(0, S_CHUNK)
+        top = tl.full([], float("-inf"), tl.float32)
+        tot = tl.zeros([], tl.float32)
+        acc = tl.zeros([D_PAD], tl.float32)
+        for s0 in range(0, NSPLIT, S_CHUNK):  # online over chunks of splits: one read of each partial
+            ss = s0 + sc
+            idx = (base + ss) * BLOCK_M + r
+            l2 = tl.load(LP + idx, mask=ss < NSPLIT, other=float("-inf"))
+            new = tl.maximum(top, tl.max(l2, 0))
+            new_safe = tl.where(new == float("-inf"), 0.0, new)
+            w = tl.math.exp2(l2 - new_safe)
+            keep = tl.math.exp2(top - new_safe)
+            o = tl.load(OP + idx[:, None] * D_PAD + offs_d[None, :], mask=(ss < NSPLIT)[:, None], other=0.0)
+            tot = tot * keep + tl.sum(w, 0)
+            acc = acc * keep + tl.sum(o * w[:, None], 0)
+            top = new
+        seen = tot > 0.0
+        out = acc / tl.where(seen, tot, 1.0)
+        tl.store(O + b * sob + qi * sos + head * soh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        lse = tl.where(seen, (top + tl.math.log2(tl.where(seen, tot, 1.0))) / 1.4426950408889634, float("-inf"))
+        tl.store(L + b * slb + head * slh + qi, lse)
+
+
+def block_m(q_len: int, group: int) -> int:
+    """Query rows one split program holds (a dot needs at least 16)."""
+    return max(16, 1 << (q_len * group - 1).bit_length())
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs are enough to exercise the splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def splits(lens_max: int, programs: int, device: torch.device, programs_per_sm: int, block_n: int,
+           min_split: int) -> tuple[int, int]:
+    """(tokens per split, number of splits): enough programs to fill the
+    device ``programs_per_sm`` deep, no split shorter than ``min_split``, a
+    split a whole number of ``block_n`` tiles."""
+    want = max(1, -(-programs_per_sm * _sm_count(device) // programs))
+    split = max(min_split, -(-max(lens_max, 1) // want))
+    split = -(-split // block_n) * block_n
+    return split, max(1, -(-max(lens_max, 1) // split))
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Optional[Sequence[int]],
+           causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
+           min_split: int, lens_tensor: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
+    cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
+    out like q and lse ``(B, H, Lq)`` float32; a row with no key gives 0 and
+    -inf. ``lens_tensor``: the lengths as int32 on q's device, when the caller
+    has them there (read by the kernel; else built here for rows of different
+    lengths). ``lens``
+    None: the lengths are known on the device only (CUDA graph capture): the
+    grid covers the whole capacity and programs past a row's length return
+    at once, so the launch is the same whatever the lengths."""
+    b, lq, h, d = q.shape
+    hkv = k_cache.shape[2]
+    g = h // hkv
+    bm = block_m(lq, g)
+    dp = d_pad(d)
+    # lengths on the device: read there, the same launch as under capture
+    per_row = lens is None or lens_tensor is not None or len(set(lens)) > 1
+    if per_row and lens_tensor is None:
+        lens_tensor = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
+    longest = k_cache.shape[1] if lens is None else max(lens)
+    split, nsplit = splits(longest, b * hkv, q.device, programs_per_sm, block_n, min_split)
+    op = torch.empty(b * hkv * nsplit * bm, dp, dtype=torch.float32, device=q.device)
+    lp = torch.empty(b * hkv * nsplit * bm, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    launchable(_split_kernel, q)[(nsplit, b * hkv)](
+        q, k_cache, v_cache, op, lp, lens_tensor if per_row else q, 0 if per_row else lens[0],
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], hkv, lq, split, nsplit, scale * LOG2E,
+        G=g, D=d, D_PAD=dp, BLOCK_M=bm, BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row,
+        IEEE=ieee(q), num_warps=num_warps, num_stages=num_stages)
+    launchable(_combine_kernel, q)[(b * hkv, lq * g)](
+        op, lp, out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1), hkv, nsplit, G=g, D=d, D_PAD=dp,
+        BLOCK_M=bm, S_CHUNK=16, num_warps=4)
+    return out, lse
+
+
+def refusals(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_rows: int) -> list[str]:
+    """Why the split-KV kernel cannot take this call (empty: it can)."""
+    from ._common import SUPPORTED_HEADDIMS, unavailable_reason
+
+    r = []
+    why = unavailable_reason(q.device)
+    if why:
+        r.append(why)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        r.append(f"dtype {q.dtype} unsupported (fp16, bf16, fp32)")
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        r.append("the Triton interpreter has no bf16")
+    if q.shape[-1] not in SUPPORTED_HEADDIMS:
+        r.append(f"head dim {q.shape[-1]} not in {SUPPORTED_HEADDIMS}")
+    rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
+    if rows > max_rows:
+        r.append(f"q_len * (nheads // nheads_kv) = {rows} query rows per kv head exceed {max_rows} "
+                 f"(a prefill-sized call: the dense kernels take it)")
+    if any(x.stride(-1) != 1 for x in (q, k_cache, v_cache)):
+        r.append("the head dim must have unit stride")
+    return r
