@@ -7,9 +7,12 @@ fill (``--programs-per-sm``) of the split-KV kernel, timed as ten calls
 replayed from one CUDA graph (the kernels' own time, no host; the cache read
 at the memory's rate is the bound, printed as GB/s); then one decode step (append
 the token's K/V to a preallocated cache, attend) through the split-KV
-kernel with the best tiles, through the flash kernel on views of the cache,
-and SDPA (flash, cuDNN) over a whole preallocated cache, each ``cold`` (one
-isolated step, host time counts) and ``batched``. Outputs are checked
+kernel with the best tiles and with the default ones, through the flash
+kernel on views of the cache, and SDPA (flash, cuDNN) over a whole
+preallocated cache, each ``cold`` (one isolated step, host time counts) and
+``batched``; with ``--batch`` above 1 also attention over rows of different
+lengths (n down to about n / 2): one split-KV launch against one flash call
+per row. Outputs are checked
 against the flash kernel's.
 
     python benchmarks/decode_split_kv.py --json out.json
@@ -113,8 +116,15 @@ def case(n, b):
                 return sdpa(qt, kt, vt, enable_gqa=True)
         return step
 
+    ragged = [n - i * (n // (2 * b)) for i in range(b)]  # rows of different lengths, n down to about n / 2
+
+    def ours_ragged(be):
+        return lambda: dense_part(q, kc, vc, ragged, True, scale, be)
+
     steps = {"split_kv_best": ours("triton", t_best), "split_kv_default": ours("triton"), "flash": ours("flash"),
              "sdpa_flash": sdpa_step(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION)}
+    if b > 1:  # attention alone: one split-KV launch against one flash call per row
+        steps.update(ragged_split_kv=ours_ragged("triton"), ragged_flash=ours_ragged("flash"))
     for name, fn in steps.items():
         for timing in ("cold", "batched"):
             r = time_ms(fn, dev, warmup=3, iters=a.iters, batched=timing == "batched")
