@@ -11,7 +11,9 @@ sharded over the ranks (one all-gather of the partial outputs per layer and
 token). On one rank, beside it: SDPA decoding over one layer's whole cache
 (``scaled_dot_product_attention`` of one query over a preallocated
 ``(batch, kv_heads, context, head_dim)`` cache, each backend that runs),
-where it fits; and one step of each captured in a CUDA graph and replayed
+where it fits; the same over a context that grows by one token per step
+(``*-growing`` rows: SDPA's default choice, and cuDNN, which builds a plan
+for every new length); and one step of each captured in a CUDA graph and replayed
 (``*-graphed`` rows: the GPU's time, as a serving loop that captures its
 steps sees it).
 
@@ -32,6 +34,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -170,29 +173,37 @@ def _agree_max(x: int) -> int:
     return int(t.item())
 
 
-def bench_sdpa(a, n: int, dev, dt, kernel: str) -> dict:
-    """SDPA decoding over one layer's whole cache (the one-GPU baseline)."""
+def bench_sdpa(a, n: int, dev, dt, kernel: str, growing: bool = False) -> dict:
+    """SDPA decoding over one layer's cache (the one-GPU baseline): the whole
+    preallocated cache of ``n + 1`` tokens every step, or (``growing``) the
+    first ``pos + 1`` tokens at step ``pos``, as a loop whose context grows
+    does. ``kernel`` "default": SDPA's own choice."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
-    row = dict(impl=f"sdpa-{kernel}", backend=kernel, world=1, context=n, batch=b, heads=h, kv_heads=hkv,
-               head_dim=d, dtype=str(dt).replace("torch.", ""), layers=1, status="ok")
+    row = dict(impl=f"sdpa-{kernel}" + ("-growing" if growing else ""), backend=kernel, world=1, context=n,
+               batch=b, heads=h, kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""), layers=1, status="ok")
     which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[kernel]
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}.get(kernel)
     _free(dev)
     try:
         gen = torch.Generator(device=dev).manual_seed(0)
-        kc, vc = (torch.randn(b, hkv, n + 1, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
+        extra = a.warmup + 11 * a.iters + 8 if growing else 0  # batched timing runs up to 10 steps per sample
+        kc, vc = (torch.randn(b, hkv, n + 1 + extra, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
         kn, vn = (torch.randn(b, hkv, 1, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
         qn = torch.randn(b, h, 1, d, device=dev, dtype=dt, generator=gen)
         row["cache_bytes_per_rank"] = 2 * kc.numel() * kc.element_size()
+        pos = [n]
 
         def step():
-            kc[:, :, n:] = kn  # the new token's K/V into the preallocated cache, as a static cache does
-            vc[:, :, n:] = vn
-            with sdpa_kernel(which):
-                return sdpa(qn, kc, vc, enable_gqa=hkv != h)
+            p = pos[0]
+            kc[:, :, p:p + 1] = kn  # the new token's K/V into the preallocated cache, as a static cache does
+            vc[:, :, p:p + 1] = vn
+            if growing:
+                pos[0] += 1
+            with (sdpa_kernel(which) if which is not None else contextlib.nullcontext()):
+                return sdpa(qn, kc[:, :, :p + 1], vc[:, :, :p + 1], enable_gqa=hkv != h)
 
         with torch.no_grad():
             t = measure.time_ms(step, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched")
@@ -314,6 +325,9 @@ def run(a) -> dict:
             for kernel in ("flash", "cudnn", "efficient"):
                 log(f"decode: context {n}, sdpa-{kernel}")
                 rows.append(bench_sdpa(a, n, dev, dt, kernel))
+            for kernel in ("default", "cudnn"):
+                log(f"decode: context {n}, sdpa-{kernel}-growing")
+                rows.append(bench_sdpa(a, n, dev, dt, kernel, growing=True))
             log(f"decode: context {n}, steps captured in CUDA graphs (ours, sdpa-flash, sdpa-cudnn)")
             rows += bench_graphed(a, n, dev, dt)
     return dict(kind="decode", env=measure.environment(dev), world=world, timing=a.timing, results=rows)

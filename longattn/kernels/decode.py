@@ -14,6 +14,7 @@ Causal is bottom-right: query ``i`` of row ``b`` sees the keys before
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -122,6 +123,7 @@ def block_m(q_len: int, group: int) -> int:
     return max(16, 1 << (q_len * group - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs are enough to exercise the splits
