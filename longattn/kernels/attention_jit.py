@@ -120,6 +120,18 @@ if HAS_TRITON:
             return tl.dot(a, b)
 
     @triton.jit
+    def _online_step(acc, l_i, m_i, qk, v, IEEE: tl.constexpr):
+        """One key tile into the running (acc, row sum, row max) of an online
+        softmax in base 2; rows whose scores are all -inf so far stay 0."""
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        return acc, l_i, m_new
+
+    @triton.jit
     def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, start, end, offs_m, offs_n, offs_d,
                    dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -133,13 +145,7 @@ if HAS_TRITON:
             if MASKED:
                 ok = _visible(offs_m, cols, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL, HAS_LEFT, HAS_RIGHT)
                 qk = tl.where(ok, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-            m_i = m_new
+            acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, IEEE)
         return acc, l_i, m_i
 
     @triton.jit

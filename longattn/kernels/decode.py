@@ -25,7 +25,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .attention_jit import _dot
+    from .attention_jit import _dot, _online_step
 
     # Lengths, split sizes and counts change every step: not specialised, so a
     # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
@@ -71,13 +71,7 @@ if HAS_TRITON:
             if CAUSAL:
                 ok = ok & (cols[None, :] <= last[:, None])
             qk = tl.where(ok, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-            m_i = m_new
+            acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, IEEE)
         seen = l_i > 0.0
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         part = (bh * NSPLIT + s).to(tl.int64) * BLOCK_M + rows
