@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends as bk
+from . import tuning as _tuning
 from ._validation import check_dilation, check_flag, check_scale, check_tensor
 from .distributed import checks
 from .distributed.cache import CacheLayout, prefill_pieces
@@ -90,6 +91,7 @@ class KVCache:
         # checks on one device: a decode step is host-bound, and a step like
         # the last is not checked again
         self._checked: dict = {}
+        self._steps = _dec.StepGraphs()
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -154,6 +156,7 @@ class KVCache:
         # fits must not double; the copy is amortised over many appends.
         old = self.k.shape[1]
         k, v = self.k, self.v
+        self._steps.clear()  # the graphs read the old storage
         self._alloc(max(needed, old + max(old // 8, 2 * self.layout.block)))
         self.k[:, :old] = k
         self.v[:, :old] = v
@@ -226,6 +229,7 @@ class KVCache:
                 for b, s in enumerate(start):
                     self.k[b, s:s + n] = k_new[b]
                     self.v[b, s:s + n] = v_new[b]
+            self._steps.advance(n)  # one device: every row grew by n
         return owner
 
     @torch.no_grad()
@@ -276,8 +280,12 @@ class KVCache:
 
     def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
         lay, me = self.layout, self.rank
-        out, lse = _dec.dense_part(q, self.k, self.v, lay.local[me], me == lay.last_owner, scale, backend)
-        return self._finish(q, out, lse, return_lse)
+        res = None
+        if self.group is None and _dec.graph_steps_take(q, self.k, self.v, backend):
+            res = self._steps.attend(q, self.k, self.v, lay.local[me], scale, _tuning.DECODE)
+        if res is None:
+            res = _dec.dense_part(q, self.k, self.v, lay.local[me], me == lay.last_owner, scale, backend)
+        return self._finish(q, *res, return_lse)
 
     def _finish(self, q, out, lse, return_lse: bool):
         if self.group is not None:

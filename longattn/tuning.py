@@ -174,6 +174,8 @@ class DecodeTuning:
                "launches whose host time an eager step pays; one H100, one cold step (append + attend) at 128K: "
                "0.248 ms flash vs 0.262 split-KV (B=1), 1.417 vs 1.455 (B=8); equal within 1% at 1M",
         "decode_split_kv_b1_h100_3020618.json")
+    graph_steps: bool = measured(
+        True, "PENDING", "")
     split_kv_max_rows: int = measured(
         64, "query rows per kv head (q_len * nheads // nheads_kv) one split program holds in registers; "
             "longer calls are prefill-sized and the dense kernels take them", "")

@@ -312,3 +312,26 @@ def test_decode_step_captured_in_a_cuda_graph():
     with pytest.raises(ValueError, match="capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             longattn.decode_attention(q, k, v, cache_seqlens=lens, backend="flash")
+
+
+@pytest.mark.gpu
+def test_kv_cache_steps_replayed_from_cuda_graphs():
+    """KVCache's dense steps on one GPU replay from CUDA graphs after a shape's
+    first call (lengths advanced on the device by every append, graphs
+    dropped when the storage grows): every step equals the flash kernel over
+    the same cache, rows of different lengths and two queries per step too."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    b, n, h, hkv, d = 2, 2000, 8, 2, 128
+    cache = longattn.KVCache.from_prefill(mk(b, n, hkv, d), mk(b, n, hkv, d), seqlens=[2000, 1500], reserve=4)
+    for step in range(8):  # grows past the reserve at step 4
+        lq = 2 if step == 6 else 1
+        cache.append(mk(b, lq, hkv, d), mk(b, lq, hkv, d))
+        q = mk(b, lq, h, d)
+        out, lse = cache.attend(q, return_lse=True)
+        lens = cache.local_seqlens
+        want, want_lse = longattn.decode_attention(q, cache.k, cache.v, cache_seqlens=lens, return_lse=True,
+                                                   backend="flash")
+        assert (out.float() - want.float()).abs().max().item() < 2e-2, step
+        assert (lse - want_lse).abs().max().item() < 1e-3, step
+    assert cache._steps.graphs, "the repeated step shape was captured"

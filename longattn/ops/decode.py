@@ -10,6 +10,7 @@ autograd graph is built.
 """
 from __future__ import annotations
 
+import collections
 from typing import Optional, Sequence
 
 import torch
@@ -111,6 +112,87 @@ def split_kv_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if name == "auto" and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
         return False
     return name in ("auto", "triton") and not _kdec.refusals(q, k_cache, v_cache, tuning.split_kv_max_rows)
+
+
+def graph_steps_take(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
+                     tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
+    """Whether :class:`longattn.KVCache` replays this dense one-device step from
+    a CUDA graph (:class:`StepGraphs`): ``tuning.graph_steps``, ``backend``
+    auto or triton (the split-KV kernel, the one engine a replay can feed new
+    lengths), on CUDA, not inside another capture or torch.compile."""
+    name = (bk.forced() or "auto") if backend == "auto" else backend
+    return (tuning.graph_steps and name in ("auto", "triton") and q.is_cuda
+            and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling()
+            and not _kdec.refusals(q, k_cache, v_cache, tuning.split_kv_max_rows))
+
+
+class StepGraphs:
+    """One cache's dense decode steps on one device, replayed from CUDA graphs.
+
+    An eager step is host-bound at long contexts (launches and checks take as
+    long as reading a 128K cache, docs/performance.md 9). A step shape (the
+    query's, the cache's storage) is captured on its second call, and later
+    calls copy the query in, replay, and return copies of the outputs. The
+    rows' lengths live on the device (``lens``), advanced by every append, so
+    one graph serves every step until the cache's storage grows (which drops
+    the graphs). At most :attr:`MAX` shapes per cache; every cache's graphs
+    share one memory pool (steps run one after another on one stream)."""
+
+    MAX = 4
+    _pool = None
+
+    def __init__(self):
+        self.lens: Optional[torch.Tensor] = None
+        self.graphs: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+        self.seen: set = set()
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.seen.clear()
+        self.lens = None
+
+    def advance(self, n: int) -> None:
+        """``n`` tokens were appended to every row."""
+        if self.lens is not None:
+            self.lens += n
+
+    def attend(self, q, k_cache, v_cache, lens: Sequence[int], scale: float, tuning: _tuning.DecodeTuning
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(out, lse) replayed, or None on a shape's first call (run it eagerly)."""
+        key = (q.shape, q.stride(), q.dtype, q.device, scale, k_cache.data_ptr(), v_cache.data_ptr(),
+               k_cache.shape, tuning)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key not in self.seen:  # one-off shapes never pay for a capture
+                self.seen.add(key)
+                return None
+            if self.lens is None:
+                self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
+            entry = self.graphs[key] = self._capture(q, k_cache, v_cache, scale, tuning)
+            if len(self.graphs) > self.MAX:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        static_q, graph, out, lse = entry
+        static_q.copy_(q)
+        graph.replay()
+        return out.clone(), lse.clone()
+
+    def _capture(self, q, k_cache, v_cache, scale, tuning):
+        static_q = q.clone()
+        run = lambda: _kdec.decode(static_q, k_cache, v_cache, None, q.shape[1] > 1, scale, lens_tensor=self.lens,
+                                   **tuning.kernel_args(False))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()  # compiles the kernels outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        if StepGraphs._pool is None:
+            StepGraphs._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads' CUDA calls stay legal during the capture
+        with torch.cuda.graph(graph, pool=StepGraphs._pool, capture_error_mode="thread_local"):
+            out, lse = run()
+        return static_q, graph, out, lse
 
 
 def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
