@@ -335,3 +335,14 @@ def test_kv_cache_steps_replayed_from_cuda_graphs():
         assert (out.float() - want.float()).abs().max().item() < 2e-2, step
         assert (lse - want_lse).abs().max().item() < 1e-3, step
     assert cache._steps.graphs, "the repeated step shape was captured"
+    with torch.inference_mode():  # a step shape of its own; the lengths advance under both modes
+        for _ in range(3):
+            cache.append(mk(b, 1, hkv, d), mk(b, 1, hkv, d))
+            q = mk(b, 1, h, d)
+            out = cache.attend(q)
+            want = longattn.decode_attention(q, cache.k, cache.v, cache_seqlens=cache.local_seqlens, backend="flash")
+            assert (out.float() - want.float()).abs().max().item() < 2e-2
+    cache.append(mk(b, 1, hkv, d), mk(b, 1, hkv, d))
+    q = mk(b, 1, h, d)
+    want = longattn.decode_attention(q, cache.k, cache.v, cache_seqlens=cache.local_seqlens, backend="flash")
+    assert (cache.attend(q).float() - want.float()).abs().max().item() < 2e-2

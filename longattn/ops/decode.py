@@ -160,14 +160,15 @@ class StepGraphs:
                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """(out, lse) replayed, or None on a shape's first call (run it eagerly)."""
         key = (q.shape, q.stride(), q.dtype, q.device, scale, k_cache.data_ptr(), v_cache.data_ptr(),
-               k_cache.shape, tuning)
+               k_cache.shape, tuning, torch.is_inference_mode_enabled())
         entry = self.graphs.get(key)
         if entry is None:
             if key not in self.seen:  # one-off shapes never pay for a capture
                 self.seen.add(key)
                 return None
             if self.lens is None:
-                self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
+                with torch.inference_mode(False):  # appends advance it in and out of inference mode
+                    self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
             entry = self.graphs[key] = self._capture(q, k_cache, v_cache, scale, tuning)
             if len(self.graphs) > self.MAX:
                 self.graphs.popitem(last=False)
