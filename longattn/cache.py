@@ -73,6 +73,14 @@ class KVCache:
 
     Rows may hold different lengths (right-padded prompts: padding is never
     stored). Inference only (no autograd).
+
+    On one CUDA device a dense step (``attend`` without branches, backend
+    auto or triton) is replayed from a CUDA graph from its shape's second
+    call on (:class:`longattn.ops.decode.StepGraphs`: an eager step is
+    host-bound at long contexts); steps of one cache run on one stream. The
+    engines follow ``cache.tuning`` (:class:`longattn.tuning.DecodeTuning`),
+    e.g. ``cache.tuning = DecodeTuning(graph_steps=False)`` to run every step
+    eagerly.
     """
 
     def __init__(self, batch: int, nheads_kv: int, headdim: int, *, dtype: torch.dtype = torch.float32,
@@ -92,6 +100,7 @@ class KVCache:
         # the last is not checked again
         self._checked: dict = {}
         self._steps = _dec.StepGraphs()
+        self.tuning = _tuning.DECODE
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -245,7 +254,8 @@ class KVCache:
         ``dilated_attention(..., causal=True)``). Sharded: every rank calls it
         with the same q and gets the same result."""
         dilated = segment_lengths is not None or dilation_rates is not None
-        sig = (type(q), q.shape, q.dtype, q.device, softmax_scale, return_lse, backend)
+        sig = (type(q), q.shape, q.dtype, q.device, type(softmax_scale), softmax_scale, type(return_lse), return_lse,
+               backend)
         if self.group is None and not dilated and sig == self._checked.get("attend"):
             self._check_q_len(q.shape[1])
             return self._attend_dense(q, bk.default_scale(q.shape[-1], softmax_scale), return_lse, backend)
@@ -281,10 +291,11 @@ class KVCache:
     def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
         lay, me = self.layout, self.rank
         res = None
-        if self.group is None and _dec.graph_steps_take(q, self.k, self.v, backend):
-            res = self._steps.attend(q, self.k, self.v, lay.local[me], scale, _tuning.DECODE)
+        if self.group is None and _dec.graph_steps_take(q, self.k, self.v, backend, self.tuning):
+            res = self._steps.attend(q, self.k, self.v, lay.local[me], scale, self.tuning)
         if res is None:
-            res = _dec.dense_part(q, self.k, self.v, lay.local[me], me == lay.last_owner, scale, backend)
+            res = _dec.dense_part(q, self.k, self.v, lay.local[me], me == lay.last_owner, scale, backend,
+                                  tuning=self.tuning)
         return self._finish(q, *res, return_lse)
 
     def _finish(self, q, out, lse, return_lse: bool):

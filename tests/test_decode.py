@@ -90,6 +90,17 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
         assert kdec.splits(max(lens), b * hkv, q.device, 64, 16, 16)[1] > 1
         _rows(many, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
               f"triton splits h={h}/{hkv} lq={lq} causal={causal}")
+        # lengths known on the device only (a captured step): a launch sized for the capacity, the lengths a
+        # strided view, one past the capacity (clamped)
+        big = torch.tensor([[n, -5] for n in lens], dtype=I32)
+        dev_only = kdec.decode(q, k, v, None, causal and lq > 1, d ** -0.5, block_n=16, num_warps=1, num_stages=1,
+                               programs_per_sm=64, min_split=16, lens_tensor=big[:, 0])
+        _rows(dev_only, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
+              f"triton device lengths h={h}/{hkv} lq={lq} causal={causal}")
+    over = kdec.decode(q, k, v, None, False, d ** -0.5, block_n=16, num_warps=1, num_stages=1, programs_per_sm=4,
+                       min_split=16, lens_tensor=torch.tensor([cap + 7, 3, cap], dtype=I32))
+    _rows(over, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, False), [cap, 3, cap],
+          "lengths past the capacity read the capacity")
 
 
 # (segments, rates, heads, kv heads): GQA whose rates and group size divide each
@@ -233,6 +244,9 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="seqlens must hold"):
         longattn.KVCache.from_prefill(k, k, seqlens=[3, 11])
     assert cache.attend(q).shape == q.shape
+    cache.attend(q, return_lse=True)
+    with pytest.raises(TypeError):  # a step like the last skips its checks, but 1 is not True
+        cache.attend(q, return_lse=1)
 
 
 def test_bench_decode_tiny(tmp_path):
@@ -324,6 +338,12 @@ def test_kv_cache_steps_replayed_from_cuda_graphs():
     mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
     b, n, h, hkv, d = 2, 2000, 8, 2, 128
     cache = longattn.KVCache.from_prefill(mk(b, n, hkv, d), mk(b, n, hkv, d), seqlens=[2000, 1500], reserve=4)
+    roomy = longattn.KVCache.from_prefill(mk(b, n, hkv, d), mk(b, n, hkv, d), reserve=60000)  # capacity >> length
+    for _ in range(3):
+        roomy.append(mk(b, 1, hkv, d), mk(b, 1, hkv, d))
+        q = mk(b, 1, h, d)
+        want = longattn.decode_attention(q, roomy.k, roomy.v, cache_seqlens=roomy.local_seqlens, backend="flash")
+        assert (roomy.attend(q).float() - want.float()).abs().max().item() < 2e-2
     for step in range(8):  # grows past the reserve at step 4
         lq = 2 if step == 6 else 1
         cache.append(mk(b, lq, hkv, d), mk(b, lq, hkv, d))

@@ -29,9 +29,9 @@ if HAS_TRITON:
 
     # Lengths, split sizes and counts change every step: not specialised, so a
     # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
-    @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT"])
-    def _split_kernel(Q, K, V, OP, LP, LENS, LEN, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, HKV, LQ, SPLIT,
-                      NSPLIT, qk_scale, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT", "CAP"])
+    def _split_kernel(Q, K, V, OP, LP, LENS, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, HKV, LQ,
+                      SPLIT, NSPLIT, qk_scale, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr,
                       IEEE: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
@@ -40,7 +40,11 @@ if HAS_TRITON:
         b = (bh // HKV).to(tl.int64)
         kh = (bh % HKV).to(tl.int64)
         if PER_ROW:
-            n = tl.load(LENS + b)
+            # lengths read on the device (any row, a captured step): clamped to
+            # the capacity, and each row cut into NSPLIT splits of its own
+            # length, at least SPLIT tokens each, so every program has work
+            n = tl.minimum(tl.load(LENS + b * sln), CAP)
+            SPLIT = tl.maximum(SPLIT, ((n + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
         else:
             n = LEN
         rows = tl.arange(0, BLOCK_M)
@@ -143,10 +147,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     out like q and lse ``(B, H, Lq)`` float32; a row with no key gives 0 and
     -inf. ``lens_tensor``: the lengths as int32 on q's device, when the caller
     has them there (read by the kernel; else built here for rows of different
-    lengths). ``lens``
-    None: the lengths are known on the device only (CUDA graph capture): the
-    grid covers the whole capacity and programs past a row's length return
-    at once, so the launch is the same whatever the lengths."""
+    lengths). Lengths read on the device cut each row into the launch's
+    splits by its own length. ``lens`` None: the lengths are known on the
+    device only (CUDA graph capture): the launch is sized for the whole
+    capacity, the same whatever the lengths."""
     b, lq, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
@@ -158,13 +162,15 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
         lens_tensor = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
     longest = k_cache.shape[1] if lens is None else max(lens)
     split, nsplit = splits(longest, b * hkv, q.device, programs_per_sm, block_n, min_split)
+    if per_row:  # the split per row is found on the device, from this floor
+        split = -(-min_split // block_n) * block_n
     op = torch.empty(b * hkv * nsplit * bm, dp, dtype=torch.float32, device=q.device)
     lp = torch.empty(b * hkv * nsplit * bm, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     launchable(_split_kernel, q)[(nsplit, b * hkv)](
-        q, k_cache, v_cache, op, lp, lens_tensor if per_row else q, 0 if per_row else lens[0],
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], hkv, lq, split, nsplit, scale * LOG2E,
+        q, k_cache, v_cache, op, lp, lens_tensor if per_row else q, lens_tensor.stride(0) if per_row else 0,
+        0 if per_row else lens[0], k_cache.shape[1], *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], hkv, lq, split, nsplit, scale * LOG2E,
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row,
         IEEE=ieee(q), num_warps=num_warps, num_stages=num_stages)
     launchable(_combine_kernel, q)[(b * hkv, lq * g)](

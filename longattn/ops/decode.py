@@ -139,12 +139,14 @@ class StepGraphs:
     share one memory pool (steps run one after another on one stream)."""
 
     MAX = 4
+    MAX_CAPTURES = 16  # more, and the cache alternates between more shapes than it keeps: it stops capturing
     _pool = None
 
     def __init__(self):
         self.lens: Optional[torch.Tensor] = None
         self.graphs: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
         self.seen: set = set()
+        self.captures = 0
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -163,9 +165,10 @@ class StepGraphs:
                k_cache.shape, tuning, torch.is_inference_mode_enabled())
         entry = self.graphs.get(key)
         if entry is None:
-            if key not in self.seen:  # one-off shapes never pay for a capture
+            if key not in self.seen or self.captures >= self.MAX_CAPTURES:  # one-off shapes never pay a capture
                 self.seen.add(key)
                 return None
+            self.captures += 1
             if self.lens is None:
                 with torch.inference_mode(False):  # appends advance it in and out of inference mode
                     self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
@@ -179,6 +182,10 @@ class StepGraphs:
         return out.clone(), lse.clone()
 
     def _capture(self, q, k_cache, v_cache, scale, tuning):
+        with torch.cuda.device(q.device):  # the cache's device, whichever is current
+            return self._capture_here(q, k_cache, v_cache, scale, tuning)
+
+    def _capture_here(self, q, k_cache, v_cache, scale, tuning):
         static_q = q.clone()
         run = lambda: _kdec.decode(static_q, k_cache, v_cache, None, q.shape[1] > 1, scale, lens_tensor=self.lens,
                                    **tuning.kernel_args(False))
@@ -212,34 +219,35 @@ def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
         return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor,
                             **tuning.kernel_args(q.device.type == "cpu"))
     if len(set(lens)) == 1:
-        return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend)
+        return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     for i, n in enumerate(lens):
         out[i:i + 1], lse[i:i + 1] = _dense_rows(q[i:i + 1], k_cache[i:i + 1], v_cache[i:i + 1], n, masked, scale,
-                                                 backend)
+                                                 backend, tuning)
     return out, lse
 
 
-def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend: str):
+def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend: str,
+                tuning: _tuning.DecodeTuning):
     b, lq, h, _ = q.shape
     if n == 0:
         return torch.zeros_like(q), torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
     k, v = k_cache[:, :n], v_cache[:, :n]
     if masked:
         spec = bk.BlockSpec(scale, True, (-1, -1), n - lq)
-        be = bk.select_backend(q, k, spec, backend, exclude=_tuning.DECODE.auto_excludes)
+        be = bk.select_backend(q, k, spec, backend, exclude=tuning.auto_excludes)
     else:
         spec = bk.BlockSpec(scale)
-        be = _unmasked_backend(q, k, spec, backend)
+        be = _unmasked_backend(q, k, spec, backend, tuning)
     return be.forward(q, k, v, spec)
 
 
-def _unmasked_backend(q, k, spec, backend: str):
+def _unmasked_backend(q, k, spec, backend: str, tuning: _tuning.DecodeTuning = _tuning.DECODE):
     # Chosen on one key row: an unmasked call's refusals do not depend on the
     # key count, and a shape that stays the same as the cache grows is looked
     # up once instead of walking every backend's refusals per token.
-    return bk.select_backend(q, k[:, :1], spec, backend, exclude=_tuning.DECODE.auto_excludes)
+    return bk.select_backend(q, k[:, :1], spec, backend, exclude=tuning.auto_excludes)
 
 
 # ------------------------------------------------------------------ dilated
@@ -361,7 +369,8 @@ def _captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, ba
     cannot be captured, and a replay sees the lengths of its own step), so
     only the split-KV kernel, whose launch does not depend on them, can run;
     keeping them within [q_len, capacity] is the caller's part."""
-    why = [] if backend in ("auto", "triton") else [f"backend={backend!r} (use 'auto' or 'triton')"]
+    name = (bk.forced() or "auto") if backend == "auto" else backend
+    why = [] if name in ("auto", "triton") else [f"backend {name!r} (use 'auto' or 'triton')"]
     if cache_seqlens.device != q.device:
         why.append(f"cache_seqlens is on {cache_seqlens.device} (put it on {q.device})")
     why += _kdec.refusals(q, k_cache, v_cache, _tuning.DECODE.split_kv_max_rows)
@@ -370,6 +379,12 @@ def _captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, ba
                          f"the device; it cannot here: {'; '.join(why)}")
     return _kdec.decode(q, k_cache, v_cache, None, causal and q.shape[1] > 1, scale, lens_tensor=cache_seqlens,
                         **_tuning.DECODE.kernel_args(False))
+
+
+def _no_capture(q: torch.Tensor, what: str) -> None:
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"{what} reads the lengths on the host and cannot run under CUDA graph capture; capture "
+                         f"decode_attention on one device with cache_seqlens on the GPU instead")
 
 
 def _on_device(lens: torch.Tensor, q: torch.Tensor) -> Optional[torch.Tensor]:
@@ -445,6 +460,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
             out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, _on_device(cache_seqlens, q))
         return (out, lse) if return_lse else out
+    _no_capture(q, "decode_attention(..., group=...)")
     g = checks.resolve_group(group)
     problem = None
     try:
@@ -504,6 +520,7 @@ def dilated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                                    segment_lengths=segment_lengths, dilation_rates=dilation_rates)[:, -q_len:]
     """
     check_cache_tensors(q, k_cache, v_cache)
+    _no_capture(q, "dilated_decode_attention")
     check_seqlens_tensor(cache_seqlens, q.shape[0])
     segs, rates = check_dilation(segment_lengths, dilation_rates)
     check_flag(return_lse, "return_lse")
