@@ -178,9 +178,9 @@ class DecodeTuning:
         "decode_split_kv_b1_h100_3020618.json")
     graph_steps: bool = measured(
         True, "an eager step is host-bound at 128K (two copies, the checks, the launches: ~0.1-0.2 ms against "
-              "0.14 ms of GPU work); KVCache's steps replayed from graphs, one H200, cold, 128K: 0.204 ms "
-              "against 0.230 for the eager flash step (SDPA 0.185 cuDNN, 0.207 flash); 1M 1.155 vs 1.255",
-        "decode_1xh200_df467e3.json")
+              "0.14 ms of GPU work); KVCache's steps replayed from graphs, one H200, cold, 128K: 0.208 ms "
+              "against 0.234 for the eager flash step (SDPA 0.186 cuDNN, 0.206 flash); 1M 1.090 vs 1.143",
+        "decode_1xh200_ea260f1.json")
     split_kv_max_rows: int = measured(
         64, "query rows per kv head (q_len * nheads // nheads_kv) one split program holds in registers; "
             "longer calls are prefill-sized and the dense kernels take them", "")
