@@ -290,10 +290,9 @@ class KVCache:
 
     def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
         lay, me = self.layout, self.rank
-        res = None
         if self.group is None and _dec.graph_steps_take(q, self.k, self.v, backend, self.tuning):
             res = self._steps.attend(q, self.k, self.v, lay.local[me], scale, self.tuning)
-        if res is None:
+        else:
             res = _dec.dense_part(q, self.k, self.v, lay.local[me], me == lay.last_owner, scale, backend,
                                   tuning=self.tuning)
         return self._finish(q, *res, return_lse)

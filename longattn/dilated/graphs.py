@@ -10,6 +10,10 @@ into the graph's own, replay it, and return copies of its outputs (the next
 replay overwrites them). Inside another capture, and under torch.compile,
 the pass runs as it is (the caller's graph takes its kernels).
 
+:class:`Graph` (one captured call) also serves the decode steps of a
+:class:`longattn.KVCache` (:class:`longattn.ops.decode.StepGraphs`, which owns
+its graphs per cache).
+
 Memory: each captured shape holds its inputs, outputs and temporaries in
 its own pool, up to :data:`MAX_GRAPHS` shapes per process (least recently
 used dropped); :func:`clear` frees them.
@@ -42,13 +46,18 @@ def _signature(x: Optional[torch.Tensor]):
     return None if x is None else (tuple(x.shape), x.dtype, x.device)
 
 
-class _Graph:
-    def __init__(self, fn: Callable, inputs: Sequence[Optional[torch.Tensor]]):
+class Graph:
+    """``fn`` captured once over copies of ``inputs`` (its kernels already
+    warmed up by an eager call); calling it copies new inputs in, replays and
+    returns copies of the outputs (the next replay overwrites them). ``pool``:
+    a memory pool shared with other graphs replayed one after another."""
+
+    def __init__(self, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], pool=None):
         self.inputs = [None if x is None else torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in inputs]
         self._load(inputs)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: other threads' CUDA calls (a DataLoader's pinned-memory thread) stay legal during capture
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
     def _load(self, inputs) -> None:
@@ -76,7 +85,7 @@ def run(key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]]):
                 _seen.clear()
             _seen.add(key)
             return fn(*inputs)
-        g = _graphs[key] = _Graph(fn, inputs)
+        g = _graphs[key] = Graph(fn, inputs)
         while len(_graphs) > MAX_GRAPHS:
             _graphs.popitem(last=False)
     _graphs.move_to_end(key)

@@ -21,6 +21,7 @@ from .. import tuning as _tuning
 from .._merge import merge_
 from .._validation import check_dilation, check_flag, check_scale, check_tensor
 from ..distributed import checks
+from ..dilated.graphs import Graph
 from ..kernels import decode as _kdec
 
 __all__ = ["decode_attention", "dilated_decode_attention", "dilated_read_start"]
@@ -97,46 +98,54 @@ def agree(group, what: str, problem: Optional[Exception], **fields) -> None:
 
 
 # ------------------------------------------------------------------ dense
+def _split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning) -> list[str]:
+    """Why the split-KV kernel cannot run this call under ``backend`` (a name
+    forced with :func:`longattn.use_backend` counts for ``auto``)."""
+    name = (bk.forced() or "auto") if backend == "auto" else backend
+    why = [] if name in ("auto", "triton") else [f"backend {name!r} (use 'auto' or 'triton')"]
+    return why + _kdec.refusals(q, k_cache, v_cache, tuning.split_kv_max_rows)
+
+
 def split_kv_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
                    tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
     """Whether the split-KV kernel (:mod:`longattn.kernels.decode`) runs this
     call: the one place that picks the decode engine. ``auto``: on CUDA, for
     ``ragged`` calls (rows of different lengths: one launch instead of one per
     row; or lengths given on the device: the launch a CUDA graph capture
-    replays, so a warm-up call compiles it), or rows of one length where
-    ``tuning.split_kv_equal_rows``, if the kernel takes the shapes; ``triton``: wherever the kernel runs (the CPU
+    replays), or rows of one length where ``tuning.split_kv_equal_rows``, if
+    the kernel takes the shapes; ``triton``: wherever the kernel runs (the CPU
     interpreter included); any other backend name (or one forced with
-    :func:`longattn.use_backend`): never. (Under CUDA graph capture the kernel
-    is the only engine: :func:`decode_attention`.)"""
-    name = (bk.forced() or "auto") if backend == "auto" else backend
-    if name == "auto" and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
+    :func:`longattn.use_backend`): never. (Under CUDA graph capture, and in
+    :class:`StepGraphs`, the kernel is the only engine.)"""
+    auto = ((bk.forced() or "auto") if backend == "auto" else backend) == "auto"
+    if auto and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
         return False
-    return name in ("auto", "triton") and not _kdec.refusals(q, k_cache, v_cache, tuning.split_kv_max_rows)
+    return not _split_kv_refusals(q, k_cache, v_cache, backend, tuning)
 
 
 def graph_steps_take(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
                      tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
     """Whether :class:`longattn.KVCache` replays this dense one-device step from
-    a CUDA graph (:class:`StepGraphs`): ``tuning.graph_steps``, ``backend``
-    auto or triton (the split-KV kernel, the one engine a replay can feed new
-    lengths), on CUDA, not inside another capture or torch.compile."""
-    name = (bk.forced() or "auto") if backend == "auto" else backend
-    return (tuning.graph_steps and name in ("auto", "triton") and q.is_cuda
-            and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling()
-            and not _kdec.refusals(q, k_cache, v_cache, tuning.split_kv_max_rows))
+    a CUDA graph (:class:`StepGraphs`): ``tuning.graph_steps``, on CUDA, not
+    inside another capture or torch.compile, where the split-KV kernel (the one
+    engine a replay can feed new lengths) runs."""
+    return (tuning.graph_steps and q.is_cuda and not torch.cuda.is_current_stream_capturing()
+            and not torch.compiler.is_compiling() and not _split_kv_refusals(q, k_cache, v_cache, backend, tuning))
 
 
 class StepGraphs:
     """One cache's dense decode steps on one device, replayed from CUDA graphs.
 
     An eager step is host-bound at long contexts (launches and checks take as
-    long as reading a 128K cache, docs/performance.md 9). A step shape (the
-    query's, the cache's storage) is captured on its second call, and later
-    calls copy the query in, replay, and return copies of the outputs. The
-    rows' lengths live on the device (``lens``), advanced by every append, so
-    one graph serves every step until the cache's storage grows (which drops
-    the graphs). At most :attr:`MAX` shapes per cache; every cache's graphs
-    share one memory pool (steps run one after another on one stream)."""
+    long as reading a 128K cache, docs/performance.md 9). Steps run the
+    split-KV kernel over the rows' lengths kept on the device (``lens``,
+    advanced by every append). A step shape (the query's, the cache's
+    storage) runs eagerly on its first call (compiling the kernels) and is
+    captured on its second (:class:`longattn.dilated.graphs.Graph`: the query
+    copied in, the outputs copied out), so one graph serves every step until
+    the cache's storage grows (which drops the graphs). At most :attr:`MAX`
+    shapes per cache; every cache's graphs share one memory pool (steps run
+    one after another on one stream)."""
 
     MAX = 4
     MAX_CAPTURES = 16  # more, and the cache alternates between more shapes than it keeps: it stops capturing
@@ -144,7 +153,7 @@ class StepGraphs:
 
     def __init__(self):
         self.lens: Optional[torch.Tensor] = None
-        self.graphs: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+        self.graphs: "collections.OrderedDict[tuple, Graph]" = collections.OrderedDict()
         self.seen: set = set()
         self.captures = 0
 
@@ -159,48 +168,29 @@ class StepGraphs:
             self.lens += n
 
     def attend(self, q, k_cache, v_cache, lens: Sequence[int], scale: float, tuning: _tuning.DecodeTuning
-               ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(out, lse) replayed, or None on a shape's first call (run it eagerly)."""
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of the step: replayed, or eager on a shape's first call."""
+        if self.lens is None:
+            with torch.inference_mode(False):  # appends advance it in and out of inference mode
+                self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
+        run = lambda x: _kdec.decode(x, k_cache, v_cache, None, x.shape[1] > 1, scale, lens_tensor=self.lens,
+                                     **tuning.kernel_args(False))
         key = (q.shape, q.stride(), q.dtype, q.device, scale, k_cache.data_ptr(), v_cache.data_ptr(),
                k_cache.shape, tuning, torch.is_inference_mode_enabled())
-        entry = self.graphs.get(key)
-        if entry is None:
+        graph = self.graphs.get(key)
+        if graph is None:
             if key not in self.seen or self.captures >= self.MAX_CAPTURES:  # one-off shapes never pay a capture
                 self.seen.add(key)
-                return None
+                return run(q)
             self.captures += 1
-            if self.lens is None:
-                with torch.inference_mode(False):  # appends advance it in and out of inference mode
-                    self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
-            entry = self.graphs[key] = self._capture(q, k_cache, v_cache, scale, tuning)
+            if StepGraphs._pool is None:
+                StepGraphs._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.device(q.device):  # the cache's device, whichever is current
+                graph = self.graphs[key] = Graph(run, [q], pool=StepGraphs._pool)
             if len(self.graphs) > self.MAX:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
-        static_q, graph, out, lse = entry
-        static_q.copy_(q)
-        graph.replay()
-        return out.clone(), lse.clone()
-
-    def _capture(self, q, k_cache, v_cache, scale, tuning):
-        with torch.cuda.device(q.device):  # the cache's device, whichever is current
-            return self._capture_here(q, k_cache, v_cache, scale, tuning)
-
-    def _capture_here(self, q, k_cache, v_cache, scale, tuning):
-        static_q = q.clone()
-        run = lambda: _kdec.decode(static_q, k_cache, v_cache, None, q.shape[1] > 1, scale, lens_tensor=self.lens,
-                                   **tuning.kernel_args(False))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()  # compiles the kernels outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        if StepGraphs._pool is None:
-            StepGraphs._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads' CUDA calls stay legal during the capture
-        with torch.cuda.graph(graph, pool=StepGraphs._pool, capture_error_mode="thread_local"):
-            out, lse = run()
-        return static_q, graph, out, lse
+        return graph([q])
 
 
 def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
@@ -369,11 +359,9 @@ def _captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, ba
     cannot be captured, and a replay sees the lengths of its own step), so
     only the split-KV kernel, whose launch does not depend on them, can run;
     keeping them within [q_len, capacity] is the caller's part."""
-    name = (bk.forced() or "auto") if backend == "auto" else backend
-    why = [] if name in ("auto", "triton") else [f"backend {name!r} (use 'auto' or 'triton')"]
+    why = _split_kv_refusals(q, k_cache, v_cache, backend, _tuning.DECODE)
     if cache_seqlens.device != q.device:
         why.append(f"cache_seqlens is on {cache_seqlens.device} (put it on {q.device})")
-    why += _kdec.refusals(q, k_cache, v_cache, _tuning.DECODE.split_kv_max_rows)
     if why:
         raise ValueError("decode_attention under CUDA graph capture runs the split-KV kernel over lengths read on "
                          f"the device; it cannot here: {'; '.join(why)}")
