@@ -1,9 +1,10 @@
 """Where the time of a short dilated call goes: host, GPU, launches, per engine.
 
-    python benchmarks/dilated_short_seq.py [--seqlens 8192 16384 32768 131072] [--iters 20]
+    python benchmarks/dilated_short_seq.py [--seqlens 8192 16384 32768 131072] [--head-dim 128]
+        [--gqa --gqa-seqlens 32768] [--iters 20]
 
-LongNet segments 2K..32K, rates 1..16, bf16, D=128, MHA 16 heads (and GQA
-32q/8kv at 32K), causal and not. For each engine of ``dilated_attention``:
+LongNet segments 2K..32K, rates 1..16, bf16, D=128 (--head-dim), MHA 16 heads
+(and with --gqa 32q/8kv at --gqa-seqlens), causal and not. For each engine of ``dilated_attention``:
 
 * ``views``: cuDNN on strided views, branch calls in order on one stream;
 * ``views_concurrent``: the same calls, each on a side stream at once
@@ -103,10 +104,10 @@ def measure(f, q, k, v, do, dev, iters, full=True):
     return r
 
 
-def case(s, h, hkv, causal, variants, dev, iters):
+def case(s, h, hkv, d, causal, variants, dev, iters):
     torch.manual_seed(0)
-    q = torch.randn(1, s, h, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, s, hkv, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    q = torch.randn(1, s, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, s, hkv, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     do = torch.randn_like(q)
     pairs = pair_count(s, SEGS, RATES, h, causal)
     rows = []
@@ -120,7 +121,7 @@ def case(s, h, hkv, causal, variants, dev, iters):
             f = lambda q, k, v, kw=kw: longattn.dilated_attention(q, k, v, segment_lengths=SEGS, dilation_rates=RATES,
                                                                   causal=causal, **kw)
             work = pairs
-        row = dict(seqlen=s, heads=h, kv_heads=hkv, causal=causal, impl=name)
+        row = dict(seqlen=s, heads=h, kv_heads=hkv, head_dim=d, causal=causal, impl=name)
         try:
             if name != "dense":
                 o = f(q, k, v).float()
@@ -132,8 +133,8 @@ def case(s, h, hkv, causal, variants, dev, iters):
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         for t in ("cold", "batched", "graph"):
             if f"fwd_{t}_ms" in row:
-                row[f"fwd_{t}_tflops"] = 4 * 128 * work / row[f"fwd_{t}_ms"] / 1e9
-                row[f"bwd_{t}_tflops"] = 10 * 128 * work / max(row[f"bwd_{t}_ms"], 1e-6) / 1e9
+                row[f"fwd_{t}_tflops"] = 4 * d * work / row[f"fwd_{t}_ms"] / 1e9
+                row[f"bwd_{t}_tflops"] = 10 * d * work / max(row[f"bwd_{t}_ms"], 1e-6) / 1e9
         rows.append(row)
         graphs.clear()  # each variant's captured passes hold memory
         print(json.dumps(row), flush=True)
@@ -152,17 +153,19 @@ def main():
     ap.add_argument("--variants", nargs="+", choices=[*VARIANTS, "dense"],
                     default=["views", "views_concurrent", "views_graphs", "views_graphs_serial", "fused", "auto",
                              "dense"])
-    ap.add_argument("--gqa", action="store_true", help="also GQA 32q/8kv at 32K")
+    ap.add_argument("--gqa", action="store_true", help="also GQA 32q/8kv (at --gqa-seqlens)")
+    ap.add_argument("--gqa-seqlens", type=int, nargs="+", default=[32768])
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "dilated_short_seq.json"))
     a = ap.parse_args()
     dev = torch.device("cuda")
-    shapes = [(s, 16, 16) for s in a.seqlens] + ([(32768, 32, 8)] if a.gqa else [])
+    shapes = [(s, 16, 16) for s in a.seqlens] + ([(s, 32, 8) for s in a.gqa_seqlens] if a.gqa else [])
     rows = []
     for i, (s, h, hkv) in enumerate(shapes):
         for causal in (False, True):
             print(f"[{i + 1}/{len(shapes)}] seqlen {s} heads {h}/{hkv} causal {causal}", flush=True)
-            rows += case(s, h, hkv, causal, a.variants, dev, a.iters)
+            rows += case(s, h, hkv, a.head_dim, causal, a.variants, dev, a.iters)
     with open(a.json, "w") as fh:
         json.dump(dict(env=environment(dev), command="python benchmarks/dilated_short_seq.py " +
                        " ".join(os.sys.argv[1:]), rows=rows), fh, indent=1)
