@@ -45,13 +45,14 @@ from longattn.tuning import DilatedTuning
 SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 VARIANTS = {
     "views": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="never", graph_max_tokens=0,
-                                       graph_max_tokens_gqa=0)),
+                                       graph_max_tokens_d64=0, graph_max_tokens_gqa=0)),
     "views_concurrent": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="always", graph_max_tokens=0,
-                                                  graph_max_tokens_gqa=0)),
+                                                  graph_max_tokens_d64=0, graph_max_tokens_gqa=0)),
     "views_graphs": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="graphs", graph_max_tokens=1 << 40,
-                                              graph_max_tokens_gqa=1 << 40)),
+                                              graph_max_tokens_d64=1 << 40, graph_max_tokens_gqa=1 << 40)),
     "views_graphs_serial": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="never",
-                                                     graph_max_tokens=1 << 40, graph_max_tokens_gqa=1 << 40)),
+                                                     graph_max_tokens=1 << 40, graph_max_tokens_d64=1 << 40,
+                                                     graph_max_tokens_gqa=1 << 40)),
     "fused": dict(backend="triton", tuning=DilatedTuning(autotune="0")),
     "auto": dict(),
 }

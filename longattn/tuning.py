@@ -37,22 +37,23 @@ class DilatedTuning:
     launches), ``gather`` (parts copied into dense blocks; GQA whose rates and
     group size do not divide)."""
 
-    views_min_tokens_d128: int = measured(
-        8192, "MHA, D > 64: cuDNN on views (graphed below graph_max_tokens) beats the fused kernels from 8K "
-              "tokens, both passes (one H100, x dense fwd / bwd, cold: 8K 0.64 / 0.63 against 0.46 / 0.33, causal "
+    views_min_tokens_mha: int = measured(
+        8192, "MHA: cuDNN on views (graphed below graph_max_tokens / _d64) beats the fused kernels from 8K tokens, "
+              "both passes. D=128 (one H100, x dense fwd / bwd, cold): 8K 0.64 / 0.63 against 0.46 / 0.33, causal "
               "0.47 / 0.53 against 0.33 / 0.16; 16K 0.63 / 0.70 against 0.46 / 0.41; one H200 from 32K: views/fused "
-              "time fwd 0.72x at 32K, 0.66x at 128K, 0.73x at 1M, bwd 0.69x, 0.67x, 0.64x, "
-              "run_dilated_d128_h200_6fbc591.json); below 8K not measured", "dilated_short_seq_h100_5ebe4f0.json")
-    views_min_tokens_d64_fwd: int = measured(
-        131072, "MHA, D <= 64 forward: the fused kernel is faster below 128K (views/fused 1.94x at 32K, 0.97x "
-                "at 128K, 0.90x at 1M)", "run_dilated_d64_h200_6fbc591.json")
-    views_min_tokens_d64_bwd: int = measured(
-        32768, "MHA, D <= 64 backward: views/fused 0.84x at 32K, 0.56x at 128K, 0.58x at 1M",
-        "run_dilated_d64_h200_6fbc591.json")
+              "time fwd 0.72x at 32K, 0.66x at 128K, 0.73x at 1M, bwd 0.69x, 0.67x, 0.64x. D=64 (one H200): 8K "
+              "0.75 / 0.58 graphed against 0.56 / 0.26, causal 0.51 / 0.42 against 0.46 / 0.23; 32K 0.71 / 0.79 "
+              "against 0.69 / 0.40, causal 0.57 / 0.57 against 0.44 / 0.30; 64K 0.79 / 0.82 eager against 0.68 / "
+              "0.44. Below 8K not measured",
+        "dilated_short_seq_h100_5ebe4f0.json, run_dilated_d128_h200_6fbc591.json, "
+        "dilated_short_seq_d64_h200_2cf2fd6.json")
     views_min_tokens_gqa: int = measured(
-        32768, "GQA (rates and group size dividing each other): views vs fused fwd / bwd ms 32K 4.22 / 13.68 vs "
-               "5.36 / 19.35, 128K 15.07 / 49.81 vs 20.91 / 72.64, 1M 131 / 412 vs 167 / 606 (one H100)",
-        "run_dilated_gqa_h100_0aa75dc.json")
+        8192, "GQA (rates and group size dividing each other), 32q/8kv, one H200, x dense fwd / bwd, cold: graphed "
+              "views against the fused kernels 8K 0.62 / 0.75 against 0.55 / 0.49, causal 0.48 / 0.54 against 0.41 "
+              "/ 0.34; 16K 0.67 / 0.82 against 0.48 / 0.55, causal 0.52 / 0.59 against 0.39 / 0.37; from 32K the "
+              "eager or graphed views (one H100, fwd / bwd ms): 32K 4.22 / 13.68 against 5.36 / 19.35, 128K 15.07 "
+              "/ 49.81 against 20.91 / 72.64, 1M 131 / 412 against 167 / 606. Below 8K not measured",
+        "dilated_short_seq_gqa_h200_2cf2fd6.json, run_dilated_gqa_h100_0aa75dc.json")
     grouped_max_keys: int = measured(
         512, "keys per segment class (w / r) up to which the fused passes run grouped where branches nest: "
              "segments 256-1K grouped vs per-branch fwd / bwd 0.79 / 2.05 vs 0.94 / 3.08 ms; LongNet's 2048-key "
@@ -75,11 +76,19 @@ class DilatedTuning:
                  "in a float32 buffer of the call's size (2 GiB at 2**29); at 1M tokens the whole call was 5% "
                  "faster and 7 GiB more peak", "adopt_1m_h200_probe.json")
     graph_max_tokens: int = measured(
-        16384, "MHA: up to this many tokens (batch x seqlen) each views pass replays a CUDA graph captured per "
-               "shape (LongNet, D=128, one H100, x dense cuDNN fwd / bwd, cold): 8K 0.64 / 0.63 graphed against "
+        16384, "MHA, D > 64: up to this many tokens (batch x seqlen) each views pass replays a CUDA graph captured "
+               "per shape (LongNet, D=128, one H100, x dense cuDNN fwd / bwd, cold): 8K 0.64 / 0.63 graphed against "
                "0.22 / 0.26 eager (2.0 ms of forward host time), causal 0.47 / 0.53 against 0.11 / 0.16; 16K 0.63 "
                "/ 0.70 against 0.54 / 0.45; at 32K the eager views win (0.72 / 0.77 against 0.62 / 0.74: the "
-               "input and output copies cost more than the host time they hide)", "dilated_short_seq_h100_5ebe4f0.json")
+               "input and output copies cost more than the host time they hide; one H200: 0.75 / 0.77 against "
+               "0.63 / 0.82, causal 0.53 / 0.48 against 0.52 / 0.51)",
+        "dilated_short_seq_h100_5ebe4f0.json, dilated_short_seq_gqa_h200_2cf2fd6.json")
+    graph_max_tokens_d64: int = measured(
+        32768, "MHA, D <= 64: half the FLOPs and half the bytes to copy per token, so graphs pay further: graphed "
+               "against eager views (one H200, x dense fwd / bwd, cold) 16K 0.65 / 0.74 against 0.43 / 0.46; 32K "
+               "0.71 / 0.79 against 0.56 / 0.68, causal 0.57 / 0.57 against 0.29 / 0.42; at 64K eager wins (0.79 / "
+               "0.82 against 0.75 / 0.79, causal 0.63 / 0.62 against 0.61 / 0.59)",
+        "dilated_short_seq_d64_h200_2cf2fd6.json")
     graph_max_tokens_gqa: int = measured(
         32768, "GQA (31 calls per pass): graphed views at 32K 0.69 / 0.79 x dense against 0.47 / 0.60 eager, "
                "causal 0.56 / 0.55 against 0.34 / 0.42 (64K not measured)", "dilated_short_seq_h100_5ebe4f0.json")
@@ -107,27 +116,25 @@ class DilatedTuning:
                              "or 'never'")
         if self.autotune not in ("", "0", "1"):
             raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
-        for f in ("views_min_tokens_d128", "views_min_tokens_d64_fwd", "views_min_tokens_d64_bwd",
-                  "views_min_tokens_gqa", "grouped_max_keys", "gather_max_rows", "adopt_bwd_max_elems",
-                  "piece_bytes", "graph_max_tokens", "graph_max_tokens_gqa"):
+        for f in ("views_min_tokens_mha", "views_min_tokens_gqa", "grouped_max_keys", "gather_max_rows",
+                  "adopt_bwd_max_elems", "piece_bytes", "graph_max_tokens", "graph_max_tokens_d64",
+                  "graph_max_tokens_gqa"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
                 raise ValueError(f"DilatedTuning.{f} must be a non-negative int, got {getattr(self, f)!r}")
 
-    def graphs(self, tokens: int, mha: bool) -> bool:
+    def graphs(self, tokens: int, mha: bool, head_dim: int) -> bool:
         """Whether a views call of ``tokens`` (batch x seqlen) replays its passes from CUDA graphs."""
-        return tokens <= (self.graph_max_tokens if mha else self.graph_max_tokens_gqa)
+        if not mha:
+            return tokens <= self.graph_max_tokens_gqa
+        return tokens <= (self.graph_max_tokens if head_dim > 64 else self.graph_max_tokens_d64)
 
     def concurrent(self, graphs: bool) -> bool:
         """Whether the views path launches its calls on side streams at once."""
         return self.concurrent_calls == "always" or (graphs and self.concurrent_calls == "graphs")
 
-    def views_min_tokens(self, pass_: str, head_dim: int, mha: bool) -> int:
-        """Tokens (batch x seqlen) from which cuDNN on the views runs ``pass_``."""
-        if not mha:
-            return self.views_min_tokens_gqa
-        if head_dim > 64:
-            return self.views_min_tokens_d128
-        return self.views_min_tokens_d64_fwd if pass_ == "fwd" else self.views_min_tokens_d64_bwd
+    def views_min_tokens(self, mha: bool) -> int:
+        """Tokens (batch x seqlen) from which cuDNN on the views runs a pass."""
+        return self.views_min_tokens_mha if mha else self.views_min_tokens_gqa
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,8 +182,9 @@ def test_graph_and_stream_choices():
     from longattn.dilated.plan import choose
 
     t = DilatedTuning()
-    assert t.graphs(t.graph_max_tokens, True) and not t.graphs(t.graph_max_tokens + 1, True)
-    assert t.graphs(t.graph_max_tokens_gqa, False)
+    assert t.graphs(t.graph_max_tokens, True, 128) and not t.graphs(t.graph_max_tokens + 1, True, 128)
+    assert t.graphs(t.graph_max_tokens_d64, True, 64) and not t.graphs(t.graph_max_tokens_d64 + 1, True, 64)
+    assert t.graphs(t.graph_max_tokens_gqa, False, 128) and not t.graphs(t.graph_max_tokens_gqa + 1, False, 128)
     assert t.concurrent(True) and not t.concurrent(False)
     assert DilatedTuning(concurrent_calls="always").concurrent(False)
     assert not DilatedTuning(concurrent_calls="never").concurrent(True)

@@ -62,15 +62,15 @@ def _dilated_ref_grads(q, k, v, do, segs, rates, causal, chunk=2):
 @pytest.mark.parametrize("backend", ["triton", "auto", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
 # triton: per-branch launches (512 to 2048 keys per segment class); GQA: cuDNN on strided kv views under auto from
-# 32K tokens, fused Triton below (hkv=2: group 4, so the rate-2 and rate-4 classes read every kv
+# 8K tokens, fused Triton below (hkv=2: group 4, so the rate-2 and rate-4 classes read every kv
 # head); MHA: cuDNN on strided views
 @pytest.mark.parametrize("hkv", [2, 4, 8])
 # 6000 tokens: partial segments (8192 > seqlen); 8192: the views path stacks offset classes per
 # segment (4096, r=4) and per branch (8192, r=8 = heads), and the rate-1 branch's result is the output
 @pytest.mark.parametrize("segs,seqlen", [([512, 1024, 2048, 8192], 6000), ([512, 1024, 4096, 8192], 8192)])
-def test_dilated_bf16(backend, causal, hkv, segs, seqlen, rates=(1, 2, 4, 8), tuning=None, fn=None):
+def test_dilated_bf16(backend, causal, hkv, segs, seqlen, rates=(1, 2, 4, 8), tuning=None, fn=None, d=128):
     rates = list(rates)
-    q, k, v, do = _inputs(1, seqlen, 8, hkv, 128)
+    q, k, v, do = _inputs(1, seqlen, 8, hkv, d)
     ref = _dilated_ref_grads(q, k, v, do, segs, rates, causal)
     bar = _sdpa_errors(q, k, v, do, causal, grads_of(lambda q, k, v: attention_ref(q, k, v, causal=causal),
                                                      [q.double(), k.double(), v.double()], do))
@@ -80,6 +80,14 @@ def test_dilated_bf16(backend, causal, hkv, segs, seqlen, rates=(1, 2, 4, 8), tu
     got = [rel_err(o, ref[0])] + [rel_err(a, b) for a, b in zip(g, ref[2])]
     print(f"dilated {backend} hkv={hkv} causal={causal} out/dq/dk/dv {['%.1e' % x for x in got]} sdpa {['%.1e' % x for x in bar]}")
     assert all(x <= 2 * y for x, y in zip(got, bar)), (got, bar)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_dilated_auto_d64_bf16(causal, hkv):
+    """D=64 under auto: graphed views from 8K tokens (MHA and GQA), the fused kernels below."""
+    for seqlen in (6000, 8192):
+        test_dilated_bf16("auto", causal, hkv, [512, 1024, 4096, 8192], seqlen, d=64)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -95,7 +103,8 @@ def test_dilated_views_ungathered_bf16(causal):
 def test_dilated_views_concurrent_bf16(causal, hkv, concurrent):
     """The views path's calls on side streams at once or in order on one stream (eager)."""
     test_dilated_bf16("cudnn", causal, hkv, [512, 1024, 4096, 8192], 8192,
-                      tuning=DilatedTuning(concurrent_calls=concurrent, graph_max_tokens=0, graph_max_tokens_gqa=0))
+                      tuning=DilatedTuning(concurrent_calls=concurrent, graph_max_tokens=0, graph_max_tokens_d64=0,
+                                           graph_max_tokens_gqa=0))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -106,7 +115,8 @@ def test_dilated_passes_replayed_from_graphs(causal, hkv):
     pass run eagerly; clear() frees the graphs."""
     from longattn.dilated import graphs
     segs, rates = [512, 1024, 4096, 8192], [1, 2, 4, 8]
-    eager, graphed = (DilatedTuning(graph_max_tokens=n, graph_max_tokens_gqa=n) for n in (0, 1 << 20))
+    eager, graphed = (DilatedTuning(graph_max_tokens=n, graph_max_tokens_d64=n, graph_max_tokens_gqa=n)
+                      for n in (0, 1 << 20))
     f = lambda q, k, v, t: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
                                                       causal=causal, backend="cudnn", tuning=t)
     graphs.clear()

@@ -110,7 +110,7 @@ def _engine(pass_: str, q, k, segs, rates, causal: bool, backend: str, views_ok:
     want = bk.forced()
     if backend != "auto" or q.device.type != "cuda" or want not in (None, "triton"):
         return local
-    limit = tuning.views_min_tokens(pass_, q.shape[-1], q.shape[2] == k.shape[2])
+    limit = tuning.views_min_tokens(q.shape[2] == k.shape[2])
     cudnn_views = views_ok and not bk.BACKENDS["cudnn"].refusals(bk.BlockSpec(1.0), q, k)
     grouped_bwd = (pass_ == "bwd" and not causal and tuning.grouped_backward_noncausal
                    and grouped_runs(q.shape[1], segs, rates, tuning))
@@ -154,7 +154,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
 def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
     views_ok = kv_views_ok(rates, q.shape[2], k.shape[2])
     cuda = q.device.type == "cuda"
-    graphs = cuda and tuning.graphs(q.shape[0] * q.shape[1], q.shape[2] == k.shape[2])
+    graphs = cuda and tuning.graphs(q.shape[0] * q.shape[1], q.shape[2] == k.shape[2], q.shape[-1])
     fwd, bwd = (_engine(p, q, k, segs, rates, causal, backend, views_ok, tuning) for p in ("fwd", "bwd"))
     if "fused" in (fwd, bwd):
         why = fused_refusals(q)
