@@ -119,21 +119,21 @@ def _adopt_forward(u: Unit, q, k, v, spec, backend, acc):
 
 
 def _unit_calls(u: Unit, bi: int, q, k, v, out, lse, spec, backend, piece_bytes: int):
-    """A thunk running unit ``u`` of batch element ``bi``: it returns (out view,
-    lse view, out block, lse block) per backend call, for :func:`_land_forward`."""
+    """A thunk running unit ``u`` of batch element ``bi``: a generator of (out
+    view, lse view, out block, lse block) per backend call, for
+    :func:`_land_forward` (see :func:`side_streams` for why lazy)."""
     h = q.shape[2]
     qv, kv, vv, ov, lv = (u.view(x, bi, h) for x in (q, k, v, out, lse))  # (N, M, Hc, D) / (N, M, Hc)
 
     def run():
         if u.gathered:  # 5-D views; one call on dense copies
             ob, lb = bk.block_forward(*_gather_views(qv, kv, vv), spec, backend)
-            return [(ov, lv, ob.view(ov.shape), lb.transpose(1, 2).view(lv.shape))]
-        res = []
+            yield ov, lv, ob.view(ov.shape), lb.transpose(1, 2).view(lv.shape)
+            return
         for sl in _pieces(u, qv, q.element_size(), piece_bytes):
             qs, ks, vs, os_, ls = _cut(sl, qv, kv, vv, ov, lv)
             ob, lb = bk.block_forward(qs, ks, vs, spec, backend)
-            res.append((os_, ls, ob, lb.transpose(1, 2)))
-        return res
+            yield os_, ls, ob, lb.transpose(1, 2)
     return run
 
 
@@ -160,15 +160,19 @@ def _ready(plan: DilatedPlan, q: torch.Tensor):
 
 
 def side_streams(calls, ready):
-    """Run (writes, thunk) pairs and yield (writes, results) in order.
+    """Run (writes, thunk) pairs and yield (writes, results) in order; a
+    thunk returns a generator of its backend calls' results.
 
-    ``ready`` an event (see :func:`_ready`): every thunk is launched at once,
-    each on a side stream after ``ready``, and the current stream waits for a
-    call only when its results are landed: a short sequence's branch calls
-    are a few waves each, side by side they fill each other's tails
-    (``DilatedTuning.concurrent_calls``). All results are alive until
-    landed: the tuning bounds where that memory is spent. ``None``: in order
-    on the current stream.
+    ``None``: in order on the current stream, each call's results landed
+    before the next call runs (lazily: a unit cut into pieces keeps one
+    piece's blocks alive, not the unit's; at 1M tokens the base branch's
+    gradient blocks alone are 12 GiB). ``ready`` an event (see
+    :func:`_ready`): every thunk is run at once, each on a side stream after
+    ``ready``, and the current stream waits for a call only when its results
+    are landed: a short sequence's branch calls are a few waves each, side by
+    side they fill each other's tails (``DilatedTuning.concurrent_calls``).
+    All results are alive until landed: the tuning bounds where that memory
+    is spent (graphed passes of short sequences).
 
     At the end the side streams wait for the current stream: a block the
     allocator frees from a side stream's results is reused only by later
@@ -184,7 +188,7 @@ def side_streams(calls, ready):
         side = used.setdefault(i % _NSTREAMS, _stream(main.device, i))
         side.wait_event(ready)
         with torch.cuda.stream(side):
-            pending.append((writes, side, call()))
+            pending.append((writes, side, list(call())))
     for writes, side, res in pending:
         main.wait_stream(side)
         yield writes, res
@@ -264,8 +268,8 @@ def _adopt_backward(u: Unit, tensors, spec, backend) -> list[torch.Tensor]:
 
 
 def _unit_grads(u: Unit, bi: int, tensors, grads, spec, backend, piece_bytes: int):
-    """A thunk running the backward of unit ``u`` of batch element ``bi``: it
-    returns (gradient views, gradient blocks) per backend call."""
+    """A thunk running the backward of unit ``u`` of batch element ``bi``: a
+    generator of (gradient views, gradient blocks) per backend call."""
     dout, q, k, v, out, lse, dlse = tensors
     h = q.shape[2]
     qv, kv, vv, dov, ov, lv = (u.view(x, bi, h) for x in (q, k, v, dout, out, lse))
@@ -277,15 +281,14 @@ def _unit_grads(u: Unit, bi: int, tensors, grads, spec, backend, piece_bytes: in
             qg, kg, vg, dog, og = _gather_views(qv, kv, vv, dov, ov)
             lb, dlb = (None if x is None else x.reshape(u.n, *x.shape[2:]).transpose(1, 2) for x in (lv, dlv))
             gb = bk.block_backward(dog, qg, kg, vg, og, lb, spec, backend, dlse=dlb)
-            return [(gvs, [g.view(qv.shape) for g in gb])]
-        res = []
+            yield gvs, [g.view(qv.shape) for g in gb]
+            return
         for sl in _pieces(u, qv, q.element_size(), piece_bytes):
             dos, qs, ks, vs, os_, ls = _cut(sl, dov, qv, kv, vv, ov, lv)
             dlb = None if dlv is None else _cut(sl, dlv)[0].transpose(1, 2)
             # lse as (n, Hc, m) views: the backends copy what they need
             gb = bk.block_backward(dos, qs, ks, vs, os_, ls.transpose(1, 2), spec, backend, dlse=dlb)
-            res.append((_cut(sl, *gvs), gb))
-        return res
+            yield _cut(sl, *gvs), gb
     return run
 
 
