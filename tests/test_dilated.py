@@ -411,3 +411,17 @@ def test_views_pieces_land_one_at_a_time(monkeypatch):
         calls, alive = stats[name]
         assert calls >= 8, (name, calls)
         assert alive <= 1, (name, alive, calls)  # the piece being landed
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_views_pieces_and_float64_match_reference(batch):
+    """Units cut into many pieces, and float64 inputs (batch 1: the base unit
+    taken whole; the CPU flash kernel reads lse in float64 then), against the
+    float64 definition."""
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(batch, 1024, 4, 16, dtype=torch.float64) for _ in range(4))
+    dl = torch.randn(batch, 4, 1024, dtype=torch.float64)
+    tuning = DilatedTuning(piece_bytes=256 * 4 * 16 * 8, schedule="views", gather_max_rows=0)
+    for causal in (False, True):
+        _assert_matches_ref(q, k, v, do, dl, [256, 512], [1, 2], causal, "auto", tuning)
+        _assert_matches_ref(q, k, v, do, dl, [256, 512], [1, 2], causal, "auto")

@@ -47,9 +47,11 @@ def cpu_flash_forward(q, k, v, scale: float, causal: bool):
 
 def cpu_flash_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     h, hkv = q.shape[2], k.shape[2]
+    # the kernel reads lse in its accumulation dtype: float32, float64 for float64 inputs
+    stats = dead_rows_to_pos_inf(lse).to(torch.promote_types(q.dtype, torch.float32))
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.transpose(1, 2), q.transpose(1, 2), expand_kv(k, h).transpose(1, 2), expand_kv(v, h).transpose(1, 2),
-        out.transpose(1, 2), dead_rows_to_pos_inf(lse), 0.0, causal, scale=scale)
+        out.transpose(1, 2), stats, 0.0, causal, scale=scale)
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, reduce_kv_grad(dk, hkv), reduce_kv_grad(dv, hkv)
 

@@ -164,9 +164,9 @@ def side_streams(calls, ready):
     thunk returns a generator of its backend calls' results.
 
     ``None``: in order on the current stream, each call's results landed
-    before the next call runs (lazily: a unit cut into pieces keeps one
-    piece's blocks alive, not the unit's; at 1M tokens the base branch's
-    gradient blocks alone are 12 GiB). ``ready`` an event (see
+    before the next call runs (lazily: a unit cut into pieces keeps the
+    landed piece's blocks and the next one's alive, not the whole unit's; at
+    1M tokens the base branch's gradient blocks alone are 12 GiB). ``ready`` an event (see
     :func:`_ready`): every thunk is run at once, each on a side stream after
     ``ready``, and the current stream waits for a call only when its results
     are landed: a short sequence's branch calls are a few waves each, side by
