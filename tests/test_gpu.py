@@ -85,14 +85,15 @@ def test_dilated_bf16(backend, causal, hkv, segs, seqlen, rates=(1, 2, 4, 8), tu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [8, 2])
 def test_dilated_auto_d64_bf16(causal, hkv):
-    """D=64 under auto: graphed views from 8K tokens (MHA and GQA), the fused
-    kernels below; each shape twice, so the second call replays its graphs."""
+    """D=64 under auto: views from 8K tokens (MHA and GQA), the fused kernels
+    below, both replayed from graphs up to 32K tokens; each shape twice, so the
+    second call replays."""
     from longattn.dilated.plan import choose
     segs, rates = [512, 1024, 4096, 8192], [1, 2, 4, 8]
     for seqlen, engine in ((6000, "fused"), (8192, "views")):
         q, k = (torch.empty(1, seqlen, h, 64, device=DEV, dtype=torch.bfloat16) for h in (8, hkv))
         plan = choose(q, k, segs, rates, causal, "auto")
-        assert (plan.fwd, plan.bwd, plan.graphs) == (engine, engine, engine == "views"), plan
+        assert (plan.fwd, plan.bwd, plan.graphs) == (engine, engine, True), plan
         for _ in range(2):
             test_dilated_bf16("auto", causal, hkv, segs, seqlen, d=64)
 
