@@ -37,23 +37,21 @@ class DilatedTuning:
     launches), ``gather`` (parts copied into dense blocks; GQA whose rates and
     group size do not divide)."""
 
-    views_min_tokens_mha: int = measured(
-        8192, "MHA: cuDNN on views (graphed below graph_max_tokens / _d64) beats the fused kernels from 8K tokens, "
-              "both passes. D=128 (one H100, x dense fwd / bwd, cold): 8K 0.64 / 0.63 against 0.46 / 0.33, causal "
-              "0.47 / 0.53 against 0.33 / 0.16; 16K 0.63 / 0.70 against 0.46 / 0.41; one H200 from 32K: views/fused "
-              "time fwd 0.72x at 32K, 0.66x at 128K, 0.73x at 1M, bwd 0.69x, 0.67x, 0.64x. D=64 (one H200): 8K "
-              "0.75 / 0.58 graphed against 0.56 / 0.26, causal 0.51 / 0.42 against 0.46 / 0.23; 32K 0.71 / 0.79 "
-              "against 0.69 / 0.40, causal 0.57 / 0.57 against 0.44 / 0.30; 64K 0.79 / 0.82 eager against 0.68 / "
-              "0.44. Below 8K not measured",
+    views_min_tokens: int = measured(
+        8192, "MHA, and GQA whose rates and group size divide each other: cuDNN on the views (graphed below "
+              "graph_max_tokens / _d64 / _gqa) beats the fused kernels from 8K tokens, both passes (x dense fwd / "
+              "bwd, cold). D=128 (one H100): 8K 0.64 / 0.63 against 0.46 / 0.33, causal 0.47 / 0.53 against 0.33 / "
+              "0.16; 16K 0.63 / 0.70 against 0.46 / 0.41; one H200 from 32K: views/fused time fwd 0.72x at 32K, "
+              "0.66x at 128K, 0.73x at 1M, bwd 0.69x, 0.67x, 0.64x. D=64 (one H200): 8K 0.75 / 0.58 graphed "
+              "against 0.56 / 0.26, causal 0.51 / 0.42 against 0.46 / 0.23; 32K 0.71 / 0.79 against 0.69 / 0.40, "
+              "causal 0.57 / 0.57 against 0.44 / 0.30; 64K 0.79 / 0.82 eager against 0.68 / 0.44. GQA 32q/8kv "
+              "(one H200): 8K 0.62 / 0.75 against 0.55 / 0.49, causal 0.48 / 0.54 against 0.41 / 0.34; 16K 0.67 / "
+              "0.82 against 0.48 / 0.55, causal 0.52 / 0.59 against 0.39 / 0.37; one H100, fwd / bwd ms: 32K 4.22 / "
+              "13.68 against 5.36 / 19.35, 128K 15.07 / 49.81 against 20.91 / 72.64, 1M 131 / 412 against 167 / "
+              "606. Below 8K not measured",
         "dilated_short_seq_h100_5ebe4f0.json, run_dilated_d128_h200_6fbc591.json, "
-        "dilated_short_seq_d64_h200_2cf2fd6.json")
-    views_min_tokens_gqa: int = measured(
-        8192, "GQA (rates and group size dividing each other), 32q/8kv, one H200, x dense fwd / bwd, cold: graphed "
-              "views against the fused kernels 8K 0.62 / 0.75 against 0.55 / 0.49, causal 0.48 / 0.54 against 0.41 "
-              "/ 0.34; 16K 0.67 / 0.82 against 0.48 / 0.55, causal 0.52 / 0.59 against 0.39 / 0.37; from 32K the "
-              "eager or graphed views (one H100, fwd / bwd ms): 32K 4.22 / 13.68 against 5.36 / 19.35, 128K 15.07 "
-              "/ 49.81 against 20.91 / 72.64, 1M 131 / 412 against 167 / 606. Below 8K not measured",
-        "dilated_short_seq_gqa_h200_2cf2fd6.json, run_dilated_gqa_h100_0aa75dc.json")
+        "dilated_short_seq_d64_h200_2cf2fd6.json, dilated_short_seq_gqa_h200_2cf2fd6.json, "
+        "run_dilated_gqa_h100_0aa75dc.json")
     grouped_max_keys: int = measured(
         512, "keys per segment class (w / r) up to which the fused passes run grouped where branches nest: "
              "segments 256-1K grouped vs per-branch fwd / bwd 0.79 / 2.05 vs 0.94 / 3.08 ms; LongNet's 2048-key "
@@ -116,7 +114,7 @@ class DilatedTuning:
                              "or 'never'")
         if self.autotune not in ("", "0", "1"):
             raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
-        for f in ("views_min_tokens_mha", "views_min_tokens_gqa", "grouped_max_keys", "gather_max_rows",
+        for f in ("views_min_tokens", "grouped_max_keys", "gather_max_rows",
                   "adopt_bwd_max_elems", "piece_bytes", "graph_max_tokens", "graph_max_tokens_d64",
                   "graph_max_tokens_gqa"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
@@ -131,10 +129,6 @@ class DilatedTuning:
     def concurrent(self, graphs: bool) -> bool:
         """Whether the views path launches its calls on side streams at once."""
         return self.concurrent_calls == "always" or (graphs and self.concurrent_calls == "graphs")
-
-    def views_min_tokens(self, mha: bool) -> int:
-        """Tokens (batch x seqlen) from which cuDNN on the views runs a pass."""
-        return self.views_min_tokens_mha if mha else self.views_min_tokens_gqa
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,11 +110,10 @@ def _engine(pass_: str, q, k, segs, rates, causal: bool, backend: str, views_ok:
     want = bk.forced()
     if backend != "auto" or q.device.type != "cuda" or want not in (None, "triton"):
         return local
-    limit = tuning.views_min_tokens(q.shape[2] == k.shape[2])
     cudnn_views = views_ok and not bk.BACKENDS["cudnn"].refusals(bk.BlockSpec(1.0), q, k)
     grouped_bwd = (pass_ == "bwd" and not causal and tuning.grouped_backward_noncausal
                    and grouped_runs(q.shape[1], segs, rates, tuning))
-    if want is None and q.shape[0] * q.shape[1] >= limit and cudnn_views and not grouped_bwd:
+    if want is None and q.shape[0] * q.shape[1] >= tuning.views_min_tokens and cudnn_views and not grouped_bwd:
         return "views"
     return local if fused_refusals(q) else "fused"
 
