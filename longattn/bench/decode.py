@@ -90,15 +90,28 @@ def _peak(dev) -> Optional[int]:
     return int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
 
 
+def _head(a, n: int, dt, impl: str, backend: Optional[str], world: int = 1, layers: int = 1, **extra) -> dict:
+    """The fields every row carries, whatever became of it."""
+    return dict(impl=impl, backend=backend, world=world, context=n, batch=a.batch, heads=a.heads,
+                kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=str(dt).replace("torch.", ""), layers=layers,
+                **extra, status="ok")
+
+
+def _timed(row: dict, t: dict, layers: int, batch: int, dev) -> None:
+    """``row`` gets the step's times (``t`` from ``measure.time_ms``) and the peak memory."""
+    row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"], host_ms=t["host_ms"],
+               decode_ms_per_layer=t["median_ms"] / layers, tokens_per_s=batch * 1e3 / t["median_ms"],
+               peak_mem_bytes=_peak(dev))
+
+
 def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[dict]) -> list[dict]:
     """Prefill one layer (backend auto), hold ``layers`` caches, time a decode
     step through all of them with each of ``backends``: one row per backend."""
     g = dist.group.WORLD if world > 1 else None
     b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
     layout = "contiguous" if branches else "zigzag"
-    base = dict(impl="longattn-dilated" if branches else "longattn", world=world, context=n, batch=b, heads=h,
-                kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""), layers=a.layers,
-                layout=layout if world > 1 else None, status="ok", **(branches or {}))
+    base = _head(a, n, dt, "longattn-dilated" if branches else "longattn", None, world, a.layers,
+                 layout=layout if world > 1 else None, **(branches or {}))
     if n % (world if branches else 2 * world):
         return [dict(base, backend=be, status="unsupported",
                      reason=f"context {n} does not split over {world} ranks ({layout})") for be in backends]
@@ -138,9 +151,7 @@ def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[
         try:
             t = measure.time_ms(step, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched",
                                 agree=None if g is None else _agree)
-            row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"],
-                       host_ms=t["host_ms"], decode_ms_per_layer=t["median_ms"] / a.layers,
-                       tokens_per_s=b * 1e3 / t["median_ms"], peak_mem_bytes=_peak(dev))
+            _timed(row, t, a.layers, b, dev)
         except ValueError as e:  # a backend that cannot take the call says why, on every rank
             row.update(status="unsupported", reason=_failure(e))
         rows.append(row)
@@ -156,8 +167,7 @@ def bench_sdpa(a, n: int, dev, dt, kernel: str, growing: bool = False) -> dict:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
-    row = dict(impl=f"sdpa-{kernel}" + ("-growing" if growing else ""), backend=kernel, world=1, context=n,
-               batch=b, heads=h, kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""), layers=1, status="ok")
+    row = _head(a, n, dt, f"sdpa-{kernel}" + ("-growing" if growing else ""), kernel)
     which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}.get(kernel)
     _fresh(dev)
@@ -181,9 +191,7 @@ def bench_sdpa(a, n: int, dev, dt, kernel: str, growing: bool = False) -> dict:
 
         with torch.no_grad():
             t = measure.time_ms(step, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched")
-        row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"], host_ms=t["host_ms"],
-                   decode_ms_per_layer=t["median_ms"], tokens_per_s=b * 1e3 / t["median_ms"],
-                   peak_mem_bytes=_peak(dev))
+        _timed(row, t, 1, b, dev)
     except Exception as e:  # noqa: BLE001 - recorded, never filled in
         row.update(status="failed", reason=_failure(e))
     return row
@@ -214,8 +222,6 @@ def bench_graphed(a, n: int, dev, dt) -> list[dict]:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
-    base = dict(world=1, context=n, batch=b, heads=h, kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""),
-                layers=1, status="ok")
     gen = torch.Generator(device=dev).manual_seed(0)
     mk = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=gen)
     qn, kn, vn = mk(b, 1, h, d), mk(b, 1, hkv, d), mk(b, 1, hkv, d)
@@ -237,7 +243,7 @@ def bench_graphed(a, n: int, dev, dt) -> list[dict]:
                  for k, w in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))]
     rows = []
     for impl, backend, shape, fn in variants:
-        row = dict(base, impl=impl, backend=backend)
+        row = _head(a, n, dt, impl, backend)
         _fresh(dev)
         try:
             kc, vc = mk(*shape), mk(*shape)
@@ -245,9 +251,7 @@ def bench_graphed(a, n: int, dev, dt) -> list[dict]:
             with torch.no_grad():
                 replay = _captured(lambda: fn(kc, vc))
                 t = measure.time_ms(replay, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched")
-            row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"],
-                       host_ms=t["host_ms"], decode_ms_per_layer=t["median_ms"], tokens_per_s=b * 1e3 / t["median_ms"],
-                       peak_mem_bytes=_peak(dev))
+            _timed(row, t, 1, b, dev)
             del kc, vc, replay
         except Exception as e:  # noqa: BLE001 - recorded, never filled in
             row.update(status="failed", reason=_failure(e))
