@@ -148,9 +148,8 @@ for n in a.context:
                      + " | ".join(f"{steps[(i, 'cold')]['ms']:.3f} / {steps[(i, 'batched')]['ms']:.3f}"
                                   for i in ("split_kv_best", "split_kv_default", "flash", "sdpa_flash", "sdpa_cudnn"))
                      + " |")
-env = environment(dev)
-env["command"] = "python " + " ".join(sys.argv)
-if a.json:
+env = environment(dev, command=" ".join(["python", "benchmarks/decode_split_kv.py", *sys.argv[1:]]))
+if a.json:  # json.dump, not measure.write_json: that would put a CSV of the rows beside it
     with open(a.json, "w") as f:
         json.dump(dict(kind="decode_split_kv", env=env, results=res), f, indent=1)
 print("| context | batch | best tile (block_n/warps/stages/programs per SM) | kernel ms | step ms cold / batched: "

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import longattn
-from longattn.bench.measure import environment, time_ms
+from longattn.bench.measure import environment, time_ms, write_json
 from longattn.dilated.schedule import pair_count, schedule
 
 SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
@@ -138,10 +138,8 @@ def main():
         for c in a.causal:
             rows.append(case(s, bool(c), dev, a.iters))
             print(f"done {s} causal={c}", flush=True)
-    env = environment(dev)
-    with open(a.json, "w") as fh:
-        json.dump(dict(env=env, command="python benchmarks/dilated_profile.py " + " ".join(os.sys.argv[1:]),
-                       rows=rows), fh, indent=1)
+    env = environment(dev, command=" ".join(["python", "benchmarks/dilated_profile.py", *sys.argv[1:]]))
+    write_json(a.json, dict(env=env, command=env["command"], rows=rows))  # "rows", not "results": no CSV
     print(f"{'case':>14} {'pass':>4} {'cold':>6} {'batch':>6} {'x dense c/b':>11} {'span':>6} {'kern':>6} {'n':>4}  "
           "by kind (ms) | squares per-branch / one call")
     for r in rows:

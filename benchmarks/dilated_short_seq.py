@@ -31,13 +31,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import longattn
-from longattn.bench.measure import environment, time_ms
+from longattn.bench.measure import environment, time_ms, write_json
 from longattn.dilated import graphs
 from longattn.dilated.schedule import pair_count
 from longattn.tuning import DilatedTuning
@@ -167,9 +168,8 @@ def main():
         for causal in (False, True):
             print(f"[{i + 1}/{len(shapes)}] seqlen {s} heads {h}/{hkv} causal {causal}", flush=True)
             rows += case(s, h, hkv, a.head_dim, causal, a.variants, dev, a.iters)
-    with open(a.json, "w") as fh:
-        json.dump(dict(env=environment(dev), command="python benchmarks/dilated_short_seq.py " +
-                       " ".join(os.sys.argv[1:]), rows=rows), fh, indent=1)
+    env = environment(dev, command=" ".join(["python", "benchmarks/dilated_short_seq.py", *sys.argv[1:]]))
+    write_json(a.json, dict(env=env, command=env["command"], rows=rows))  # "rows", not "results": no CSV
     print(f"\n{'seqlen':>7} {'h/kv':>6} {'c':>1} {'impl':>17} | {'fwd cold/batch/graph x dense':>29} | "
           f"{'bwd cold/batch/graph x dense':>29} | host fwd/fb ms | kernels fwd/fb")
     for r in rows:
