@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 
@@ -31,8 +32,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import longattn
+from longattn.bench.configs import Config
+from longattn.bench.impls import useful_pairs
 from longattn.bench.measure import environment, time_ms, write_json
-from longattn.dilated.schedule import pair_count, schedule
+from longattn.dilated.schedule import schedule
 
 SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 KINDS = (("cudnn_attn", ("sdpa", "fmha", "flash", "cudnn_generated")), ("merge", ("_merge",)),
@@ -115,8 +118,10 @@ def case(s, causal, dev, iters):
     dfwd = time_ms(dense, dev, warmup=2, iters=max(3, iters // 4))["median_ms"]
     dbwd = time_ms(lambda: torch.autograd.grad(dense(), (dq, dk, dv), ddo), dev, warmup=2,
                    iters=max(3, iters // 4))["median_ms"] - dfwd
-    dense_pairs = s * s * 16 // (2 if causal else 1)
-    pairs = pair_count(s, SEGS, RATES, 16, causal)
+    cfg = Config("dilated_profile", 1, s, 16, 128, causal=causal, segment_lengths=tuple(SEGS),
+                 dilation_rates=tuple(RATES))
+    pairs = useful_pairs(cfg)  # per head, as dense_pairs: the ratio is the same
+    dense_pairs = useful_pairs(dataclasses.replace(cfg, segment_lengths=None, dilation_rates=None))
     for p, dt in (("fwd", dfwd), ("bwd", dbwd)):
         for t in ("cold", "batched"):
             row[f"{p}_{t}_x_dense"] = (pairs / row[f"{p}_{t}_ms"]) / (dense_pairs / dt)
