@@ -40,7 +40,7 @@ T("nan_to_num", lambda: torch.nan_to_num(lse, nan=float("nan"), posinf=float("-i
 split, nsplit = kd.splits(n, 8, dev, args["programs_per_sm"], args["block_n"], args["min_split"])
 op = torch.empty(8 * nsplit * 16, 128, device=dev); lp = torch.empty(8 * nsplit * 16, device=dev)
 out = torch.empty_like(q); l2 = torch.empty(1, 32, 1, device=dev)
-T("split kernel launch only", lambda: kd._split_kernel[(nsplit, 8)](q, kc, vc, op, lp, q, n, *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], 8, 1, split, nsplit, 0.1, G=4, D=128, D_PAD=128, BLOCK_M=16, BLOCK_N=args["block_n"], CAUSAL=False, PER_ROW=False, IEEE=False, num_warps=args["num_warps"], num_stages=args["num_stages"]))
+T("split kernel launch only", lambda: kd._split_kernel[(nsplit, 8)](q, kc, vc, op, lp, q, 0, n, kc.shape[1], *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], 8, 1, split, nsplit, 0.1, G=4, D=128, D_PAD=128, BLOCK_M=16, BLOCK_N=args["block_n"], CAUSAL=False, PER_ROW=False, IEEE=False, num_warps=args["num_warps"], num_stages=args["num_stages"]))
 T("combine kernel launch only", lambda: kd._combine_kernel[(8, 4)](op, lp, out, l2, *out.stride()[:3], l2.stride(0), l2.stride(1), 8, nsplit, G=4, D=128, D_PAD=128, BLOCK_M=16, S_CHUNK=16, num_warps=4))
 c = longattn.KVCache.from_prefill(kc[:, :n], vc[:, :n], reserve=2000)
 T("KVCache.append", lambda: c.append(kn, kn), reps=500)
