@@ -28,7 +28,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from longattn import tuning as tn
+from longattn.bench.decode import _captured
 from longattn.bench.measure import environment, time_ms
+from longattn.bench.single import _failure
 from longattn.ops.decode import dense_part
 
 p = argparse.ArgumentParser()
@@ -61,12 +63,10 @@ REPS = 10
 def graphed(fn):
     """REPS calls captured in one CUDA graph: the replay times the kernels
     alone (a ~0.2 ms call is otherwise bound by the host's launch time)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def reps():
         for _ in range(REPS):
             fn()
-    return graph.replay
+    return _captured(reps)
 
 
 def case(n, b):
@@ -91,7 +91,7 @@ def case(n, b):
                              ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
         except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is recorded
             rows.append(dict(kind="tile", context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
-                             status=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+                             status=_failure(e)))
         log(f"context {n} batch {b}: tile {i + 1}/{len(grid)} {rows[-1].get('ms', rows[-1].get('status'))}")
     ok = [r for r in rows if "ms" in r]
     best = min(ok, key=lambda r: r["ms"])
@@ -148,9 +148,8 @@ for n in a.context:
                      + " | ".join(f"{steps[(i, 'cold')]['ms']:.3f} / {steps[(i, 'batched')]['ms']:.3f}"
                                   for i in ("split_kv_best", "split_kv_default", "flash", "sdpa_flash", "sdpa_cudnn"))
                      + " |")
-env = environment(dev)
-env["command"] = "python " + " ".join(sys.argv)
-if a.json:
+env = environment(dev, command=" ".join(["python", "benchmarks/decode_split_kv.py", *sys.argv[1:]]))
+if a.json:  # json.dump, not measure.write_json: that would put a CSV of the rows beside it
     with open(a.json, "w") as f:
         json.dump(dict(kind="decode_split_kv", env=env, results=res), f, indent=1)
 print("| context | batch | best tile (block_n/warps/stages/programs per SM) | kernel ms | step ms cold / batched: "

@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+import dataclasses
 import os
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import longattn
-from longattn.bench.measure import environment, time_ms
-from longattn.dilated.schedule import pair_count, schedule
+from longattn.bench.configs import Config
+from longattn.bench.impls import useful_pairs
+from longattn.bench.measure import environment, time_ms, write_json
+from longattn.dilated.schedule import schedule
 
 SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 KINDS = (("cudnn_attn", ("sdpa", "fmha", "flash", "cudnn_generated")), ("merge", ("_merge",)),
@@ -76,6 +79,7 @@ def squares(seqlen, causal, dev, iters):
     m = SEGS[0] // RATES[0]
 
     def run(n, bwd):
+        """ms of the forward over n squares, or (``bwd``) of the forward and backward."""
         q, k, v = (torch.randn(n // 16, m, 16, 128, device=dev, dtype=torch.bfloat16, requires_grad=bwd)
                    for _ in range(3))
         f = lambda: longattn.attention(q, k, v, causal=causal, backend="cudnn")
@@ -83,14 +87,19 @@ def squares(seqlen, causal, dev, iters):
             return time_ms(f, dev, warmup=2, iters=iters, batched=True)["median_ms"]
         do = torch.randn_like(q)
         fb = lambda: torch.autograd.grad(f(), (q, k, v), do)
-        return time_ms(fb, dev, warmup=2, iters=iters, batched=True)["median_ms"] - run(n, False)
+        return time_ms(fb, dev, warmup=2, iters=iters, batched=True)["median_ms"]
 
     res = {}
     for bwd in (False, True):
         p = "bwd" if bwd else "fwd"
-        res[f"{p}_per_branch_ms"] = {f"{w}/{r}": run(n, bwd) for (w, r), n in counts.items()}
-        res[f"{p}_branches_sum_ms"] = sum(res[f"{p}_per_branch_ms"].values())
-        res[f"{p}_one_call_ms"] = run(sum(counts.values()), bwd)
+        per_branch = {f"{w}/{r}": run(n, bwd) for (w, r), n in counts.items()}
+        one_call = run(sum(counts.values()), bwd)
+        if bwd:  # the backward alone: the forward's time, measured above, comes off
+            per_branch = {wr: ms - res["fwd_per_branch_ms"][wr] for wr, ms in per_branch.items()}
+            one_call -= res["fwd_one_call_ms"]
+        res[f"{p}_per_branch_ms"] = per_branch
+        res[f"{p}_branches_sum_ms"] = sum(per_branch.values())
+        res[f"{p}_one_call_ms"] = one_call
     res["squares"] = {f"{w}/{r}": n for (w, r), n in counts.items()}
     return res
 
@@ -115,8 +124,10 @@ def case(s, causal, dev, iters):
     dfwd = time_ms(dense, dev, warmup=2, iters=max(3, iters // 4))["median_ms"]
     dbwd = time_ms(lambda: torch.autograd.grad(dense(), (dq, dk, dv), ddo), dev, warmup=2,
                    iters=max(3, iters // 4))["median_ms"] - dfwd
-    dense_pairs = s * s * 16 // (2 if causal else 1)
-    pairs = pair_count(s, SEGS, RATES, 16, causal)
+    cfg = Config("dilated_profile", 1, s, 16, 128, causal=causal, segment_lengths=tuple(SEGS),
+                 dilation_rates=tuple(RATES))
+    pairs = useful_pairs(cfg)  # per head, as dense_pairs: the ratio is the same
+    dense_pairs = useful_pairs(dataclasses.replace(cfg, segment_lengths=None, dilation_rates=None))
     for p, dt in (("fwd", dfwd), ("bwd", dbwd)):
         for t in ("cold", "batched"):
             row[f"{p}_{t}_x_dense"] = (pairs / row[f"{p}_{t}_ms"]) / (dense_pairs / dt)
@@ -138,10 +149,8 @@ def main():
         for c in a.causal:
             rows.append(case(s, bool(c), dev, a.iters))
             print(f"done {s} causal={c}", flush=True)
-    env = environment(dev)
-    with open(a.json, "w") as fh:
-        json.dump(dict(env=env, command="python benchmarks/dilated_profile.py " + " ".join(os.sys.argv[1:]),
-                       rows=rows), fh, indent=1)
+    env = environment(dev, command=" ".join(["python", "benchmarks/dilated_profile.py", *sys.argv[1:]]))
+    write_json(a.json, dict(env=env, command=env["command"], rows=rows))  # "rows", not "results": no CSV
     print(f"{'case':>14} {'pass':>4} {'cold':>6} {'batch':>6} {'x dense c/b':>11} {'span':>6} {'kern':>6} {'n':>4}  "
           "by kind (ms) | squares per-branch / one call")
     for r in rows:

@@ -28,18 +28,21 @@ Useful TF/s count only computed pairs (flash-attn's convention, backward
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import longattn
-from longattn.bench.measure import environment, time_ms
+from longattn.bench.configs import Config
+from longattn.bench.impls import fwd_flops
+from longattn.bench.measure import environment, time_ms, write_json
 from longattn.dilated import graphs
-from longattn.dilated.schedule import pair_count
 from longattn.tuning import DilatedTuning
 
 SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
@@ -110,18 +113,21 @@ def case(s, h, hkv, d, causal, variants, dev, iters):
     q = torch.randn(1, s, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(1, s, hkv, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     do = torch.randn_like(q)
-    pairs = pair_count(s, SEGS, RATES, h, causal)
+    dilated = Config("dilated_short_seq", 1, s, h, d, kv_heads=hkv, causal=causal, segment_lengths=tuple(SEGS),
+                     dilation_rates=tuple(RATES))
+    dilated_flops = fwd_flops(dilated)
+    dense_flops = fwd_flops(dataclasses.replace(dilated, segment_lengths=None, dilation_rates=None))
     rows = []
     ref = None
     for name in variants:
         if name == "dense":
             f = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
-            work = s * s * h // (2 if causal else 1)
+            flops = dense_flops
         else:
             kw = VARIANTS[name]
             f = lambda q, k, v, kw=kw: longattn.dilated_attention(q, k, v, segment_lengths=SEGS, dilation_rates=RATES,
                                                                   causal=causal, **kw)
-            work = pairs
+            flops = dilated_flops
         row = dict(seqlen=s, heads=h, kv_heads=hkv, head_dim=d, causal=causal, impl=name)
         try:
             if name != "dense":
@@ -134,8 +140,8 @@ def case(s, h, hkv, d, causal, variants, dev, iters):
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         for t in ("cold", "batched", "graph"):
             if f"fwd_{t}_ms" in row:
-                row[f"fwd_{t}_tflops"] = 4 * d * work / row[f"fwd_{t}_ms"] / 1e9
-                row[f"bwd_{t}_tflops"] = 10 * d * work / max(row[f"bwd_{t}_ms"], 1e-6) / 1e9
+                row[f"fwd_{t}_tflops"] = flops / row[f"fwd_{t}_ms"] / 1e9
+                row[f"bwd_{t}_tflops"] = 2.5 * flops / max(row[f"bwd_{t}_ms"], 1e-6) / 1e9
         rows.append(row)
         graphs.clear()  # each variant's captured passes hold memory
         print(json.dumps(row), flush=True)
@@ -167,9 +173,8 @@ def main():
         for causal in (False, True):
             print(f"[{i + 1}/{len(shapes)}] seqlen {s} heads {h}/{hkv} causal {causal}", flush=True)
             rows += case(s, h, hkv, a.head_dim, causal, a.variants, dev, a.iters)
-    with open(a.json, "w") as fh:
-        json.dump(dict(env=environment(dev), command="python benchmarks/dilated_short_seq.py " +
-                       " ".join(os.sys.argv[1:]), rows=rows), fh, indent=1)
+    env = environment(dev, command=" ".join(["python", "benchmarks/dilated_short_seq.py", *sys.argv[1:]]))
+    write_json(a.json, dict(env=env, command=env["command"], rows=rows))  # "rows", not "results": no CSV
     print(f"\n{'seqlen':>7} {'h/kv':>6} {'c':>1} {'impl':>17} | {'fwd cold/batch/graph x dense':>29} | "
           f"{'bwd cold/batch/graph x dense':>29} | host fwd/fb ms | kernels fwd/fb")
     for r in rows:

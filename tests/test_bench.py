@@ -151,6 +151,21 @@ def test_memory_reports_known_allocation():
     assert n <= got < n + (4 << 20)
 
 
+def test_environment_records_the_command(monkeypatch):
+    """A script passes its own command line; the LONGATTN_* settings go before
+    it; by default the command is the bench CLI's."""
+    from longattn.bench.measure import environment
+
+    for k in [k for k in os.environ if k.startswith("LONGATTN_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("LONGATTN_TRITON_AUTOTUNE", "0")
+    cpu = torch.device("cpu")
+    env = environment(cpu, command="python benchmarks/dilated_profile.py --iters 3")
+    assert env["command"] == "LONGATTN_TRITON_AUTOTUNE=0 python benchmarks/dilated_profile.py --iters 3"
+    assert environment(cpu)["command"].startswith("LONGATTN_TRITON_AUTOTUNE=0 python")
+    assert " -m longattn.bench" in environment(cpu)["command"]
+
+
 def test_flop_counts():
     c = C.Config("x", 2, 1024, 4, 64)
     assert fwd_flops(c) == 4 * 2 * 4 * 64 * 1024 * 1024

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import os
 import sys
 from typing import Optional
 
@@ -46,8 +44,9 @@ import torch.distributed as dist
 import longattn
 
 from . import measure
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from .configs import DTYPES
+from .dist import _agree, _free, _init
+from .single import _failure
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -59,7 +58,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, help="query heads (default 32 on CUDA, 4 on CPU)")
     p.add_argument("--kv-heads", type=int, help="key/value heads (default 8 on CUDA, 2 on CPU)")
     p.add_argument("--head-dim", type=int, help="head dim (default 128 on CUDA, 64 on CPU)")
-    p.add_argument("--dtype", choices=list(_DTYPES), help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--layers", type=int, default=1, help="attention layers whose caches are held and decoded "
                                                           "each step (model-sized memory; default 1)")
     p.add_argument("--backend", nargs="+", help="our local backends to time (default: auto flash cudnn on "
@@ -79,35 +78,30 @@ def parse(argv=None) -> argparse.Namespace:
     return a
 
 
-def _init():
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-    if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = 0, 1
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return rank, world, dev
-
-
-def _failure(e: BaseException) -> str:
-    if isinstance(e, torch.OutOfMemoryError):
-        return "OOM"
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-
-
-def _free(dev) -> None:
-    gc.collect()
+def _fresh(dev) -> None:
+    """Free what the last row left (``dist._free``) and start the peak counter
+    over: a row's ``peak_mem_bytes`` is its own."""
+    _free(dev)
     if dev.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
 
 
 def _peak(dev) -> Optional[int]:
     return int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
+
+
+def _head(a, n: int, dt, impl: str, backend: Optional[str], world: int = 1, layers: int = 1, **extra) -> dict:
+    """The fields every row carries, whatever became of it."""
+    return dict(impl=impl, backend=backend, world=world, context=n, batch=a.batch, heads=a.heads,
+                kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=str(dt).replace("torch.", ""), layers=layers,
+                **extra, status="ok")
+
+
+def _timed(row: dict, t: dict, layers: int, batch: int, dev) -> None:
+    """``row`` gets the step's times (``t`` from ``measure.time_ms``) and the peak memory."""
+    row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"], host_ms=t["host_ms"],
+               decode_ms_per_layer=t["median_ms"] / layers, tokens_per_s=batch * 1e3 / t["median_ms"],
+               peak_mem_bytes=_peak(dev))
 
 
 def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[dict]) -> list[dict]:
@@ -116,13 +110,12 @@ def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[
     g = dist.group.WORLD if world > 1 else None
     b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
     layout = "contiguous" if branches else "zigzag"
-    base = dict(impl="longattn-dilated" if branches else "longattn", world=world, context=n, batch=b, heads=h,
-                kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""), layers=a.layers,
-                layout=layout if world > 1 else None, status="ok", **(branches or {}))
+    base = _head(a, n, dt, "longattn-dilated" if branches else "longattn", None, world, a.layers,
+                 layout=layout if world > 1 else None, **(branches or {}))
     if n % (world if branches else 2 * world):
         return [dict(base, backend=be, status="unsupported",
                      reason=f"context {n} does not split over {world} ranks ({layout})") for be in backends]
-    _free(dev)
+    _fresh(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     local = n // world
     q, k, v = (torch.randn(b, local, hh, d, device=dev, dtype=dt, generator=gen) for hh in (h, hkv, hkv))
@@ -141,8 +134,9 @@ def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[
             return [dict(base, backend=be, status="unsupported", reason=_failure(e)) for be in backends]
         del q
         build = lambda: longattn.KVCache.from_prefill(k, v, layout=layout, group=g, reserve=reserve)
-        base["cache_build_ms"] = measure.time_ms(build, dev, warmup=0, iters=1)["median_ms"]
-        caches = [build() for _ in range(a.layers)]
+        caches = []  # the timed build is the first layer's cache
+        base["cache_build_ms"] = measure.time_ms(lambda: caches.append(build()), dev, warmup=0, iters=1)["median_ms"]
+        caches += [build() for _ in range(a.layers - 1)]
     del k, v
     base["cache_bytes_per_rank"] = sum(2 * c.k.numel() * c.k.element_size() for c in caches)
     kn, vn = (torch.randn(b, 1, hkv, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
@@ -157,20 +151,12 @@ def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[
         row = dict(base, backend=be)
         try:
             t = measure.time_ms(step, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched",
-                                agree=None if g is None else _agree_max)
-            row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"],
-                       host_ms=t["host_ms"], decode_ms_per_layer=t["median_ms"] / a.layers,
-                       tokens_per_s=b * 1e3 / t["median_ms"], peak_mem_bytes=_peak(dev))
+                                agree=None if g is None else _agree)
+            _timed(row, t, a.layers, b, dev)
         except ValueError as e:  # a backend that cannot take the call says why, on every rank
             row.update(status="unsupported", reason=_failure(e))
         rows.append(row)
     return rows
-
-
-def _agree_max(x: int) -> int:
-    t = torch.tensor([x], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def bench_sdpa(a, n: int, dev, dt, kernel: str, growing: bool = False) -> dict:
@@ -182,11 +168,10 @@ def bench_sdpa(a, n: int, dev, dt, kernel: str, growing: bool = False) -> dict:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
-    row = dict(impl=f"sdpa-{kernel}" + ("-growing" if growing else ""), backend=kernel, world=1, context=n,
-               batch=b, heads=h, kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""), layers=1, status="ok")
+    row = _head(a, n, dt, f"sdpa-{kernel}" + ("-growing" if growing else ""), kernel)
     which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}.get(kernel)
-    _free(dev)
+    _fresh(dev)
     try:
         gen = torch.Generator(device=dev).manual_seed(0)
         extra = a.warmup + 11 * a.iters + 8 if growing else 0  # batched timing runs up to 10 steps per sample
@@ -207,9 +192,7 @@ def bench_sdpa(a, n: int, dev, dt, kernel: str, growing: bool = False) -> dict:
 
         with torch.no_grad():
             t = measure.time_ms(step, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched")
-        row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"], host_ms=t["host_ms"],
-                   decode_ms_per_layer=t["median_ms"], tokens_per_s=b * 1e3 / t["median_ms"],
-                   peak_mem_bytes=_peak(dev))
+        _timed(row, t, 1, b, dev)
     except Exception as e:  # noqa: BLE001 - recorded, never filled in
         row.update(status="failed", reason=_failure(e))
     return row
@@ -240,8 +223,6 @@ def bench_graphed(a, n: int, dev, dt) -> list[dict]:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     b, h, hkv, d = a.batch, a.heads, a.kv_heads, a.head_dim
-    base = dict(world=1, context=n, batch=b, heads=h, kv_heads=hkv, head_dim=d, dtype=str(dt).replace("torch.", ""),
-                layers=1, status="ok")
     gen = torch.Generator(device=dev).manual_seed(0)
     mk = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=gen)
     qn, kn, vn = mk(b, 1, h, d), mk(b, 1, hkv, d), mk(b, 1, hkv, d)
@@ -263,17 +244,15 @@ def bench_graphed(a, n: int, dev, dt) -> list[dict]:
                  for k, w in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))]
     rows = []
     for impl, backend, shape, fn in variants:
-        row = dict(base, impl=impl, backend=backend)
-        _free(dev)
+        row = _head(a, n, dt, impl, backend)
+        _fresh(dev)
         try:
             kc, vc = mk(*shape), mk(*shape)
             row["cache_bytes_per_rank"] = 2 * kc.numel() * kc.element_size()
             with torch.no_grad():
                 replay = _captured(lambda: fn(kc, vc))
                 t = measure.time_ms(replay, dev, warmup=a.warmup, iters=a.iters, batched=a.timing == "batched")
-            row.update(step_ms=t["median_ms"], step_min_ms=t["min_ms"], step_max_ms=t["max_ms"],
-                       host_ms=t["host_ms"], decode_ms_per_layer=t["median_ms"], tokens_per_s=b * 1e3 / t["median_ms"],
-                       peak_mem_bytes=_peak(dev))
+            _timed(row, t, 1, b, dev)
             del kc, vc, replay
         except Exception as e:  # noqa: BLE001 - recorded, never filled in
             row.update(status="failed", reason=_failure(e))
@@ -297,13 +276,13 @@ def format_table(rows) -> str:
 
 
 def run(a) -> dict:
-    rank, world, dev = _init()
+    rank, world, dev = _init(one_rank=True)
     cuda = dev.type == "cuda"
     a.context = a.context or ([131072, 1048576] if cuda else [1024, 4096])
     a.heads = a.heads or (32 if cuda else 4)
     a.kv_heads = a.kv_heads or (8 if cuda else 2)
     a.head_dim = a.head_dim or (128 if cuda else 64)
-    dt = _DTYPES[a.dtype or ("bf16" if cuda else "fp32")]
+    dt = DTYPES[a.dtype or ("bf16" if cuda else "fp32")]
     if not cuda and dt != torch.float32:
         dt = torch.float32  # CPU kernels have no fast half path
     backends = a.backend or (["auto", "flash", "cudnn"] if cuda else ["auto"])

@@ -206,11 +206,15 @@ def git_commit() -> Optional[str]:
         return None
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, command: Optional[str] = None) -> dict:
+    """What a result was measured on and how to run it again. ``command``: the
+    command line (None: ``python -m longattn.bench`` with this process's
+    arguments; scripts pass their own); the LONGATTN_* settings in the
+    environment are put before it."""
+    if command is None:
+        command = " ".join([os.path.basename(sys.executable), "-m", "longattn.bench", *sys.argv[1:]])
     env = dict(torch=torch.__version__, python=platform.python_version(), platform=platform.platform(),
-               commit=git_commit(), command=" ".join([os.path.basename(sys.executable), "-m", "longattn.bench",
-                                                      *sys.argv[1:]]),
-               time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+               commit=git_commit(), command=command, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     # settings that change what runs (transport, thresholds, forced backends) belong to the command
     knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("LONGATTN_") and k != "LONGATTN_COMMIT"}
     if knobs:
