@@ -10,7 +10,7 @@ import torch.distributed as dist
 import longattn
 from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close,
                         run_world, varlen_inputs)
-from reference import assert_close, attention_ref
+from reference import assert_close, attention_ref, grads_of
 from test_varlen import varlen_ref
 
 TOL = 1e-4
@@ -27,13 +27,6 @@ def _mesh(ulysses, ring):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
-
-
-def _reference(q, k, v, do, dl, fn):
-    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-    ro, rl = fn(qr, kr, vr)
-    ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
-    return ro, rl, (qr.grad, kr.grad, vr.grad)
 
 
 def _dense(mesh, layout, causal, window, hkv, seed=3):
@@ -53,7 +46,8 @@ def _dense(mesh, layout, causal, window, hkv, seed=3):
 def _check_dense(mesh):
     for layout, causal, window, hkv in DENSE:
         full, xs, out, lse = _dense(mesh, layout, causal, window, hkv)
-        ro, rl, rg = _reference(*full, lambda *x: attention_ref(*x, causal=causal, window=window))
+        ro, rl, rg = grads_of(lambda *x: attention_ref(*x, causal=causal, window=window),
+                              [x.double() for x in full[:3]], *full[3:])
         us = lambda x, dim=1: longattn.unshard_for_mesh(x, mesh, layout=layout, seq_dim=dim)
         assert_unsharded_close(f"hybrid 2x2 {layout} causal={causal} window={window} hkv={hkv}", us, out, lse,
                                [x.grad for x in xs], ro, rl, rg, TOL)
@@ -62,7 +56,7 @@ def _check_dense(mesh):
 def _check_varlen(mesh):
     for lens, layout, causal, window, hkv in VARLEN:
         cu, q, k, v, do, dl = varlen_inputs(lens, H, hkv, 8, seed=5)
-        ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: varlen_ref(*x, cu, causal, window))
+        ro, rl, rg = grads_of(lambda *x: varlen_ref(*x, cu, causal, window), [x.double() for x in (q, k, v)], do, dl)
         sh = lambda x: longattn.shard_varlen_for_mesh(x, cu, mesh, layout=layout)[0]
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
         out, lse = longattn.context_parallel_attention_varlen(ql, kl, vl, cu, mesh=mesh, layout=layout,

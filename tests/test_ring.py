@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import longattn
 from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close,
-                        dense_inputs, run_world)
+                        dense_inputs, run_sharded, run_world)
 from longattn.distributed import transport
 from longattn.distributed.plan import num_steps, plan
 from longattn.distributed.ring import BackendOp, RingSchedule, ring_backward
@@ -43,22 +43,18 @@ def _check_configs(rank, world):
         qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
         ro, rl = attention_ref(qr, kr, vr, causal=causal, window=window)
         ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
-        # sharded run
-        sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
-        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
-        out, lse = longattn.ring_attention(ql, kl, vl, causal=causal, window_size=window, layout=layout,
-                                           return_lse=True, backend="math")
-        ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl, 2)).sum()).backward()
-        us = lambda x, dim=1: longattn.unshard(x, layout=layout, seq_dim=dim)
+        us, out, lse, grads = run_sharded(longattn.ring_attention, q, k, v, do, dl, layout, causal=causal,
+                                          window_size=window, backend="math")
         assert_unsharded_close(f"world={world} {layout} causal={causal} window={window} hkv={hkv}", us, out, lse,
-                               (ql.grad, kl.grad, vl.grad), ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
+                               grads, ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
         # Without the K/V block the forward kept (the packed-document and dilated ops), the backward
         # fetches it first: the same blocks in the same order, so the same gradients to the bit.
+        sh = lambda x, dim=1: longattn.shard(x, layout=layout, seq_dim=dim)
         dl_used = torch.where(torch.isfinite(lse), sh(dl, 2), 0).detach()
-        fetched = ring_backward(sh(do), ql.detach(), kl.detach(), vl.detach(), out.detach(), lse.detach(), dl_used,
+        fetched = ring_backward(sh(do), sh(q), sh(k), sh(v), out.detach(), lse.detach(), dl_used,
                                 _schedule(layout, world, rank, s // world, causal, window, d ** -0.5),
                                 BackendOp("math"), ring_transport(dist.group.WORLD))
-        for got, want in zip(fetched, (ql.grad, kl.grad, vl.grad)):
+        for got, want in zip(fetched, grads):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

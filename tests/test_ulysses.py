@@ -9,7 +9,7 @@ import longattn
 from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, dense_inputs,
                         run_sharded, run_world, varlen_inputs)
 from longattn.distributed.ulysses import HeadPlan
-from reference import assert_close, attention_ref, rel_err
+from reference import assert_close, attention_ref, grads_of, rel_err
 from test_varlen import varlen_ref
 
 TOL = 1e-4
@@ -31,18 +31,12 @@ VARLEN = {  # (doc lengths, layout, causal, window, nheads_kv)
 }
 
 
-def _reference(q, k, v, do, dl, fn):
-    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-    ro, rl = fn(qr, kr, vr)
-    ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
-    return ro, rl, (qr.grad, kr.grad, vr.grad)
-
-
 def _check_dense(world):
     for layout, causal, window, hkv in CONFIGS[world]:
         torch.manual_seed(11)
         q, k, v, do, dl = dense_inputs(2, 2 * world * 3, H, hkv, 8)
-        ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: attention_ref(*x, causal=causal, window=window))
+        ro, rl, rg = grads_of(lambda *x: attention_ref(*x, causal=causal, window=window),
+                              [x.double() for x in (q, k, v)], do, dl)
         us, out, lse, grads = run_sharded(longattn.ulysses_attention, q, k, v, do, dl, layout, causal=causal,
                                           window_size=window, backend="math")
         assert_unsharded_close(f"ulysses world={world} {layout} causal={causal} window={window} hkv={hkv}", us,
@@ -52,7 +46,7 @@ def _check_dense(world):
 def _check_varlen(world):
     for lens, layout, causal, window, hkv in VARLEN[world]:
         cu, q, k, v, do, dl = varlen_inputs(lens, H, hkv, 8, seed=5)
-        ro, rl, rg = _reference(q, k, v, do, dl, lambda *x: varlen_ref(*x, cu, causal, window))
+        ro, rl, rg = grads_of(lambda *x: varlen_ref(*x, cu, causal, window), [x.double() for x in (q, k, v)], do, dl)
         sh = lambda x: longattn.shard_varlen(x, cu, layout=layout)[0]
         ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
         out, lse = longattn.ulysses_attention_varlen(ql, kl, vl, cu, layout=layout, causal=causal,

@@ -87,22 +87,35 @@ class MultiheadDilatedAttention(nn.Module):
                 nn.init.zeros_(lin.bias)
 
     def forward(self, query, key=None, value=None, is_causal: bool = False, need_weights: bool = False):
-        key = query if key is None else key
-        value = key if value is None else value
         if need_weights:
             raise ValueError("need_weights=True: attention weights are never materialised; pass need_weights=False")
+        q, k, v = self.project(query, key, value)
+        return self.output(self.attention(q, k, v, is_causal=is_causal)), None
+
+    def project(self, query, key=None, value=None):
+        """The q/k/v projections of ``forward``, split into heads: query, key,
+        value ``(batch, seqlen, embed_dim)`` (``key`` defaults to ``query``,
+        ``value`` to ``key``) -> q ``(batch, seqlen, num_heads, head_dim)``, k
+        and v ``(batch, seqlen_kv, num_kv_heads, head_dim)``."""
+        key = query if key is None else key
+        value = key if value is None else value
         for x, n in ((query, "query"), (key, "key"), (value, "value")):
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
                 raise ValueError(f"{n} must be (batch, seqlen, {self.embed_dim}), got "
                                  f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        b, s, _ = query.shape
-        q = self.q_proj(query).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(key).view(b, key.shape[1], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(value).view(b, value.shape[1], self.num_kv_heads, self.head_dim)
-        x = self.attention(q, k, v, is_causal=is_causal).reshape(b, s, self.embed_dim)
+        b = query.shape[0]
+        return (self.q_proj(query).view(b, query.shape[1], self.num_heads, self.head_dim),
+                self.k_proj(key).view(b, key.shape[1], self.num_kv_heads, self.head_dim),
+                self.v_proj(value).view(b, value.shape[1], self.num_kv_heads, self.head_dim))
+
+    def output(self, attn_out):
+        """The rest of ``forward`` after attention: heads merged, sub-layer
+        norm, output projection. ``attn_out (batch, seqlen, num_heads,
+        head_dim)`` -> ``(batch, seqlen, embed_dim)``."""
+        x = attn_out.reshape(*attn_out.shape[:2], self.embed_dim)
         if self.norm is not None:
             x = self.norm(x)
-        return self.out_proj(x), None
+        return self.out_proj(x)
 
 
 class RingAttention(nn.Module):

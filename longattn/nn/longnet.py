@@ -28,23 +28,15 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        h = self.ln1(x)
-        x = x + self.drop(self.attn(h, h, h, is_causal=True)[0])
-        return x + self.drop(self.mlp(self.ln2(x)))
+        q, k, v = self._qkv(x)
+        return self._finish(x, self.attn.attention(q, k, v, is_causal=True))
 
+    # generate() runs the attention between these two halves itself (sharded, or from a KV cache)
     def _qkv(self, x):
-        a = self.attn
-        h = self.ln1(x)
-        b, s, _ = h.shape
-        return (a.q_proj(h).view(b, s, a.num_heads, a.head_dim), a.k_proj(h).view(b, s, a.num_kv_heads, a.head_dim),
-                a.v_proj(h).view(b, s, a.num_kv_heads, a.head_dim))
+        return self.attn.project(self.ln1(x))
 
     def _finish(self, x, attn_out):
-        a = self.attn
-        o = attn_out.reshape(*attn_out.shape[:2], a.embed_dim)
-        if a.norm is not None:
-            o = a.norm(o)
-        x = x + self.drop(a.out_proj(o))
+        x = x + self.drop(self.attn.output(attn_out))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
