@@ -196,7 +196,7 @@ class KVCache:
         # ``fields`` is a thunk: one device has nothing to compare, and a
         # decode step is host-bound
         if self.group is not None:
-            _dec.agree(self.group, what, problem, **fields())
+            checks.agree(self.group, what, problem, **fields())
         elif problem is not None:
             raise problem
 
@@ -320,8 +320,8 @@ def _checked_build(g, what: str, k, v, seqlens, total: int, layout: str, reserve
     except (TypeError, ValueError) as e:
         problem = e
     if g is not None:
-        _dec.agree(g, what, problem, k=_dec.describe(k), v=_dec.describe(v),
-                   seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
+        checks.agree(g, what, problem, k=_dec.describe(k), v=_dec.describe(v),
+                     seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
     elif problem is not None:
         raise problem
     return lens

@@ -80,23 +80,6 @@ def describe(x, capacity: bool = True):
     return type(x).__name__
 
 
-def agree(group, what: str, problem: Optional[Exception], **fields) -> None:
-    """Raise on every rank of ``group`` when a rank found a ``problem`` or when
-    ``fields`` differ across ranks; nothing otherwise. One small all-gather per
-    distinct signature (:func:`longattn.distributed.checks.check_consistent`;
-    the problem is part of the signature), so steady decoding pays none. A
-    rank with a problem raises its own error; the others name the mismatch."""
-    text = "" if problem is None else f"{type(problem).__name__}: {problem}"
-    try:
-        checks.check_consistent(group, what, problem=text, **fields)
-    except ValueError:
-        if problem is not None:
-            raise problem from None
-        raise
-    if problem is not None:
-        raise problem
-
-
 # ------------------------------------------------------------------ dense
 def _split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning) -> list[str]:
     """Why the split-KV kernel cannot run this call under ``backend`` (a name
@@ -329,12 +312,7 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optio
     dist.all_gather(got, flat, group=group)
     if check:
         flags = torch.stack([x[-1] for x in got]).tolist()
-        bad = [r for r, f in enumerate(flags) if f]
-        if problem is not None:
-            raise problem
-        if bad:
-            raise ValueError(f"decode_attention: rank(s) {bad} of the group raised an error (see their message); "
-                             f"every rank stops here so that none waits in a collective")
+        checks.raise_flagged("decode_attention", problem, [r for r, f in enumerate(flags) if f])
     n_out = b * lq * h * d
     acc_out = got[0][:n_out].view(b, lq, h, d).clone()
     acc_lse = got[0][n_out:n_out + b * lq * h].view(b, lq, h).clone()
@@ -456,7 +434,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     except (TypeError, ValueError) as e:
         problem = e
     # the capacity and the lengths may differ across ranks; everything else may not
-    agree(g, "decode_attention", problem, q=describe(q), k=describe(k_cache, capacity=False),
+    checks.agree(g, "decode_attention", problem, q=describe(q), k=describe(k_cache, capacity=False),
           v=describe(v_cache, capacity=False), seqlens=describe(cache_seqlens), scale=softmax_scale,
           lse=return_lse, backend=backend)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
