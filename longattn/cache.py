@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from . import backends as bk
 from . import tuning as _tuning
-from ._validation import check_dilation, check_flag, check_scale, check_tensor
+from ._validation import check_dilation, check_flag, check_qkv, check_scale
 from .distributed import checks
 from .distributed.cache import CacheLayout, prefill_pieces
 from .ops import decode as _dec
@@ -19,11 +19,7 @@ __all__ = ["KVCache"]
 
 
 def _check_kv(k, v, batch: Optional[int], nheads_kv: Optional[int], headdim: Optional[int], names=("k", "v")):
-    for x, n in zip((k, v), names):
-        check_tensor(x, n, 4)
-    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-        raise ValueError(f"{names[0]} and {names[1]} must have the same shape, dtype and device, got "
-                         f"{tuple(k.shape)} {k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} {v.device}")
+    check_qkv(None, k, v, names=(None, *names))
     want = (batch, nheads_kv, headdim)
     got = (k.shape[0], k.shape[2], k.shape[3])
     if any(w is not None and w != x for w, x in zip(want, got)):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .. import backends as bk
 from .. import tuning as _tuning
 from .._merge import merge_
-from .._validation import check_dilation, check_flag, check_scale, check_tensor
+from .._validation import check_dilation, check_flag, check_qkv, check_scale
 from ..distributed import checks
 from ..dilated.graphs import Graph
 from ..kernels import decode as _kdec
@@ -29,27 +29,9 @@ __all__ = ["decode_attention", "dilated_decode_attention", "dilated_read_start"]
 
 # ------------------------------------------------------------------ checks
 def check_cache_tensors(q, k_cache, v_cache) -> None:
-    """q ``(B, Lq, H, D)``, cache ``(B, capacity, Hkv, D)`` twice, ``H % Hkv == 0``."""
-    for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        check_tensor(x, n, 4)
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if not (q.device == k_cache.device == v_cache.device):
-        raise ValueError(f"q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, "
-                         f"{v_cache.device}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    if q.shape[0] != k_cache.shape[0]:
-        raise ValueError(f"q and k_cache must have the same batch size, got {q.shape[0]} and {k_cache.shape[0]}")
-    if q.shape[-1] != k_cache.shape[-1]:
-        raise ValueError(f"q and k_cache must have the same head dim, got {q.shape[-1]} and {k_cache.shape[-1]}")
-    h, hkv = q.shape[2], k_cache.shape[2]
-    if hkv == 0 or h % hkv:
-        raise ValueError(f"nheads of q ({h}) must be a multiple of nheads of the cache ({hkv}) for grouped-query "
-                         f"attention")
-    if q.shape[1] == 0:
-        raise ValueError("q needs at least one query (q_len 0 given)")
+    """q ``(B, Lq, H, D)``, cache ``(B, capacity, Hkv, D)`` twice, ``H % Hkv == 0``;
+    the capacity may be 0."""
+    check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"), allow_empty_k=True)
 
 
 def check_seqlens_tensor(cache_seqlens, batch: int) -> None:
