@@ -354,7 +354,7 @@ def test_kv_cache_steps_replayed_from_cuda_graphs():
                                                    backend="flash")
         assert (out.float() - want.float()).abs().max().item() < 2e-2, step
         assert (lse - want_lse).abs().max().item() < 1e-3, step
-    assert cache._steps.graphs, "the repeated step shape was captured"
+    assert cache._steps.replays.graphs, "the repeated step shape was captured"
     with torch.inference_mode():  # a step shape of its own; the lengths advance under both modes
         for _ in range(3):
             cache.append(mk(b, 1, hkv, d), mk(b, 1, hkv, d))

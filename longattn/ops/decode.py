@@ -10,7 +10,6 @@ autograd graph is built.
 """
 from __future__ import annotations
 
-import collections
 from typing import Optional, Sequence
 
 import torch
@@ -21,7 +20,7 @@ from .. import tuning as _tuning
 from .._merge import merge_
 from .._validation import check_dilation, check_flag, check_qkv, check_scale
 from ..distributed import checks
-from ..dilated.graphs import Graph
+from ..dilated import graphs
 from ..kernels import decode as _kdec
 
 __all__ = ["decode_attention", "dilated_decode_attention", "dilated_read_start"]
@@ -94,8 +93,7 @@ def graph_steps_take(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     a CUDA graph (:class:`StepGraphs`): ``tuning.graph_steps``, on CUDA, not
     inside another capture or torch.compile, where the split-KV kernel (the one
     engine a replay can feed new lengths) runs."""
-    return (tuning.graph_steps and q.is_cuda and not torch.cuda.is_current_stream_capturing()
-            and not torch.compiler.is_compiling() and not _split_kv_refusals(q, k_cache, v_cache, backend, tuning))
+    return tuning.graph_steps and graphs.usable(q) and not _split_kv_refusals(q, k_cache, v_cache, backend, tuning)
 
 
 class StepGraphs:
@@ -106,25 +104,21 @@ class StepGraphs:
     split-KV kernel over the rows' lengths kept on the device (``lens``,
     advanced by every append). A step shape (the query's, the cache's
     storage) runs eagerly on its first call (compiling the kernels) and is
-    captured on its second (:class:`longattn.dilated.graphs.Graph`: the query
-    copied in, the outputs copied out), so one graph serves every step until
-    the cache's storage grows (which drops the graphs). At most :attr:`MAX`
-    shapes per cache; every cache's graphs share one memory pool (steps run
-    one after another on one stream)."""
+    captured on its second (:class:`longattn.dilated.graphs.GraphCache`: the
+    query copied in, the outputs copied out), so one graph serves every step
+    until the cache's storage grows (which drops the graphs). At most
+    :attr:`MAX` shapes per cache; every cache's graphs share one memory pool
+    (steps run one after another on one stream)."""
 
     MAX = 4
     MAX_CAPTURES = 16  # more, and the cache alternates between more shapes than it keeps: it stops capturing
-    _pool = None
 
     def __init__(self):
         self.lens: Optional[torch.Tensor] = None
-        self.graphs: "collections.OrderedDict[tuple, Graph]" = collections.OrderedDict()
-        self.seen: set = set()
-        self.captures = 0
+        self.replays = graphs.GraphCache(self.MAX, self.MAX_CAPTURES, shared_pool=True)
 
     def clear(self) -> None:
-        self.graphs.clear()
-        self.seen.clear()
+        self.replays.clear()
         self.lens = None
 
     def advance(self, n: int) -> None:
@@ -140,22 +134,9 @@ class StepGraphs:
                 self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
         run = lambda x: _kdec.decode(x, k_cache, v_cache, None, x.shape[1] > 1, scale, lens_tensor=self.lens,
                                      **tuning.kernel_args(False))
-        key = (q.shape, q.stride(), q.dtype, q.device, scale, k_cache.data_ptr(), v_cache.data_ptr(),
-               k_cache.shape, tuning, torch.is_inference_mode_enabled())
-        graph = self.graphs.get(key)
-        if graph is None:
-            if key not in self.seen or self.captures >= self.MAX_CAPTURES:  # one-off shapes never pay a capture
-                self.seen.add(key)
-                return run(q)
-            self.captures += 1
-            if StepGraphs._pool is None:
-                StepGraphs._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.device(q.device):  # the cache's device, whichever is current
-                graph = self.graphs[key] = Graph(run, [q], pool=StepGraphs._pool)
-            if len(self.graphs) > self.MAX:
-                self.graphs.popitem(last=False)
-        self.graphs.move_to_end(key)
-        return graph([q])
+        # q's shape, dtype and device (and the inference mode) are added by the GraphCache
+        key = (q.stride(), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, tuning)
+        return self.replays.run(key, run, [q])
 
 
 def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
