@@ -67,7 +67,8 @@ def _split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.Decode
     forced with :func:`longattn.use_backend` counts for ``auto``)."""
     name = (bk.forced() or "auto") if backend == "auto" else backend
     why = [] if name in ("auto", "triton") else [f"backend {name!r} (use 'auto' or 'triton')"]
-    return why + _kdec.refusals(q, k_cache, v_cache, tuning.split_kv_max_rows)
+    return why + bk.BACKENDS["triton"].kernel_refusals(q) + _kdec.refusals(q, k_cache, v_cache,
+                                                                           tuning.split_kv_max_rows)
 
 
 def split_kv_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
