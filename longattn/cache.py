@@ -285,12 +285,14 @@ class KVCache:
                              f"first")
 
     def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
-        lay, me = self.layout, self.rank
-        if self.group is None and _dec.graph_steps_take(q, self.k, self.v, backend, self.tuning):
-            res = self._steps.attend(q, self.k, self.v, lay.local[me], scale, self.tuning)
+        lens = self.layout.local[self.rank]
+        ragged = len(set(lens)) > 1
+        engine = _dec.dense_engine(q, self.k, self.v, backend, ragged, self.tuning, graph_steps=self.group is None)
+        if engine == "graphs":
+            res = self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
         else:
-            res = _dec.dense_part(q, self.k, self.v, lay.local[me], me == lay.last_owner, scale, backend,
-                                  tuning=self.tuning)
+            res = _dec.dense_part(q, self.k, self.v, lens, self.rank == self.layout.last_owner, scale, backend,
+                                  tuning=self.tuning, engine=engine, ragged=ragged)
         return self._finish(q, *res, return_lse)
 
     def _finish(self, q, out, lse, return_lse: bool):

@@ -142,7 +142,8 @@ def splits(lens_max: int, programs: int, device: torch.device, programs_per_sm: 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Optional[Sequence[int]],
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
-           min_split: int, lens_tensor: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
     out like q and lse ``(B, H, Lq)`` float32; a row with no key gives 0 and
@@ -151,14 +152,15 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     lengths). Lengths read on the device cut each row into the launch's
     splits by its own length. ``lens`` None: the lengths are known on the
     device only (CUDA graph capture): the launch is sized for the whole
-    capacity, the same whatever the lengths."""
+    capacity, the same whatever the lengths. ``ragged``: whether ``lens``
+    differ, when the caller knows (else found here)."""
     b, lq, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
     bm = block_m(lq, g)
     dp = d_pad(d)
     # lengths on the device: read there, the same launch as under capture
-    per_row = lens is None or lens_tensor is not None or len(set(lens)) > 1
+    per_row = lens is None or lens_tensor is not None or (len(set(lens)) > 1 if ragged is None else ragged)
     if per_row and lens_tensor is None:
         lens_tensor = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
     longest = k_cache.shape[1] if lens is None else max(lens)

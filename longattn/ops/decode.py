@@ -71,30 +71,40 @@ def _split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.Decode
                                                                            tuning.split_kv_max_rows)
 
 
+def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
+                 tuning: _tuning.DecodeTuning = _tuning.DECODE, graph_steps: bool = False) -> str:
+    """The engine of a dense decode call, decided once per call: the one
+    place that picks it.
+
+    * ``"graphs"`` (only with ``graph_steps``, a :class:`longattn.KVCache`
+      step on one device): replayed from a CUDA graph (:class:`StepGraphs`)
+      where ``tuning.graph_steps``, :func:`longattn.dilated.graphs.usable` and
+      the split-KV kernel (the one engine a replay can feed new lengths) runs.
+    * ``"split_kv"``: the split-KV kernel (:mod:`longattn.kernels.decode`).
+      ``auto``: on CUDA, for ``ragged`` calls (rows of different lengths: one
+      launch instead of one per row; or lengths given on the device: the
+      launch a CUDA graph capture replays), or rows of one length where
+      ``tuning.split_kv_equal_rows``, if the kernel takes the shapes;
+      ``triton``: wherever the kernel runs (the CPU interpreter included).
+    * ``"backend"``: a backend on views of the cache; always for any other
+      backend name (or one forced with :func:`longattn.use_backend`).
+
+    (Under CUDA graph capture the kernel is the only engine.)"""
+    name = (bk.forced() or "auto") if backend == "auto" else backend
+    if name not in ("auto", "triton"):
+        return "backend"
+    graphed = graph_steps and tuning.graph_steps and graphs.usable(q)
+    if not graphed and name == "auto" and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
+        return "backend"
+    if _split_kv_refusals(q, k_cache, v_cache, backend, tuning):
+        return "backend"
+    return "graphs" if graphed else "split_kv"
+
+
 def split_kv_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
                    tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
-    """Whether the split-KV kernel (:mod:`longattn.kernels.decode`) runs this
-    call: the one place that picks the decode engine. ``auto``: on CUDA, for
-    ``ragged`` calls (rows of different lengths: one launch instead of one per
-    row; or lengths given on the device: the launch a CUDA graph capture
-    replays), or rows of one length where ``tuning.split_kv_equal_rows``, if
-    the kernel takes the shapes; ``triton``: wherever the kernel runs (the CPU
-    interpreter included); any other backend name (or one forced with
-    :func:`longattn.use_backend`): never. (Under CUDA graph capture, and in
-    :class:`StepGraphs`, the kernel is the only engine.)"""
-    auto = ((bk.forced() or "auto") if backend == "auto" else backend) == "auto"
-    if auto and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
-        return False
-    return not _split_kv_refusals(q, k_cache, v_cache, backend, tuning)
-
-
-def graph_steps_take(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
-                     tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
-    """Whether :class:`longattn.KVCache` replays this dense one-device step from
-    a CUDA graph (:class:`StepGraphs`): ``tuning.graph_steps``, on CUDA, not
-    inside another capture or torch.compile, where the split-KV kernel (the one
-    engine a replay can feed new lengths) runs."""
-    return tuning.graph_steps and graphs.usable(q) and not _split_kv_refusals(q, k_cache, v_cache, backend, tuning)
+    """Whether the split-KV kernel runs this call (:func:`dense_engine`)."""
+    return dense_engine(q, k_cache, v_cache, backend, ragged, tuning) == "split_kv"
 
 
 class StepGraphs:
@@ -142,20 +152,27 @@ class StepGraphs:
 
 def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
                scale: float, backend: str, lens_tensor: Optional[torch.Tensor] = None,
-               tuning: _tuning.DecodeTuning = _tuning.DECODE) -> tuple[torch.Tensor, torch.Tensor]:
+               tuning: _tuning.DecodeTuning = _tuning.DECODE, *, engine: Optional[str] = None,
+               ragged: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each
     row; ``causal``: bottom-right (query i sees ``lens[b] - Lq + i + 1`` keys).
     Returns out in q's dtype and lse ``(B, H, Lq)`` float32; a row with no key
     gives 0 and -inf. The split-KV kernel takes the whole batch in one call
     (``lens_tensor``: the lengths on q's device, if the caller has them);
     otherwise one backend call when the rows have equal lengths, else one per
-    row (views of the cache, never copies)."""
+    row (views of the cache, never copies). ``engine`` (``"split_kv"`` or
+    ``"backend"``) and ``ragged`` (rows of different lengths), when the caller
+    has decided them (:func:`dense_engine`); else decided here."""
     b, lq, h, _ = q.shape
     masked = causal and lq > 1  # one query sees every cached key
-    if split_kv_takes(q, k_cache, v_cache, backend, lens_tensor is not None or len(set(lens)) > 1, tuning):
-        return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor,
+    if ragged is None:
+        ragged = len(set(lens)) > 1
+    if engine is None:
+        engine = dense_engine(q, k_cache, v_cache, backend, ragged or lens_tensor is not None, tuning)
+    if engine == "split_kv":
+        return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor, ragged=ragged,
                             **tuning.kernel_args(q.device.type == "cpu"))
-    if len(set(lens)) == 1:
+    if not ragged:
         return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
@@ -363,7 +380,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         longattn.attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], causal=causal)
 
     Notes:
-        Engines (``backend="auto"``, :func:`split_kv_takes`): on CUDA, rows of
+        Engines (``backend="auto"``, :func:`dense_engine`): on CUDA, rows of
         different lengths, or lengths given on the device, go to the split-KV
         kernel (:mod:`longattn.kernels.decode`: the cache's tokens cut into
         splits over the whole GPU, all rows in one launch); rows of one length
