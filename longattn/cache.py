@@ -13,6 +13,7 @@ from . import tuning as _tuning
 from ._validation import check_dilation, check_flag, check_qkv, check_scale
 from .distributed import checks
 from .distributed.cache import CacheLayout, prefill_pieces
+from .distributed.layout import check_layout
 from .ops import decode as _dec
 
 __all__ = ["KVCache"]
@@ -308,8 +309,7 @@ def _checked_build(g, what: str, k, v, seqlens, total: int, layout: str, reserve
     problem = lens = None
     try:
         _check_kv(k, v, None, None, None)
-        if layout not in ("contiguous", "zigzag"):
-            raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+        check_layout(layout)
         if zigzag_local and layout == "zigzag" and k.shape[1] % 2:
             raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {k.shape[1]}")
         lens = _seqlens(seqlens, k.shape[0], total)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-LAYOUTS = ("contiguous", "zigzag")
+from .layout import check_layout
 
 
 def prefill_pieces(layout: str, rank: int, world: int, seqlen: int) -> list[tuple[int, int]]:
@@ -30,8 +30,7 @@ def prefill_pieces(layout: str, rank: int, world: int, seqlen: int) -> list[tupl
     ``rank`` holds, in local order. Equal to :func:`longattn.shard` when
     ``seqlen`` divides (2 x) world; otherwise the boundaries are
     ``seqlen * i // n`` (pieces differ by at most one token)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+    check_layout(layout)
     n = world if layout == "contiguous" else 2 * world
     bound = [seqlen * i // n for i in range(n + 1)]
     ids = [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
