@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .. import tuning as _tuning
-from .._merge import merge_
+from .._merge import empty_state, merge_
 from .._validation import check_dilation, check_flag, check_qkv, check_scale
 from ..distributed import checks
 from ..dilated import graphs
@@ -186,7 +186,7 @@ def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend
                 tuning: _tuning.DecodeTuning):
     b, lq, h, _ = q.shape
     if n == 0:
-        return torch.zeros_like(q), torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
+        return empty_state(q, q.dtype)
     k, v = k_cache[:, :n], v_cache[:, :n]
     if masked:
         spec = bk.BlockSpec(scale, True, (-1, -1), n - lq)
@@ -241,10 +241,10 @@ def dilated_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (query, branch, run) is one backend call on strided views of the cache.
     Returns out float32 ``(B, Lq, H, D)`` and lse ``(B, H, Lq)``.
     """
-    b, lq, h, d = q.shape
+    b, lq, h, _ = q.shape
     hkv = k_cache.shape[2]
-    out = torch.zeros(b, lq, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, lq, h), float("-inf"), dtype=torch.float32, device=q.device)
+    out, lse = empty_state(q, torch.float32)
+    lse_q = lse.transpose(1, 2)  # (B, Lq, H) view: merge_ aligns lse with out's leading dims
     spec = bk.BlockSpec(scale)
     for row in range(b):
         for i in range(lq):
@@ -268,8 +268,8 @@ def dilated_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                     k = k_cache[row:row + 1, a:e:r][:, :, heads]
                     v = v_cache[row:row + 1, a:e:r][:, :, heads]
                     o, l = _unmasked_backend(qs, k, spec, backend).forward(qs, k, v, spec)
-                    merge_(out[row:row + 1, i:i + 1, c::r], lse[row:row + 1, i:i + 1, c::r], o, l.transpose(1, 2))
-    return out, lse.transpose(1, 2).contiguous()
+                    merge_(out[row:row + 1, i:i + 1, c::r], lse_q[row:row + 1, i:i + 1, c::r], o, l.transpose(1, 2))
+    return out, lse
 
 
 # ------------------------------------------------------------------ over ranks
@@ -285,7 +285,7 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optio
     """
     b, lq, h, d = out.shape
     world = dist.get_world_size(group)
-    parts = [out.float().reshape(-1), lse.transpose(1, 2).float().reshape(-1)]
+    parts = [out.float().reshape(-1), lse.float().reshape(-1)]
     if check:
         parts.append(torch.full((1,), 1.0 if problem is not None else 0.0, device=out.device))
     flat = torch.cat(parts)
@@ -296,10 +296,12 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optio
         checks.raise_flagged("decode_attention", problem, [r for r, f in enumerate(flags) if f])
     n_out = b * lq * h * d
     acc_out = got[0][:n_out].view(b, lq, h, d).clone()
-    acc_lse = got[0][n_out:n_out + b * lq * h].view(b, lq, h).clone()
+    acc_lse = got[0][n_out:n_out + b * lq * h].view(b, h, lq).clone()
     for x in got[1:]:  # the same order on every rank: bitwise the same result everywhere
-        merge_(acc_out, acc_lse, x[:n_out].view(b, lq, h, d), x[n_out:n_out + b * lq * h].view(b, lq, h))
-    return acc_out, acc_lse.transpose(1, 2).contiguous()
+        # lse (B, H, Lq) as (B, Lq, H) views: merge_ aligns lse with out's leading dims
+        merge_(acc_out, acc_lse.transpose(1, 2), x[:n_out].view(b, lq, h, d),
+               x[n_out:n_out + b * lq * h].view(b, h, lq).transpose(1, 2))
+    return acc_out, acc_lse
 
 
 # ------------------------------------------------------------------ public
@@ -425,8 +427,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, _on_device(cache_seqlens, q))
     except ValueError as e:
         problem = e
-        out, lse = torch.zeros_like(q), torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"),
-                                                   device=q.device)
+        out, lse = empty_state(q, q.dtype)
     out, lse = merge_over_ranks(out, lse, g, problem, check=True)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
