@@ -82,7 +82,8 @@ class KVCache:
 
     def __init__(self, batch: int, nheads_kv: int, headdim: int, *, dtype: torch.dtype = torch.float32,
                  device=None, capacity: int = 0, group=None, block: int = 256):
-        for name, val in (("batch", batch), ("nheads_kv", nheads_kv), ("headdim", headdim), ("capacity", capacity)):
+        for name, val in (("batch", batch), ("nheads_kv", nheads_kv), ("headdim", headdim), ("capacity", capacity),
+                          ("block", block)):
             if not isinstance(val, int) or isinstance(val, bool) or val < (0 if name == "capacity" else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if name == 'capacity' else 'positive'} int, "
                                  f"got {val!r}")

@@ -48,12 +48,13 @@ class CacheLayout:
         last_owner, last_count: the rank that received the latest :meth:`place` and
             how many tokens per row it got (the queries that follow sit there);
             None and 0 before the first.
+
+    Its arguments are checked by its user (:class:`longattn.KVCache`: positive
+    ``batch`` and ``block``, ``seqlens`` in range) before the ranks agree on
+    them; a layout is bookkeeping and checks nothing again.
     """
 
     def __init__(self, world: int, batch: int, block: int = 256):
-        for name, val in (("world", world), ("batch", batch), ("block", block)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
         self.world, self.batch, self.block = world, batch, block
         self.seqlens = [0] * batch
         self.local = [[0] * batch for _ in range(world)]
@@ -67,13 +68,12 @@ class CacheLayout:
                      block: int = 256) -> "CacheLayout":
         """The placement after a prefill of ``padded_len`` tokens per row split
         by ``layout`` (:func:`prefill_pieces`), row ``b`` holding
-        ``seqlens[b]`` real tokens followed by padding. A part keeps its real
-        tokens only; they come first in its slots (a later piece has real tokens
-        only when the earlier one is full)."""
+        ``seqlens[b]`` (in ``[0, padded_len]``) real tokens followed by
+        padding. A part keeps its real tokens only; they come first in its
+        slots (a later piece has real tokens only when the earlier one is
+        full)."""
         lay = cls(world, len(seqlens), block)
         for b, n_real in enumerate(seqlens):
-            if not 0 <= n_real <= padded_len:
-                raise ValueError(f"seqlens[{b}] = {n_real} must lie in [0, {padded_len}] (the padded prompt length)")
             lay.seqlens[b] = int(n_real)
             for r in range(world):
                 slot = 0
