@@ -19,28 +19,38 @@ def check_tensor(x, name: str, ndim: int) -> None:
         raise TypeError(f"{name} must be a floating tensor (fp16, bf16, fp32, fp64), got {x.dtype}")
 
 
-def check_qkv(q, k, v, *, same_seqlen: bool = False, ndim: int = 4) -> None:
-    """Shapes (B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D) with H % Hkv == 0."""
-    for x, n in ((q, "q"), (k, "k"), (v, "v")):
+def check_qkv(q, k, v, *, same_seqlen: bool = False, ndim: int = 4, names: Sequence[str] = ("q", "k", "v"),
+              allow_empty_k: bool = False) -> None:
+    """Shapes (B, Sq, H, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D) with H % Hkv == 0;
+    ``names`` as the errors call the three tensors. ``q=None`` checks k and v
+    alone (a cache's new tokens). ``allow_empty_k``: Sk may be 0 (an empty
+    cache part); q always needs a token."""
+    given = [(x, n) for x, n in zip((q, k, v), names) if x is not None]
+    for x, n in given:
         check_tensor(x, n, ndim)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    xs, ns = [x for x, _ in given], ", ".join(n for _, n in given)
+    if len({x.dtype for x in xs}) > 1:
+        raise TypeError(f"{ns} must share a dtype, got {', '.join(str(x.dtype) for x in xs)}")
+    if len({x.device for x in xs}) > 1:
+        raise ValueError(f"{ns} must be on one device, got {', '.join(str(x.device) for x in xs)}")
+    nq, nk, nv = names
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"{nk} and {nv} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q is None:
+        return
     if ndim == 4 and q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+        raise ValueError(f"{nq} and {nk} must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+        raise ValueError(f"{nq} and {nk} must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
     h, hkv = q.shape[-2], k.shape[-2]
     if hkv == 0 or h % hkv:
-        raise ValueError(
-            f"nheads of q ({h}) must be a multiple of nheads of k/v ({hkv}) for grouped-query attention")
+        raise ValueError(f"nheads of {nq} ({h}) must be a multiple of nheads of {nk}/{nv} ({hkv}) for grouped-query "
+                         f"attention")
     if same_seqlen and q.shape[-3] != k.shape[-3]:
-        raise ValueError(f"q and k must have the same seqlen here, got {q.shape[-3]} and {k.shape[-3]}")
-    if q.shape[-3] == 0 or k.shape[-3] == 0:
-        raise ValueError("q and k need at least one token (seqlen 0 given)")
+        raise ValueError(f"{nq} and {nk} must have the same seqlen here, got {q.shape[-3]} and {k.shape[-3]}")
+    if q.shape[-3] == 0 or (k.shape[-3] == 0 and not allow_empty_k):
+        raise ValueError(f"{nq} needs at least one token (seqlen 0 given)" if allow_empty_k else
+                         f"{nq} and {nk} need at least one token (seqlen 0 given)")
 
 
 def check_window(window_size) -> tuple[int, int]:

@@ -10,20 +10,17 @@ import torch.distributed as dist
 
 from . import backends as bk
 from . import tuning as _tuning
-from ._validation import check_dilation, check_flag, check_scale, check_tensor
+from ._validation import check_dilation, check_flag, check_qkv, check_scale
 from .distributed import checks
 from .distributed.cache import CacheLayout, prefill_pieces
+from .distributed.layout import check_layout
 from .ops import decode as _dec
 
 __all__ = ["KVCache"]
 
 
 def _check_kv(k, v, batch: Optional[int], nheads_kv: Optional[int], headdim: Optional[int], names=("k", "v")):
-    for x, n in zip((k, v), names):
-        check_tensor(x, n, 4)
-    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-        raise ValueError(f"{names[0]} and {names[1]} must have the same shape, dtype and device, got "
-                         f"{tuple(k.shape)} {k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} {v.device}")
+    check_qkv(None, k, v, names=(None, *names))
     want = (batch, nheads_kv, headdim)
     got = (k.shape[0], k.shape[2], k.shape[3])
     if any(w is not None and w != x for w, x in zip(want, got)):
@@ -85,7 +82,8 @@ class KVCache:
 
     def __init__(self, batch: int, nheads_kv: int, headdim: int, *, dtype: torch.dtype = torch.float32,
                  device=None, capacity: int = 0, group=None, block: int = 256):
-        for name, val in (("batch", batch), ("nheads_kv", nheads_kv), ("headdim", headdim), ("capacity", capacity)):
+        for name, val in (("batch", batch), ("nheads_kv", nheads_kv), ("headdim", headdim), ("capacity", capacity),
+                          ("block", block)):
             if not isinstance(val, int) or isinstance(val, bool) or val < (0 if name == "capacity" else 1):
                 raise ValueError(f"{name} must be a {'non-negative' if name == 'capacity' else 'positive'} int, "
                                  f"got {val!r}")
@@ -196,7 +194,7 @@ class KVCache:
         # ``fields`` is a thunk: one device has nothing to compare, and a
         # decode step is host-bound
         if self.group is not None:
-            _dec.agree(self.group, what, problem, **fields())
+            checks.agree(self.group, what, problem, **fields())
         elif problem is not None:
             raise problem
 
@@ -289,12 +287,14 @@ class KVCache:
                              f"first")
 
     def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
-        lay, me = self.layout, self.rank
-        if self.group is None and _dec.graph_steps_take(q, self.k, self.v, backend, self.tuning):
-            res = self._steps.attend(q, self.k, self.v, lay.local[me], scale, self.tuning)
+        lens = self.layout.local[self.rank]
+        ragged = len(set(lens)) > 1
+        engine = _dec.dense_engine(q, self.k, self.v, backend, ragged, self.tuning, graph_steps=self.group is None)
+        if engine == "graphs":
+            res = self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
         else:
-            res = _dec.dense_part(q, self.k, self.v, lay.local[me], me == lay.last_owner, scale, backend,
-                                  tuning=self.tuning)
+            res = _dec.dense_part(q, self.k, self.v, lens, self.rank == self.layout.last_owner, scale, backend,
+                                  tuning=self.tuning, engine=engine, ragged=ragged)
         return self._finish(q, *res, return_lse)
 
     def _finish(self, q, out, lse, return_lse: bool):
@@ -310,8 +310,7 @@ def _checked_build(g, what: str, k, v, seqlens, total: int, layout: str, reserve
     problem = lens = None
     try:
         _check_kv(k, v, None, None, None)
-        if layout not in ("contiguous", "zigzag"):
-            raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+        check_layout(layout)
         if zigzag_local and layout == "zigzag" and k.shape[1] % 2:
             raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {k.shape[1]}")
         lens = _seqlens(seqlens, k.shape[0], total)
@@ -320,8 +319,8 @@ def _checked_build(g, what: str, k, v, seqlens, total: int, layout: str, reserve
     except (TypeError, ValueError) as e:
         problem = e
     if g is not None:
-        _dec.agree(g, what, problem, k=_dec.describe(k), v=_dec.describe(v),
-                   seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
+        checks.agree(g, what, problem, k=_dec.describe(k), v=_dec.describe(v),
+                     seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
     elif problem is not None:
         raise problem
     return lens

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from . import shard, shard_varlen, unshard, unshard_varlen
 from .distributed import VarlenShard
+from .distributed import checks as _checks
 
 __all__ = ["CPContext", "shard_batch", "loss", "reduce_loss", "all_reduce_grads", "resolve_group"]
 
@@ -74,36 +75,6 @@ def resolve_group(group=None, mesh_dim=None) -> dist.ProcessGroup:
     if mesh_dim is not None:
         raise ValueError("mesh_dim is for a DeviceMesh group; a ProcessGroup needs none")
     return group
-
-
-def _device_for(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def agree(group, what: str, problem: str = "", **fields) -> None:
-    """One small all-gather: raise on every rank when any rank reports a
-    ``problem`` or when ``fields`` differ across ranks (a rank that raised
-    alone would leave the others waiting in the next collective)."""
-    text = repr((problem, sorted(fields.items()))).encode()
-    digest = int.from_bytes(hashlib.sha1(text).digest()[:7], "little")
-    t = torch.tensor([digest, 1 if problem else 0], dtype=torch.int64, device=_device_for(group))
-    got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, t, group=group)
-    vals = torch.stack(got).cpu().tolist()  # one device-to-host copy
-    digests = [int(x[0]) for x in vals]
-    flagged = [r for r, x in enumerate(vals) if int(x[1])]
-    if problem:
-        raise ValueError(problem)
-    if flagged:
-        raise ValueError(f"{what}: rank(s) {flagged} of the context-parallel group raised an error (see their "
-                         f"message); every rank stops here so that none waits in a collective")
-    if len(set(digests)) != 1:
-        bad = [r for r, d in enumerate(digests) if d != digests[dist.get_rank(group)]]
-        raise ValueError(f"{what}: inputs differ across ranks (this rank {dist.get_rank(group)} has "
-                         f"{dict(sorted(fields.items()))}; ranks {bad} differ). Every rank must pass the same "
-                         f"full batch to shard_batch and call the model the same way.")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -199,8 +170,8 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
     """
     g = resolve_group(group, mesh_dim)
     if check:  # first, so that a rank whose batch is malformed does not raise alone
-        agree(g, "shard_batch", batch=_digest(input_ids, labels, attention_mask, position_ids, cu_seqlens),
-              layout=layout)
+        _checks.agree(g, "shard_batch", batch=_digest(input_ids, labels, attention_mask, position_ids, cu_seqlens),
+                      layout=layout)
     position_ids, cu_list = _check_batch(input_ids, labels, attention_mask, position_ids, cu_seqlens, layout)
     b, s = input_ids.shape
     dev = input_ids.device

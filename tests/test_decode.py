@@ -71,7 +71,7 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
     lengths in one launch (lengths on the host and as a tensor), equal lengths,
     several splits per row, causal and not, an empty row, a strided cache."""
     from longattn.kernels import decode as kdec
-    from longattn.ops.decode import split_kv_takes
+    from longattn.ops.decode import dense_engine, split_kv_takes
 
     torch.manual_seed(2)
     b, cap, d = 3, 80, 16
@@ -79,6 +79,9 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
     k, v = big_k[:, :, 1:], big_v[:, :, 1:]  # views: the kernel reads strides, never copies
     q = torch.randn(b, lq, h, d)
     assert split_kv_takes(q, k, v, "triton", False) and not split_kv_takes(q, k, v, "auto", True)  # CPU: flash
+    # a KVCache step on CPU is never replayed from a graph; a backend other than auto/triton never takes the kernel
+    assert dense_engine(q, k, v, "triton", False, graph_steps=True) == "split_kv"
+    assert dense_engine(q, k, v, "flash", True) == dense_engine(q, k, v, "auto", True, graph_steps=True) == "backend"
     for causal, lens in ((True, [77, lq, 40]), (False, [0, 33, 80]), (True, [50, 50, 50])):
         got = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), causal=causal,
                                         return_lse=True, backend="triton")
@@ -354,7 +357,7 @@ def test_kv_cache_steps_replayed_from_cuda_graphs():
                                                    backend="flash")
         assert (out.float() - want.float()).abs().max().item() < 2e-2, step
         assert (lse - want_lse).abs().max().item() < 1e-3, step
-    assert cache._steps.graphs, "the repeated step shape was captured"
+    assert cache._steps.replays.graphs, "the repeated step shape was captured"
     with torch.inference_mode():  # a step shape of its own; the lengths advance under both modes
         for _ in range(3):
             cache.append(mk(b, 1, hkv, d), mk(b, 1, hkv, d))

@@ -126,8 +126,16 @@ def _check_errors(rank, world):
     # lengths out of range on one rank (a per-call value): every rank raises after the merge's all-gather
     bad = torch.tensor([7 if rank == 0 else 4], dtype=torch.int32)
     _raises_everywhere(world, r"\[0, 6\]" if rank == 0 else "rank\\(s\\) \\[0\\]", lambda: call(cache_seqlens=bad))
-    # shapes that differ across ranks (the first call of each rank's signature: see
-    # checks.check_consistent for a signature that changes on some ranks only later)
+    # a problem on one rank only, after every rank passed a good call of the same shapes: the check
+    # exchanges on every call (a rank that checked alone would wait in a collective the others skip)
+    call()
+    wrong = lens.long() if rank == 1 else lens
+    _raises_everywhere(world, "int32" if rank == 1 else "differ across ranks", lambda: call(cache_seqlens=wrong))
+    longattn.KVCache.from_prefill(k, k, seqlens=[3], group=g)
+    past_end = [6 * world + 1 if rank == 1 else 3]  # seqlens beyond the prompt on rank 1 only
+    _raises_everywhere(world, "seqlens must hold" if rank == 1 else "differ across ranks",
+                       lambda: longattn.KVCache.from_prefill(k, k, seqlens=past_end, group=g))
+    # shapes that differ across ranks
     _raises_everywhere(world, "differ across ranks", lambda: call(q=torch.randn(1, 2 + rank, 4, 8)))
     # a problem on one rank only: that rank names it, the others name the mismatch
     odd = torch.randn(1, 3, 3 if rank == 1 else 4, 8)

@@ -10,9 +10,10 @@ into the graph's own, replay it, and return copies of its outputs (the next
 replay overwrites them). Inside another capture, and under torch.compile,
 the pass runs as it is (the caller's graph takes its kernels).
 
-:class:`Graph` (one captured call) also serves the decode steps of a
-:class:`longattn.KVCache` (:class:`longattn.ops.decode.StepGraphs`, which owns
-its graphs per cache).
+:class:`GraphCache` (that policy: eager, then captured, then replayed, at
+most so many graphs) also serves the decode steps of a
+:class:`longattn.KVCache` (:class:`longattn.ops.decode.StepGraphs`, one
+cache of graphs per KV cache).
 
 Memory: each captured shape holds its inputs, outputs and temporaries in
 its own pool, up to :data:`MAX_GRAPHS` shapes per process (least recently
@@ -27,18 +28,10 @@ import torch
 
 MAX_GRAPHS = 8
 
-_graphs: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
-_seen: set = set()
 
-
-def clear() -> None:
-    """Drop every captured pass (and its memory)."""
-    _graphs.clear()
-    _seen.clear()
-
-
-def _usable(inputs) -> bool:
-    x = inputs[0]
+def usable(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` may be captured or replayed: on CUDA, not inside
+    another capture (the caller's graph takes the kernels) nor torch.compile."""
     return x.is_cuda and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling()
 
 
@@ -71,22 +64,73 @@ class Graph:
         return tuple(o.clone() for o in self.outputs)
 
 
+_shared_pool = None
+
+
+def _pool():
+    global _shared_pool
+    if _shared_pool is None:
+        _shared_pool = torch.cuda.graph_pool_handle()
+    return _shared_pool
+
+
+class GraphCache:
+    """Calls replayed from CUDA graphs, one per key and input shapes (the
+    caller checks :func:`usable` first). A shape's first call runs eagerly (it
+    also compiles kernels and warms plans up; one-off shapes never pay for a
+    capture), its second is captured (:class:`Graph`), later ones replay.
+
+    ``max_graphs``: graphs kept, the least recently used dropped past it.
+    ``max_captures``: no capture after that many (a caller alternating
+    between more shapes than it keeps would capture on every call); None: no
+    limit. ``shared_pool``: the graphs share one memory pool with every other
+    cache made so (their calls run one after another on one stream); else
+    each graph has its own."""
+
+    MAX_SEEN = 4096  # shapes that never repeat cannot grow the set of first calls past it
+
+    def __init__(self, max_graphs: int, max_captures: Optional[int] = None, shared_pool: bool = False):
+        self.max_graphs, self.max_captures, self.shared_pool = max_graphs, max_captures, shared_pool
+        self.graphs: "collections.OrderedDict[tuple, Graph]" = collections.OrderedDict()
+        self.seen: set = set()
+        self.captures = 0
+
+    def clear(self) -> None:
+        """Drop every graph (and its memory) and the record of first calls."""
+        self.graphs.clear()
+        self.seen.clear()
+
+    def run(self, key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]]):
+        """``fn(*inputs)``, from the graph of ``key`` and the inputs' shapes
+        where one is (or, on this shape's second call, can be) made."""
+        # inference mode in the key: buffers made under it cannot be written outside it
+        key = (key, torch.is_inference_mode_enabled(), tuple(_signature(x) for x in inputs))
+        g = self.graphs.get(key)
+        if g is None:
+            if key not in self.seen or (self.max_captures is not None and self.captures >= self.max_captures):
+                if len(self.seen) >= self.MAX_SEEN:
+                    self.seen.clear()
+                self.seen.add(key)
+                return fn(*inputs)
+            self.captures += 1
+            with torch.cuda.device(inputs[0].device):  # the inputs' device, whichever is current
+                g = self.graphs[key] = Graph(fn, inputs, pool=_pool() if self.shared_pool else None)
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        return g(inputs)
+
+
+_passes = GraphCache(MAX_GRAPHS)
+_graphs = _passes.graphs  # the dilated passes' graphs (tests read how many)
+
+
+def clear() -> None:
+    """Drop every captured pass (and its memory)."""
+    _passes.clear()
+
+
 def run(key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]]):
-    """``fn(*inputs)``, from a graph captured for ``key`` and the inputs'
-    shapes where one is (or, on this shape's second call, can be) made."""
-    if not _usable(inputs):
-        return fn(*inputs)
-    # inference mode in the key: buffers made under it cannot be written outside it
-    key = (key, torch.is_inference_mode_enabled(), tuple(_signature(x) for x in inputs))
-    g = _graphs.get(key)
-    if g is None:
-        if key not in _seen:  # first call of a shape: eager, it also warms kernels and plans up
-            if len(_seen) >= 4096:  # shapes that never repeat cannot grow it
-                _seen.clear()
-            _seen.add(key)
-            return fn(*inputs)
-        g = _graphs[key] = Graph(fn, inputs)
-        while len(_graphs) > MAX_GRAPHS:
-            _graphs.popitem(last=False)
-    _graphs.move_to_end(key)
-    return g(inputs)
+    """``fn(*inputs)`` of a dilated pass, replayed from a graph where
+    :func:`usable` (:class:`GraphCache`, up to :data:`MAX_GRAPHS` shapes)."""
+    return _passes.run(key, fn, inputs) if usable(inputs[0]) else fn(*inputs)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-LAYOUTS = ("contiguous", "zigzag")
+from .layout import check_layout
 
 
 def prefill_pieces(layout: str, rank: int, world: int, seqlen: int) -> list[tuple[int, int]]:
@@ -30,8 +30,7 @@ def prefill_pieces(layout: str, rank: int, world: int, seqlen: int) -> list[tupl
     ``rank`` holds, in local order. Equal to :func:`longattn.shard` when
     ``seqlen`` divides (2 x) world; otherwise the boundaries are
     ``seqlen * i // n`` (pieces differ by at most one token)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+    check_layout(layout)
     n = world if layout == "contiguous" else 2 * world
     bound = [seqlen * i // n for i in range(n + 1)]
     ids = [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
@@ -49,12 +48,13 @@ class CacheLayout:
         last_owner, last_count: the rank that received the latest :meth:`place` and
             how many tokens per row it got (the queries that follow sit there);
             None and 0 before the first.
+
+    Its arguments are checked by its user (:class:`longattn.KVCache`: positive
+    ``batch`` and ``block``, ``seqlens`` in range) before the ranks agree on
+    them; a layout is bookkeeping and checks nothing again.
     """
 
     def __init__(self, world: int, batch: int, block: int = 256):
-        for name, val in (("world", world), ("batch", batch), ("block", block)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
         self.world, self.batch, self.block = world, batch, block
         self.seqlens = [0] * batch
         self.local = [[0] * batch for _ in range(world)]
@@ -68,13 +68,12 @@ class CacheLayout:
                      block: int = 256) -> "CacheLayout":
         """The placement after a prefill of ``padded_len`` tokens per row split
         by ``layout`` (:func:`prefill_pieces`), row ``b`` holding
-        ``seqlens[b]`` real tokens followed by padding. A part keeps its real
-        tokens only; they come first in its slots (a later piece has real tokens
-        only when the earlier one is full)."""
+        ``seqlens[b]`` (in ``[0, padded_len]``) real tokens followed by
+        padding. A part keeps its real tokens only; they come first in its
+        slots (a later piece has real tokens only when the earlier one is
+        full)."""
         lay = cls(world, len(seqlens), block)
         for b, n_real in enumerate(seqlens):
-            if not 0 <= n_real <= padded_len:
-                raise ValueError(f"seqlens[{b}] = {n_real} must lie in [0, {padded_len}] (the padded prompt length)")
             lay.seqlens[b] = int(n_real)
             for r in range(world):
                 slot = 0

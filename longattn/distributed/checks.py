@@ -1,9 +1,11 @@
 """Process-group plumbing every distributed op uses: resolving the group,
-passing it through custom ops by name, and the cross-rank consistency check
-that turns would-be hangs into errors."""
+passing it through custom ops by name, and the cross-rank checks that turn
+would-be hangs into errors: :func:`check_consistent` (shapes and flags, once
+per signature) and :func:`agree` (every call, with a per-rank problem)."""
 from __future__ import annotations
 
 import hashlib
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -52,16 +54,58 @@ def check_consistent(group, what: str, **fields) -> None:
     key = (id(group), what, tuple(sorted(fields.items())))
     if key in _checked:
         return
-    text = repr(sorted(fields.items())).encode()
-    digest = int.from_bytes(hashlib.sha1(text).digest()[:7], "little")
-    t = torch.tensor([digest], dtype=torch.int64, device=_device_for(group))
+    t = torch.tensor([_digest(fields)], dtype=torch.int64, device=_device_for(group))
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, t, group=group)
-    vals = [int(x.item()) for x in gathered]
+    vals = [int(x) for x in torch.cat(gathered).cpu().tolist()]
+    me = dist.get_rank(group)
     if len(set(vals)) != 1:
-        bad = [r for r, v in enumerate(vals) if v != vals[dist.get_rank(group)]]
-        raise ValueError(
-            f"{what}: arguments differ across ranks (this rank {dist.get_rank(group)} has "
-            f"{dict(sorted(fields.items()))}; ranks {bad} differ). Every rank must pass the same "
-            f"shapes (local shard), dtype and flags.")
+        raise _differ(what, me, fields, [r for r, v in enumerate(vals) if v != vals[me]])
     _checked.add(key)
+
+
+def _digest(fields: dict) -> int:
+    return int.from_bytes(hashlib.sha1(repr(sorted(fields.items())).encode()).digest()[:7], "little")
+
+
+def raise_flagged(what: str, problem: Optional[Exception], flagged: Sequence[int]) -> None:
+    """After an exchange of per-rank problem flags: the rank with a
+    ``problem`` raises it, the others a ValueError naming the ``flagged``
+    ranks (nothing when none is)."""
+    if problem is not None:
+        raise problem
+    if flagged:
+        raise ValueError(f"{what}: rank(s) {list(flagged)} of the group raised an error (see their message); every "
+                         f"rank stops here so that none waits in a collective")
+
+
+def agree(group, what: str, problem: Union[None, str, Exception] = None, **fields) -> None:
+    """Raise on every rank of ``group`` when a rank found a ``problem`` or when
+    ``fields`` differ across ranks; nothing otherwise.
+
+    One small all-gather (a digest of ``fields`` and a problem flag per rank)
+    on every call, never cached: a problem may depend on values (lengths) that
+    a signature does not show, and a rank that exchanged alone would wait in
+    a collective the others skipped. ``problem``: None, or this rank's error
+    (an Exception, or a str for a ValueError). The rank with a problem raises
+    its own error; where ``fields`` differ, every other rank raises a
+    ValueError saying so; otherwise one naming the ranks with a problem."""
+    if isinstance(problem, str):
+        problem = ValueError(problem)
+    t = torch.tensor([_digest(fields), problem is not None], dtype=torch.int64, device=_device_for(group))
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, t, group=group)
+    vals = torch.stack(got).cpu().tolist()  # one device-to-host copy
+    if problem is not None:
+        raise problem
+    me = dist.get_rank(group)
+    bad = [r for r, x in enumerate(vals) if x[0] != vals[me][0]]
+    if bad:
+        raise _differ(what, me, fields, bad)
+    raise_flagged(what, None, [r for r, x in enumerate(vals) if x[1]])
+
+
+def _differ(what: str, me: int, fields: dict, bad: list[int]) -> ValueError:
+    return ValueError(f"{what}: arguments differ across ranks (this rank {me} has {dict(sorted(fields.items()))}; "
+                      f"ranks {bad} differ). Every rank must make the same call: the same shapes (its local part), "
+                      f"dtypes and flags.")

@@ -8,6 +8,7 @@ import functools
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import context_parallel as _cp
+from ..distributed.layout import check_layout
 
 __all__ = ["ShardedCache"]
 
@@ -76,8 +77,7 @@ class ShardedCache(Cache):
     """
 
     def __init__(self, group=None, *, layout: str = "zigzag", reserve: int = 0, block: int = 256):
-        if layout not in ("contiguous", "zigzag"):
-            raise ValueError(f"layout={layout!r}: choose 'contiguous' or 'zigzag'")
+        check_layout(layout)
         self.group = _cp.resolve_group(group)
         self.layout, self.reserve, self.block = layout, reserve, block
         super().__init__(layer_class_to_replicate=functools.partial(ShardedLayer, self))

@@ -429,7 +429,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         raise ValueError(f"attn_implementation={impl!r} runs on a batch sharded by "
                          f"longattn.context_parallel.shard_batch: call model(**batch) with the dict it returns (its "
                          f"'longattn_cp' entry carries the process group and layout)")
-    problem, causal, dv = "", True, value.shape[-1]
+    problem, causal, dv = None, True, value.shape[-1]
     try:
         causal, value, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
@@ -448,12 +448,12 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         if ctx.cu_seqlens is not None and query.shape[0] != 1:
             raise ValueError(f"attn_implementation={impl!r}: a packed batch is one row, got batch {query.shape[0]}")
     except ValueError as e:
-        problem = str(e)
+        problem = e
     if getattr(module, "layer_idx", None) in (None, 0):  # once per forward: every rank raises together
-        _cp.agree(ctx.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
+        _checks.agree(ctx.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
                   causal=causal, window=sliding_window, layout=ctx.layout)
-    elif problem:
-        raise ValueError(problem)
+    elif problem is not None:
+        raise problem
     query, key, value = _autocast(query, key, value)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if ctx.cu_seqlens is None:
@@ -523,7 +523,7 @@ def _cached_forward(impl: str, layer, module, query, key, value, attention_mask,
     cache = layer.owner
     g = cache.group
     ctx = kwargs.get("longattn_cp")
-    problem, causal, dv = "", True, value.shape[-1]
+    problem, causal, dv = None, True, value.shape[-1]
     try:
         causal, value, dv = _check_call(impl, module, query, key, value, dropout, softcap, kwargs)
         if attention_mask is not None:
@@ -546,12 +546,12 @@ def _cached_forward(impl: str, layer, module, query, key, value, attention_mask,
             raise ValueError(f"attn_implementation={impl!r}: the ShardedCache returned {key.shape[2]} keys for "
                              f"{query.shape[2]} queries")
     except ValueError as e:
-        problem = str(e)
+        problem = e
     if getattr(module, "layer_idx", None) in (None, 0):  # once per forward: every rank raises together
-        _cp.agree(g, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
+        _checks.agree(g, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
                   prefill=layer.kv is None, sharded_batch=ctx is not None)
-    elif problem:
-        raise ValueError(problem)
+    elif problem is not None:
+        raise problem
     query, key, value = _autocast(query, key, value)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if layer.kv is not None:

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._common import HAS_TRITON, LOG2E, d_pad, ieee, launchable
+from .launch import _strides
 
 if HAS_TRITON:
     import triton
@@ -141,7 +142,8 @@ def splits(lens_max: int, programs: int, device: torch.device, programs_per_sm: 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Optional[Sequence[int]],
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
-           min_split: int, lens_tensor: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
     out like q and lse ``(B, H, Lq)`` float32; a row with no key gives 0 and
@@ -150,14 +152,15 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     lengths). Lengths read on the device cut each row into the launch's
     splits by its own length. ``lens`` None: the lengths are known on the
     device only (CUDA graph capture): the launch is sized for the whole
-    capacity, the same whatever the lengths."""
+    capacity, the same whatever the lengths. ``ragged``: whether ``lens``
+    differ, when the caller knows (else found here)."""
     b, lq, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
     bm = block_m(lq, g)
     dp = d_pad(d)
     # lengths on the device: read there, the same launch as under capture
-    per_row = lens is None or lens_tensor is not None or len(set(lens)) > 1
+    per_row = lens is None or lens_tensor is not None or (len(set(lens)) > 1 if ragged is None else ragged)
     if per_row and lens_tensor is None:
         lens_tensor = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
     longest = k_cache.shape[1] if lens is None else max(lens)
@@ -170,29 +173,21 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     launchable(_split_kernel, q)[(nsplit, b * hkv)](
         q, k_cache, v_cache, op, lp, lens_tensor if per_row else q, lens_tensor.stride(0) if per_row else 0,
-        0 if per_row else lens[0], k_cache.shape[1], *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], hkv, lq, split, nsplit, scale * LOG2E,
+        0 if per_row else lens[0], k_cache.shape[1], *_strides(q, k_cache, v_cache), hkv, lq, split, nsplit,
+        scale * LOG2E,
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row,
         IEEE=ieee(q), num_warps=num_warps, num_stages=num_stages)
     launchable(_combine_kernel, q)[(b * hkv, lq * g)](
-        op, lp, out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1), hkv, nsplit, G=g, D=d, D_PAD=dp,
+        op, lp, out, lse, *_strides(out), lse.stride(0), lse.stride(1), hkv, nsplit, G=g, D=d, D_PAD=dp,
         BLOCK_M=bm, S_CHUNK=16, num_warps=4)
     return out, lse
 
 
 def refusals(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_rows: int) -> list[str]:
-    """Why the split-KV kernel cannot take this call (empty: it can)."""
-    from ._common import SUPPORTED_HEADDIMS, unavailable_reason
-
+    """Why the split-KV kernel cannot take this call beyond what keeps any of
+    our Triton kernels from ``q`` (``BACKENDS["triton"].kernel_refusals``:
+    dtype, availability, head dim); empty: it can."""
     r = []
-    why = unavailable_reason(q.device)
-    if why:
-        r.append(why)
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        r.append(f"dtype {q.dtype} unsupported (fp16, bf16, fp32)")
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        r.append("the Triton interpreter has no bf16")
-    if q.shape[-1] not in SUPPORTED_HEADDIMS:
-        r.append(f"head dim {q.shape[-1]} not in {SUPPORTED_HEADDIMS}")
     rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
     if rows > max_rows:
         r.append(f"q_len * (nheads // nheads_kv) = {rows} query rows per kv head exceed {max_rows} "

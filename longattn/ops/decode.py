@@ -10,7 +10,6 @@ autograd graph is built.
 """
 from __future__ import annotations
 
-import collections
 from typing import Optional, Sequence
 
 import torch
@@ -18,10 +17,10 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .. import tuning as _tuning
-from .._merge import merge_
-from .._validation import check_dilation, check_flag, check_scale, check_tensor
+from .._merge import empty_state, merge_
+from .._validation import check_dilation, check_flag, check_qkv, check_scale
 from ..distributed import checks
-from ..dilated.graphs import Graph
+from ..dilated import graphs
 from ..kernels import decode as _kdec
 
 __all__ = ["decode_attention", "dilated_decode_attention", "dilated_read_start"]
@@ -29,27 +28,9 @@ __all__ = ["decode_attention", "dilated_decode_attention", "dilated_read_start"]
 
 # ------------------------------------------------------------------ checks
 def check_cache_tensors(q, k_cache, v_cache) -> None:
-    """q ``(B, Lq, H, D)``, cache ``(B, capacity, Hkv, D)`` twice, ``H % Hkv == 0``."""
-    for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        check_tensor(x, n, 4)
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if not (q.device == k_cache.device == v_cache.device):
-        raise ValueError(f"q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, "
-                         f"{v_cache.device}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    if q.shape[0] != k_cache.shape[0]:
-        raise ValueError(f"q and k_cache must have the same batch size, got {q.shape[0]} and {k_cache.shape[0]}")
-    if q.shape[-1] != k_cache.shape[-1]:
-        raise ValueError(f"q and k_cache must have the same head dim, got {q.shape[-1]} and {k_cache.shape[-1]}")
-    h, hkv = q.shape[2], k_cache.shape[2]
-    if hkv == 0 or h % hkv:
-        raise ValueError(f"nheads of q ({h}) must be a multiple of nheads of the cache ({hkv}) for grouped-query "
-                         f"attention")
-    if q.shape[1] == 0:
-        raise ValueError("q needs at least one query (q_len 0 given)")
+    """q ``(B, Lq, H, D)``, cache ``(B, capacity, Hkv, D)`` twice, ``H % Hkv == 0``;
+    the capacity may be 0."""
+    check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"), allow_empty_k=True)
 
 
 def check_seqlens_tensor(cache_seqlens, batch: int) -> None:
@@ -80,57 +61,50 @@ def describe(x, capacity: bool = True):
     return type(x).__name__
 
 
-def agree(group, what: str, problem: Optional[Exception], **fields) -> None:
-    """Raise on every rank of ``group`` when a rank found a ``problem`` or when
-    ``fields`` differ across ranks; nothing otherwise. One small all-gather per
-    distinct signature (:func:`longattn.distributed.checks.check_consistent`;
-    the problem is part of the signature), so steady decoding pays none. A
-    rank with a problem raises its own error; the others name the mismatch."""
-    text = "" if problem is None else f"{type(problem).__name__}: {problem}"
-    try:
-        checks.check_consistent(group, what, problem=text, **fields)
-    except ValueError:
-        if problem is not None:
-            raise problem from None
-        raise
-    if problem is not None:
-        raise problem
-
-
 # ------------------------------------------------------------------ dense
 def _split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning) -> list[str]:
     """Why the split-KV kernel cannot run this call under ``backend`` (a name
     forced with :func:`longattn.use_backend` counts for ``auto``)."""
     name = (bk.forced() or "auto") if backend == "auto" else backend
     why = [] if name in ("auto", "triton") else [f"backend {name!r} (use 'auto' or 'triton')"]
-    return why + _kdec.refusals(q, k_cache, v_cache, tuning.split_kv_max_rows)
+    return why + bk.BACKENDS["triton"].kernel_refusals(q) + _kdec.refusals(q, k_cache, v_cache,
+                                                                           tuning.split_kv_max_rows)
+
+
+def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
+                 tuning: _tuning.DecodeTuning = _tuning.DECODE, graph_steps: bool = False) -> str:
+    """The engine of a dense decode call, decided once per call: the one
+    place that picks it.
+
+    * ``"graphs"`` (only with ``graph_steps``, a :class:`longattn.KVCache`
+      step on one device): replayed from a CUDA graph (:class:`StepGraphs`)
+      where ``tuning.graph_steps``, :func:`longattn.dilated.graphs.usable` and
+      the split-KV kernel (the one engine a replay can feed new lengths) runs.
+    * ``"split_kv"``: the split-KV kernel (:mod:`longattn.kernels.decode`).
+      ``auto``: on CUDA, for ``ragged`` calls (rows of different lengths: one
+      launch instead of one per row; or lengths given on the device: the
+      launch a CUDA graph capture replays), or rows of one length where
+      ``tuning.split_kv_equal_rows``, if the kernel takes the shapes;
+      ``triton``: wherever the kernel runs (the CPU interpreter included).
+    * ``"backend"``: a backend on views of the cache; always for any other
+      backend name (or one forced with :func:`longattn.use_backend`).
+
+    (Under CUDA graph capture the kernel is the only engine.)"""
+    name = (bk.forced() or "auto") if backend == "auto" else backend
+    if name not in ("auto", "triton"):
+        return "backend"
+    graphed = graph_steps and tuning.graph_steps and graphs.usable(q)
+    if not graphed and name == "auto" and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
+        return "backend"
+    if _split_kv_refusals(q, k_cache, v_cache, backend, tuning):
+        return "backend"
+    return "graphs" if graphed else "split_kv"
 
 
 def split_kv_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
                    tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
-    """Whether the split-KV kernel (:mod:`longattn.kernels.decode`) runs this
-    call: the one place that picks the decode engine. ``auto``: on CUDA, for
-    ``ragged`` calls (rows of different lengths: one launch instead of one per
-    row; or lengths given on the device: the launch a CUDA graph capture
-    replays), or rows of one length where ``tuning.split_kv_equal_rows``, if
-    the kernel takes the shapes; ``triton``: wherever the kernel runs (the CPU
-    interpreter included); any other backend name (or one forced with
-    :func:`longattn.use_backend`): never. (Under CUDA graph capture, and in
-    :class:`StepGraphs`, the kernel is the only engine.)"""
-    auto = ((bk.forced() or "auto") if backend == "auto" else backend) == "auto"
-    if auto and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
-        return False
-    return not _split_kv_refusals(q, k_cache, v_cache, backend, tuning)
-
-
-def graph_steps_take(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str,
-                     tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
-    """Whether :class:`longattn.KVCache` replays this dense one-device step from
-    a CUDA graph (:class:`StepGraphs`): ``tuning.graph_steps``, on CUDA, not
-    inside another capture or torch.compile, where the split-KV kernel (the one
-    engine a replay can feed new lengths) runs."""
-    return (tuning.graph_steps and q.is_cuda and not torch.cuda.is_current_stream_capturing()
-            and not torch.compiler.is_compiling() and not _split_kv_refusals(q, k_cache, v_cache, backend, tuning))
+    """Whether the split-KV kernel runs this call (:func:`dense_engine`)."""
+    return dense_engine(q, k_cache, v_cache, backend, ragged, tuning) == "split_kv"
 
 
 class StepGraphs:
@@ -141,25 +115,21 @@ class StepGraphs:
     split-KV kernel over the rows' lengths kept on the device (``lens``,
     advanced by every append). A step shape (the query's, the cache's
     storage) runs eagerly on its first call (compiling the kernels) and is
-    captured on its second (:class:`longattn.dilated.graphs.Graph`: the query
-    copied in, the outputs copied out), so one graph serves every step until
-    the cache's storage grows (which drops the graphs). At most :attr:`MAX`
-    shapes per cache; every cache's graphs share one memory pool (steps run
-    one after another on one stream)."""
+    captured on its second (:class:`longattn.dilated.graphs.GraphCache`: the
+    query copied in, the outputs copied out), so one graph serves every step
+    until the cache's storage grows (which drops the graphs). At most
+    :attr:`MAX` shapes per cache; every cache's graphs share one memory pool
+    (steps run one after another on one stream)."""
 
     MAX = 4
     MAX_CAPTURES = 16  # more, and the cache alternates between more shapes than it keeps: it stops capturing
-    _pool = None
 
     def __init__(self):
         self.lens: Optional[torch.Tensor] = None
-        self.graphs: "collections.OrderedDict[tuple, Graph]" = collections.OrderedDict()
-        self.seen: set = set()
-        self.captures = 0
+        self.replays = graphs.GraphCache(self.MAX, self.MAX_CAPTURES, shared_pool=True)
 
     def clear(self) -> None:
-        self.graphs.clear()
-        self.seen.clear()
+        self.replays.clear()
         self.lens = None
 
     def advance(self, n: int) -> None:
@@ -175,40 +145,34 @@ class StepGraphs:
                 self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
         run = lambda x: _kdec.decode(x, k_cache, v_cache, None, x.shape[1] > 1, scale, lens_tensor=self.lens,
                                      **tuning.kernel_args(False))
-        key = (q.shape, q.stride(), q.dtype, q.device, scale, k_cache.data_ptr(), v_cache.data_ptr(),
-               k_cache.shape, tuning, torch.is_inference_mode_enabled())
-        graph = self.graphs.get(key)
-        if graph is None:
-            if key not in self.seen or self.captures >= self.MAX_CAPTURES:  # one-off shapes never pay a capture
-                self.seen.add(key)
-                return run(q)
-            self.captures += 1
-            if StepGraphs._pool is None:
-                StepGraphs._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.device(q.device):  # the cache's device, whichever is current
-                graph = self.graphs[key] = Graph(run, [q], pool=StepGraphs._pool)
-            if len(self.graphs) > self.MAX:
-                self.graphs.popitem(last=False)
-        self.graphs.move_to_end(key)
-        return graph([q])
+        # q's shape, dtype and device (and the inference mode) are added by the GraphCache
+        key = (q.stride(), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, tuning)
+        return self.replays.run(key, run, [q])
 
 
 def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
                scale: float, backend: str, lens_tensor: Optional[torch.Tensor] = None,
-               tuning: _tuning.DecodeTuning = _tuning.DECODE) -> tuple[torch.Tensor, torch.Tensor]:
+               tuning: _tuning.DecodeTuning = _tuning.DECODE, *, engine: Optional[str] = None,
+               ragged: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each
     row; ``causal``: bottom-right (query i sees ``lens[b] - Lq + i + 1`` keys).
     Returns out in q's dtype and lse ``(B, H, Lq)`` float32; a row with no key
     gives 0 and -inf. The split-KV kernel takes the whole batch in one call
     (``lens_tensor``: the lengths on q's device, if the caller has them);
     otherwise one backend call when the rows have equal lengths, else one per
-    row (views of the cache, never copies)."""
+    row (views of the cache, never copies). ``engine`` (``"split_kv"`` or
+    ``"backend"``) and ``ragged`` (rows of different lengths), when the caller
+    has decided them (:func:`dense_engine`); else decided here."""
     b, lq, h, _ = q.shape
     masked = causal and lq > 1  # one query sees every cached key
-    if split_kv_takes(q, k_cache, v_cache, backend, lens_tensor is not None or len(set(lens)) > 1, tuning):
-        return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor,
+    if ragged is None:
+        ragged = len(set(lens)) > 1
+    if engine is None:
+        engine = dense_engine(q, k_cache, v_cache, backend, ragged or lens_tensor is not None, tuning)
+    if engine == "split_kv":
+        return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor, ragged=ragged,
                             **tuning.kernel_args(q.device.type == "cpu"))
-    if len(set(lens)) == 1:
+    if not ragged:
         return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
@@ -222,7 +186,7 @@ def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend
                 tuning: _tuning.DecodeTuning):
     b, lq, h, _ = q.shape
     if n == 0:
-        return torch.zeros_like(q), torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
+        return empty_state(q, q.dtype)
     k, v = k_cache[:, :n], v_cache[:, :n]
     if masked:
         spec = bk.BlockSpec(scale, True, (-1, -1), n - lq)
@@ -277,10 +241,10 @@ def dilated_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (query, branch, run) is one backend call on strided views of the cache.
     Returns out float32 ``(B, Lq, H, D)`` and lse ``(B, H, Lq)``.
     """
-    b, lq, h, d = q.shape
+    b, lq, h, _ = q.shape
     hkv = k_cache.shape[2]
-    out = torch.zeros(b, lq, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, lq, h), float("-inf"), dtype=torch.float32, device=q.device)
+    out, lse = empty_state(q, torch.float32)
+    lse_q = lse.transpose(1, 2)  # (B, Lq, H) view: merge_ aligns lse with out's leading dims
     spec = bk.BlockSpec(scale)
     for row in range(b):
         for i in range(lq):
@@ -304,8 +268,8 @@ def dilated_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                     k = k_cache[row:row + 1, a:e:r][:, :, heads]
                     v = v_cache[row:row + 1, a:e:r][:, :, heads]
                     o, l = _unmasked_backend(qs, k, spec, backend).forward(qs, k, v, spec)
-                    merge_(out[row:row + 1, i:i + 1, c::r], lse[row:row + 1, i:i + 1, c::r], o, l.transpose(1, 2))
-    return out, lse.transpose(1, 2).contiguous()
+                    merge_(out[row:row + 1, i:i + 1, c::r], lse_q[row:row + 1, i:i + 1, c::r], o, l.transpose(1, 2))
+    return out, lse
 
 
 # ------------------------------------------------------------------ over ranks
@@ -321,7 +285,7 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optio
     """
     b, lq, h, d = out.shape
     world = dist.get_world_size(group)
-    parts = [out.float().reshape(-1), lse.transpose(1, 2).float().reshape(-1)]
+    parts = [out.float().reshape(-1), lse.float().reshape(-1)]
     if check:
         parts.append(torch.full((1,), 1.0 if problem is not None else 0.0, device=out.device))
     flat = torch.cat(parts)
@@ -329,18 +293,15 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optio
     dist.all_gather(got, flat, group=group)
     if check:
         flags = torch.stack([x[-1] for x in got]).tolist()
-        bad = [r for r, f in enumerate(flags) if f]
-        if problem is not None:
-            raise problem
-        if bad:
-            raise ValueError(f"decode_attention: rank(s) {bad} of the group raised an error (see their message); "
-                             f"every rank stops here so that none waits in a collective")
+        checks.raise_flagged("decode_attention", problem, [r for r, f in enumerate(flags) if f])
     n_out = b * lq * h * d
     acc_out = got[0][:n_out].view(b, lq, h, d).clone()
-    acc_lse = got[0][n_out:n_out + b * lq * h].view(b, lq, h).clone()
+    acc_lse = got[0][n_out:n_out + b * lq * h].view(b, h, lq).clone()
     for x in got[1:]:  # the same order on every rank: bitwise the same result everywhere
-        merge_(acc_out, acc_lse, x[:n_out].view(b, lq, h, d), x[n_out:n_out + b * lq * h].view(b, lq, h))
-    return acc_out, acc_lse.transpose(1, 2).contiguous()
+        # lse (B, H, Lq) as (B, Lq, H) views: merge_ aligns lse with out's leading dims
+        merge_(acc_out, acc_lse.transpose(1, 2), x[:n_out].view(b, lq, h, d),
+               x[n_out:n_out + b * lq * h].view(b, h, lq).transpose(1, 2))
+    return acc_out, acc_lse
 
 
 # ------------------------------------------------------------------ public
@@ -421,7 +382,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         longattn.attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], causal=causal)
 
     Notes:
-        Engines (``backend="auto"``, :func:`split_kv_takes`): on CUDA, rows of
+        Engines (``backend="auto"``, :func:`dense_engine`): on CUDA, rows of
         different lengths, or lengths given on the device, go to the split-KV
         kernel (:mod:`longattn.kernels.decode`: the cache's tokens cut into
         splits over the whole GPU, all rows in one launch); rows of one length
@@ -456,7 +417,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     except (TypeError, ValueError) as e:
         problem = e
     # the capacity and the lengths may differ across ranks; everything else may not
-    agree(g, "decode_attention", problem, q=describe(q), k=describe(k_cache, capacity=False),
+    checks.agree(g, "decode_attention", problem, q=describe(q), k=describe(k_cache, capacity=False),
           v=describe(v_cache, capacity=False), seqlens=describe(cache_seqlens), scale=softmax_scale,
           lse=return_lse, backend=backend)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
@@ -466,8 +427,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, _on_device(cache_seqlens, q))
     except ValueError as e:
         problem = e
-        out, lse = torch.zeros_like(q), torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"),
-                                                   device=q.device)
+        out, lse = empty_state(q, q.dtype)
     out, lse = merge_over_ranks(out, lse, g, problem, check=True)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
