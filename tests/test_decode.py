@@ -71,14 +71,15 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
     lengths in one launch (lengths on the host and as a tensor), equal lengths,
     several splits per row, causal and not, an empty row, a strided cache."""
     from longattn.kernels import decode as kdec
-    from longattn.ops.decode import dense_engine, split_kv_takes
+    from longattn.ops.decode import dense_engine
 
     torch.manual_seed(2)
     b, cap, d = 3, 80, 16
     big_k, big_v = torch.randn(b, cap, hkv + 1, d), torch.randn(b, cap, hkv + 1, d)
     k, v = big_k[:, :, 1:], big_v[:, :, 1:]  # views: the kernel reads strides, never copies
     q = torch.randn(b, lq, h, d)
-    assert split_kv_takes(q, k, v, "triton", False) and not split_kv_takes(q, k, v, "auto", True)  # CPU: flash
+    assert dense_engine(q, k, v, "triton", False) == "split_kv"
+    assert dense_engine(q, k, v, "auto", True) == "backend"  # CPU: flash
     # a KVCache step on CPU is never replayed from a graph; a backend other than auto/triton never takes the kernel
     assert dense_engine(q, k, v, "triton", False, graph_steps=True) == "split_kv"
     assert dense_engine(q, k, v, "flash", True) == dense_engine(q, k, v, "auto", True, graph_steps=True) == "backend"

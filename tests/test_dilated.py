@@ -425,3 +425,38 @@ def test_views_pieces_and_float64_match_reference(batch):
     for causal in (False, True):
         _assert_matches_ref(q, k, v, do, dl, [256, 512], [1, 2], causal, "auto", tuning)
         _assert_matches_ref(q, k, v, do, dl, [256, 512], [1, 2], causal, "auto")
+
+
+def test_graph_cache_policy(monkeypatch):
+    """GraphCache (the dilated passes' and the KVCache steps' graphs): a key's
+    first call eager, captured on its second, replayed after; least recently
+    used dropped past max_graphs; no capture past max_captures; the inference
+    mode is part of the key. The capture itself (CUDA) is stood in for."""
+    from longattn.dilated import graphs
+
+    captured = []
+
+    class FakeGraph:
+        def __init__(self, fn, inputs, pool=None):
+            captured.append(tuple(x.shape for x in inputs))
+            self.fn = fn
+
+        def __call__(self, inputs):
+            return ("replayed", self.fn(*inputs))
+
+    monkeypatch.setattr(graphs, "Graph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    cache = graphs.GraphCache(max_graphs=2, max_captures=3)
+    fn = lambda x: x.shape[0]
+    xs = [torch.zeros(n) for n in (1, 2, 3)]
+    assert cache.run("k", fn, [xs[0]]) == 1 and not captured  # first call: eager
+    assert cache.run("k", fn, [xs[0]]) == ("replayed", 1) and captured == [((1,),)]
+    assert cache.run("k", fn, [xs[0]]) == ("replayed", 1) and len(captured) == 1
+    for x in xs[1:]:
+        cache.run("k", fn, [x]), cache.run("k", fn, [x])
+    assert len(captured) == 3 and len(cache.graphs) == 2  # shape (1,) dropped, least recently used
+    assert cache.run("k", fn, [xs[0]]) == 1 and len(captured) == 3  # max_captures reached: eager
+    with torch.inference_mode():
+        assert cache.run("k", fn, [xs[2]]) == 3  # another key: a first call again
+    cache.clear()
+    assert not cache.graphs and not cache.seen

@@ -101,12 +101,6 @@ def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return "graphs" if graphed else "split_kv"
 
 
-def split_kv_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
-                   tuning: _tuning.DecodeTuning = _tuning.DECODE) -> bool:
-    """Whether the split-KV kernel runs this call (:func:`dense_engine`)."""
-    return dense_engine(q, k_cache, v_cache, backend, ragged, tuning) == "split_kv"
-
-
 class StepGraphs:
     """One cache's dense decode steps on one device, replayed from CUDA graphs.
 
