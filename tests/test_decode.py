@@ -254,7 +254,7 @@ def test_bad_inputs_raise():
 
 
 def test_bench_decode_tiny(tmp_path):
-    """python -m longattn.bench decode on CPU: dense and dilated rows with
+    """python -m longattn.bench decode: dense and dilated rows with
     measured prefill, per-token latency and tokens/s, the JSON with its env."""
     import json
 
@@ -266,8 +266,11 @@ def test_bench_decode_tiny(tmp_path):
           "--json", str(path)])
     d = json.loads(path.read_text())
     assert d["kind"] == "decode" and d["world"] == 1 and {"torch", "commit", "command", "device"} <= set(d["env"])
-    assert [r["impl"] for r in d["results"]] == ["longattn", "longattn-dilated"]
-    for r in d["results"]:
+    ours = [r for r in d["results"] if r["impl"] in ("longattn", "longattn-dilated")]
+    assert {r["impl"] for r in ours} == {"longattn", "longattn-dilated"}
+    if not torch.cuda.is_available():  # on CUDA the backends and SDPA's rows join them
+        assert ours == d["results"]
+    for r in ours:
         assert r["status"] == "ok" and r["context"] == 64 and r["layers"] == 2
         assert r["prefill_ms"] > 0 and r["decode_ms_per_layer"] > 0 and r["tokens_per_s"] > 0
         assert r["cache_bytes_per_rank"] >= 2 * 2 * 64 * 16 * 4  # two layers' K and V, float32
