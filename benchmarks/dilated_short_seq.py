@@ -14,6 +14,8 @@ LongNet segments 2K..32K, rates 1..16, bf16, D=128 (--head-dim), MHA 16 heads
   concurrent (in order);
 * ``fused``: our Triton kernels (built-in tiles: the autotuner's first call
   of a shape takes minutes);
+* ``auto`` (the default engine; eagerly the op skips torch.library's
+  dispatcher) and ``auto_dispatcher`` (the same through the dispatcher);
 * ``dense``: dense cuDNN at the same length, the yardstick.
 
 and for the forward and forward+backward: ``cold`` (one call between CUDA
@@ -58,7 +60,22 @@ VARIANTS = {
                                                      graph_max_tokens_gqa=1 << 40)),
     "fused": dict(backend="triton", tuning=DilatedTuning(autotune="0")),
     "auto": dict(),
+    "auto_dispatcher": dict(),  # the same op through torch.library's dispatcher (as under a dispatch mode)
 }
+
+
+def via_dispatcher(q, k, v, causal, tuning=None, backend="auto"):
+    """``dilated_attention``'s output through its custom op, what an eager
+    call ran before eager calls skipped the dispatcher (longattn._autograd)."""
+    from longattn import dilated as dil
+    from longattn.backends import default_scale
+
+    ops = sys.modules["longattn.ops.dilated"]
+    plan = dil.choose(q, k, SEGS, RATES, causal, backend, tuning or longattn.tuning.DILATED)
+    scale = default_scale(q.shape[-1], None)
+    if plan.fwd == plan.bwd == "fused":
+        return dil.fused.fused_op.fwd_op(q, k, v, SEGS, RATES, scale, causal, plan.fused_schedule, plan.autotune)[0]
+    return ops._dilated.fwd_op(q, k, v, SEGS, RATES, scale, causal, backend, plan.key())[0]
 
 
 def host_ms(fn, dev, n=10):
@@ -123,6 +140,9 @@ def case(s, h, hkv, d, causal, variants, dev, iters):
         if name == "dense":
             f = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
             flops = dense_flops
+        elif name == "auto_dispatcher":
+            f = lambda q, k, v: via_dispatcher(q, k, v, causal)
+            flops = dilated_flops
         else:
             kw = VARIANTS[name]
             f = lambda q, k, v, kw=kw: longattn.dilated_attention(q, k, v, segment_lengths=SEGS, dilation_rates=RATES,
@@ -147,6 +167,9 @@ def case(s, h, hkv, d, causal, variants, dev, iters):
         print(json.dumps(row), flush=True)
     dense = next((r for r in rows if r["impl"] == "dense" and "error" not in r), None)
     for r in rows:
+        for p in ("fwd", "fwd_bwd"):  # the issue's measure: host time of issuing a call over its cold time
+            if f"{p}_host_ms" in r:
+                r[f"{p}_host_share"] = r[f"{p}_host_ms"] / r[f"{p}_cold_ms"]
         for t in ("cold", "batched", "graph"):
             for p in ("fwd", "bwd"):
                 if dense and f"{p}_{t}_tflops" in r:  # dense attention is GPU-bound: its cold time
@@ -176,10 +199,11 @@ def main():
     env = environment(dev, command=" ".join(["python", "benchmarks/dilated_short_seq.py", *sys.argv[1:]]))
     write_json(a.json, dict(env=env, command=env["command"], rows=rows))  # "rows", not "results": no CSV
     print(f"\n{'seqlen':>7} {'h/kv':>6} {'c':>1} {'impl':>17} | {'fwd cold/batch/graph x dense':>29} | "
-          f"{'bwd cold/batch/graph x dense':>29} | host fwd/fb ms | kernels fwd/fb")
+          f"{'bwd cold/batch/graph x dense':>29} | host fwd/fb ms | host % fwd/fb | kernels fwd/fb")
     for r in rows:
         x = lambda p: " ".join(f"{r.get(f'{p}_{t}_x_dense', float('nan')):5.2f}" for t in ("cold", "batched", "graph"))
-        host = f"{r.get('fwd_host_ms', 0):5.2f} / {r.get('fwd_bwd_host_ms', 0):5.2f}"
+        host = (f"{r.get('fwd_host_ms', 0):5.2f} / {r.get('fwd_bwd_host_ms', 0):5.2f} | "
+                f"{100 * r.get('fwd_host_share', 0):5.1f} / {100 * r.get('fwd_bwd_host_share', 0):5.1f}")
         err = f"  ERROR {r['error']}" if "error" in r else ""
         print(f"{r['seqlen']:>7} {r['heads']:>3}/{r['kv_heads']:<2} {int(r['causal'])} {r['impl']:>19} | "
               f"{x('fwd'):>29} | {x('bwd'):>29} | {host} | {r.get('fwd_kernels', 0)} / {r.get('fwd_bwd_kernels', 0)}"

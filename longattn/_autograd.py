@@ -6,17 +6,52 @@ Each op is a pair of ``torch.library`` custom ops: ``fwd(q, k, v, *tensors,
 non-tensor arguments by name (so a signature change cannot silently shift
 them). ``kept`` are forward results only the backward needs (the ring's last
 K/V block); they carry no gradient.
+
+:func:`register_attention_autograd` returns an :class:`AttentionOp`, what the
+public functions call. Where nothing traces or transforms the call (plain
+tensors, eager, no torch.compile, no ``torch.func`` transform, no dispatch or
+function mode), it runs the two functions under one ``torch.autograd.Function``
+and skips the dispatcher: torch.library's dispatch of a Python custom op costs
+tens of microseconds per pass (30 µs of 39 on a CPU host, 0.10 / 0.16 ms per
+forward / backward on an H200's host, benchmarks/dispatch_host.py), as much as
+a replayed short pass's whole GPU time. Everywhere else the custom op runs, so
+torch.compile, export, FakeTensor and vmap see one opaque op with its fake kernel.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
+
+
+def direct(tensors: Sequence) -> bool:
+    """Whether a call on ``tensors`` may skip the dispatcher (see the module
+    docstring): every tensor a plain ``torch.Tensor``, not compiling, no
+    ``torch.func`` transform and no Python dispatch or function mode active."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._len_torch_function_stack() == 0 and torch._C._functorch.peek_interpreter_stack() is None
+            and all(t is None or type(t) is torch.Tensor for t in tensors))
+
+
+class AttentionOp:
+    """A forward/backward custom-op pair with its autograd; calling it runs the
+    forward (positional arguments as ``fwd_op`` takes them): the custom op, or
+    where :func:`direct` says so, the same functions without the dispatcher."""
+
+    def __init__(self, fwd_op, bwd_op, n_tensors: int, function: type):
+        self.fwd_op, self.bwd_op, self.n_tensors, self.function = fwd_op, bwd_op, n_tensors, function
+
+    def __call__(self, *args):
+        if direct(args[:self.n_tensors]):
+            return self.function.apply(*args)
+        return self.fwd_op(*args)
 
 
 def register_attention_autograd(fwd_op, bwd_op, arg_names: Sequence[str], extra_tensors: int = 0,
-                                kept_outputs: int = 0, fwd_fake=None) -> None:
-    """Attach ``bwd_op`` as the backward of ``fwd_op``.
+                                kept_outputs: int = 0, fwd_fake=None) -> AttentionOp:
+    """Attach ``bwd_op`` as the backward of ``fwd_op``; returns the
+    :class:`AttentionOp` that calls the pair.
 
     ``arg_names`` are the names of fwd_op's inputs after q, k, v and the
     ``extra_tensors`` tensor inputs (e.g. cu_seqlens), in order;
@@ -39,14 +74,29 @@ def register_attention_autograd(fwd_op, bwd_op, arg_names: Sequence[str], extra_
         ctx.kw = dict(zip(arg_names, inputs[n_tensors:]))
         ctx.n_inputs = len(inputs)
 
-    def backward(ctx, dout, dlse, *_):
+    def backward(ctx, dout, dlse, *_, bwd=bwd_op):
         *ins, out, lse = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
-        dq, dk, dv = bwd_op(dout.contiguous(), ins[0], ins[1], ins[2], out, lse, dlse, *ins[3:], **ctx.kw)
+        dq, dk, dv = bwd(dout.contiguous(), ins[0], ins[1], ins[2], out, lse, dlse, *ins[3:], **ctx.kw)
         return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
     fwd_op.register_autograd(backward, setup_context=setup)
+
+    fwd_fn, bwd_fn = fwd_op._init_fn, bwd_op._init_fn  # the functions the ops were made from
+
+    def forward(ctx, *inputs):
+        output = fwd_fn(*inputs)
+        setup(ctx, inputs, output)
+        return output
+
+    def direct_backward(ctx, dout, dlse, *_):
+        return backward(ctx, dout, dlse, bwd=bwd_fn)
+
+    name = fwd_op._qualname.replace("::", "_")  # the autograd node's name in profiles and error messages
+    function = type(name, (torch.autograd.Function,), dict(forward=staticmethod(forward),
+                                                          backward=staticmethod(once_differentiable(direct_backward))))
+    return AttentionOp(fwd_op, bwd_op, n_tensors, function)
 
 
 def grads_like(dout, q, k, v, *args, **kwargs):

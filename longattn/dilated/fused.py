@@ -19,10 +19,11 @@ Schedules (chosen by :func:`longattn.dilated.plan.choose`):
 Extra memory beyond inputs, outputs and grads: the float32 lse and delta,
 (B, H, S) each: the output and gradients are accumulated in place.
 
-``fused_fwd`` / ``fused_bwd`` are the same two passes registered as
-``torch.library.triton_op``: under torch.compile the graph holds the Triton
-kernels themselves (wrapped by ``wrap_triton``), which Inductor compiles and
-schedules with the code around them; eagerly they launch as plain kernels.
+``fused_op`` runs the same two passes registered as a pair of
+``torch.library.triton_op`` (:class:`longattn._autograd.AttentionOp`): under
+torch.compile the graph holds the Triton kernels themselves (wrapped by
+``wrap_triton``), which Inductor compiles and schedules with the code around
+them; eagerly they launch as plain kernels.
 """
 from __future__ import annotations
 
@@ -139,9 +140,8 @@ def _register_ops():
                                                      q.new_empty(b_h_s(q), dtype=torch.float32)))
         fused_bwd.register_fake(lambda dout, q, k, v, *_: (torch.empty_like(q), torch.empty_like(k),
                                                            torch.empty_like(v)))
-    register_attention_autograd(fused_fwd, fused_bwd,
-                                ("segment_lengths", "dilation_rates", "scale", "causal", "schedule", "autotune"))
-    return fused_fwd, fused_bwd
+    return register_attention_autograd(fused_fwd, fused_bwd, ("segment_lengths", "dilation_rates", "scale", "causal",
+                                                              "schedule", "autotune"))
 
 
-fused_fwd, fused_bwd = _register_ops() if _common.HAS_TRITON else (None, None)
+fused_op = _register_ops() if _common.HAS_TRITON else None

@@ -39,8 +39,8 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
-register_attention_autograd(_attention_fwd, _attention_bwd,
-                            ("scale", "causal", "window_left", "window_right", "q_offset", "backend"),
+_attention = register_attention_autograd(_attention_fwd, _attention_bwd,
+                                         ("scale", "causal", "window_left", "window_right", "q_offset", "backend"),
                             fwd_fake=out_lse_like)
 
 
@@ -82,5 +82,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     spec = bk.BlockSpec(scale, causal, (left, right), q_offset)
     if not torch.compiler.is_compiling():  # raise on an unsupported forced backend before any kernel
         bk.select_backend(q, k, spec, backend)
-    out, lse = _attention_fwd(q, k, v, scale, causal, left, right, q_offset, backend)
+    out, lse = _attention(q, k, v, scale, causal, left, right, q_offset, backend)
     return (out, lse) if return_lse else out

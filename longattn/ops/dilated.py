@@ -32,9 +32,9 @@ def _dilated_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                          dilation_rates, causal, scale, backend)
 
 
-register_attention_autograd(_dilated_fwd, _dilated_bwd,
-                            ("segment_lengths", "dilation_rates", "scale", "causal", "backend", "plan"),
-                            fwd_fake=out_lse_like)
+_dilated = register_attention_autograd(_dilated_fwd, _dilated_bwd,
+                                       ("segment_lengths", "dilation_rates", "scale", "causal", "backend", "plan"),
+                                       fwd_fake=out_lse_like)
 
 
 def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_lengths: Sequence[int],
@@ -102,8 +102,8 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
         # The views path hands dense blocks to this backend; check it can take them.
         bk.select_backend(q, k, bk.BlockSpec(scale, causal), backend)
     if plan.fwd == plan.bwd == "fused":  # the triton_op pair: torch.compile sees the kernels
-        out, lse = _dil.fused.fused_fwd(q, k, v, list(segs), list(rates), scale, causal, plan.fused_schedule,
-                                         plan.autotune)
+        out, lse = _dil.fused.fused_op(q, k, v, list(segs), list(rates), scale, causal, plan.fused_schedule,
+                                       plan.autotune)
     else:
-        out, lse = _dilated_fwd(q, k, v, list(segs), list(rates), scale, causal, backend, plan.key())
+        out, lse = _dilated(q, k, v, list(segs), list(rates), scale, causal, backend, plan.key())
     return (out, lse) if return_lse else out

@@ -40,8 +40,8 @@ def _dist_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                           checks.group_from_name(group_name), backend)
 
 
-register_attention_autograd(_dist_fwd, _dist_bwd, ("segment_lengths", "dilation_rates", "scale", "causal",
-                                                  "group_name", "backend", "plan"), fwd_fake=out_lse_like)
+_dist = register_attention_autograd(_dist_fwd, _dist_bwd, ("segment_lengths", "dilation_rates", "scale", "causal",
+                                                          "group_name", "backend", "plan"), fwd_fake=out_lse_like)
 
 
 def dilated_attention_over_ranks(q, k, v, *, segment_lengths, dilation_rates, causal=False, softmax_scale=None,
@@ -62,6 +62,6 @@ def dilated_attention_over_ranks(q, k, v, *, segment_lengths, dilation_rates, ca
         checks.check_consistent(g, "dilated_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                                 segs=segs, rates=rates, causal=causal, scale=scale, backend=backend)
     plan = _dil.choose(q, k, [w for w, _ in local], [r for _, r in local], causal, backend, tuning) if local else None
-    out, lse = _dist_fwd(q, k, v, list(segs), list(rates), scale, causal, checks.group_name(g), backend,
-                         plan.key() if plan else "")
+    out, lse = _dist(q, k, v, list(segs), list(rates), scale, causal, checks.group_name(g), backend,
+                     plan.key() if plan else "")
     return (out, lse) if return_lse else out

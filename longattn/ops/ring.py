@@ -75,8 +75,8 @@ def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 _ring_bwd.register_fake(grads_like)
-register_attention_autograd(_ring_fwd, _ring_bwd, ("scale", "causal", "window_left", "window_right", "layout",
-                                                  "group_name", "backend"), kept_outputs=2)
+_ring = register_attention_autograd(_ring_fwd, _ring_bwd, ("scale", "causal", "window_left", "window_right",
+                                                          "layout", "group_name", "backend"), kept_outputs=2)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -116,5 +116,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     if not torch.compiler.is_compiling():
         checks.check_consistent(g, "ring_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                                causal=causal, window=window, layout=layout, scale=scale, backend=backend)
-    out, lse, _, _ = _ring_fwd(q, k, v, scale, causal, window[0], window[1], layout, checks.group_name(g), backend)
+    out, lse, _, _ = _ring(q, k, v, scale, causal, window[0], window[1], layout, checks.group_name(g), backend)
     return (out, lse) if return_lse else out

@@ -57,9 +57,9 @@ def _ring_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return dq[0], dk[0], dv[0]
 
 
-register_attention_autograd(_ring_varlen_fwd, _ring_varlen_bwd,
-                            ("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend"),
-                            extra_tensors=1, fwd_fake=varlen_out_lse_like)
+_ring_varlen = register_attention_autograd(_ring_varlen_fwd, _ring_varlen_bwd,
+                                           ("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend"),
+                                           extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
 def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
@@ -95,6 +95,6 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         checks.check_consistent(g, "ring_attention_varlen", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                                cu=tuple(cu_seqlens.tolist()), causal=causal, window=window, layout=layout,
                                scale=scale, backend=backend)
-    out, lse = _ring_varlen_fwd(q, k, v, cu_seqlens.cpu(), scale, causal, window[0], window[1], layout,
-                                checks.group_name(g), backend)
+    out, lse = _ring_varlen(q, k, v, cu_seqlens.cpu(), scale, causal, window[0], window[1], layout,
+                            checks.group_name(g), backend)
     return (out, lse) if return_lse else out

@@ -37,9 +37,10 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                             backend)
 
 
-register_attention_autograd(_varlen_fwd, _varlen_bwd,
-                            ("max_seqlen", "scale", "causal", "window_left", "window_right", "backend", "kernel"),
-                            extra_tensors=1, fwd_fake=varlen_out_lse_like)
+_varlen_op = register_attention_autograd(_varlen_fwd, _varlen_bwd,
+                                         ("max_seqlen", "scale", "causal", "window_left", "window_right", "backend",
+                                          "kernel"),
+                                         extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
@@ -73,5 +74,5 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document ({int(lens.max())})")
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     kernel = _varlen.choose(q, backend, cu_seqlens.numel() - 1)
-    out, lse = _varlen_fwd(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, left, right, backend, kernel)
+    out, lse = _varlen_op(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, left, right, backend, kernel)
     return (out, lse) if return_lse else out
