@@ -54,9 +54,9 @@ class Graph:
             self.outputs = fn(*self.inputs)
 
     def _load(self, inputs) -> None:
-        for dst, src in zip(self.inputs, inputs):
-            if dst is not None:
-                dst.copy_(src)
+        # one dispatch for all inputs: 1-3 µs less host time than a copy_ each for a forward's three,
+        # ~9 µs for a backward's six (benchmarks/graph_copy_ab.py)
+        torch._foreach_copy_([d for d in self.inputs if d is not None], [x for x in inputs if x is not None])
 
     def __call__(self, inputs):
         self._load(inputs)
