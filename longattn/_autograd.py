@@ -9,12 +9,13 @@ K/V block); they carry no gradient.
 
 :func:`register_attention_autograd` returns an :class:`AttentionOp`, what the
 public functions call. Where nothing traces or transforms the call (plain
-tensors, eager, no torch.compile, no ``torch.func`` transform, no dispatch or
-function mode), it runs the two functions under one ``torch.autograd.Function``
-and skips the dispatcher: torch.library's dispatch of a Python custom op costs
-tens of microseconds per pass (LongNet at 8K-16K on one H200: 0.13-0.15 ms of
-forward host time against 0.20-0.25 ms through the dispatcher, of a 0.5-1.1 ms
-call; ``benchmarks/dilated_short_seq.py --variants auto auto_dispatcher``).
+tensors off the meta device, eager, no torch.compile or ``torch.jit.trace``,
+no ``torch.func`` transform, no dispatch or function mode), it runs the two
+functions under one ``torch.autograd.Function`` and skips the dispatcher:
+torch.library's dispatch of a Python custom op costs tens of microseconds per
+pass (LongNet at 8K-16K on one H200: 0.13-0.15 ms of forward host time against
+0.20-0.25 ms through the dispatcher, of a 0.5-1.1 ms call;
+``benchmarks/dilated_short_seq.py --variants auto auto_dispatcher``).
 Everywhere else the custom op runs, so torch.compile, export, FakeTensor and
 vmap see one opaque op with its fake kernel.
 """
@@ -28,11 +29,15 @@ from torch.autograd.function import once_differentiable
 
 def direct(tensors: Sequence) -> bool:
     """Whether a call on ``tensors`` may skip the dispatcher (see the module
-    docstring): every tensor a plain ``torch.Tensor``, not compiling, no
-    ``torch.func`` transform and no Python dispatch or function mode active."""
+    docstring): every tensor a plain ``torch.Tensor`` off the meta device (meta
+    tensors get the fake kernel, shapes only), not compiling, not under
+    ``torch.jit.trace`` (the trace records the custom op, which it can save; an
+    ``autograd.Function`` it cannot), no ``torch.func`` transform and no Python
+    dispatch or function mode active."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and torch._C._len_torch_function_stack() == 0 and torch._C._functorch.peek_interpreter_stack() is None
-            and all(t is None or type(t) is torch.Tensor for t in tensors))
+            and not torch._C._is_tracing()
+            and all(t is None or (type(t) is torch.Tensor and not t.is_meta) for t in tensors))
 
 
 class AttentionOp:

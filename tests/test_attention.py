@@ -187,6 +187,99 @@ def test_eager_calls_skip_the_dispatcher_others_run_the_custom_op(op):
 _OP_NAMES = {"attention": "attention", "dilated_attention": "dilated", "attention_varlen": "varlen"}
 
 
+def _both_paths(q, k, v):
+    """(direct, custom op) results of one dense op call: the autograd.Function
+    eager calls run and the torch.library op everything else runs."""
+    from longattn.ops.attention import _attention
+
+    args = (q, k, v, 16 ** -0.5, True, -1, -1, 0, "math")
+    return _attention.function.apply(*args), _attention.fwd_op(*args)
+
+
+def _scenario(name, path, q, k, v):
+    """One autograd situation on one path: its outputs and q/k/v grads (or the error)."""
+    if name == "no_grad":
+        with torch.no_grad():
+            out, lse = path(q, k, v)[:2]
+        return out, lse, out.requires_grad
+    if name == "inference_mode":
+        with torch.inference_mode():
+            out, lse = path(q, k, v)[:2]
+        return out, lse, out.requires_grad, out.is_inference()
+    if name.startswith("checkpoint"):
+        out, lse = torch.utils.checkpoint.checkpoint(path, q, k, v, use_reentrant=name.endswith("reentrant"))[:2]
+    else:
+        out, lse = path(q, k, v)[:2]
+    if name == "double_backward":
+        g, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError) as e:
+            g.sum().backward()
+        return (type(e.value),)
+    loss = {"lse_only": lse.sum(), "out_only": out.sum()}.get(name, out.sum() + lse.sum())
+    loss.backward()
+    return out, lse, *(x.grad for x in (q, k, v))
+
+
+@pytest.mark.parametrize("name", ["partial_requires_grad", "no_grad", "inference_mode", "lse_only", "out_only",
+                                  "checkpoint", "checkpoint_reentrant", "double_backward"])
+def test_direct_path_matches_the_custom_op_in_autograd_corners(name):
+    """The dispatcher-free eager path and the custom op agree: inputs of which
+    only some need grad, no_grad / inference_mode, one output used, activation
+    checkpointing both ways; double backward raises in both (the backward is
+    once-differentiable)."""
+    results = []
+    for path in (lambda q, k, v: _both_paths(q, k, v)[0], lambda q, k, v: _both_paths(q, k, v)[1]):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
+        q.requires_grad_(name != "partial_requires_grad")
+        k.requires_grad_()
+        results.append(_scenario(name, path, q, k, v))
+    direct, custom = results
+    assert len(direct) == len(custom)
+    for a, b in zip(direct, custom):
+        assert (a is None and b is None) or (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+
+
+def test_meta_tensors_get_the_fake_kernel():
+    """On meta tensors the custom op runs its fake kernel (shapes for deferred
+    init and size estimates); the direct path would run the kernels on them."""
+    q = torch.empty(2, 64, 4, 16, device="meta", requires_grad=True)
+    out, lse = longattn.dilated_attention(q, q, q, segment_lengths=[16, 32], dilation_rates=[1, 2],
+                                          return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 64) and out.is_meta
+    dq, = torch.autograd.grad(out.sum() + lse.sum(), q)
+    assert dq.shape == q.shape and dq.is_meta
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+    out, lse = longattn.attention_varlen(q[0], q[0], q[0], cu, causal=True, return_lse=True)
+    assert out.shape == q[0].shape and lse.shape == (4, 64) and out.is_meta
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning")
+def test_jit_trace_records_the_custom_op(tmp_path):
+    """torch.jit.trace records the custom op (an autograd.Function would be a
+    Python op that torch.jit.save refuses); the saved trace reloads and matches."""
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return longattn.attention(q, k, v, causal=True)
+
+    q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
+    traced = torch.jit.trace(M(), (q, k, v), check_trace=False)
+    assert "longattn::attention_fwd" in {n.kind() for n in traced.graph.nodes()}
+    torch.jit.save(traced, tmp_path / "m.pt")
+    assert torch.allclose(torch.jit.load(tmp_path / "m.pt")(q, k, v), M()(q, k, v))
+
+
+def test_forward_mode_ad_raises_instead_of_dropping_tangents():
+    """The ops have no forward-mode formula: an eager call on dual tensors
+    raises (the custom op path would return no tangent without a word)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q = torch.randn(1, 12, 2, 16)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="jvp"):
+        longattn.attention(fwAD.make_dual(q, torch.ones_like(q)), q, q)
+
+
 def _varlen_ref(q, k, v, cu):
     outs = [attention_ref(q[:, a:b], k[:, a:b], v[:, a:b], causal=True) for a, b in zip(cu[:-1], cu[1:])]
     return torch.cat([o for o, _ in outs], 1), torch.cat([lse for _, lse in outs], 2)
