@@ -23,6 +23,7 @@ import torch
 
 from .. import backends as bk
 from .._merge import empty_state, merge_, merge_into
+from .._streams import has_side_stream, side_stream
 from ..kernels import merge as kmerge
 from .plan import DilatedPlan
 from .schedule import Part, Unit, kv_heads_for, ordered_units, schedule
@@ -154,7 +155,7 @@ def _ready(plan: DilatedPlan, q: torch.Tensor):
     inside a CUDA graph capture that starts before the side streams exist)."""
     if not (plan.concurrent and q.is_cuda):
         return None
-    if torch.cuda.is_current_stream_capturing() and (q.device, 0) not in _streams:
+    if torch.cuda.is_current_stream_capturing() and not has_side_stream(q.device, ("dilated views", 0)):
         return None
     return torch.cuda.current_stream().record_event()
 
@@ -185,7 +186,7 @@ def side_streams(calls, ready):
     main = torch.cuda.current_stream()
     pending, used = [], {}
     for i, (writes, call) in enumerate(calls):
-        side = used.setdefault(i % _NSTREAMS, _stream(main.device, i))
+        side = used.setdefault(i % _NSTREAMS, side_stream(main.device, ("dilated views", i % _NSTREAMS)))
         side.wait_event(ready)
         with torch.cuda.stream(side):
             pending.append((writes, side, list(call())))
@@ -197,15 +198,7 @@ def side_streams(calls, ready):
         side.wait_stream(main)
 
 
-_streams: dict = {}
 _NSTREAMS = 4
-
-
-def _stream(device, i: int):
-    key = (device, i % _NSTREAMS)
-    if key not in _streams:
-        _streams[key] = torch.cuda.Stream(device=device)
-    return _streams[key]
 
 
 def _gather_forward(q, k, v, segment_lengths, dilation_rates, causal, scale, backend, out_dtype):

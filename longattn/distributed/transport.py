@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .._config import ENV, TRANSPORTS
+from .._streams import side_stream
 
 
 class P2P:
@@ -97,7 +98,7 @@ class CopyEngineP2P(P2P):
         self.tag = tag
         self._event = None
         self._hold = None
-        self._stream = _side_stream(torch.cuda.current_device())
+        self._stream = side_stream(torch.cuda.current_device(), "ring transport")
 
     def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, fresh: bool = False) -> None:
         assert self._event is None, "previous exchange not waited"
@@ -154,15 +155,6 @@ class CopyEngineP2P(P2P):
 
 def _as(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return raw.view(like.dtype).view(like.shape)
-
-
-_streams: dict = {}
-
-
-def _side_stream(device: int) -> torch.cuda.Stream:
-    if device not in _streams:
-        _streams[device] = torch.cuda.Stream(device)
-    return _streams[device]
 
 
 class _MemOps:
