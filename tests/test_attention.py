@@ -150,6 +150,9 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_OP_NAMES = {"attention": "attention", "dilated_attention": "dilated", "attention_varlen": "varlen"}
+
+
 @pytest.mark.parametrize("op", ["attention", "dilated_attention", "attention_varlen"])
 def test_eager_calls_skip_the_dispatcher_others_run_the_custom_op(op):
     """Eagerly an op runs its two functions under one autograd.Function (no
@@ -184,16 +187,14 @@ def test_eager_calls_skip_the_dispatcher_others_run_the_custom_op(op):
                                                                   for p in ("fwd", "bwd")}
 
 
-_OP_NAMES = {"attention": "attention", "dilated_attention": "dilated", "attention_varlen": "varlen"}
-
-
-def _both_paths(q, k, v):
-    """(direct, custom op) results of one dense op call: the autograd.Function
-    eager calls run and the torch.library op everything else runs."""
+def _paths():
+    """One dense op call two ways: the autograd.Function eager calls run, and
+    the torch.library op everything else runs."""
     from longattn.ops.attention import _attention
 
-    args = (q, k, v, 16 ** -0.5, True, -1, -1, 0, "math")
-    return _attention.function.apply(*args), _attention.fwd_op(*args)
+    args = (16 ** -0.5, True, -1, -1, 0, "math")
+    return (lambda q, k, v: _attention.function.apply(q, k, v, *args),
+            lambda q, k, v: _attention.fwd_op(q, k, v, *args))
 
 
 def _scenario(name, path, q, k, v):
@@ -228,7 +229,7 @@ def test_direct_path_matches_the_custom_op_in_autograd_corners(name):
     checkpointing both ways; double backward raises in both (the backward is
     once-differentiable)."""
     results = []
-    for path in (lambda q, k, v: _both_paths(q, k, v)[0], lambda q, k, v: _both_paths(q, k, v)[1]):
+    for path in _paths():
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
         q.requires_grad_(name != "partial_requires_grad")

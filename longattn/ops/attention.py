@@ -41,7 +41,7 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 _attention = register_attention_autograd(_attention_fwd, _attention_bwd,
                                          ("scale", "causal", "window_left", "window_right", "q_offset", "backend"),
-                            fwd_fake=out_lse_like)
+                                         fwd_fake=out_lse_like)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

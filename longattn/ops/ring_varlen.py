@@ -58,7 +58,8 @@ def _ring_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 
 _ring_varlen = register_attention_autograd(_ring_varlen_fwd, _ring_varlen_bwd,
-                                           ("scale", "causal", "window_left", "window_right", "layout", "group_name", "backend"),
+                                           ("scale", "causal", "window_left", "window_right", "layout", "group_name",
+                                            "backend"),
                                            extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
