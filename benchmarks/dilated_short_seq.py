@@ -64,18 +64,19 @@ VARIANTS = {
 }
 
 
-def via_dispatcher(q, k, v, causal, tuning=None, backend="auto"):
-    """``dilated_attention``'s output through its custom op, what an eager
-    call ran before eager calls skipped the dispatcher (longattn._autograd)."""
+def via_dispatcher(q, k, v, causal):
+    """``dilated_attention(q, k, v)``'s output (default engine and tuning)
+    through its custom op, as a call under a dispatch mode runs it
+    (``longattn._autograd.direct``)."""
     from longattn import dilated as dil
-    from longattn.backends import default_scale
+    from longattn.tuning import DILATED
 
     ops = sys.modules["longattn.ops.dilated"]
-    plan = dil.choose(q, k, SEGS, RATES, causal, backend, tuning or longattn.tuning.DILATED)
-    scale = default_scale(q.shape[-1], None)
+    plan = dil.choose(q, k, SEGS, RATES, causal, "auto", DILATED)
+    scale = q.shape[-1] ** -0.5
     if plan.fwd == plan.bwd == "fused":
         return dil.fused.fused_op.fwd_op(q, k, v, SEGS, RATES, scale, causal, plan.fused_schedule, plan.autotune)[0]
-    return ops._dilated.fwd_op(q, k, v, SEGS, RATES, scale, causal, backend, plan.key())[0]
+    return ops._dilated.fwd_op(q, k, v, SEGS, RATES, scale, causal, "auto", plan.key())[0]
 
 
 def host_ms(fn, dev, n=10):
