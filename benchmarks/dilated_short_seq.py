@@ -1,7 +1,7 @@
 """Where the time of a short dilated call goes: host, GPU, launches, per engine.
 
     python benchmarks/dilated_short_seq.py [--seqlens 8192 16384 32768 131072] [--head-dim 128]
-        [--gqa --gqa-seqlens 32768] [--iters 20]
+        [--gqa --gqa-seqlens 32768] [--iters 20] [--rounds 1]
 
 LongNet segments 2K..32K, rates 1..16, bf16, D=128 (--head-dim), MHA 16 heads
 (and with --gqa 32q/8kv at --gqa-seqlens), causal and not. For each engine of ``dilated_attention``:
@@ -126,7 +126,7 @@ def measure(f, q, k, v, do, dev, iters, full=True):
     return r
 
 
-def case(s, h, hkv, d, causal, variants, dev, iters):
+def case(s, h, hkv, d, causal, variants, dev, iters, rounds=1):
     torch.manual_seed(0)
     q = torch.randn(1, s, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(1, s, hkv, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
@@ -137,7 +137,9 @@ def case(s, h, hkv, d, causal, variants, dev, iters):
     dense_flops = fwd_flops(dataclasses.replace(dilated, segment_lengths=None, dilation_rates=None))
     rows = []
     ref = None
-    for name in variants:
+    # rounds > 1 alternate the variants (A B A B): a drift of the machine over the run shows as spread within a
+    # variant instead of as a difference between them
+    for rnd, name in ((r, n) for r in range(rounds) for n in variants):
         if name == "dense":
             f = lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend="cudnn")
             flops = dense_flops
@@ -149,7 +151,7 @@ def case(s, h, hkv, d, causal, variants, dev, iters):
             f = lambda q, k, v, kw=kw: longattn.dilated_attention(q, k, v, segment_lengths=SEGS, dilation_rates=RATES,
                                                                   causal=causal, **kw)
             flops = dilated_flops
-        row = dict(seqlen=s, heads=h, kv_heads=hkv, head_dim=d, causal=causal, impl=name)
+        row = dict(seqlen=s, heads=h, kv_heads=hkv, head_dim=d, causal=causal, impl=name, round=rnd)
         try:
             if name != "dense":
                 o = f(q, k, v).float()
@@ -166,8 +168,9 @@ def case(s, h, hkv, d, causal, variants, dev, iters):
         rows.append(row)
         graphs.clear()  # each variant's captured passes hold memory
         print(json.dumps(row), flush=True)
-    dense = next((r for r in rows if r["impl"] == "dense" and "error" not in r), None)
     for r in rows:
+        dense = next((x for x in rows if x["impl"] == "dense" and "error" not in x and x["round"] == r["round"]),
+                     None)
         for p in ("fwd", "fwd_bwd"):  # the issue's measure: host time of issuing a call over its cold time
             if f"{p}_host_ms" in r:
                 r[f"{p}_host_share"] = r[f"{p}_host_ms"] / r[f"{p}_cold_ms"]
@@ -188,17 +191,19 @@ def main():
     ap.add_argument("--gqa-seqlens", type=int, nargs="+", default=[32768])
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1, help="run the variants this many times, alternating")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "dilated_short_seq.json"))
     a = ap.parse_args()
     dev = torch.device("cuda")
     shapes = [(s, 16, 16) for s in a.seqlens] + ([(s, 32, 8) for s in a.gqa_seqlens] if a.gqa else [])
     rows = []
+    env = environment(dev, command=" ".join(["python", "benchmarks/dilated_short_seq.py", *sys.argv[1:]]))
     for i, (s, h, hkv) in enumerate(shapes):
         for causal in (False, True):
             print(f"[{i + 1}/{len(shapes)}] seqlen {s} heads {h}/{hkv} causal {causal}", flush=True)
-            rows += case(s, h, hkv, a.head_dim, causal, a.variants, dev, a.iters)
-    env = environment(dev, command=" ".join(["python", "benchmarks/dilated_short_seq.py", *sys.argv[1:]]))
-    write_json(a.json, dict(env=env, command=env["command"], rows=rows))  # "rows", not "results": no CSV
+            rows += case(s, h, hkv, a.head_dim, causal, a.variants, dev, a.iters, a.rounds)
+            # after every case: a run cut short keeps what it measured
+            write_json(a.json, dict(env=env, command=env["command"], rows=rows))  # "rows", not "results": no CSV
     print(f"\n{'seqlen':>7} {'h/kv':>6} {'c':>1} {'impl':>17} | {'fwd cold/batch/graph x dense':>29} | "
           f"{'bwd cold/batch/graph x dense':>29} | host fwd/fb ms | host % fwd/fb | kernels fwd/fb")
     for r in rows:
@@ -206,7 +211,7 @@ def main():
         host = (f"{r.get('fwd_host_ms', 0):5.2f} / {r.get('fwd_bwd_host_ms', 0):5.2f} | "
                 f"{100 * r.get('fwd_host_share', 0):5.1f} / {100 * r.get('fwd_bwd_host_share', 0):5.1f}")
         err = f"  ERROR {r['error']}" if "error" in r else ""
-        print(f"{r['seqlen']:>7} {r['heads']:>3}/{r['kv_heads']:<2} {int(r['causal'])} {r['impl']:>19} | "
+        print(f"{r['seqlen']:>7} {r['heads']:>3}/{r['kv_heads']:<2} {int(r['causal'])} {r['impl']:>17}{r['round']:>2} | "
               f"{x('fwd'):>29} | {x('bwd'):>29} | {host} | {r.get('fwd_kernels', 0)} / {r.get('fwd_bwd_kernels', 0)}"
               + err)
 

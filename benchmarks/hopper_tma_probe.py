@@ -1,7 +1,7 @@
 """Does a Hopper-style Triton forward (tensor descriptors, pipelined key loop,
 optional warp specialisation) run 2048-row squares at cuDNN's rate?
 
-    python benchmarks/hopper_tma_probe.py [--quick]
+    python benchmarks/hopper_tma_probe.py [--head-dims 128 64] [--block-m 128 256] [--stages 2 3 4] ...
 
 The targets of causal dilated attention need a kernel faster than cuDNN on
 the squares every LongNet branch is made of (docs/performance.md 3.3: cuDNN
@@ -17,7 +17,8 @@ Rows compared, bf16, same process, CUDA-event medians (triton.testing.do_bench):
 cuDNN and our current Triton kernel on the same squares held contiguous, and
 the descriptor kernel over a grid of tiles, stages and warp specialisation,
 on contiguous squares (r = 1) and on one strided LongNet branch at 128K
-(w = 32768, r = 16: 2048-row classes). Every descriptor row is checked
+(w = 32768, r = 16: 2048-row classes; useful TF/s count the S/r rows per head a
+rate-r branch selects). Every descriptor row is checked
 against cuDNN's output and lse. Writes $OUT/hopper_tma_probe.json; a table last.
 
 Under TRITON_INTERPRET=1 on CPU (``--check``) it runs the kernel on tiny
@@ -156,7 +157,12 @@ def check_cpu():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="CPU interpreter correctness check (TRITON_INTERPRET=1)")
-    ap.add_argument("--quick", action="store_true", help="fewer tiles")
+    ap.add_argument("--block-m", type=int, nargs="+", default=[128])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--ws", type=int, nargs="+", default=[0, 1], help="warp specialisation off (0) / on (1)")
+    ap.add_argument("--rates", type=int, nargs="+", default=[1, 16], help="1: squares; 16: w = 32768 at 128K")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     args = ap.parse_args()
     if args.check:
@@ -168,12 +174,10 @@ def main():
     dev = torch.device("cuda")
     bench = lambda f: triton.testing.do_bench(f, warmup=5, rep=80, return_mode="median")
     H, S = 16, 131072
-    tiles = [dict(BLOCK_M=128, BLOCK_N=bn, num_warps=nw, num_stages=st, ws=ws)
-             for bn, nw, st, ws in itertools.product((64, 128), (4, 8), (2, 3), (False, True))]
-    if args.quick:
-        tiles = [t for t in tiles if t["num_warps"] == 8 and t["num_stages"] == 3]
+    tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st, ws=bool(ws))
+             for bm, bn, nw, st, ws in itertools.product(args.block_m, args.block_n, args.warps, args.stages, args.ws)]
     rows = []
-    cmd = "python benchmarks/hopper_tma_probe.py" + (" --quick" if args.quick else "")
+    cmd = "python benchmarks/hopper_tma_probe.py " + " ".join(sys.argv[1:])
     path = os.path.join(os.environ.get("OUT", "."), "hopper_tma_probe.json")
 
     def save():  # after every row: a run cut short keeps what it measured
@@ -181,7 +185,8 @@ def main():
             json.dump({"env": environment(dev, cmd), "rows": rows}, f, indent=1)
 
     for d, causal in itertools.product(args.head_dims, (True, False)):
-        flops = 4 * S * H * 2048 * d * (0.5 if causal else 1.0)  # one branch: S rows x 2048 keys per head
+        # every row of every head sees 2048 keys; a rate-r branch selects S / r rows per head
+        flops = lambda r: 4 * S // r * H * 2048 * d * (0.5 if causal else 1.0)
         sq = [torch.randn(S // 2048, 2048, H, d, device=dev, dtype=torch.bfloat16) for _ in range(3)]
         full = [x.reshape(1, S, H, d).contiguous() for x in sq]
         # the strided branch: w = 32768, r = 16, 2048 rows per class; its dense equivalent from the squares
@@ -189,9 +194,10 @@ def main():
                          ("triton squares (current)", lambda: longattn.attention(*sq, causal=causal,
                                                                                  backend="triton"))):
             t = bench(fn)
-            rows.append(dict(d=d, causal=causal, kernel=name, r=1, ms=t, tflops=flops / t / 1e9))
+            rows.append(dict(d=d, causal=causal, kernel=name, r=1, ms=t, tflops=flops(1) / t / 1e9))
         ref_o, ref_l = longattn.attention(*sq, causal=causal, backend="cudnn", return_lse=True)
-        for cfg, (w, r) in itertools.product(tiles, ((2048, 1), (32768, 16))):
+        for cfg, r in itertools.product(tiles, args.rates):
+            w = 2048 * r
             x = sq if r == 1 else full
             row = dict(d=d, causal=causal, kernel="descriptors", r=r, w=w, **cfg)
             try:
@@ -200,7 +206,7 @@ def main():
                     row["max_err_vs_cudnn"] = (o.float() - ref_o.float()).abs().max().item()
                     row["max_lse_err_vs_cudnn"] = (l - ref_l).abs().max().item()
                 t = bench(lambda: tma_forward(*x, w, r, causal, cfg))
-                row.update(ms=t, tflops=flops / t / 1e9)
+                row.update(ms=t, tflops=flops(r) / t / 1e9)
             except Exception as e:  # a tile the compiler refuses: recorded
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
