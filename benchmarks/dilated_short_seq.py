@@ -49,15 +49,11 @@ from longattn.tuning import DilatedTuning
 
 SEGS, RATES = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
 VARIANTS = {
-    "views": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="never", graph_max_tokens=0,
-                                       graph_max_tokens_d64=0, graph_max_tokens_gqa=0)),
-    "views_concurrent": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="always", graph_max_tokens=0,
-                                                  graph_max_tokens_d64=0, graph_max_tokens_gqa=0)),
-    "views_graphs": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="graphs", graph_max_tokens=1 << 40,
-                                              graph_max_tokens_d64=1 << 40, graph_max_tokens_gqa=1 << 40)),
-    "views_graphs_serial": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="never",
-                                                     graph_max_tokens=1 << 40, graph_max_tokens_d64=1 << 40,
-                                                     graph_max_tokens_gqa=1 << 40)),
+    "views": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="never").graphs_up_to(0)),
+    "views_concurrent": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="always").graphs_up_to(0)),
+    "views_graphs": dict(tuning=DilatedTuning(schedule="views", concurrent_calls="graphs").graphs_up_to(1 << 40)),
+    "views_graphs_serial": dict(
+        tuning=DilatedTuning(schedule="views", concurrent_calls="never").graphs_up_to(1 << 40)),
     "fused": dict(backend="triton", tuning=DilatedTuning(autotune="0")),
     "auto": dict(),
     "auto_dispatcher": dict(),  # the same op through torch.library's dispatcher (as under a dispatch mode)
@@ -211,7 +207,8 @@ def main():
         host = (f"{r.get('fwd_host_ms', 0):5.2f} / {r.get('fwd_bwd_host_ms', 0):5.2f} | "
                 f"{100 * r.get('fwd_host_share', 0):5.1f} / {100 * r.get('fwd_bwd_host_share', 0):5.1f}")
         err = f"  ERROR {r['error']}" if "error" in r else ""
-        print(f"{r['seqlen']:>7} {r['heads']:>3}/{r['kv_heads']:<2} {int(r['causal'])} {r['impl']:>17}{r['round']:>2} | "
+        print(f"{r['seqlen']:>7} {r['heads']:>3}/{r['kv_heads']:<2} {int(r['causal'])} "
+              f"{r['impl']:>17}{r['round']:>2} | "
               f"{x('fwd'):>29} | {x('bwd'):>29} | {host} | {r.get('fwd_kernels', 0)} / {r.get('fwd_bwd_kernels', 0)}"
               + err)
 

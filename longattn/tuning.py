@@ -81,6 +81,15 @@ class DilatedTuning:
                "input and output copies cost more than the host time they hide; one H200: 0.75 / 0.77 against "
                "0.63 / 0.82, causal 0.53 / 0.48 against 0.52 / 0.51)",
         "dilated_short_seq_h100_5ebe4f0.json, dilated_short_seq_gqa_h200_2cf2fd6.json")
+    graph_max_tokens_causal: int = measured(
+        32768, "MHA, D > 64, causal: a causal pass launches as many kernels as a non-causal one for half the GPU "
+               "work, so graphs pay further. One H200, views graphed against eager, two alternating rounds, x dense "
+               "fwd / bwd, cold: 32K causal 0.49 / 0.58 and 0.50 / 0.59 against 0.56 / 0.47, 0.36 / 0.54 (the same "
+               "engine as the default: 0.40 / 0.48, 0.33 / 0.50), host share 20-23% against 90-110%; non-causal "
+               "32K a tie on the GPU (0.67 / 0.79, 0.72 / 0.79 against 0.63-0.77 / 0.73-0.84) and eager ahead "
+               "with the host running ahead (batched fwd 0.67-0.73 against 0.75-0.81), so graph_max_tokens stays. "
+               "Earlier H200 runs agree on the causal backward (0.51 against 0.48; 0.59 against 0.52)",
+        "dilated_short_seq_32k_rounds_h200_b0f2978.json, dilated_short_seq_d128_32k_h200_de8faef.json")
     graph_max_tokens_d64: int = measured(
         32768, "MHA, D <= 64: half the FLOPs and half the bytes to copy per token, so graphs pay further: graphed "
                "against eager views (one H200, x dense fwd / bwd, cold) 16K 0.65 / 0.74 against 0.43 / 0.46; 32K "
@@ -115,16 +124,24 @@ class DilatedTuning:
         if self.autotune not in ("", "0", "1"):
             raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
         for f in ("views_min_tokens", "grouped_max_keys", "gather_max_rows",
-                  "adopt_bwd_max_elems", "piece_bytes", "graph_max_tokens", "graph_max_tokens_d64",
-                  "graph_max_tokens_gqa"):
+                  "adopt_bwd_max_elems", "piece_bytes", "graph_max_tokens", "graph_max_tokens_causal",
+                  "graph_max_tokens_d64", "graph_max_tokens_gqa"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
                 raise ValueError(f"DilatedTuning.{f} must be a non-negative int, got {getattr(self, f)!r}")
 
-    def graphs(self, tokens: int, mha: bool, head_dim: int) -> bool:
+    def graphs(self, tokens: int, mha: bool, head_dim: int, causal: bool = False) -> bool:
         """Whether a views call of ``tokens`` (batch x seqlen) replays its passes from CUDA graphs."""
         if not mha:
             return tokens <= self.graph_max_tokens_gqa
-        return tokens <= (self.graph_max_tokens if head_dim > 64 else self.graph_max_tokens_d64)
+        if head_dim <= 64:
+            return tokens <= self.graph_max_tokens_d64
+        return tokens <= (self.graph_max_tokens_causal if causal else self.graph_max_tokens)
+
+    def graphs_up_to(self, tokens: int) -> "DilatedTuning":
+        """This tuning with every graph threshold (MHA, causal, D <= 64, GQA) set
+        to ``tokens``: 0 never graphs, a huge value always does (A/B runs, tests)."""
+        return dataclasses.replace(self, graph_max_tokens=tokens, graph_max_tokens_causal=tokens,
+                                   graph_max_tokens_d64=tokens, graph_max_tokens_gqa=tokens)
 
     def concurrent(self, graphs: bool) -> bool:
         """Whether the views path launches its calls on side streams at once."""

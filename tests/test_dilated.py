@@ -183,6 +183,12 @@ def test_graph_and_stream_choices():
 
     t = DilatedTuning()
     assert t.graphs(t.graph_max_tokens, True, 128) and not t.graphs(t.graph_max_tokens + 1, True, 128)
+    assert t.graphs(t.graph_max_tokens_causal, True, 128, causal=True)
+    assert not t.graphs(t.graph_max_tokens_causal + 1, True, 128, causal=True)
+    assert t.graph_max_tokens_causal > t.graph_max_tokens  # 32K causal graphed, 32K non-causal eager
+    never, always = t.graphs_up_to(0), t.graphs_up_to(1 << 40)
+    for case in [(1, True, 128), (1, True, 128, True), (1, True, 64), (1, False, 128)]:
+        assert not never.graphs(*case) and always.graphs(*case)
     assert t.graphs(t.graph_max_tokens_d64, True, 64) and not t.graphs(t.graph_max_tokens_d64 + 1, True, 64)
     assert t.graphs(t.graph_max_tokens_gqa, False, 128) and not t.graphs(t.graph_max_tokens_gqa + 1, False, 128)
     assert t.concurrent(True) and not t.concurrent(False)

@@ -111,8 +111,7 @@ def test_dilated_views_ungathered_bf16(causal):
 def test_dilated_views_concurrent_bf16(causal, hkv, concurrent):
     """The views path's calls on side streams at once or in order on one stream (eager)."""
     test_dilated_bf16("cudnn", causal, hkv, [512, 1024, 4096, 8192], 8192,
-                      tuning=DilatedTuning(concurrent_calls=concurrent, graph_max_tokens=0, graph_max_tokens_d64=0,
-                                           graph_max_tokens_gqa=0))
+                      tuning=DilatedTuning(concurrent_calls=concurrent).graphs_up_to(0))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -123,8 +122,7 @@ def test_dilated_passes_replayed_from_graphs(causal, hkv):
     pass run eagerly; clear() frees the graphs."""
     from longattn.dilated import graphs
     segs, rates = [512, 1024, 4096, 8192], [1, 2, 4, 8]
-    eager, graphed = (DilatedTuning(graph_max_tokens=n, graph_max_tokens_d64=n, graph_max_tokens_gqa=n)
-                      for n in (0, 1 << 20))
+    eager, graphed = (DilatedTuning().graphs_up_to(n) for n in (0, 1 << 20))
     f = lambda q, k, v, t: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
                                                       causal=causal, backend="cudnn", tuning=t)
     graphs.clear()

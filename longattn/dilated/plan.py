@@ -153,7 +153,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
 def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
     views_ok = kv_views_ok(rates, q.shape[2], k.shape[2])
     cuda = q.device.type == "cuda"
-    graphs = cuda and tuning.graphs(q.shape[0] * q.shape[1], q.shape[2] == k.shape[2], q.shape[-1])
+    graphs = cuda and tuning.graphs(q.shape[0] * q.shape[1], q.shape[2] == k.shape[2], q.shape[-1], causal)
     fwd, bwd = (_engine(p, q, k, segs, rates, causal, backend, views_ok, tuning) for p in ("fwd", "bwd"))
     if "fused" in (fwd, bwd):
         why = fused_refusals(q)
