@@ -65,8 +65,8 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
             (strided views, no copies; GQA whose rates and group size do not divide
             each other: gathered blocks), or ``"auto"``: on CUDA, cuDNN on the views
             from 8K tokens (MHA; GQA where rates and group size divide; each pass
-            replayed from a CUDA graph up to 16K tokens, 32K at D <= 64 and for
-            GQA), the fused Triton kernels below 8K and for the non-causal
+            replayed from a CUDA graph up to 16K tokens, 32K when causal, at
+            D <= 64 and for GQA), the fused Triton kernels below 8K and for the non-causal
             backward of short segment classes (at most 512 keys per class,
             branches nested: one grouped launch per kernel); see
             :class:`longattn.tuning.DilatedTuning` for every threshold and its measurement.
