@@ -41,6 +41,12 @@ def _entry(rank, world, port, fn, args, backend=None, done_dir=None):
     dist.destroy_process_group()
 
 
+def generator(seed: int) -> torch.Generator:
+    """A generator seeded alike on every rank, on the default device (this
+    rank's GPU under NCCL, where a CPU generator cannot feed ``torch.randn``)."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def run_world(fn, world: int, *args, backend=None) -> None:
     """fn(rank, world, *args) on `world` ranks (gloo, or LONGATTN_DIST_BACKEND, or
     ``backend``); fn must be a module-level function.

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_group_usable, run_world
+from dist_utils import assert_group_usable, generator, run_world
 from reference import assert_close, attention_ref, dilated_ref
 
 TOL = 1e-4
@@ -23,7 +23,7 @@ def _refs(q, ks, vs, segs, rates):
     for b, (k, v) in enumerate(zip(ks, vs)):
         n = k.shape[1]
         dense.append(attention_ref(q[b:b + 1], k, v, causal=True))
-        full = torch.randn(1, n, q.shape[2], q.shape[3], generator=torch.Generator().manual_seed(b))
+        full = torch.randn(1, n, q.shape[2], q.shape[3], generator=generator(b))
         full[:, n - lq:] = q[b:b + 1]
         o, l = dilated_ref(full, k, v, segs, rates, causal=True)
         dil.append((o[:, n - lq:], l[:, :, n - lq:]))
@@ -43,7 +43,7 @@ def _check_steps(rank, world):
     for layout in ("contiguous", "zigzag"):
         s = 4 * world
         lens = [s, s - 5]  # row 1 right-padded: its padding is never stored
-        gen = torch.Generator().manual_seed(11)  # the same values on every rank
+        gen = generator(11)  # the same values on every rank
         k, v = torch.randn(b, s, hkv, d, generator=gen), torch.randn(b, s, hkv, d, generator=gen)
         caches = {
             "from_prefill": longattn.KVCache.from_prefill(longattn.shard(k, layout=layout),
@@ -79,7 +79,7 @@ def _check_steps(rank, world):
 
 def _check_empty_part(rank, world):
     """The last rank holds no key of row 0: its part has weight 0, no NaN."""
-    gen = torch.Generator().manual_seed(12)
+    gen = generator(12)
     k, v = torch.randn(2, 4 * world, 2, 8, generator=gen), torch.randn(2, 4 * world, 2, 8, generator=gen)
     q = torch.randn(2, 1, 4, 8, generator=gen)
     part = slice(4 * rank, 4 * rank + 4)
@@ -97,7 +97,7 @@ def _check_generate(rank, world):
     torch.manual_seed(5)
     model = LongNetLM(50, dim=32, depth=2, num_heads=4, segment_lengths=(4, 8, 48), dilation_rates=(1, 2, 4),
                       num_kv_heads=2, max_seqlen=64).eval()
-    toks = torch.randint(0, 50, (2, 48), generator=torch.Generator().manual_seed(6))
+    toks = torch.randint(0, 50, (2, 48), generator=generator(6))
     lens = [48, 37]
     got = model.generate(toks, 8, seqlens=lens, group=dist.group.WORLD)
     want = model.generate(toks, 8, seqlens=lens)

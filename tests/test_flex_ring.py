@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_group_usable, assert_unsharded_close, run_sharded, run_world
+from dist_utils import assert_group_usable, assert_unsharded_close, generator, run_sharded, run_world
 from longattn import masks
 from longattn.distributed import transport
 from longattn.distributed.ring import BackendOp, ring_forward
@@ -32,7 +32,7 @@ def patterns(world):
     """(name, mask_mod, score_mod, kv heads) on a sequence of world * L tokens."""
     s = world * L
     docs = torch.arange(s) * 5 // s  # five documents, boundaries off the shard edges
-    layout = torch.rand(H, s // 4, s // 4, generator=torch.Generator().manual_seed(world)) < 0.3
+    layout = torch.rand(H, s // 4, s // 4, generator=generator(world)) < 0.3
     return [
         ("full", None, None, 2),
         ("causal", masks.causal(), None, 1),

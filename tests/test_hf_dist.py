@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the hf extra needs Python >= 3.11
 
-from dist_utils import assert_group_usable, run_world  # noqa: E402
+from dist_utils import assert_group_usable, generator, run_world  # noqa: E402
 from reference import rel_err  # noqa: E402
 
 TOL = 1e-4
@@ -210,7 +210,7 @@ def _check_generate(rank, world):
     ref = transformers.AutoModelForCausalLM.from_config(_config(**extra), attn_implementation="sdpa")
     ring = transformers.AutoModelForCausalLM.from_config(_config(**extra), attn_implementation="longattn_ring")
     ring.load_state_dict(ref.state_dict())
-    ids = torch.randint(1, 40, (2, 13), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(1, 40, (2, 13), generator=generator(4))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     want = sdpa = ref.generate(ids, **kw)
     sharded = lt.ShardedCache(reserve=6, block=2)
