@@ -16,7 +16,7 @@ from longattn.ops.flex import ring_schedule
 from reference import flex_ref
 
 TOL = 1e-4
-B, L, H, D = 2, 12, 4, 8  # L tokens per rank (zigzag: two chunks of 6)
+B, L, H, D = 2, 12, 4, 16  # L tokens per rank (zigzag: two chunks of 6); D >= 16 for the GPU kernels
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 
 

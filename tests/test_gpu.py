@@ -244,3 +244,11 @@ def test_dilated_triton_op_compiles_with_inductor():
     code = "\n".join(codes)
     assert "_fwd_kernel" in code and "_dq_kernel" in code and "_dkdv_kernel" in code
     assert rel_err(o, eo) < 1e-3 and all(rel_err(a, b) < 1e-3 for a, b in zip(g, eg))
+
+
+def test_flex_small_head_dim_raises_before_compiling():
+    """Inductor's flex kernels refuse head dims below 16 at compile time, deep
+    in a traceback (and mid-ring for ring_flex_attention); the op says so first."""
+    q = torch.randn(1, 64, 2, 8, device="cuda")
+    with pytest.raises(ValueError, match="head dims >= 16"):
+        longattn.flex_attention(q, q, q, mask_mod=longattn.masks.causal())

@@ -101,7 +101,7 @@ def _fused_ring(cu, layout, causal, used):
         scale = q.shape[-1] ** -0.5
 
         def calls(src):
-            one = fused_call(cut, layout, world, rank, src, causal, (-1, -1), scale, "cpu", q.shape[1] * q.shape[2],
+            one = fused_call(cut, layout, world, rank, src, causal, (-1, -1), scale, q.device, q.shape[1] * q.shape[2],
                              EMULATED)
             used.append(bool(one))
             return one or plan_varlen(cut, layout, world, rank, src, causal, (-1, -1), scale)

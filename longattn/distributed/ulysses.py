@@ -156,7 +156,8 @@ def _to_sequence(x: torch.Tensor, layout: str) -> torch.Tensor:
     """(p, h, B, s, D): rank i's shard in x[i] -> (B, p*s, h, D) in sequence order."""
     p, h, b, s, d = x.shape
     c = 1 if layout == "contiguous" else 2
-    t = x.unflatten(3, (c, s // c)).permute(2, 0, 3, 4, 1, 5)  # (B, p, c, s/c, h, D)
+    # view, not unflatten: dynamo cannot trace Tensor.unflatten under a torch-function mode (set_default_device)
+    t = x.view(p, h, b, c, s // c, d).permute(2, 0, 3, 4, 1, 5)  # (B, p, c, s/c, h, D)
     if layout == "contiguous":
         return t.reshape(b, p * s, h, d)
     # cat, not advanced indexing: its output is contiguous in eager and traced alike
@@ -199,7 +200,7 @@ def heads_to_seq(x: torch.Tensor, layout: str, group) -> torch.Tensor:
         return x
     b, total, h, d = x.shape
     c, s = (1 if layout == "contiguous" else 2), total // world
-    t = x.unflatten(1, (world * c, s // c)).permute(1, 3, 0, 2, 4)  # (chunks, h, B, s/c, D)
+    t = x.view(b, world * c, s // c, h, d).permute(1, 3, 0, 2, 4)  # (chunks, h, B, s/c, D)
     if layout == "contiguous":
         send = t.contiguous()
     else:  # rank j's pieces, in its local order: chunks j and 2p-1-j

@@ -314,6 +314,10 @@ def _check_common(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_
     _check_mods(mask_mod, score_mod)
     check_flag(return_lse, "return_lse")
     check_scale(softmax_scale)
+    if q.is_cuda and min(q.shape[-1], v.shape[-1]) < 16:  # Inductor's flex kernels refuse it at compile time
+        raise ValueError(f"flex attention on CUDA needs head dims >= 16, got q/k {q.shape[-1]} and v {v.shape[-1]}: "
+                         "pad them with zeros to 16 (pass softmax_scale=1/sqrt(original head dim)) and slice the "
+                         "output, or run on CPU")
     return bk.default_scale(q.shape[-1], softmax_scale)
 
 
