@@ -21,15 +21,14 @@ on contiguous squares (r = 1) and on one strided LongNet branch at 128K
 rate-r branch selects). Every descriptor row is checked
 against cuDNN's output and lse. Writes $OUT/hopper_tma_probe.json; a table last.
 
-Under TRITON_INTERPRET=1 on CPU (``--check``) it runs the kernel on tiny
-shapes against a float64 reference and exits.
+tests/test_bench.py runs the kernel under TRITON_INTERPRET=1 on CPU against
+the tests' float64 reference.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 
@@ -115,48 +114,8 @@ def tma_forward(q, k, v, w, r, causal, cfg):
     return out, lse
 
 
-def reference(q, k, v, w, r, causal):
-    """float64 masks: row i and key j attend iff same segment, same class
-    c = h % r, and (causal) j <= i."""
-    b, s, h, d = q.shape
-    pos = torch.arange(s)
-    qf, kf, vf = (x.double() for x in (q, k, v))
-    scores = torch.einsum("bihd,bjhd->bhij", qf, kf) * d ** -0.5
-    outs, lses = [], []
-    for hh in range(h):
-        c = hh % r
-        sel = (pos % r) == c
-        ok = (pos[:, None] // w == pos[None, :] // w) & sel[:, None] & sel[None, :]
-        if causal:
-            ok &= pos[None, :] <= pos[:, None]
-        sc = scores[:, hh].masked_fill(~ok, float("-inf"))
-        lse = torch.logsumexp(sc, -1)
-        p = torch.exp(sc - lse[..., None]).nan_to_num(0.0)
-        outs.append(torch.einsum("bij,bjd->bid", p, vf[:, :, hh]) * sel[None, :, None])
-        lses.append(torch.where(sel[None], lse, torch.full_like(lse, float("-inf"))))
-    return torch.stack(outs, 2), torch.stack(lses, 1)
-
-
-def check_cpu():
-    torch.manual_seed(0)
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, num_stages=1, num_warps=4, ws=False)
-    for (b, s, h, d, w, r), causal in itertools.product([(1, 64, 2, 16, 64, 1), (2, 128, 4, 16, 64, 2)],
-                                                        (False, True)):
-        q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
-        o, l = tma_forward(q, k, v, w, r, causal, cfg)
-        ro, rl = reference(q, k, v, w, r, causal)
-        err_o = (o.double() - ro).abs().max().item()
-        fin = torch.isfinite(rl)
-        err_l = (l.double()[fin] - rl[fin]).abs().max().item()
-        assert torch.equal(torch.isfinite(l), fin), "lse rows outside the branch must stay -inf"
-        print(f"b{b} s{s} h{h} w{w} r{r} causal={causal}: max |out - ref| {err_o:.2e}, |lse - ref| {err_l:.2e}")
-        assert err_o < 1e-4 and err_l < 1e-4
-    print("interpreter check passed")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="CPU interpreter correctness check (TRITON_INTERPRET=1)")
     ap.add_argument("--block-m", type=int, nargs="+", default=[128])
     ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
@@ -165,8 +124,6 @@ def main():
     ap.add_argument("--rates", type=int, nargs="+", default=[1, 16], help="1: squares; 16: w = 32768 at 128K")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     args = ap.parse_args()
-    if args.check:
-        return check_cpu()
 
     import longattn
     from longattn.bench.measure import environment

@@ -290,14 +290,24 @@ def test_dist_flex_impls_run_flex_configs_only():
 
 @pytest.mark.skipif(not __import__("longattn").kernels_available(),
                     reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
-def test_hopper_tma_probe_kernel_matches_float64():
-    """benchmarks/hopper_tma_probe.py's descriptor-loaded forward (rate 1 and 2,
-    causal and not) against its float64 masks, under the interpreter: the
-    probe's timings stand on a kernel that computes the branch."""
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b, s, h, w, r", [(1, 64, 2, 64, 1), (2, 128, 4, 64, 2)])
+def test_hopper_tma_probe_kernel_matches_float64(b, s, h, w, r, causal):
+    """benchmarks/hopper_tma_probe.py's descriptor-loaded forward of one branch
+    (w, r) against the float64 reference of dilated attention with that one
+    branch, under the interpreter: the probe's timings stand on a kernel that
+    computes the branch (rows outside it: output 0, lse -inf)."""
     import importlib.util
+
+    from reference import assert_close, dilated_ref
 
     path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "hopper_tma_probe.py")
     spec = importlib.util.spec_from_file_location("hopper_tma_probe", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    probe.check_cpu()  # asserts max |out - ref| and |lse - ref| < 1e-4 and -inf lse outside the branch
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, 16) for _ in range(3))
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, num_stages=1, num_warps=4, ws=False)
+    out, lse = probe.tma_forward(q, k, v, w, r, causal, cfg)
+    ref_out, ref_lse = dilated_ref(q, k, v, [w], [r], causal=causal)
+    assert_close(dict(out=out, lse=lse), dict(out=ref_out, lse=ref_lse), 1e-4, f"probe w={w} r={r} causal={causal}")
