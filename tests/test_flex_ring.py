@@ -17,11 +17,10 @@ from reference import flex_ref
 
 TOL = 1e-4
 B, L, H, D = 2, 12, 4, 16  # L tokens per rank (zigzag: two chunks of 6); D >= 16 for the GPU kernels
-SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-
-
 def alibi(score, b, h, q_idx, kv_idx):
-    return score - SLOPES[h] * (q_idx - kv_idx).abs()
+    # slopes 1/2, 1/4, ... from the head index: a captured CPU tensor would not
+    # index with the CUDA indices FlexAttention passes on a GPU
+    return score - 0.5 ** (h + 1) * (q_idx - kv_idx).abs()
 
 
 def softcap(score, b, h, q_idx, kv_idx):
