@@ -90,7 +90,7 @@ def _setup_dist(args):
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(seconds=args.timeout_s))
     world = dist.get_world_size() if dist.is_initialized() else 1
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

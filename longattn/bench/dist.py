@@ -88,8 +88,10 @@ def _init(one_rank: bool = False):
     """(rank, world size, device): joins torchrun's process group. ``one_rank``:
     outside torchrun (no WORLD_SIZE) run as rank 0 of 1 instead of failing."""
     if not dist.is_initialized() and (not one_rank or "WORLD_SIZE" in os.environ):
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        # on CUDA both backends: tensors on the GPU go through NCCL, the argument
+        # checks' small CPU tensors through gloo without a device sync
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

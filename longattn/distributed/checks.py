@@ -35,8 +35,21 @@ def group_from_name(name: str) -> dist.ProcessGroup:
 _checked: set = set()
 
 
+def nccl_on_cuda(group) -> bool:
+    """Whether ``group`` moves CUDA tensors through NCCL: ``"nccl"``, or a
+    per-device backend such as ``"cpu:gloo,cuda:nccl"``."""
+    backend = str(dist.get_backend(group))
+    return backend == "nccl" or "cuda:nccl" in backend
+
+
 def _device_for(group) -> torch.device:
-    backend = dist.get_backend(group)
+    """Where a check's small tensors travel: the CPU wherever the group has a
+    CPU backend (``gloo``, or ``"cpu:gloo,cuda:nccl"``, torch's default when
+    ``init_process_group`` names no backend), so reading the result never
+    waits for the GPU's queue; the GPU under NCCL alone, where reading it is a
+    device sync (measured: two per sharded decode step and layer, which made
+    the step host-bound, docs/performance.md section 9)."""
+    backend = str(dist.get_backend(group))
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

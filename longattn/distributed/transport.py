@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .._config import ENV, TRANSPORTS
 from .._streams import side_stream
+from . import checks
 
 
 class P2P:
@@ -322,7 +323,7 @@ _peer_ok: dict = {}
 def copy_engine_refusal(group) -> str:
     """Why the copy-engine transport cannot serve ``group`` ('' when it can).
     A collective the first time per group (every rank must agree)."""
-    if dist.get_backend(group) != "nccl":
+    if not checks.nccl_on_cuda(group):
         return f"backend {dist.get_backend(group)} (needs nccl on CUDA)"
     key = group.group_name
     if key not in _peer_ok:
