@@ -1,0 +1,152 @@
+"""Where a sharded decode step's time goes: one token through ``--layers``
+layers' :class:`longattn.KVCache` parts (append + attend, the cache split over
+the ranks in the zigzag layout), beside the local attention alone on the same
+cache part (``decode_attention`` and SDPA's flash kernel on views, no
+collectives), and the step's top kernels and host functions by torch.profiler.
+
+    torchrun --nproc_per_node=2 benchmarks/decode_sharded_profile.py --context 1048576 \\
+        --pg-backend nccl --json benchmarks/results/x.json
+    torchrun --nproc_per_node=2 benchmarks/decode_sharded_profile.py --pg-backend cpu:gloo,cuda:nccl
+
+``--pg-backend``: the process group's backend. With ``nccl`` alone every
+argument check's all-gather is read back from the GPU (a device sync per
+``append`` and per ``attend``); with ``cpu:gloo,cuda:nccl`` (torch's default
+when ``init_process_group`` names none) the checks go through gloo on the host.
+
+Timing: each sample is one step from an idle GPU (ranks aligned by a barrier),
+CUDA events around it, host time beside it (perf_counter to the last launch);
+the median of ``--iters``. The caches hold random K/V (no prefill: this script
+times the step). Rank 0 writes the JSON and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import longattn  # noqa: E402
+from longattn.bench.measure import environment, write_json  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=1 << 20, help="tokens in each layer's cache, all ranks together")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--backend", default="flash", help="the local attention backend of attend() (CPU: use auto)")
+    p.add_argument("--pg-backend", default="cpu:gloo,cuda:nccl", help="init_process_group's backend")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def timed(fn, iters: int, cuda: bool) -> dict:
+    wall, host = [], []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            b.record()
+            b.synchronize()
+        wall.append(a.elapsed_time(b) if cuda else host[-1])
+    return dict(ms=statistics.median(wall), host_ms=statistics.median(host))
+
+
+def main(argv=None):
+    a = parse(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(a.pg_backend if cuda else "gloo")  # CPU: a smoke run
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    g, dt = dist.group.WORLD, torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    caches = []
+    for _ in range(a.layers):
+        k, v = (torch.randn(1, a.context // world, a.kv_heads, a.head_dim, device=dev, dtype=dt, generator=gen)
+                for _ in range(2))
+        caches.append(longattn.KVCache.from_prefill(k, v, layout="zigzag", group=g, reserve=4096))
+        del k, v
+    kn, vn = (torch.randn(1, 1, a.kv_heads, a.head_dim, device=dev, dtype=dt, generator=gen) for _ in range(2))
+    qn = torch.randn(1, 1, a.heads, a.head_dim, device=dev, dtype=dt, generator=gen)
+
+    def step():
+        for c in caches:
+            c.append(kn, vn)
+            c.attend(qn, backend=a.backend)
+
+    n = caches[0].layout.local[rank][0]
+    lens = torch.tensor([n], dtype=torch.int32)
+
+    def local():  # the same attention on this rank's part, no collective
+        for c in caches:
+            longattn.decode_attention(qn, c.k[:, :n], c.v[:, :n], cache_seqlens=lens, backend=a.backend)
+
+    def sdpa():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION] if cuda else [SDPBackend.MATH]):
+            for c in caches:
+                torch.nn.functional.scaled_dot_product_attention(
+                    qn.transpose(1, 2), c.k[:, :n].transpose(1, 2), c.v[:, :n].transpose(1, 2), enable_gqa=True)
+
+    rows = {}
+    for name, fn in (("sharded_step", step), ("local_decode_attention", local), ("local_sdpa_flash", sdpa)):
+        for _ in range(a.warmup):
+            fn()
+        t = timed(fn, a.iters, cuda)
+        rows[name] = dict(ms_per_layer=t["ms"] / a.layers, host_ms_per_layer=t["host_ms"] / a.layers)
+    kernels = hosts = None
+    if not a.no_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(2):
+                step()
+                if cuda:
+                    torch.cuda.synchronize()
+        ev = prof.key_averages()
+        per = 2 * a.layers
+        kernels = [dict(name=e.key[:90], calls_per_layer=e.count / per,
+                        device_us_per_layer=getattr(e, "self_device_time_total", 0) / per)
+                   for e in sorted(ev, key=lambda e: -getattr(e, "self_device_time_total", 0))[:8]]
+        hosts = [dict(name=e.key[:90], calls_per_layer=e.count / per, cpu_us_per_layer=e.self_cpu_time_total / per)
+                 for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:10]]
+    if rank == 0:
+        env = environment(dev)
+        env.update(command=f"torchrun --nproc_per_node={world} " + " ".join(sys.argv), world_size=world)
+        out = dict(benchmark="decode_sharded_profile", env=env, args=vars(a), local_tokens=n, rows=rows,
+                   top_kernels=kernels, top_host=hosts)
+        if a.json:
+            write_json(a.json, out)
+        print(f"context {a.context} over {world} ranks ({n} local), {a.layers} layers, pg {a.pg_backend}, "
+              f"backend {a.backend}: ms per layer (host)")
+        for k, r in rows.items():
+            print(f"  {k:24s} {r['ms_per_layer']:.3f} ({r['host_ms_per_layer']:.3f})")
+        for k in kernels or []:
+            print(f"  kernel {k['name'][:60]:60s} {k['calls_per_layer']:.1f}/layer {k['device_us_per_layer']:.0f} us")
+        print(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
