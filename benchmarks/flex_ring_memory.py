@@ -41,7 +41,7 @@ def _patterns(s: int):
             "causal": masks.causal()}
 
 
-KERNEL_LIKE = ("_higher_order_ops/flex_attention.py", "_cotangents", "merge_into")
+KERNEL_LIKE = ("_higher_order_ops/flex_attention.py", "_cotangents", "merge_into", "_functorch/_aot_autograd")
 """Calls that are one kernel on CUDA: torch's FlexAttention (eager on CPU: dense scores,
 upcasts, repeated K/V), the cotangent arithmetic (compiled) and the lse merge (Triton)."""
 
