@@ -11,8 +11,11 @@ input dtype).
 
 Head dim is large and seqlen small so that the dense score matrices of
 FlexAttention's eager CPU path (which the GPU kernels never materialise) stay
-small next to a shard; allocations made inside torch's FlexAttention that are
-not its outputs are shown as "eager FlexAttention internals".
+small next to a shard; temporaries made and freed inside calls that are one
+kernel on CUDA (``KERNEL_LIKE``) are left out unless ``--eager-temporaries``.
+The ring's P2P exchange on gloo allocates its receive buffers as NCCL's does;
+the copy-engine transport receives into symmetric-memory slots instead (two
+per tag, outside the allocator: ``longattn.bench`` adds them to its peak).
 
     PYTHONPATH=. python benchmarks/flex_ring_memory.py --world 2 --seqlen 512 --heads 2 --head-dim 4096
 """
@@ -41,15 +44,16 @@ def _patterns(s: int):
             "causal": masks.causal()}
 
 
-KERNEL_LIKE = ("_higher_order_ops/flex_attention.py", "_cotangents", "merge_into", "_functorch/_aot_autograd")
-"""Calls that are one kernel on CUDA: torch's FlexAttention (eager on CPU: dense scores,
-upcasts, repeated K/V), the cotangent arithmetic (compiled) and the lse merge (Triton)."""
+KERNEL_LIKE = ("_higher_order_ops/flex_attention.py", "merge_into", "_functorch/_aot_autograd")
+"""Calls that are kernels on CUDA: torch's FlexAttention forward and backward (eager on
+CPU: dense scores, upcasts, repeated K/V; the backward reached through AOTAutograd's
+runtime) and the lse merge (one Triton pass, in place)."""
 
 
 def _live_at_peak(trace: str, kernel_like: bool):
     """(peak bytes, [(bytes, stack)] live at the peak) from a chrome trace. With
-    ``kernel_like``, an allocation made and freed inside one call of torch's eager
-    FlexAttention or of ``_cotangents`` is left out (the GPU kernels keep no such
+    ``kernel_like``, an allocation made and freed inside one call of a
+    ``KERNEL_LIKE`` function is left out (the GPU kernels keep no such
     temporaries): what remains is what the ring itself holds."""
     with open(trace) as f:
         ev = json.load(f)["traceEvents"]

@@ -10,23 +10,25 @@ kernel, empty steps are not computed (their exchange still runs), and the
 ring ends after the last step any rank needs. Partial results merge by lse
 in float32 as in every ring.
 
-Backward. On one device FlexAttention's own autograd runs (nothing is
-recomputed). In the ring each step recomputes its block's forward (o_b,
-lse_b) under FlexAttention's autograd and pulls the gradient of the merged
-result through it: with the merged (O, L) and the upstream (dO, dL), the
-block's share of a row is w = exp(lse_b - L) (O = sum_b w_b o_b,
-L = log sum_b exp(lse_b)), so the block's dQ, dK, dV are the backward of
-(o_b, lse_b) with the cotangents ``w * dO`` and ``w * (rowsum(dO * (o_b - O))
-+ dL)`` (0 on rows the block gives no key). Cost: one extra FlexAttention
-forward per computed ring step in the backward; keeping each step's autograd
-graph from the forward instead would keep every visiting K/V block (memory
-O(seqlen) instead of O(seqlen / ranks)).
+Backward. On one device FlexAttention's own autograd runs. In the ring each
+step's forward records FlexAttention's autograd graph of its block but keeps
+none of the tensors that graph saves (``saved_tensors_hooks``): q, the K/V
+block, the block's out and lse are dropped as they are saved, and the
+backward supplies them again, with the MERGED out and lse of all blocks in
+place of the block's. FlexAttention's backward with the merged softmax
+statistics gives the block's exact share of dQ, dK, dV (P = exp(S - L) and
+delta = rowsum(dO * O) - dL over all keys, as a single-device backward uses
+for each key block), so no forward is recomputed and no cotangent pass runs;
+the graph holds only the block mask's tensors and small buffers, and the K/V
+block comes back round the ring as in every ring backward. (Keeping each
+step's graph with its tensors would keep every visiting K/V block: memory
+O(seqlen) instead of O(seqlen / ranks).)
 
-Local compute: on CUDA the public ``torch.nn.attention.flex_attention``
-compiled by inductor (its Triton backend, pinned: the FLASH backend has no
-lse gradient); elsewhere FlexAttention's operator in eager mode with the same
-autograd (the public function refuses gradients on CPU; dense scores per
-step: small shapes only). lse is the natural log, as every longattn op returns.
+Local compute: FlexAttention's operator (what the public
+``torch.nn.attention.flex_attention`` calls), compiled by inductor on CUDA
+(its Triton backend, pinned: the FLASH backend has no lse gradient), in eager
+mode elsewhere with the same autograd (dense scores per step: small shapes
+only). lse is the natural log, as every longattn op returns.
 """
 from __future__ import annotations
 
