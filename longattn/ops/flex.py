@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import functools
 import math
+import threading
 import types
 from typing import Callable, Optional
 
@@ -107,6 +108,23 @@ class _Saved:
         if same and x.dtype == self.dtype:
             return x.as_strided(self.shape, self.stride, x.storage_offset())
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=x.device).copy_(x)
+
+
+class _Recording(threading.local):
+    """Where :func:`_pack` puts what FlexAttention's autograd saves during one
+    :meth:`FlexStep.record` (one pair of hook functions for every call: a
+    compiled graph never sees new hooks)."""
+
+    saved: Optional[list] = None
+
+
+_RECORDING = _Recording()
+
+
+def _pack(t: torch.Tensor) -> _Saved:
+    s = _Saved(t)
+    _RECORDING.saved.append(s)
+    return s
 
 
 def _unpack(s: _Saved) -> torch.Tensor:
@@ -182,24 +200,24 @@ class FlexStep:
         graph holds the block mask's tensors and small buffers only; ``out``
         may be modified in place (the ring merges into it)."""
         anchor = torch.zeros((), requires_grad=True)
-        saved: list = []
-
-        def pack(t):
-            saved.append(_Saved(t))
-            return saved[-1]
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            xs = [_Entry.apply(anchor, x.transpose(1, 2)) for x in (q, k, v)]
-            out, lse2, mx = self._run(*xs)
+        saved = _RECORDING.saved = []
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                xs = [_Entry.apply(anchor, x.transpose(1, 2)) for x in (q, k, v)]
+                out, lse2, mx = self._run(*xs)
+        finally:
+            _RECORDING.saved = None
         names = {_where(t): n for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse2), ("max", mx))
                  if t.numel()}
         for s in saved:
             s.name = names.get(_where(s.tensor)) if s.tensor.numel() else None
             if s.name is not None:
                 s.tensor = None
-            elif s.tensor.is_floating_point() and s.shape == lse2.shape:
-                raise RuntimeError("ring_flex_attention: FlexAttention's autograd saved a row-statistics tensor "
-                                   "that is not its lse output; this torch version is not supported by the "
-                                   "flex ring's backward (which supplies the merged lse in its place)")
+            elif s.tensor.is_floating_point() and s.tensor.numel() in (lse2.numel(), out.numel()):
+                # a copy of the block's out or lse: its backward would use the block's statistics, not the merged
+                raise RuntimeError("ring_flex_attention: FlexAttention's autograd saved a tensor shaped like its "
+                                   "out or lse that is neither; the flex ring's backward (which supplies the merged "
+                                   "out and lse in their place) does not support this torch version")
         graph = StepGraph(saved, [get_gradient_edge(x) for x in xs], [get_gradient_edge(out), get_gradient_edge(lse2)])
         return out.detach().transpose(1, 2), lse2.detach() * LN2, graph
 
