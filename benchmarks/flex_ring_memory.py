@@ -123,8 +123,7 @@ def _run(rank, world, args, out_dir):
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
                 if phase == "fwd":
                     with torch.no_grad():
-                        o = call()
-                    del o
+                        call()
                 else:
                     call().backward(dout)
                     q.grad = k.grad = v.grad = None
