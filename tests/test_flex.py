@@ -1,14 +1,14 @@
 """longattn.flex_attention on one device (CPU: torch's eager FlexAttention)
 against the float64 masked reference: outputs, lse and all gradients; a ring
-step's backward (recompute + the merge's cotangents) on two merged key halves;
-the compiled path CUDA takes (public FlexAttention under torch.compile, traced
-with the aot_eager backend on CPU) and its backward through FlexAttention's
-autograd; input checks."""
+step's backward (the graph its forward recorded, run with the merged out and
+lse: no recompute, no tensor kept) on two merged key halves; the compiled path
+CUDA takes (FlexAttention's operator under torch.compile, traced with the
+aot_eager backend on CPU) and its backward through FlexAttention's autograd;
+input checks."""
 import sys
 
 import pytest
 import torch
-import torch.nn.attention.flex_attention as torch_flex
 
 import longattn
 from longattn import masks
@@ -84,27 +84,23 @@ def test_rows_without_keys():
     assert torch.all(out == 0) and torch.all(xs[1].grad == 0)
 
 
-@pytest.fixture
-def cpu_grads(monkeypatch):
-    """Lets torch's public flex_attention take inputs that require grad on CPU
-    (it refuses them there, its compiled CPU kernel being inference only), so
-    the path CUDA runs (public function, torch.compile, FlexAttention's
-    autograd) traces and runs here with the aot_eager backend."""
-    monkeypatch.setattr(torch_flex, "_validate_device", lambda q, k, v: None)
-
-
 class _BackwardSpy:
-    """Records who calls FlexAttention's backward operator: callers[i] is the
-    file of the frame that called it."""
+    """Records who calls FlexAttention's backward operator (``callers[i]``: the
+    file of the frame that called it) and counts calls of its forward operator."""
 
     def __init__(self, monkeypatch):
-        hop = torch.ops.higher_order.flex_attention_backward
-        self.callers, call = [], type(hop).__call__
+        bwd, fwd = torch.ops.higher_order.flex_attention_backward, torch.ops.higher_order.flex_attention
+        self.callers, self.forwards, call_bwd, call_fwd = [], 0, type(bwd).__call__, type(fwd).__call__
 
         def spy(op, *args, **kwargs):
             self.callers.append(sys._getframe(1).f_code.co_filename)
-            return call(op, *args, **kwargs)
-        monkeypatch.setattr(type(hop), "__call__", spy)
+            return call_bwd(op, *args, **kwargs)
+
+        def count(op, *args, **kwargs):
+            self.forwards += 1
+            return call_fwd(op, *args, **kwargs)
+        monkeypatch.setattr(type(bwd), "__call__", spy)
+        monkeypatch.setattr(type(fwd), "__call__", count)
 
     @property
     def ours(self) -> list:
@@ -125,15 +121,23 @@ def _half_steps(mask, score, compile, s, h, block, device=None):
     return steps
 
 
-def _merged_halves(steps, q, k, v, do, dl) -> dict:
-    """Each half's (o_b, lse_b) merged by lse as the ring merges them, then
-    each step's backward with the merged (O, L): {out, lse, dq, dk, dv}."""
+def _merged_halves(steps, q, k, v, do, dl, spy=None) -> dict:
+    """Each half's (o_b, lse_b) recorded and merged by lse as the ring merges
+    them (into the first half's out, in place), then each step's backward with
+    the merged (O, L) (K/V passed again as copies, as the ring's backward
+    receives them): {out, lse, dq, dk, dv}. With ``spy``: no FlexAttention
+    forward runs in the backwards."""
     s = k.shape[1]
-    halves = [(k[:, :s // 2], v[:, :s // 2]), (k[:, s // 2:], v[:, s // 2:])]
-    o_l = [st.forward(q, kh, vh) for st, (kh, vh) in zip(steps, halves)]
-    lse = torch.logaddexp(o_l[0][1], o_l[1][1])
-    out = sum(torch.exp(lb - lse).nan_to_num(0).transpose(1, 2)[..., None] * ob for ob, lb in o_l)
-    grads = [st.backward(do, q, kh, vh, out, lse, dl) for st, (kh, vh) in zip(steps, halves)]
+    halves = [(k[:, :s // 2].clone(), v[:, :s // 2].clone()), (k[:, s // 2:].clone(), v[:, s // 2:].clone())]
+    rec = [st.record(q, kh, vh) for st, (kh, vh) in zip(steps, halves)]
+    (o0, l0, _), (o1, l1, _) = rec
+    lse = torch.logaddexp(l0, l1)
+    w0, w1 = (torch.exp(lb - lse).nan_to_num(0).transpose(1, 2)[..., None] for lb in (l0, l1))
+    out = o0.mul_(w0).add_(w1 * o1)
+    before = spy and spy.forwards
+    grads = [st.backward(do, q, kh.clone(), vh.clone(), out, lse, dl, g)
+             for st, (kh, vh), (_, _, g) in zip(steps, halves, rec)]
+    assert spy is None or spy.forwards == before
     return dict(out=out, lse=lse, dq=grads[0][0] + grads[1][0], dk=torch.cat([grads[0][1], grads[1][1]], 1),
                 dv=torch.cat([grads[0][2], grads[1][2]], 1))
 
@@ -149,19 +153,27 @@ def _crossing_pattern(s, device=None):
 
 
 @pytest.mark.parametrize("compile", [None, "aot_eager"])
-def test_step_backward_two_merged_halves(compile, cpu_grads, monkeypatch):
+def test_step_backward_two_merged_halves(compile, monkeypatch):
     """A ring step's backward on one device: the keys in two halves, each
-    half's (o_b, lse_b) merged by lse as the ring merges them, then each step's
-    backward with the MERGED (O, L) and (dO, dL) (the cotangents w * dO and
-    w * (rowsum(dO * (o_b - O)) + dL), w = exp(lse_b - L)); dQ summed and dK, dV
-    concatenated equal the float64 reference's gradients of the whole. Rows
-    that see no key in one half or in both (their dL is ignored: no lse) have
-    no NaN; the backward operator is called by FlexAttention's autograd only."""
+    half's (o_b, lse_b) recorded and merged by lse as the ring merges them,
+    then each step's recorded graph run with the MERGED (O, L) and (dO, dL);
+    dQ summed and dK, dV concatenated equal the float64 reference's gradients
+    of the whole. Rows that see no key in one half or in both (their dL is
+    ignored: no lse) have no NaN; no forward is recomputed; the backward
+    operator is called by FlexAttention's autograd only; the recorded graphs
+    keep none of q, k, v, out, lse (only the block mask's tensors and
+    captured buffers, all smaller than one row statistic)."""
     spy = _BackwardSpy(monkeypatch)
     # rows 0-2 see no key, 3-19 the first half only, 20-24 both (a document across the halves), 25-39 the second
     mask, score = _crossing_pattern(S)
     q, k, v, do, dl = _inputs(2)
-    got = _merged_halves(_half_steps(mask, score, compile, S, H, 8), q, k, v, do, dl)
+    steps = _half_steps(mask, score, compile, S, H, 8)
+    for st in steps:
+        graph = st.record(q, k[:, :S // 2], v[:, :S // 2])[2]
+        assert {"q", "k", "v", "out", "lse"} <= {s.name for s in graph.saved}
+        kept = [s.tensor for s in graph.saved if s.name is None]
+        assert all(t.numel() < B * H * S for t in kept) and all(s.tensor is None for s in graph.saved if s.name)
+    got = _merged_halves(steps, q, k, v, do, dl, spy)
     want = results(lambda q, k, v: flex_ref(q, k, v, mask, score), [x.double() for x in (q, k, v)], do, dl)
     assert torch.all(got["lse"][:, :, :3] == float("-inf")) and torch.isfinite(got["lse"][:, :, 3:]).all()
     assert_close(got, want, TOL, f"compile={compile}")
@@ -172,8 +184,9 @@ def test_step_backward_two_merged_halves(compile, cpu_grads, monkeypatch):
 def test_cuda_compiled_forward_backward(monkeypatch):
     """The compiled path on CUDA (inductor's Triton FlexAttention), float32
     against the float64 reference: flex_attention (FlexAttention's autograd)
-    and a ring step's backward on two merged key halves (recompute and
-    cotangents); FlexAttention's backward operator is never called by longattn."""
+    and a ring step's backward on two merged key halves (the recorded graphs
+    run with the merged out and lse); FlexAttention's backward operator is
+    never called by longattn."""
     spy = _BackwardSpy(monkeypatch)
     dev, s = torch.device("cuda"), 512
     mask, score = _crossing_pattern(s, dev)
@@ -184,21 +197,22 @@ def test_cuda_compiled_forward_backward(monkeypatch):
     on = [x.to(dev) for x in (q, k, v, do, dl)]
     single = results(lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask, score_mod=score, return_lse=True),
                      on[:3], on[3], on[4])
-    halves = _merged_halves(_half_steps(mask, score, "inductor", s, H, 128, dev), *on)
+    halves = _merged_halves(_half_steps(mask, score, "inductor", s, H, 128, dev), *on, spy=spy)
     for name, got in (("flex_attention", single), ("two merged halves", halves)):
         assert_close({n: t.cpu() for n, t in got.items()}, want, 1e-3, name)  # float32 dots may run as TF32
     assert not spy.ours  # (inductor's backward is a kernel: the operator is not called at all)
 
 
-def test_compiled_path_graphs(cpu_grads, monkeypatch):
-    """The step executor as CUDA runs it (torch.compile of the public
-    flex_attention, its backward FlexAttention's autograd of a recomputed
+def test_compiled_path_graphs(monkeypatch):
+    """The step executor as CUDA runs it (torch.compile of FlexAttention's
+    operator; the backward the graph AOTAutograd made for the recorded
     forward), traced here with the aot_eager backend: the same values as the
-    eager executor, and for every step of a ring one graph without autograd
-    (the forward), one with it (the recompute) and the cotangents' graphs:
-    positions and block masks are graph inputs, not constants. Dynamo sees the forward operator only
-    (never FlexAttention's backward operator, which it refuses on CUDA), and
-    the score_mod looks up a captured tensor."""
+    eager executor, and one graph without autograd (the forward) and one with
+    it (the recorded forward) for every step of a ring: positions and block
+    masks are graph inputs, not constants. Dynamo sees the forward operator
+    only (never FlexAttention's backward operator, which it refuses on CUDA),
+    the score_mod looks up a captured tensor, and a step's backward runs twice
+    (a second backward through the same graph)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     graphs = []
@@ -220,13 +234,15 @@ def test_compiled_path_graphs(cpu_grads, monkeypatch):
         res = []
         for step in (FlexStep(bm, score, D ** -0.5, None), FlexStep(bm, score, D ** -0.5, counting, "ring")):
             out, lse = step.forward(q, k, v)
-            res.append((out, lse, *step.backward(do, q, k, v, out, lse, dl),
-                        *step.backward(do, q, k, v, out, lse, None)))
+            o2, l2, graph = step.record(q, k, v)
+            torch.testing.assert_close((o2, l2), (out, lse), rtol=0, atol=0)
+            res.append((out, lse, *step.backward(do, q, k, v, out, lse, dl, graph),
+                        *step.backward(do, q, k, v, out, lse, None, graph)))
         for a, b in zip(*res):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     ops = [{n.target for n in g.graph.nodes if n.op == "call_function"} for g in graphs]
-    assert len(graphs) == 4  # attention without and with autograd, the cotangents with and without dL
-    assert sum(torch.ops.higher_order.flex_attention in o for o in ops) == 2
+    assert len(graphs) == 2  # attention without and with autograd
+    assert all(torch.ops.higher_order.flex_attention in o for o in ops)
     assert not any(torch.ops.higher_order.flex_attention_backward in o for o in ops)
     assert spy.callers and not spy.ours
 

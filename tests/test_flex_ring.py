@@ -1,7 +1,8 @@
 """ring_flex_attention on gloo in spawned processes against the float64
 single-device reference with the same mask (outputs, lse, all gradients);
-empty steps skipped and the ring ended early (counted); bad inputs raise on
-every rank."""
+empty steps skipped and the ring ended early (counted); the backward
+recomputes no forward and the recorded step graphs hold no shard-sized
+tensor; bad inputs raise on every rank."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -109,6 +110,19 @@ def _check_schedule(rank, world):
     qg = q.clone().requires_grad_()
     longattn.ring_flex_attention(qg, k, v, mask_mod=docs, layout="contiguous").sum().backward()
     assert transport.traffic["bytes_sent"] == sent and qg.grad is not None
+    # the backward runs the graphs the forward recorded (one per computed step) with the merged out and lse: no
+    # FlexAttention forward runs in it, and those graphs keep no tensor of a shard's size (no q, K/V block, out)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = longattn.ring_flex_attention(*xs, mask_mod=masks.causal(), layout="contiguous")
+    graphs = out.grad_fn.op.graphs.values()
+    assert len(graphs) == rank + 1
+    assert max(s.tensor.numel() for g in graphs for s in g.saved if s.name is None) < q[0, :, :, 0].numel()
+    with pytest.MonkeyPatch.context() as mp:
+        hop, forwards = torch.ops.higher_order.flex_attention, []
+        call = type(hop).__call__
+        mp.setattr(type(hop), "__call__", lambda op, *a, **kw: forwards.append(1) or call(op, *a, **kw))
+        out.backward(torch.ones_like(out))
+    assert not forwards and all(x.grad is not None for x in xs)
     # block masks are built once per pattern: the same pattern rebuilt hits the cache
     assert run(masks.sliding_window(5, 0)) is window
     assert run(masks.and_(masks.causal(), docs)) is run(masks.and_(masks.causal(), docs))

@@ -10,37 +10,41 @@ kernel, empty steps are not computed (their exchange still runs), and the
 ring ends after the last step any rank needs. Partial results merge by lse
 in float32 as in every ring.
 
-Backward. On one device FlexAttention's own autograd runs (nothing is
-recomputed). In the ring each step recomputes its block's forward (o_b,
-lse_b) under FlexAttention's autograd and pulls the gradient of the merged
-result through it: with the merged (O, L) and the upstream (dO, dL), the
-block's share of a row is w = exp(lse_b - L) (O = sum_b w_b o_b,
-L = log sum_b exp(lse_b)), so the block's dQ, dK, dV are the backward of
-(o_b, lse_b) with the cotangents ``w * dO`` and ``w * (rowsum(dO * (o_b - O))
-+ dL)`` (0 on rows the block gives no key). Cost: one extra FlexAttention
-forward per computed ring step in the backward; keeping each step's autograd
-graph from the forward instead would keep every visiting K/V block (memory
-O(seqlen) instead of O(seqlen / ranks)).
+Backward. On one device FlexAttention's own autograd runs. In the ring each
+step's forward records FlexAttention's autograd graph of its block but keeps
+none of the tensors that graph saves (``saved_tensors_hooks``): q, the K/V
+block, the block's out and lse are dropped as they are saved, and the
+backward supplies them again, with the MERGED out and lse of all blocks in
+place of the block's. FlexAttention's backward with the merged softmax
+statistics gives the block's exact share of dQ, dK, dV (P = exp(S - L) and
+delta = rowsum(dO * O) - dL over all keys, as a single-device backward uses
+for each key block), so no forward is recomputed and no cotangent pass runs;
+the graph holds only the block mask's tensors and small buffers, and the K/V
+block comes back round the ring as in every ring backward. (Keeping each
+step's graph with its tensors would keep every visiting K/V block: memory
+O(seqlen) instead of O(seqlen / ranks).)
 
-Local compute: on CUDA the public ``torch.nn.attention.flex_attention``
-compiled by inductor (its Triton backend, pinned: the FLASH backend has no
-lse gradient); elsewhere FlexAttention's operator in eager mode with the same
-autograd (the public function refuses gradients on CPU; dense scores per
-step: small shapes only). lse is the natural log, as every longattn op returns.
+Local compute: FlexAttention's operator (what the public
+``torch.nn.attention.flex_attention`` calls), compiled by inductor on CUDA
+(its Triton backend, pinned: the FLASH backend has no lse gradient), in eager
+mode elsewhere with the same autograd (dense scores per step: small shapes
+only). lse is the natural log, as every longattn op returns.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
+import threading
 import types
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch._higher_order_ops.flex_attention import flex_attention as _flex_hop
-from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options, _identity
-from torch.nn.attention.flex_attention import flex_attention as _torch_flex
+from torch.autograd.graph import get_gradient_edge
+from torch.nn.attention.flex_attention import _apply_kernel_options, _identity
 
 from .. import backends as bk
 from .._merge import empty_state
@@ -52,28 +56,22 @@ from ..distributed.plan import Call
 from ..distributed.ring import BackendOp, RingSchedule, ring_backward, ring_forward
 from ..distributed.transport import ring_transport
 
-__all__ = ["flex_attention", "ring_flex_attention", "FlexStep", "ring_schedule"]
+__all__ = ["flex_attention", "ring_flex_attention", "FlexStep", "StepGraph", "ring_schedule"]
 
 LN2 = math.log(2.0)
 _OPTIONS = {"BACKEND": "TRITON"}  # the kernel with an lse gradient (the FLASH backend has none)
 
 
 # ------------------------------------------------------------------ the local op
-def _attend_public(q, k, v, score_mod, block_mask, scale):
-    """FlexAttention's public function on (B, H, L, D): out, lse (natural log), with its autograd."""
-    out, aux = _torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                           enable_gqa=q.shape[1] != k.shape[1], kernel_options=dict(_OPTIONS),
-                           return_aux=AuxRequest(lse=True))
-    return out, aux.lse
-
-
-def _attend_eager(q, k, v, score_mod, block_mask, scale):
-    """The same through FlexAttention's operator, which is what the public
-    function calls; its autograd (FlexAttention's own) also runs on CPU, where
-    the public function refuses inputs that require grad."""
+def _attend(q, k, v, score_mod, block_mask, scale):
+    """FlexAttention's operator on (B, H, L, D), with its autograd: out, lse
+    (base 2, as the operator returns it), max_scores. The public function
+    calls the same operator (under torch.compile: this graph); it is called
+    directly so that the lse a backward needs is an output seen here (the
+    ring swaps it for the merged one), and on CPU, where the public function
+    refuses inputs that require grad."""
     opts = _apply_kernel_options(q, k, v, True, dict(_OPTIONS))
-    out, lse2, _ = _flex_hop(q, k, v, score_mod or _identity, block_mask.as_tuple(), scale, opts)
-    return out, lse2 * LN2  # the operator's lse is base 2
+    return _flex_hop(q, k, v, score_mod or _identity, block_mask.as_tuple(), scale, opts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,33 +81,8 @@ def _compiled(backend, pattern, grad: bool):
     (8; past it the eager implementation runs: dense scores), per code object:
     each (pattern, grad) gets a copy of the function's code, so they do not
     share that budget (each shape is one graph)."""
-    fn = _attend_public
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    own = types.FunctionType(_attend.__code__.replace(), _attend.__globals__, _attend.__name__)
     return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
-
-
-def _cotangents(dout, out, lse, dlse, ob, lb):
-    """The cotangents of one block's (o_b (B, L, H, D), lse_b (B, H, L)) that
-    give its share of the merged result's gradient (the module docstring):
-    w * dO and w * (rowsum(dO * (o_b - O)) + dL), w = exp(lse_b - L), 0 on rows
-    where the block gives no key (whatever dL holds there: no NaN)."""
-    w = torch.where(lb == float("-inf"), 0.0, torch.exp(lb - lse))  # also 0 where L is -inf
-    wr = w.transpose(1, 2).unsqueeze(-1)
-    grad_o = (wr * dout.float()).to(ob.dtype)
-    # w * rowsum(dO * o_b) taken from grad_o as passed (rounded to the input dtype), as FlexAttention's backward
-    # computes the rowsum it subtracts: the o_b terms cancel as in a plain backward
-    delta = (grad_o.float() * ob.float()).sum(-1) - wr.squeeze(-1) * (dout.float() * out.float()).sum(-1)
-    grad_lse = delta.transpose(1, 2)
-    if dlse is not None:
-        grad_lse = grad_lse + w * dlse
-    return grad_o, torch.where(w == 0, 0.0, grad_lse).contiguous()
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_cotangents(backend):
-    """``_cotangents`` fused (elementwise and row sums over (B, L, H, D): a few
-    full passes over dO, O and o_b in float32 when run eagerly)."""
-    return torch.compile(_cotangents, backend=backend, fullgraph=True)
 
 
 def compile_backend(device: torch.device) -> Optional[str]:
@@ -118,15 +91,80 @@ def compile_backend(device: torch.device) -> Optional[str]:
     return "inductor" if device.type == "cuda" else None
 
 
+class _Saved:
+    """A tensor FlexAttention's autograd saved for its backward (through
+    ``saved_tensors_hooks``): kept as is, or, where ``name`` is set, dropped
+    and supplied again when the backward runs (see :meth:`FlexStep.record`)."""
+
+    __slots__ = ("tensor", "name", "shape", "stride", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.name, self.shape, self.stride, self.dtype = t, None, t.shape, t.stride(), t.dtype
+
+    def supply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in the layout the backward was compiled for (a view where only
+        strides of size-1 dims differ, else a copy)."""
+        same = x.shape == self.shape and all(a == b or n == 1 for a, b, n in zip(x.stride(), self.stride, x.shape))
+        if same and x.dtype == self.dtype:
+            return x.as_strided(self.shape, self.stride, x.storage_offset())
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=x.device).copy_(x)
+
+
+class _Recording(threading.local):
+    """Where :func:`_pack` puts what FlexAttention's autograd saves during one
+    :meth:`FlexStep.record` (one pair of hook functions for every call: a
+    compiled graph never sees new hooks)."""
+
+    saved: Optional[list] = None
+
+
+_RECORDING = _Recording()
+
+
+def _pack(t: torch.Tensor) -> _Saved:
+    s = _Saved(t)
+    _RECORDING.saved.append(s)
+    return s
+
+
+def _unpack(s: _Saved) -> torch.Tensor:
+    return s.tensor
+
+
+class _Entry(torch.autograd.Function):
+    """``x`` as an input of a recorded graph that holds no reference to it:
+    the gradient is read at this node's edge (so a step's graph does not keep
+    the visiting K/V block alive). ``anchor`` is any tensor that requires grad."""
+
+    @staticmethod
+    def forward(ctx, anchor, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+@dataclasses.dataclass
+class StepGraph:
+    """One ring step's FlexAttention graph, kept from the forward for the
+    backward: the tensors it saved (``_Saved``; q, k, v, out, lse and
+    max_scores named, not held) and the gradient edges of its inputs and outputs."""
+
+    saved: list
+    inputs: list
+    outputs: list
+
+
 class FlexStep:
     """The local op of one ring step (``Call.run``): FlexAttention of the
     local queries against one K/V block under ``block_mask`` (local indices),
     on (B, L, H, D) tensors; lse natural-log float32, -inf where a row sees no key.
 
-    ``compile``: a ``torch.compile`` backend for the public FlexAttention
-    ("inductor" on CUDA; "aot_eager" traces the same graphs elsewhere) or None
-    for the eager operator; ``pattern``: a hashable name of the (mask, score)
-    pattern, whose compiled graphs the steps of every call with it share.
+    ``compile``: a ``torch.compile`` backend for FlexAttention ("inductor" on
+    CUDA; "aot_eager" traces the same graphs elsewhere) or None for the eager
+    operator; ``pattern``: a hashable name of the (mask, score) pattern, whose
+    compiled graphs the steps of every call with it share.
     """
 
     def __init__(self, block_mask, score_mod: Optional[Callable], scale: float, compile: Optional[str],
@@ -138,30 +176,80 @@ class FlexStep:
         # run in its place (the backward below never declines, see Call.run).
         self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)
 
+    def _run(self, q, k, v):
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        run = _compiled(self.compile, self.pattern, grad) if self.compile else _attend
+        return run(q, k, v, self.score_mod, self.block_mask, self.scale)
+
     def attend(self, q, k, v):
         """(out, lse) of q against this block, differentiable through
         FlexAttention's autograd where the inputs require grad."""
-        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-        run = _compiled(self.compile, self.pattern, grad) if self.compile else _attend_eager
-        out, lse = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.score_mod, self.block_mask,
-                       self.scale)
-        return out.transpose(1, 2), lse.float()
+        out, lse2, _ = self._run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2), lse2 * LN2
 
     def forward(self, q, k, v):
         with torch.no_grad():
             return self.attend(q, k, v)
 
-    def backward(self, dout, q, k, v, out, lse, dlse):
+    def record(self, q, k, v):
+        """(out, lse, graph): the forward of this block with FlexAttention's
+        autograd graph kept for :meth:`backward`, but none of the tensors that
+        graph saved for it: q, this K/V block, the block's out and lse are
+        dropped as they are saved (``saved_tensors_hooks``) and supplied again
+        by the backward, the merged out and lse in place of the block's. The
+        graph holds the block mask's tensors and small buffers only; ``out``
+        may be modified in place (the ring merges into it)."""
+        anchor = torch.zeros((), requires_grad=True)
+        saved = _RECORDING.saved = []
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                xs = [_Entry.apply(anchor, x.transpose(1, 2)) for x in (q, k, v)]
+                out, lse2, mx = self._run(*xs)
+        finally:
+            _RECORDING.saved = None
+        names = {_where(t): n for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse2), ("max", mx))
+                 if t.numel()}
+        for s in saved:
+            s.name = names.get(_where(s.tensor)) if s.tensor.numel() else None
+            if s.name is not None:
+                s.tensor = None
+            elif s.tensor.is_floating_point() and s.tensor.numel() in (lse2.numel(), out.numel()):
+                # a copy of the block's out or lse: its backward would use the block's statistics, not the merged
+                raise RuntimeError("ring_flex_attention: FlexAttention's autograd saved a tensor shaped like its "
+                                   "out or lse that is neither; the flex ring's backward (which supplies the merged "
+                                   "out and lse in their place) does not support this torch version")
+        graph = StepGraph(saved, [get_gradient_edge(x) for x in xs], [get_gradient_edge(out), get_gradient_edge(lse2)])
+        return out.detach().transpose(1, 2), lse2.detach() * LN2, graph
+
+    def backward(self, dout, q, k, v, out, lse, dlse, graph: StepGraph):
         """(dq, dk, dv) of this block given the MERGED out and lse (natural
-        log) of every block and their gradients (dlse None: zero), through a
-        recomputed forward of this block (see the module docstring)."""
-        xs = [x.detach().requires_grad_() for x in (q, k, v)]
-        with torch.enable_grad():
-            ob, lb = self.attend(*xs)
-        with torch.no_grad():
-            run = _compiled_cotangents(self.compile) if self.compile else _cotangents
-            grad_o, grad_lse = run(dout, out, lse, dlse, ob.detach(), lb.detach())
-        return torch.autograd.grad([ob, lb], xs, [grad_o, grad_lse])
+        log) of every block and their gradients (dlse None: zero): the
+        recorded graph's backward (FlexAttention's backward operator, a kernel
+        on CUDA) with the merged (out, lse) in place of the block's. With the
+        softmax statistics of all keys it gives this block's exact share of
+        every gradient, as a single-device backward's key blocks do; nothing is
+        recomputed."""
+        lse2 = (lse / LN2).contiguous()
+        supply = dict(q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), out=out.transpose(1, 2),
+                      lse=lse2, max=lse2)
+        for s in graph.saved:
+            if s.name is not None:
+                s.tensor = s.supply(supply[s.name])
+        dl2 = torch.zeros_like(lse2) if dlse is None else dlse * LN2  # d lse / d lse2 = ln 2
+        try:
+            # retain_graph: a second backward through the same ring output (retain_graph=True) runs this again
+            grads = torch.autograd.grad(graph.outputs, graph.inputs, [dout.transpose(1, 2), dl2], retain_graph=True)
+        finally:
+            for s in graph.saved:
+                if s.name is not None:
+                    s.tensor = None
+        return tuple(g.transpose(1, 2) for g in grads)
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """Which tensor a saved one is (a view of it: the same first element and
+    size; q, k, v given as views of one packed tensor differ in the first)."""
+    return t.data_ptr(), t.numel()
 
 
 # ------------------------------------------------------------------ plans (cached)
@@ -274,21 +362,39 @@ class _NoKeys(torch.autograd.Function):
 _OP = BackendOp()  # every call of a flex ring carries its executor (Call.run)
 
 
+class _RecordingOp(BackendOp):
+    """The local op of one flex ring call that a backward will follow: each
+    step's forward keeps its FlexAttention graph (without tensors,
+    :meth:`FlexStep.record`) and the backward runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.graphs: dict = {}
+
+    def forward(self, c: Call, q, k, v):
+        out, lse, self.graphs[c.run] = c.run.record(q, k, v)
+        return out, lse
+
+    def backward(self, c: Call, dout, q, k, v, out, lse, dlse):
+        return c.run.backward(dout, q, k, v, out, lse, dlse, self.graphs[c.run])
+
+
 class _RingFlex(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, schedule, group, keep_last: bool):
+    def forward(ctx, q, k, v, schedule, group, grad: bool):
         ctx.set_materialize_grads(False)
+        op = _RecordingOp() if grad else _OP
         # keep_last: the block the backward starts on, kept only where a backward will run
-        out, lse, kv_last = ring_forward(q, k, v, schedule, _OP, ring_transport(group), keep_last=keep_last)
+        out, lse, kv_last = ring_forward(q, k, v, schedule, op, ring_transport(group), keep_last=grad)
         ctx.save_for_backward(q, k, v, out, lse, *(kv_last or ()))
-        ctx.schedule, ctx.group = schedule, group
+        ctx.schedule, ctx.group, ctx.op = schedule, group, op
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *last = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, dlse, ctx.schedule, _OP, ring_transport(ctx.group),
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, dlse, ctx.schedule, ctx.op, ring_transport(ctx.group),
                                    tuple(last) or None)
         return dq, dk, dv, None, None, None
 
