@@ -356,14 +356,15 @@ def _kv_received(g: torch.Tensor, ex: Exchange) -> torch.Tensor:
 def _scatter_heads(grads, shapes, ex: Exchange):
     """The transpose of :func:`_gather_heads`: (dqf, dkf, dvf) -> (dq, dk, dv) on this rank's rows."""
     me, p = ex.rank, ex.world
-    res = []
+    ranges = (ex.q_ranges, ex.kv_ranges, ex.kv_ranges)
     pending = []
-    for g, shape, rg in zip(grads, shapes, (ex.q_ranges, ex.kv_ranges, ex.kv_ranges)):
+    for i, (g, shape, rg) in enumerate(zip(grads, shapes, ranges)):
         b, s, h, d = shape
-        g = _kv_received(g, ex) if rg is not ex.q_ranges else g
+        g = _kv_received(g, ex) if i else g
         w = rg[me][1] - rg[me][0]
         pending.append(_start(_from_full(g, ex), _elems(rg, b * s * d), [b * s * w * d] * p, ex))
-    for t, shape, rg in zip(pending, shapes, (ex.q_ranges, ex.kv_ranges, ex.kv_ranges)):
+    res = []
+    for t, shape, rg in zip(pending, shapes, ranges):
         dst = t.new_empty(shape) if _split(rg, p, shape[2]) else t.new_zeros(shape)
         _place(dst, _wait(t), rg, ex)
         res.append(dst)
