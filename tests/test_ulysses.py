@@ -160,13 +160,17 @@ def _check_dispatch(rank, world):
 
 
 def _check_compiled(rank, world):
-    """torch.compile traces the exchanges (functional collectives) and the
-    local op, and gives the eager values and gradients."""
+    """torch.compile traces the exchanges (functional collectives inside the
+    autograd Function) and the local op, in one group of heads and in two, and
+    gives the eager values and gradients."""
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
     f = lambda q, k, v: longattn.ulysses_attention(q, k, v, causal=True, layout="zigzag", return_lse=True,
                                                    backend="math")
     assert_compiled_matches_eager(f, (q, k, v))
+    g = lambda q, k, v: longattn.ulysses_attention(q, k, v, causal=True, return_lse=True, backend="math",
+                                                   tuning=ALWAYS_CUT)
+    assert_compiled_matches_eager(g, (q, torch.randn(1, 4, 4, 8), torch.randn(1, 4, 4, 8)))
 
 
 def _check_errors(rank, world):

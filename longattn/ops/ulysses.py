@@ -264,4 +264,5 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     local = _Varlen(host, dev_cu, cu, max_seqlen, kernel, scale, causal, window, backend, layout, rows, world,
                     ex.rank, q.shape[0])
     res = U.ulysses(q[None], k[None], v[None], ex, local, return_lse)
-    return (res[0][0], res[1][0]) if return_lse else res[0]
+    # squeeze, not [0]: select's backward would zero-fill a buffer and copy the gradient in
+    return (res[0].squeeze(0), res[1].squeeze(0)) if return_lse else res.squeeze(0)
