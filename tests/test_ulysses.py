@@ -115,13 +115,13 @@ def test_tuning_groups():
     """Head groups divide a rank's query and kv heads, keep min_chunk_rows per
     kernel call and stop at max_chunks; kv heads read by several ranks keep one group."""
     t = UlyssesTuning()
-    assert t.chunks(HeadPlan(16, 16, 2), 131072) == 4  # 128K tokens: 2 heads x 128K rows per call
-    assert t.chunks(HeadPlan(16, 16, 2), 32768) == 2
+    assert t.chunks(HeadPlan(16, 16, 2), 131072) == 2  # 128K tokens: 4 heads x 128K rows per call
+    assert t.chunks(HeadPlan(16, 16, 2), 32768) == 1
     assert t.chunks(HeadPlan(32, 8, 2), 131072) == 4
     assert t.chunks(HeadPlan(16, 16, 2), 4064) == 1  # per-document calls of packed documents
-    assert t.chunks(HeadPlan(12, 3, 2), 1 << 20) == 1  # kv heads straddle the ranks
-    assert t.chunks(HeadPlan(12, 12, 2), 1 << 20) == 3  # 6 heads a rank: 4 does not divide them
-    assert UlyssesTuning(max_chunks=1).chunks(HeadPlan(16, 16, 2), 1 << 20) == 1
+    assert t.chunks(HeadPlan(12, 3, 2), 1 << 22) == 1  # kv heads straddle the ranks
+    assert t.chunks(HeadPlan(12, 12, 2), 1 << 22) == 3  # 6 heads a rank: 4 does not divide them
+    assert UlyssesTuning(max_chunks=1).chunks(HeadPlan(16, 16, 2), 1 << 22) == 1
     with pytest.raises(ValueError, match="max_chunks"):
         UlyssesTuning(max_chunks=0)
 

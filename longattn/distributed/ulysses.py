@@ -164,17 +164,19 @@ class UlyssesTuning:
     inputs and the last group's outputs are waited for with the GPU idle."""
 
     max_chunks: int = measured(
-        4, "most head groups per call. Not measured on GPUs yet; chosen from the exchange's volume: at 128K "
+        4, "most head groups per call. Ulysses itself not measured pipelined on GPUs yet; the model: at 128K "
            "tokens, 16 heads x 128 dims, bf16 over 2 ranks the q/k/v exchange moves 384 MiB and the output "
-           "128 MiB per rank per pass (~1.5 ms over NVLink at ~350 GB/s, plus 2 x 0.5 GiB of copies) against "
-           "63 ms of causal attention; 4 groups leave a quarter of it exposed, more would leave less but add "
-           "a kernel call per group (~0.1 ms of host time each, hidden while the host runs ahead)")
+           "128 MiB per rank per pass (~1.5 ms over NVLink at ~350 GB/s) against 60-120 ms of attention; "
+           "g groups leave 1/g of it exposed, and every group adds a kernel call with its tail",
+        "dist_ulysses_2xh200_df7b171.json")
     min_chunk_rows: int = measured(
-        1 << 17, "least query rows x heads per kernel call of one group (a dense call: batch x seqlen x "
-                 "heads/group; a per-document varlen call: the mean document length x heads/group): 2^17 rows "
-                 "are 1024 tiles of 128 rows, ~8 waves on 132 SMs, where a group's kernel tail stays small; "
-                 "per-document calls of packed documents (a few thousand tokens) are bound by their host time "
-                 "and stay in one group. Not measured on GPUs yet")
+        1 << 19, "least query rows x heads per kernel call of one group (dense: batch x seqlen x heads/group; "
+                 "per-document varlen calls: the mean document length x heads/group), 4096 tiles of 128 rows: "
+                 "ring steps of that size (4 x H200, 128K, 16 heads, 32K x 32K blocks) ran at 0.964 / 1.02 x "
+                 "one GPU (non-causal / causal forward) with their exchange and merges, so calls cut that small "
+                 "lose little; smaller calls were not measured. At 128K a rank's 8 heads (16 over 2) run in 2 "
+                 "groups, GQA's 16 query heads in 4; 32K and per-document calls stay whole",
+        "dist_4xh200_all_9e305a2.json")
 
     def __post_init__(self):
         if not isinstance(self.max_chunks, int) or self.max_chunks < 1:
@@ -329,15 +331,30 @@ def _kv_index(ex: Exchange, device) -> Optional[torch.Tensor]:
     return None if idx is None else torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
 
 
+def _start_groups(tensors, ex: Exchange, n: int) -> list[list[torch.Tensor]]:
+    """Start the inbound all-to-alls of (x (B, s, ., D), head ranges, width per
+    group) for every group of heads: [group][tensor]. The send buffers live on
+    only in the collectives, which drop them once done."""
+    started = []
+    for x, rg, w in tensors:
+        b, s, _, d = x.shape
+        per = b * s * d
+        started.append([_start(buf, [per * w] * ex.world, _elems(rg, per, n), ex) for buf in _pack(x, rg, ex, n)])
+    return [list(group) for group in zip(*started)]
+
+
+def _group_widths(ex: Exchange) -> tuple[int, int]:
+    """Query and kv heads of one group on this rank."""
+    (a, e), (lo, hi) = ex.heads.q_heads(ex.rank), ex.heads.kv_heads(ex.rank)
+    return (e - a) // ex.chunks, (hi - lo) // ex.chunks
+
+
 def _gather_heads(q, k, v, ex: Exchange):
     """seq_to_heads without autograd: (qf, kf, vf) on the whole sequence."""
     b, s, _, d = q.shape
-    me = ex.rank
-    out = []
-    for x, rg in ((q, ex.q_ranges), (k, ex.kv_ranges), (v, ex.kv_ranges)):
-        w = rg[me][1] - rg[me][0]
-        out.append(_start(_pack(x, rg, ex)[0], [b * s * w * d] * ex.world, _elems(rg, b * s * d), ex))
-    qf, kf, vf = (_to_full(_wait(t), ex, b, s, t.numel() // (ex.world * b * s * d), d) for t in out)
+    wq, wk = _group_widths(ex)
+    started = _start_groups([(q, ex.q_ranges, wq), (k, ex.kv_ranges, wk), (v, ex.kv_ranges, wk)], ex, 1)[0]
+    qf, kf, vf = (_to_full(_wait(t), ex, b, s, w, d) for t, w in zip(started, (wq, wk, wk)))
     idx = _kv_index(ex, q.device)
     if idx is not None:
         kf, vf = kf.index_select(2, idx), vf.index_select(2, idx)
@@ -455,16 +472,13 @@ class Local:
         raise NotImplementedError
 
 
-def _start_groups(tensors, ex: Exchange, n: int) -> list[list[torch.Tensor]]:
-    """Start the inbound all-to-alls of (x (B, s, ., D), head ranges, width per
-    group) for every group of heads: [group][tensor]. The send buffers live on
-    only in the collectives, which drop them once done."""
-    started = []
-    for x, rg, w in tensors:
-        b, s, _, d = x.shape
-        per = b * s * d
-        started.append([_start(buf, [per * w] * ex.world, _elems(rg, per, n), ex) for buf in _pack(x, rg, ex, n)])
-    return [list(group) for group in zip(*started)]
+def _start_back(y, ranges, ex: Exchange, local: "Local", b: int, s: int, rows: int, d: int) -> torch.Tensor:
+    """Start returning y (B, R, w, D), one group's heads over every rank's rows,
+    to the ranks the rows belong to; what comes back is every rank's heads
+    ``ranges`` (one group) of this rank's ``rows``."""
+    w = y.shape[2]
+    sent = [b * r * w * d for r in local.send_rows] if local.send_rows is not None else [b * s * w * d] * ex.world
+    return _start(_from_full(y, ex, local.send_rows), _elems(ranges, b * rows * d, ex.chunks), sent, ex)
 
 
 class _Ulysses(torch.autograd.Function):
@@ -476,15 +490,12 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ex: Exchange, local: Local, return_lse: bool):
         b, s, h, d = q.shape
-        p, me, n = ex.world, ex.rank, ex.chunks
+        n = ex.chunks
         qr, kr = ex.q_ranges, ex.kv_ranges
-        wq, wk = (qr[me][1] - qr[me][0]) // n, (kr[me][1] - kr[me][0]) // n
+        wq, wk = _group_widths(ex)
         inbound = _start_groups([(q, qr, wq), (k, kr, wk), (v, kr, wk)], ex, n)
         idx = _kv_index(ex, q.device)
         rows = local.recv_rows if local.recv_rows is not None else s
-        out_elems = lambda w: [b * rows * w * d] * p
-        in_elems = lambda w: ([b * r * w * d for r in local.send_rows] if local.send_rows is not None
-                              else [b * s * w * d] * p)
         saved, outbound = [], []
         for c in range(n):
             qf, kf, vf = (_to_full(_wait(t), ex, b, s, w, d) for t, w in zip(inbound[c], (wq, wk, wk)))
@@ -492,11 +503,9 @@ class _Ulysses(torch.autograd.Function):
                 kf, vf = kf.index_select(2, idx), vf.index_select(2, idx)
             o, lse, keep = local.forward(qf, kf, vf)
             saved += keep
-            got = [_start(_from_full(o, ex, local.send_rows), out_elems(wq), in_elems(wq), ex)]
-            if return_lse:  # as (B, R, h, 1) rows: the same exchange with D = 1
-                got.append(_start(_from_full(lse.transpose(1, 2).unsqueeze(-1), ex, local.send_rows),
-                                  [e // d for e in out_elems(wq)], [e // d for e in in_elems(wq)], ex))
-            outbound.append(got)
+            # lse travels as (B, R, h, 1) rows: the same exchange with D = 1
+            outbound.append([_start_back(x, qr, ex, local, b, s, rows, e) for x, e in
+                             ((o, d), (lse.transpose(1, 2).unsqueeze(-1), 1))[:2 if return_lse else 1]])
         out = q.new_empty(b, s, h, d)
         lse_out = q.new_empty(b, h, s, dtype=torch.float32) if return_lse else None
         for c, got in enumerate(outbound):
@@ -511,7 +520,6 @@ class _Ulysses(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.ex, ctx.local, ctx.per_chunk = ex, local, len(saved) // n
         ctx.shapes = (q.shape, k.shape, v.shape)
-        ctx.dtype = q.dtype
         return (out, lse_out) if return_lse else out
 
     @staticmethod
@@ -519,17 +527,15 @@ class _Ulysses(torch.autograd.Function):
     def backward(ctx, dout, dlse=None):
         ex, local = ctx.ex, ctx.local
         (b, s, h, d), kshape, vshape = ctx.shapes
-        p, me, n = ex.world, ex.rank, ex.chunks
+        n = ex.chunks
         qr, kr = ex.q_ranges, ex.kv_ranges
-        wq, wk = (qr[me][1] - qr[me][0]) // n, (kr[me][1] - kr[me][0]) // n
+        wq, wk = _group_widths(ex)
         saved = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = saved[0].new_zeros(b, s, h, d)
         grads = [(dout, qr, wq)] + ([] if dlse is None else [(dlse.transpose(1, 2).unsqueeze(-1), qr, wq)])
         inbound = _start_groups(grads, ex, n)
         rows = local.recv_rows if local.recv_rows is not None else s
-        in_elems = lambda w: ([b * r * w * d for r in local.send_rows] if local.send_rows is not None
-                              else [b * s * w * d] * p)
         outbound = []
         for c in range(n):
             do = _to_full(_wait(inbound[c][0]), ex, b, s, wq, d)
@@ -539,10 +545,10 @@ class _Ulysses(torch.autograd.Function):
             keep = saved[c * ctx.per_chunk:(c + 1) * ctx.per_chunk]
             dq, dk, dv = local.backward(do, dl, keep)
             dk, dv = _kv_received(dk, ex), _kv_received(dv, ex)
-            outbound.append([_start(_from_full(g, ex, local.send_rows), _elems(rg, b * rows * d, n), in_elems(w), ex)
-                             for g, w, rg in ((dq, wq, qr), (dk, wk, kr), (dv, wk, kr))])
+            outbound.append([_start_back(g, rg, ex, local, b, s, rows, d) for g, rg in ((dq, qr), (dk, kr), (dv, kr))])
         dq = dout.new_empty(b, s, h, d)
-        dk, dv = ((dout.new_empty(sh) if _split(kr, p, sh[2]) else dout.new_zeros(sh)) for sh in (kshape, vshape))
+        # kv heads that several ranks read come back from each and are summed
+        dk, dv = ((dout.new_empty(sh) if _split(kr, ex.world, sh[2]) else dout.new_zeros(sh)) for sh in (kshape, vshape))
         for c, got in enumerate(outbound):
             for g, t, rg in zip((dq, dk, dv), got, (qr, kr, kr)):
                 _place(g[:, :rows], _wait(t), rg, ex, c, n)
