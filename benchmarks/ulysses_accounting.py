@@ -34,8 +34,8 @@ import longattn  # noqa: E402
 KIND = {
     "copy_": "copy", "clone": "copy", "_to_copy": "copy", "contiguous": "copy", "cat": "copy", "stack": "copy",
     "index_select": "copy", "index_copy": "copy", "index_put_": "copy", "_unsafe_view": "view",
-    "_reshape_alias": "view", "_wrap_tensor_autograd": "view", "new_empty": "alloc", "empty": "alloc", "empty_like": "alloc",
-    "empty_strided": "alloc", "new_empty_strided": "alloc",
+    "_reshape_alias": "view", "_wrap_tensor_autograd": "view", "new_empty": "alloc", "empty": "alloc",
+    "empty_like": "alloc", "empty_strided": "alloc", "new_empty_strided": "alloc",
     "zeros": "fill", "zeros_like": "fill", "new_zeros": "fill", "fill_": "fill", "full": "fill", "new_full": "fill",
     "zero_": "fill", "add": "reduce", "add_": "reduce", "index_add_": "reduce", "index_add": "reduce",
     "sum": "reduce",

@@ -548,7 +548,7 @@ class _Ulysses(torch.autograd.Function):
             outbound.append([_start_back(g, rg, ex, local, b, s, rows, d) for g, rg in ((dq, qr), (dk, kr), (dv, kr))])
         dq = dout.new_empty(b, s, h, d)
         # kv heads that several ranks read come back from each and are summed
-        dk, dv = ((dout.new_empty(sh) if _split(kr, ex.world, sh[2]) else dout.new_zeros(sh)) for sh in (kshape, vshape))
+        dk, dv = (dout.new_empty(sh) if _split(kr, ex.world, sh[2]) else dout.new_zeros(sh) for sh in (kshape, vshape))
         for c, got in enumerate(outbound):
             for g, t, rg in zip((dq, dk, dv), got, (qr, kr, kr)):
                 _place(g[:, :rows], _wait(t), rg, ex, c, n)
