@@ -9,10 +9,11 @@ a ``TorchDispatchMode`` (the attention custom ops appear as one op each; what
 they do inside is the single-device kernel's business and is not counted).
 Bytes are each op's output bytes in units of this rank's local q, so the
 table reads the same at 8K or 1M tokens: "copy 3.0" is three q-sized tensors
-written. ``host syncs`` counts ``tolist`` / ``item`` / ``int()`` of tensors and
-host-to-device ``torch.tensor(..., device=)`` made during the call: each is a
-device synchronisation when the tensor lives on a GPU. A ``torch.profiler``
-pass over the same call lists the collectives as gloo records them.
+written. ``host syncs`` counts ``tolist`` / ``item`` / ``int()`` of tensors
+during the call: each is a device synchronisation where the tensor lives on a
+GPU (on CPU every tensor is a host one, so the count is an upper bound: which
+of them read a device tensor follows from the code). A ``torch.profiler`` pass
+over the same call lists the collectives as gloo records them.
 """
 from __future__ import annotations
 
