@@ -1,14 +1,18 @@
 """Ulysses all-to-all attention on gloo in spawned processes (world 2, 3, 4)
 against the float64 single-device reference: outputs, lse and all gradients,
-dense and packed documents; the GQA head plan; errors on every rank."""
+dense and packed documents, in one group of heads and pipelined over several;
+the GQA head plan; what one call dispatches; errors on every rank."""
+import collections
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import longattn
 from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, dense_inputs,
                         run_sharded, run_world, varlen_inputs)
-from longattn.distributed.ulysses import HeadPlan
+from longattn.distributed.ulysses import HeadPlan, UlyssesTuning
 from reference import assert_close, attention_ref, grads_of, rel_err
 from test_varlen import varlen_ref
 
@@ -31,32 +35,61 @@ VARLEN = {  # (doc lengths, layout, causal, window, nheads_kv)
 }
 
 
+# pipelined over head groups (a tuning that always cuts): (batch, nheads, nheads_kv, groups, layout, causal,
+# window); groups = what UlyssesTuning.chunks gives, asserted
+PIPELINED = {
+    2: [(1, 8, 8, 4, "contiguous", True, (-1, -1)), (2, 8, 4, 2, "zigzag", False, (5, 2)),
+        (1, 12, 6, 3, "zigzag", True, (-1, -1))],
+    4: [(1, 16, 16, 4, "contiguous", True, (3, 0)), (2, 16, 8, 2, "zigzag", True, (-1, -1))],
+}
+PIPELINED_VARLEN = {  # (doc lengths, layout, nheads, nheads_kv, groups)
+    2: [([3, 20, 1, 9], "contiguous", 8, 4, 2), ([5, 9, 16], "zigzag", 8, 8, 4)],
+    4: [([7, 2, 13, 11], "contiguous", 16, 8, 2), ([3, 20, 1, 9], "zigzag", 8, 8, 2)],
+}
+ALWAYS_CUT = UlyssesTuning(max_chunks=4, min_chunk_rows=0)
+
+
 def _check_dense(world):
     for layout, causal, window, hkv in CONFIGS[world]:
-        torch.manual_seed(11)
-        q, k, v, do, dl = dense_inputs(2, 2 * world * 3, H, hkv, 8)
-        ro, rl, rg = grads_of(lambda *x: attention_ref(*x, causal=causal, window=window),
-                              [x.double() for x in (q, k, v)], do, dl)
-        us, out, lse, grads = run_sharded(longattn.ulysses_attention, q, k, v, do, dl, layout, causal=causal,
-                                          window_size=window, backend="math")
-        assert_unsharded_close(f"ulysses world={world} {layout} causal={causal} window={window} hkv={hkv}", us,
-                               out, lse, grads, ro, rl, rg, TOL)
+        _dense_case(world, 2, H, hkv, layout, causal, window)
+    for b, h, hkv, groups, layout, causal, window in PIPELINED.get(world, []):
+        assert ALWAYS_CUT.chunks(HeadPlan(h, hkv, world), 1) == groups
+        _dense_case(world, b, h, hkv, layout, causal, window, tuning=ALWAYS_CUT)
+
+
+def _dense_case(world, b, h, hkv, layout, causal, window, **kw):
+    torch.manual_seed(11)
+    q, k, v, do, dl = dense_inputs(b, 2 * world * 3, h, hkv, 8)
+    ro, rl, rg = grads_of(lambda *x: attention_ref(*x, causal=causal, window=window),
+                          [x.double() for x in (q, k, v)], do, dl)
+    us, out, lse, grads = run_sharded(longattn.ulysses_attention, q, k, v, do, dl, layout, causal=causal,
+                                      window_size=window, backend="math", **kw)
+    assert_unsharded_close(f"ulysses world={world} B={b} H={h} hkv={hkv} {layout} causal={causal} window={window} "
+                           f"{kw}", us, out, lse, grads, ro, rl, rg, TOL)
 
 
 def _check_varlen(world):
     for lens, layout, causal, window, hkv in VARLEN[world]:
-        cu, q, k, v, do, dl = varlen_inputs(lens, H, hkv, 8, seed=5)
-        ro, rl, rg = grads_of(lambda *x: varlen_ref(*x, cu, causal, window), [x.double() for x in (q, k, v)], do, dl)
-        sh = lambda x: longattn.shard_varlen(x, cu, layout=layout)[0]
-        ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
-        out, lse = longattn.ulysses_attention_varlen(ql, kl, vl, cu, layout=layout, causal=causal,
-                                                     window_size=window, return_lse=True, backend="math")
-        assert (out[~longattn.shard_varlen(torch.ones(q.shape[0]), cu, layout=layout)[0].bool()] == 0).all()
-        ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl.t()).t()).sum()).backward()
-        us = lambda x: longattn.unshard_varlen(x.detach(), cu, layout=layout)
-        got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
-        assert_close(got, dict(out=ro, lse=rl, dq=rg[0], dk=rg[1], dv=rg[2]), TOL,
-                     f"ulysses varlen world={world} docs={lens} {layout} causal={causal} window={window} hkv={hkv}")
+        _varlen_case(world, lens, layout, causal, window, H, hkv)
+    for lens, layout, h, hkv, groups in PIPELINED_VARLEN.get(world, []):
+        assert ALWAYS_CUT.chunks(HeadPlan(h, hkv, world), 1) == groups
+        _varlen_case(world, lens, layout, True, (-1, -1), h, hkv, tuning=ALWAYS_CUT)
+
+
+def _varlen_case(world, lens, layout, causal, window, h, hkv, **kw):
+    cu, q, k, v, do, dl = varlen_inputs(lens, h, hkv, 8, seed=5)
+    ro, rl, rg = grads_of(lambda *x: varlen_ref(*x, cu, causal, window), [x.double() for x in (q, k, v)], do, dl)
+    sh = lambda x: longattn.shard_varlen(x, cu, layout=layout)[0]
+    ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
+    out, lse = longattn.ulysses_attention_varlen(ql, kl, vl, cu, layout=layout, causal=causal,
+                                                 window_size=window, return_lse=True, backend="math", **kw)
+    assert (out[~longattn.shard_varlen(torch.ones(q.shape[0]), cu, layout=layout)[0].bool()] == 0).all()
+    ((out * sh(do)).sum() + (torch.where(torch.isfinite(lse), lse, 0) * sh(dl.t()).t()).sum()).backward()
+    us = lambda x: longattn.unshard_varlen(x.detach(), cu, layout=layout)
+    got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
+    assert_close(got, dict(out=ro, lse=rl, dq=rg[0], dk=rg[1], dv=rg[2]), TOL,
+                 f"ulysses varlen world={world} docs={lens} {layout} causal={causal} window={window} h={h} "
+                 f"hkv={hkv} {kw}")
 
 
 def test_head_plan_replicates_only_what_is_read():
@@ -78,14 +111,66 @@ def test_head_plan_replicates_only_what_is_read():
             assert all(plan.local_kv_index(r) is None for r in range(p))
 
 
+def test_tuning_groups():
+    """Head groups divide a rank's query and kv heads, keep min_chunk_rows per
+    kernel call and stop at max_chunks; kv heads read by several ranks keep one group."""
+    t = UlyssesTuning()
+    assert t.chunks(HeadPlan(16, 16, 2), 131072) == 2  # 128K tokens: 4 heads x 128K rows per call
+    assert t.chunks(HeadPlan(16, 16, 2), 32768) == 1
+    assert t.chunks(HeadPlan(32, 8, 2), 131072) == 4
+    assert t.chunks(HeadPlan(16, 16, 2), 4064) == 1  # per-document calls of packed documents
+    assert t.chunks(HeadPlan(12, 3, 2), 1 << 22) == 1  # kv heads straddle the ranks
+    assert t.chunks(HeadPlan(12, 12, 2), 1 << 22) == 3  # 6 heads a rank: 4 does not divide them
+    assert UlyssesTuning(max_chunks=1).chunks(HeadPlan(16, 16, 2), 1 << 22) == 1
+    with pytest.raises(ValueError, match="max_chunks"):
+        UlyssesTuning(max_chunks=0)
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func._schema.name.split("::")[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _check_dispatch(rank, world):
+    """What one pipelined call dispatches besides its attention kernels (batch
+    1, contiguous shards, 4 groups): per pass one copy per exchanged tensor
+    into its send buffer and one per group and returned tensor into place,
+    one all-to-all per tensor and group, and nothing zero-filled or summed."""
+    n = 4
+    q, k, v = (torch.randn(1, 6, 8, 8, requires_grad=True) for _ in range(3))
+    f = lambda: longattn.ulysses_attention(q, k, v, causal=True, backend="math", tuning=ALWAYS_CUT)
+    f()  # the cached cross-rank check
+    with _OpCount() as fwd:
+        out = f()
+    with _OpCount() as bwd:
+        out.backward(torch.randn_like(out))
+    copies = ("clone", "copy_", "cat", "stack", "_to_copy", "index_select", "index_copy")
+    waste = ("slice_backward", "select_backward", "add", "add_", "zeros", "zeros_like", "new_zeros", "fill_",
+             "zero_", "index_add")
+    for ph, c, want_copies in (("fwd", fwd, 3 + n), ("bwd", bwd, 1 + 3 * n)):
+        assert c.ops["all_to_all_single"] == 4 * n == c.ops["wait_tensor"], (ph, dict(c.ops))
+        assert sum(c.ops[o] for o in copies) == want_copies, (ph, dict(c.ops))
+        assert not any(c.ops[o] for o in waste), (ph, dict(c.ops))
+    assert fwd.ops["attention_fwd"] == n and bwd.ops["attention_bwd"] == n
+
+
 def _check_compiled(rank, world):
-    """torch.compile traces the exchanges (functional collectives) and the
-    local op, and gives the eager values and gradients."""
+    """torch.compile traces the exchanges (functional collectives inside the
+    autograd Function) and the local op, in one group of heads and in two, and
+    gives the eager values and gradients."""
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
     f = lambda q, k, v: longattn.ulysses_attention(q, k, v, causal=True, layout="zigzag", return_lse=True,
                                                    backend="math")
     assert_compiled_matches_eager(f, (q, k, v))
+    g = lambda q, k, v: longattn.ulysses_attention(q, k, v, causal=True, return_lse=True, backend="math",
+                                                   tuning=ALWAYS_CUT)
+    assert_compiled_matches_eager(g, (q, torch.randn(1, 4, 4, 8), torch.randn(1, 4, 4, 8)))
 
 
 def _check_errors(rank, world):
@@ -107,6 +192,16 @@ def _check_errors(rank, world):
         longattn.ulysses_attention(torch.randn(1, s, 4, 8), torch.randn(1, s, 4, 8), torch.randn(1, s, 4, 8))
     with pytest.raises(ValueError, match="differ across ranks"):
         longattn.ulysses_attention(q, q, q, causal=rank == 1)
+    # packed documents: the check runs every call (lengths are values): a rank whose lengths differ from
+    # the others' after a call that agreed raises with every rank, not in a collective the others skip
+    x = torch.randn(4, 4, 8)
+    cu_a, cu_b = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 2, 8], dtype=torch.int32)
+    longattn.ulysses_attention_varlen(x, x, x, cu_a, backend="math")
+    with pytest.raises(ValueError, match="differ across ranks"):
+        longattn.ulysses_attention_varlen(x, x, x, cu_a if rank == 0 else cu_b, backend="math")
+    y = torch.randn(4 if rank == 0 else 5, 4, 8)  # one rank's shard does not fit cu_seqlens
+    with pytest.raises(ValueError, match="shard_varlen" if rank == 1 else "differ across ranks"):
+        longattn.ulysses_attention_varlen(y, y, y, cu_a, backend="math")
     assert_group_usable(world)
     # a 1-D mesh dim is a group
     out = longattn.ulysses_attention(q, q, q, group=mesh["ulysses"], backend="math")
@@ -133,6 +228,7 @@ def _check(rank, world):
         _check_compiled(rank, world)
         _check_errors(rank, world)
         _check_bf16(rank, world)
+        _check_dispatch(rank, world)
 
 
 @pytest.mark.dist

@@ -6,9 +6,19 @@ all-to-all gives each rank the whole sequence (every rank's shard, put back in
 sequence order) for nheads/p query heads and the kv heads they read; the local
 attention runs on that; a second all-to-all returns each rank its shard of the
 output for every head. Each all-to-all moves (p-1)/p of the local q (or out)
-and k/v per rank, whatever p is; the backward is the same exchanges transposed
-(autograd of ``all_to_all_single_autograd``), so gradients go back the way the
-inputs came. Query, key and value travel in one exchange.
+and k/v per rank, whatever p is; the backward is the same exchanges
+transposed, so gradients go back the way the inputs came.
+
+Per tensor and pass: one copy lays the send buffer out (rank j's block of
+its heads contiguous), one all-to-all (PyTorch's functional collective, so
+``torch.compile`` traces it), and on the receiving side a view of the whole
+sequence (one contiguous shard per rank, batch 1) or one copy; the outputs
+go back into their heads with one copy. The backward is written out (an
+autograd Function), not derived by autograd through views, which would
+zero-fill and sum a full-size buffer per slice. :func:`ulysses` pipelines a
+call over groups of heads (:class:`UlyssesTuning`): every group's inputs
+start travelling at once and group c's attention runs while the next
+group's inputs and the previous group's outputs travel.
 
 GQA/MQA (:class:`HeadPlan`): rank r attends with query heads [r m, (r+1) m),
 m = nheads/p, and receives exactly the kv heads those read (kv head of query
@@ -35,7 +45,9 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
+from ..tuning import measured
 from . import checks
 from .layout import check_layout, shard, unshard
 from .plan import local_length
@@ -123,6 +135,11 @@ class HeadPlan:
         a, b = self.q_heads(rank)
         return a // g, (b - 1) // g + 1
 
+    @property
+    def splits_kv(self) -> bool:
+        """Whether the kv heads split over the ranks (each read by one rank only)."""
+        return self.nheads_kv % self.world == 0
+
     def local_kv_index(self, rank: int) -> Optional[tuple[int, ...]]:
         """None when the received kv heads serve the local query heads as
         plain GQA; else, for each kv head of the local call, the received head
@@ -135,15 +152,170 @@ class HeadPlan:
         return tuple((a + t * step) // g - lo for t in range(m // step))
 
 
-# ------------------------------------------------------------------ the all-to-alls
-def _a2a(x: torch.Tensor, out_rows, in_rows, group) -> torch.Tensor:
-    from torch.distributed._functional_collectives import (AsyncCollectiveTensor, all_to_all_single_autograd,
-                                                           wait_tensor)
+# ------------------------------------------------------------------ tuning
+@dataclasses.dataclass(frozen=True)
+class UlyssesTuning:
+    """How a Ulysses call pipelines its exchanges with its local attention.
 
-    out = all_to_all_single_autograd(x, out_rows, in_rows, group)
-    # Eager gives an AsyncCollectiveTensor that waits at its first use that is not a view: a result that
-    # is a view of it would leave the op unwaited (its stream not joined), so wait here. Traced, it is waited.
-    return wait_tensor(out) if isinstance(out, AsyncCollectiveTensor) else out
+    With ``chunks`` > 1 the heads a rank attends with are cut into that many
+    groups: the all-to-alls of every group start at once, group c's attention
+    runs while group c+1's inputs (and group c-1's outputs) travel, and the
+    backward runs the same schedule on the gradients. Only the first group's
+    inputs and the last group's outputs are waited for with the GPU idle."""
+
+    max_chunks: int = measured(
+        4, "most head groups per call. Ulysses itself not measured pipelined on GPUs yet; the model: at 128K "
+           "tokens, 16 heads x 128 dims, bf16 over 2 ranks the q/k/v exchange moves 384 MiB and the output "
+           "128 MiB per rank per pass (~1.5 ms over NVLink at ~350 GB/s) against 60-120 ms of attention; "
+           "g groups leave 1/g of it exposed, and every group adds a kernel call with its tail",
+        "dist_ulysses_2xh200_df7b171.json")
+    min_chunk_rows: int = measured(
+        1 << 19, "least query rows x heads per kernel call of one group (dense: batch x seqlen x heads/group; "
+                 "per-document varlen calls: the mean document length x heads/group), 4096 tiles of 128 rows: "
+                 "ring steps of that size (4 x H200, 128K, 16 heads, 32K x 32K blocks) ran at 0.964 / 1.02 x "
+                 "one GPU (non-causal / causal forward) with their exchange and merges, so calls cut that small "
+                 "lose little; smaller calls were not measured. At 128K a rank's 8 heads (16 over 2) run in 2 "
+                 "groups, GQA's 16 query heads in 4; 32K and per-document calls stay whole",
+        "dist_4xh200_all_9e305a2.json")
+
+    def __post_init__(self):
+        if not isinstance(self.max_chunks, int) or self.max_chunks < 1:
+            raise ValueError(f"UlyssesTuning.max_chunks must be an int >= 1, got {self.max_chunks!r}")
+        if not isinstance(self.min_chunk_rows, int) or self.min_chunk_rows < 0:
+            raise ValueError(f"UlyssesTuning.min_chunk_rows must be a non-negative int, got {self.min_chunk_rows!r}")
+
+    def chunks(self, heads: HeadPlan, call_rows: int) -> int:
+        """Head groups for a call whose local kernel calls each hold ``call_rows``
+        query rows per head: the most (up to ``max_chunks``) that divide both the
+        query and the kv heads of a rank and keep ``min_chunk_rows`` per call.
+        GQA whose kv heads do not split over the ranks runs in one group."""
+        if not heads.splits_kv:
+            return 1
+        m, w = heads.nheads // heads.world, heads.nheads_kv // heads.world
+        return max(n for n in range(1, min(self.max_chunks, m) + 1)
+                   if n == 1 or (m % n == 0 and w % n == 0 and call_rows * (m // n) >= self.min_chunk_rows))
+
+
+ULYSSES = UlyssesTuning()
+
+
+# ------------------------------------------------------------------ the all-to-alls
+# Wire format: a flat buffer holding, for each rank j in order, a block
+# (pieces, B, s/pieces, heads, D) of the sender's rows (pieces: 1 for a
+# contiguous shard, 2 for zigzag's two chunks) and of the heads exchanged with
+# j. The sender lays it out with one copy; the receiver's view of the whole
+# sequence is then a view (one contiguous shard, batch 1) or one copy. Each
+# tensor travels in its own all-to-all: packed together, the receiver's views
+# of q, k and v would each need a copy, which costs more than two launches.
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """The all-to-all geometry of one Ulysses call on this rank."""
+
+    group_name: str
+    world: int
+    rank: int
+    heads: HeadPlan
+    pieces: int = 1  # the local shard's pieces in sequence order: 1 contiguous, 2 zigzag
+    chunks: int = 1  # head groups, pipelined (UlyssesTuning)
+
+    @staticmethod
+    def of(group, heads: HeadPlan, layout: str = "contiguous", chunks: int = 1) -> "Exchange":
+        return Exchange(checks.group_name(group), dist.get_world_size(group), dist.get_rank(group), heads,
+                        1 if layout == "contiguous" else 2, chunks)
+
+    @property
+    def q_ranges(self) -> list[tuple[int, int]]:
+        return [self.heads.q_heads(j) for j in range(self.world)]
+
+    @property
+    def kv_ranges(self) -> list[tuple[int, int]]:
+        return [self.heads.kv_heads(j) for j in range(self.world)]
+
+
+def _split(ranges, world: int, total: int) -> bool:
+    """Whether ``ranges`` cut ``total`` heads into equal consecutive blocks, one per rank."""
+    w = total // world
+    return total % world == 0 and all(r == (j * w, (j + 1) * w) for j, r in enumerate(ranges))
+
+
+def _start(x: torch.Tensor, out_elems: list, in_elems: list, ex: Exchange) -> torch.Tensor:
+    """Start the all-to-all of the flat ``x`` (elements per rank); its result
+    may be read only after :func:`_wait` (eager: the GPU waits there, not the host)."""
+    return torch.ops._c10d_functional.all_to_all_single(x, out_elems, in_elems, ex.group_name)
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(x)
+
+
+def _pack(x: torch.Tensor, ranges, ex: Exchange, chunks: int = 1) -> list[torch.Tensor]:
+    """x (B, s, Hx, D): this rank's rows of every head -> ``chunks`` flat send
+    buffers in the wire format, rank j's block holding heads ``ranges[j]`` (group
+    c: the c-th of ``chunks`` equal parts of every range). One copy where the
+    ranges split the heads; one per rank where heads go to several ranks."""
+    b, s, hx, d = x.shape
+    p, c = ex.world, ex.pieces
+    if _split(ranges, p, hx):
+        w = hx // p
+        t = x.view(b, c, s // c, p, chunks, w // chunks, d).permute(4, 3, 1, 0, 2, 5, 6)
+        return list(t.contiguous().view(chunks, -1).unbind(0))
+    assert chunks == 1, "pipelined exchanges need heads split over the ranks"
+    parts = [x[:, :, lo:hi].view(b, c, s // c, hi - lo, d).transpose(0, 1) for lo, hi in ranges]
+    buf = x.new_empty(sum(t.numel() for t in parts))
+    at = 0
+    for t in parts:
+        buf[at:at + t.numel()].view(t.shape).copy_(t)
+        at += t.numel()
+    return [buf]
+
+
+def _to_full(recv: torch.Tensor, ex: Exchange, b: int, s: int, w: int, d: int) -> torch.Tensor:
+    """Every rank's rows of w heads as received -> (B, p*s, w, D) in sequence
+    order: a view of one contiguous shard per rank at batch 1, else one copy."""
+    p, c = ex.world, ex.pieces
+    t = recv.view(p, c, b, s // c, w, d)
+    if c == 1:
+        return t.view(b, p * s, w, d) if b == 1 else t[:, 0].transpose(0, 1).reshape(b, p * s, w, d)
+    # cat, not advanced indexing: its output is contiguous in eager and traced alike
+    return torch.cat([t[r, piece] for r, piece in _chunk_order("zigzag", p)], dim=1)
+
+
+def _from_full(y: torch.Tensor, ex: Exchange, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """(B, R, w, D) in sequence order, any strides -> the flat send buffer of
+    rank j's rows (R = p * s; or ``rows[j]`` each, consecutive, batch 1 and one
+    piece: packed documents whose padding is not sent). No copy for one
+    contiguous shard per rank at batch 1 and a contiguous y."""
+    b, total, w, d = y.shape
+    p, c = ex.world, ex.pieces
+    if rows is not None:
+        return y.contiguous().view(-1)
+    if c == 1:
+        return y.view(b, p, total // p, w, d).transpose(0, 1).contiguous().view(-1)
+    t = y.view(b, 2 * p, total // (2 * p), w, d)
+    return torch.stack([t[:, r if piece == 0 else 2 * p - 1 - r] for r in range(p) for piece in range(2)]).view(-1)
+
+
+def _place(dst: torch.Tensor, recv: torch.Tensor, ranges, ex: Exchange, chunk: int = 0, chunks: int = 1) -> None:
+    """Write what every rank i sent back (this rank's rows of heads
+    ``ranges[i]``, group ``chunk``) into dst (B, s, H, D), any strides. Heads
+    that several ranks send are summed: dst must then hold zeros."""
+    b, s, h, d = dst.shape
+    p, c = ex.world, ex.pieces
+    if _split(ranges, p, h):
+        w = h // p // chunks
+        dst.view(b, c, s // c, p, chunks, w, d)[:, :, :, :, chunk].copy_(
+            recv.view(p, c, b, s // c, w, d).permute(2, 1, 3, 0, 4, 5))
+        return
+    at = 0
+    for lo, hi in ranges:
+        n = b * s * (hi - lo) * d
+        dst[:, :, lo:hi].view(b, c, s // c, hi - lo, d).add_(recv[at:at + n].view(c, b, s // c, hi - lo, d)
+                                                              .transpose(0, 1))
+        at += n
+
+
+def _elems(ranges, per_head: int, chunks: int = 1) -> list[int]:
+    return [(hi - lo) // chunks * per_head for lo, hi in ranges]
 
 
 def _chunk_order(layout: str, world: int) -> list[tuple[int, int]]:
@@ -152,44 +324,113 @@ def _chunk_order(layout: str, world: int) -> list[tuple[int, int]]:
     return first if layout == "contiguous" else first + [(r, 1) for r in reversed(range(world))]
 
 
-def _to_sequence(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """(p, h, B, s, D): rank i's shard in x[i] -> (B, p*s, h, D) in sequence order."""
-    p, h, b, s, d = x.shape
-    c = 1 if layout == "contiguous" else 2
-    # view, not unflatten: dynamo cannot trace Tensor.unflatten under a torch-function mode (set_default_device)
-    t = x.view(p, h, b, c, s // c, d).permute(2, 0, 3, 4, 1, 5)  # (B, p, c, s/c, h, D)
-    if layout == "contiguous":
-        return t.reshape(b, p * s, h, d)
-    # cat, not advanced indexing: its output is contiguous in eager and traced alike
-    return torch.cat([t[:, src, piece] for src, piece in _chunk_order(layout, p)], dim=1).view(b, p * s, h, d)
+def _kv_index(ex: Exchange, device) -> Optional[torch.Tensor]:
+    """The received kv head each local kv head copies (HeadPlan.local_kv_index), or None."""
+    idx = ex.heads.local_kv_index(ex.rank)
+    # non_blocking from a fresh pageable tensor: staged at once, no wait for the device
+    return None if idx is None else torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _start_groups(tensors, ex: Exchange, n: int) -> list[list[torch.Tensor]]:
+    """Start the inbound all-to-alls of (x (B, s, ., D), head ranges, width per
+    group) for every group of heads: [group][tensor]. The send buffers live on
+    only in the collectives, which drop them once done."""
+    started = []
+    for x, rg, w in tensors:
+        b, s, _, d = x.shape
+        per = b * s * d
+        started.append([_start(buf, [per * w] * ex.world, _elems(rg, per, n), ex) for buf in _pack(x, rg, ex, n)])
+    return [list(group) for group in zip(*started)]
+
+
+def _group_widths(ex: Exchange) -> tuple[int, int]:
+    """Query and kv heads of one group on this rank."""
+    (a, e), (lo, hi) = ex.heads.q_heads(ex.rank), ex.heads.kv_heads(ex.rank)
+    return (e - a) // ex.chunks, (hi - lo) // ex.chunks
+
+
+def _gather_heads(q, k, v, ex: Exchange):
+    """seq_to_heads without autograd: (qf, kf, vf) on the whole sequence."""
+    b, s, _, d = q.shape
+    wq, wk = _group_widths(ex)
+    started = _start_groups([(q, ex.q_ranges, wq), (k, ex.kv_ranges, wk), (v, ex.kv_ranges, wk)], ex, 1)[0]
+    qf, kf, vf = (_to_full(_wait(t), ex, b, s, w, d) for t, w in zip(started, (wq, wk, wk)))
+    idx = _kv_index(ex, q.device)
+    if idx is not None:
+        kf, vf = kf.index_select(2, idx), vf.index_select(2, idx)
+    return qf, kf, vf
+
+
+def _kv_received(g: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """Gradient of the local kv heads -> of the received ones (the transpose of the expansion)."""
+    idx = _kv_index(ex, g.device)
+    if idx is None:
+        return g
+    lo, hi = ex.heads.kv_heads(ex.rank)
+    return g.new_zeros(*g.shape[:2], hi - lo, g.shape[3]).index_add_(2, idx, g)
+
+
+def _scatter_heads(grads, shapes, ex: Exchange):
+    """The transpose of :func:`_gather_heads`: (dqf, dkf, dvf) -> (dq, dk, dv) on this rank's rows."""
+    me, p = ex.rank, ex.world
+    ranges = (ex.q_ranges, ex.kv_ranges, ex.kv_ranges)
+    pending = []
+    for i, (g, shape, rg) in enumerate(zip(grads, shapes, ranges)):
+        b, s, h, d = shape
+        g = _kv_received(g, ex) if i else g
+        w = rg[me][1] - rg[me][0]
+        pending.append(_start(_from_full(g, ex), _elems(rg, b * s * d), [b * s * w * d] * p, ex))
+    res = []
+    for t, shape, rg in zip(pending, shapes, ranges):
+        dst = t.new_empty(shape) if _split(rg, p, shape[2]) else t.new_zeros(shape)
+        _place(dst, _wait(t), rg, ex)
+        res.append(dst)
+    return res
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ex):
+        ctx.ex, ctx.shapes = ex, (q.shape, k.shape, v.shape)
+        return _gather_heads(q, k, v, ex)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dq, dk, dv):
+        return (*_scatter_heads((dq, dk, dv), ctx.shapes, ctx.ex), None)
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ex):
+        b, total, h, d = x.shape
+        p = ex.world
+        ctx.ex, ctx.shape = ex, x.shape
+        t = _start(_from_full(x, ex), [b * (total // p) * h * d] * p, [b * (total // p) * h * d] * p, ex)
+        ranges = [(j * h, (j + 1) * h) for j in range(p)]
+        out = x.new_empty(b, total // p, p * h, d)
+        _place(out, _wait(t), ranges, ex)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        ex = ctx.ex
+        b, total, h, d = ctx.shape
+        s, p = total // ex.world, ex.world
+        ranges = [(j * h, (j + 1) * h) for j in range(p)]
+        t = _start(_pack(dout, ranges, ex)[0], [b * s * h * d] * p, [b * s * h * d] * p, ex)
+        return _to_full(_wait(t), ex, b, s, h, d), None
 
 
 def seq_to_heads(q, k, v, heads: HeadPlan, layout: str, group):
     """This rank's shards (B, s, H, D), (B, s, Hkv, D) -> the whole sequence
-    (B, p*s, ., D) in sequence order for the heads this rank attends with."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world == 1:
+    (B, p*s, ., D) in sequence order for the heads this rank attends with.
+    Differentiable (the backward is the transposed exchange; gradients of kv
+    heads sent to several ranks are summed)."""
+    if dist.get_world_size(group) == 1:
         return q, k, v
-    b, s, _, d = q.shape
-    ranges = [[heads.q_heads(j) for j in range(world)], [heads.kv_heads(j) for j in range(world)]]
-    ranges.append(ranges[1])
-    by_head = [x.permute(2, 0, 1, 3) for x in (q, k, v)]  # (heads, B, s, D) views: a head range is a block
-    send = torch.cat([x[rg[j][0]:rg[j][1]] for j in range(world) for x, rg in zip(by_head, ranges)])
-    rows = [sum(rg[j][1] - rg[j][0] for rg in ranges) for j in range(world)]
-    even = len(set(rows)) == 1
-    recv = _a2a(send, None if even else [rows[rank]] * world, None if even else rows, group)
-    recv = recv.view(world, rows[rank], b, s, d)
-    outs, at = [], 0
-    for rg in ranges:
-        n = rg[rank][1] - rg[rank][0]
-        outs.append(_to_sequence(recv[:, at:at + n], layout))
-        at += n
-    qf, kf, vf = outs
-    idx = heads.local_kv_index(rank)
-    if idx is not None:
-        sel = torch.tensor(idx, device=q.device)
-        kf, vf = kf.index_select(2, sel), vf.index_select(2, sel)
-    return qf, kf, vf
+    return _SeqToHeads.apply(q, k, v, Exchange.of(group, heads, layout))
 
 
 def heads_to_seq(x: torch.Tensor, layout: str, group) -> torch.Tensor:
@@ -198,15 +439,7 @@ def heads_to_seq(x: torch.Tensor, layout: str, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    b, total, h, d = x.shape
-    c, s = (1 if layout == "contiguous" else 2), total // world
-    t = x.view(b, world * c, s // c, h, d).permute(1, 3, 0, 2, 4)  # (chunks, h, B, s/c, D)
-    if layout == "contiguous":
-        send = t.contiguous()
-    else:  # rank j's pieces, in its local order: chunks j and 2p-1-j
-        send = torch.stack([t[j if piece == 0 else 2 * world - 1 - j] for j in range(world) for piece in range(c)])
-    recv = _a2a(send, None, None, group).view(world, c, h, b, s // c, d)
-    return recv.permute(3, 1, 4, 0, 2, 5).reshape(b, s, world * h, d)
+    return _HeadsToSeq.apply(x, Exchange.of(group, HeadPlan(world * x.shape[2], world * x.shape[2], world), layout))
 
 
 def lse_to_seq(lse: torch.Tensor, layout: str, group) -> torch.Tensor:
@@ -215,31 +448,134 @@ def lse_to_seq(lse: torch.Tensor, layout: str, group) -> torch.Tensor:
     return out.squeeze(-1).transpose(1, 2).contiguous()
 
 
+# ------------------------------------------------------------------ the pipelined call
+class Local:
+    """What :func:`ulysses` runs on the whole sequence of a group of heads
+    (the single-device kernel and the layout around it). Tensors are
+    (B, S, heads, D) in the exchange's row order (every rank's rows
+    concatenated); lse (B, heads, S) float32.
+
+    ``send_rows``: rows of the outputs sent to each rank (None: S / p each);
+    ``recv_rows``: rows received from each rank (this rank's rows that hold
+    tokens; the rest are padding, filled with 0 and lse -inf)."""
+
+    send_rows: Optional[Sequence[int]] = None
+    recv_rows: Optional[int] = None
+
+    def forward(self, q, k, v):
+        """-> (out, lse, saved): out (B, R, h, D) and lse (B, h, R) in the rows
+        ``send_rows`` says; ``saved`` the tensors backward needs."""
+        raise NotImplementedError
+
+    def backward(self, dout, dlse, saved):
+        """dout (B, S, h, D), dlse (B, h, S) or None -> (dq, dk, dv) like forward's out."""
+        raise NotImplementedError
+
+
+def _start_back(y, ranges, ex: Exchange, local: "Local", b: int, s: int, rows: int, d: int) -> torch.Tensor:
+    """Start returning y (B, R, w, D), one group's heads over every rank's rows,
+    to the ranks the rows belong to; what comes back is every rank's heads
+    ``ranges`` (one group) of this rank's ``rows``."""
+    w = y.shape[2]
+    sent = [b * r * w * d for r in local.send_rows] if local.send_rows is not None else [b * s * w * d] * ex.world
+    return _start(_from_full(y, ex, local.send_rows), _elems(ranges, b * rows * d, ex.chunks), sent, ex)
+
+
+class _Ulysses(torch.autograd.Function):
+    """Exchange, local attention and exchange back, pipelined over head groups
+    (forward and backward alike): every group's inputs start travelling at
+    once; group c's attention runs while later groups' inputs and earlier
+    groups' outputs travel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ex: Exchange, local: Local, return_lse: bool):
+        b, s, h, d = q.shape
+        n = ex.chunks
+        qr, kr = ex.q_ranges, ex.kv_ranges
+        wq, wk = _group_widths(ex)
+        inbound = _start_groups([(q, qr, wq), (k, kr, wk), (v, kr, wk)], ex, n)
+        idx = _kv_index(ex, q.device)
+        rows = local.recv_rows if local.recv_rows is not None else s
+        saved, outbound = [], []
+        for c in range(n):
+            qf, kf, vf = (_to_full(_wait(t), ex, b, s, w, d) for t, w in zip(inbound[c], (wq, wk, wk)))
+            if idx is not None:
+                kf, vf = kf.index_select(2, idx), vf.index_select(2, idx)
+            o, lse, keep = local.forward(qf, kf, vf)
+            saved += keep
+            # lse travels as (B, R, h, 1) rows: the same exchange with D = 1
+            outbound.append([_start_back(x, qr, ex, local, b, s, rows, e) for x, e in
+                             ((o, d), (lse.transpose(1, 2).unsqueeze(-1), 1))[:2 if return_lse else 1]])
+        out = q.new_empty(b, s, h, d)
+        lse_out = q.new_empty(b, h, s, dtype=torch.float32) if return_lse else None
+        for c, got in enumerate(outbound):
+            _place(out[:, :rows], _wait(got[0]), qr, ex, c, n)
+            if return_lse:
+                _place(lse_out.transpose(1, 2).unsqueeze(-1)[:, :rows], _wait(got[1]), qr, ex, c, n)
+        if rows < s:
+            out[:, rows:] = 0
+            if return_lse:
+                lse_out[:, :, rows:] = float("-inf")
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*saved)
+        ctx.ex, ctx.local, ctx.per_chunk = ex, local, len(saved) // n
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        return (out, lse_out) if return_lse else out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dlse=None):
+        ex, local = ctx.ex, ctx.local
+        (b, s, h, d), kshape, vshape = ctx.shapes
+        n = ex.chunks
+        qr, kr = ex.q_ranges, ex.kv_ranges
+        wq, wk = _group_widths(ex)
+        saved = ctx.saved_tensors
+        if dout is None:  # only lse was used
+            dout = saved[0].new_zeros(b, s, h, d)
+        grads = [(dout, qr, wq)] + ([] if dlse is None else [(dlse.transpose(1, 2).unsqueeze(-1), qr, wq)])
+        inbound = _start_groups(grads, ex, n)
+        rows = local.recv_rows if local.recv_rows is not None else s
+        outbound = []
+        for c in range(n):
+            do = _to_full(_wait(inbound[c][0]), ex, b, s, wq, d)
+            dl = None
+            if dlse is not None:
+                dl = _to_full(_wait(inbound[c][1]), ex, b, s, wq, 1).squeeze(-1).transpose(1, 2)
+            keep = saved[c * ctx.per_chunk:(c + 1) * ctx.per_chunk]
+            dq, dk, dv = local.backward(do, dl, keep)
+            dk, dv = _kv_received(dk, ex), _kv_received(dv, ex)
+            outbound.append([_start_back(g, rg, ex, local, b, s, rows, d) for g, rg in ((dq, qr), (dk, kr), (dv, kr))])
+        dq = dout.new_empty(b, s, h, d)
+        # kv heads that several ranks read come back from each and are summed
+        dk, dv = (dout.new_empty(sh) if _split(kr, ex.world, sh[2]) else dout.new_zeros(sh) for sh in (kshape, vshape))
+        for c, got in enumerate(outbound):
+            for g, t, rg in zip((dq, dk, dv), got, (qr, kr, kr)):
+                _place(g[:, :rows], _wait(t), rg, ex, c, n)
+        if rows < s:
+            for g in (dq, dk, dv):
+                g[:, rows:] = 0
+        return dq, dk, dv, None, None, None
+
+
+def ulysses(q, k, v, ex: Exchange, local: Local, return_lse: bool):
+    """Ulysses attention of this rank's shards q (B, s, H, D), k, v (B, s, Hkv, D)
+    with ``local`` on the whole sequence, pipelined over ``ex.chunks`` head
+    groups; returns out (B, s, H, D) (and lse (B, H, s)), this rank's rows."""
+    return _Ulysses.apply(q, k, v, ex, local, return_lse)
+
+
 # ------------------------------------------------------------------ packed documents
 @functools.lru_cache(maxsize=64)
-def _packed_rows(cu: tuple, layout: str, world: int, device: str) -> torch.Tensor:
-    """Row of each packed token in the concatenation of every rank's shard."""
+def packed_rows(cu: tuple, layout: str, world: int, device: torch.device) -> torch.Tensor:
+    """Row of each packed token in the concatenation of every rank's shard
+    (``shard_varlen(layout)``), on ``device``."""
     gidx = torch.cat([global_index(cu, layout, world, r) for r in range(world)])
     rows = torch.empty(cu[-1], dtype=torch.long)
     keep = gidx >= 0
     rows[gidx[keep]] = torch.arange(gidx.numel())[keep]
-    return rows.to(device)
-
-
-def to_packed(x: torch.Tensor, cu: tuple, layout: str, world: int) -> torch.Tensor:
-    """(p*L, ...): every rank's shard of ``shard_varlen(layout)``, concatenated ->
-    the packed tokens (total, ...)."""
-    if layout == "contiguous":  # the packed stream, padded at its end
-        return x[:cu[-1]]
-    return x.index_select(0, _packed_rows(cu, layout, world, str(x.device)))
-
-
-def from_packed(y: torch.Tensor, cu: tuple, layout: str, world: int, fill: float) -> torch.Tensor:
-    """Inverse of :func:`to_packed`; padding rows hold ``fill``."""
-    rows = world * local_length(cu, layout, world)
-    if layout == "contiguous":
-        return torch.cat([y, y.new_full((rows - y.shape[0], *y.shape[1:]), fill)])
-    return y.new_full((rows, *y.shape[1:]), fill).index_copy(0, _packed_rows(cu, layout, world, str(y.device)), y)
+    # non_blocking from a fresh pageable tensor: staged at once, no wait for the device's queue
+    return rows.to(device, non_blocking=True)
 
 
 def pad_rows(x: torch.Tensor, rows: int, fill: float = 0.0) -> torch.Tensor:

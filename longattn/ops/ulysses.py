@@ -1,12 +1,13 @@
 """``ulysses_attention`` and ``ulysses_attention_varlen``: head parallelism
-by all-to-all (DeepSpeed-Ulysses) over the ranks of a group; the algorithm
-and the GQA head plan are in :mod:`longattn.distributed.ulysses`.
+by all-to-all (DeepSpeed-Ulysses) over the ranks of a group; the algorithm,
+the GQA head plan and the pipelined schedule are in
+:mod:`longattn.distributed.ulysses`.
 
-No custom op of its own: the exchanges are PyTorch's differentiable
-functional collectives (``all_to_all_single_autograd``, traced by
-``torch.compile``) and the local attention is the ``attention`` /
-``attention_varlen`` op, so the backward is the transposed exchanges around
-the local backward.
+No custom op of its own: the exchanges are PyTorch's functional collectives
+(traced by ``torch.compile``) inside one autograd Function whose backward is
+the transposed exchanges around the local backward; the local attention is
+the ``attention`` / ``attention_varlen`` op's kernel pair, called on each
+group of heads.
 """
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
+from .._autograd import direct
 from .._validation import check_attention_call, check_cu_seqlens
+from ..backends import varlen as _varlen
 from ..distributed import checks
 from ..distributed import ulysses as U
 from ..distributed.layout import check_layout
 from ..distributed.plan import local_length
-from .attention import attention
-from .varlen import attention_varlen
+from .attention import _attention_bwd, _attention_fwd, attention
+from .varlen import _varlen_bwd, _varlen_fwd, attention_varlen
 
 __all__ = ["ulysses_attention", "ulysses_attention_varlen"]
 
@@ -35,9 +38,86 @@ def check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, 
     return window, bk.default_scale(q.shape[-1], softmax_scale)
 
 
+def _run(op, tensors, *args):
+    """A kernel custom op, or where nothing traces the call its function
+    without the dispatcher (as :mod:`longattn._autograd` does)."""
+    return (op._init_fn if direct(tensors) else op)(*args)
+
+
+class _Dense(U.Local):
+    """``attention``'s kernels on one group of heads over the whole sequence."""
+
+    def __init__(self, scale, causal, window, backend):
+        self.args = (scale, causal, window[0], window[1], 0, backend)
+
+    def forward(self, q, k, v):
+        out, lse = _run(_attention_fwd, (q, k, v), q, k, v, *self.args)
+        return out, lse, (q, k, v, out, lse)
+
+    def backward(self, dout, dlse, saved):
+        q, k, v, out, lse = saved
+        dlse = None if dlse is None else dlse.contiguous()
+        return _run(_attention_bwd, (dout, q, k, v), dout.contiguous(), q, k, v, out, lse, dlse, *self.args)
+
+
+class _Varlen(U.Local):
+    """``attention_varlen``'s kernels on one group of heads over every token.
+
+    The exchange's rows are every rank's shard concatenated (p * L rows);
+    ``layout`` "contiguous": the packed stream and its padding at the end (not
+    sent back: ``send_rows``); "zigzag": ``rows`` gives each packed token's row.
+    The per-document loop gets the bounds as a host tensor, so no call reads
+    them back from the device."""
+
+    def __init__(self, host_cu, dev_cu, cu, max_seqlen, kernel, scale, causal, window, backend, layout, rows,
+                 world, rank, local_rows):
+        self.total, self.layout, self.rows, self.padded = cu[-1], layout, rows, world * local_rows
+        self.spec = bk.BlockSpec(scale, causal, window)
+        self.kernel, self.backend, self.max_seqlen = kernel, backend, max_seqlen
+        self.host_cu, self.dev_cu = host_cu, dev_cu
+        self.op_args = (max_seqlen, scale, causal, window[0], window[1], backend, kernel)
+        if layout == "contiguous":
+            self.send_rows = [max(0, min(local_rows, self.total - j * local_rows)) for j in range(world)]
+            self.recv_rows = self.send_rows[rank]
+
+    def _packed(self, x):  # (1, p*L, h, D) in the exchange's rows -> (T, h, D) packed
+        return x[0, :self.total] if self.layout == "contiguous" else x[0].index_select(0, self.rows)
+
+    def _scatter(self, y, fill, dim):  # the inverse of _packed, as (1, R, ...) to send back
+        if self.layout == "contiguous":
+            return y[None]
+        shape = list(y.shape)
+        shape[dim] = self.padded
+        return y.new_full(shape, fill).index_copy_(dim, self.rows, y)[None]
+
+    def forward(self, q, k, v):
+        q, k, v = self._packed(q), self._packed(k), self._packed(v)
+        if direct((q, k, v)):
+            cu = self.host_cu if self.kernel == "loop" else self.dev_cu
+            out, lse = _varlen.forward(self.kernel, q, k, v, cu, self.max_seqlen, self.spec, self.backend)
+        else:
+            out, lse = _varlen_fwd(q, k, v, self.dev_cu, *self.op_args)
+        return self._scatter(out, 0.0, 0), self._scatter(lse, float("-inf"), 1), (q, k, v, out, lse)
+
+    def backward(self, dout, dlse, saved):
+        q, k, v, out, lse = saved
+        dout = self._packed(dout).contiguous()
+        if dlse is not None:
+            dlse = (dlse[0, :, :self.total] if self.layout == "contiguous" else dlse[0].index_select(1, self.rows))
+            dlse = dlse.contiguous()
+        if direct((dout, q, k, v)):
+            cu = self.host_cu if self.kernel == "loop" else self.dev_cu
+            grads = _varlen.backward(self.kernel, dout, q, k, v, out, lse, dlse, cu, self.max_seqlen, self.spec,
+                                     self.backend)
+        else:
+            grads = _varlen_bwd(dout, q, k, v, out, lse, dlse, self.dev_cu, *self.op_args)
+        return tuple(self._scatter(g, 0.0, 0) for g in grads)
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
-                      layout: str = "contiguous", return_lse: bool = False, backend: str = "auto", group=None):
+                      layout: str = "contiguous", return_lse: bool = False, backend: str = "auto",
+                      tuning: U.UlyssesTuning = U.ULYSSES, group=None):
     """Exact attention over a sequence sharded across the ranks of ``group``,
     by head parallelism: an all-to-all gives each rank the whole sequence for
     nheads/p heads, it attends locally, and an all-to-all returns the shards.
@@ -55,10 +135,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
             global positions of the unsharded sequence.
         layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`longattn.shard`); the
             local attention always runs in sequence order, so any layout gives
-            the same work; zigzag lets the same shards feed ``ring_attention``.
+            the same work; zigzag lets the same shards feed ``ring_attention``
+            (and costs a copy per exchanged tensor that contiguous shards at
+            batch 1 do not).
         return_lse: also return lse ``(batch, nheads, seqlen_local)`` float32, in
             the shard's row order.
         backend: local kernel (see :mod:`longattn.backends`).
+        tuning: :class:`longattn.distributed.ulysses.UlyssesTuning`: how many
+            groups of heads the exchanges are pipelined over.
         group: a ProcessGroup, a 1-D DeviceMesh (e.g. ``mesh["ulysses"]``) or None (WORLD).
 
     Returns:
@@ -76,37 +160,65 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     U.check_heads(q.shape[2], world, "the group")
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {q.shape[1]}")
+    heads = U.HeadPlan(q.shape[2], k.shape[2], world)
+    b, s, _, d = q.shape
+    chunks = tuning.chunks(heads, b * world * s)
     if not torch.compiler.is_compiling():
         checks.check_consistent(g, "ulysses_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
-                               causal=causal, window=window, layout=layout, scale=scale, backend=backend)
-    heads = U.HeadPlan(q.shape[2], k.shape[2], world)
-    qf, kf, vf = U.seq_to_heads(q, k, v, heads, layout, g)
-    out, lse = attention(qf, kf, vf, causal=causal, softmax_scale=scale, window_size=window, return_lse=True,
+                               causal=causal, window=window, layout=layout, scale=scale, backend=backend,
+                               chunks=chunks)
+    if world == 1:
+        return attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window, return_lse=return_lse,
                          backend=backend)
-    out = U.heads_to_seq(out, layout, g)
-    return (out, U.lse_to_seq(lse, layout, g)) if return_lse else out
+    ex = U.Exchange.of(g, heads, layout, chunks)
+    if not torch.compiler.is_compiling():  # a forced backend that cannot run raises before any exchange
+        a, e = heads.q_heads(ex.rank)
+        idx = heads.local_kv_index(ex.rank)
+        lo, hi = heads.kv_heads(ex.rank)
+        wk = (hi - lo if idx is None else len(idx)) // chunks
+        bk.select_backend(q[:, :1, :(e - a) // chunks].expand(b, world * s, -1, d),
+                          k[:, :1, :wk].expand(b, world * s, -1, d), bk.BlockSpec(scale, causal, window), backend)
+    return U.ulysses(q, k, v, ex, _Dense(scale, causal, window, backend), return_lse)
+
+
+def _host_cu(cu_seqlens) -> tuple[torch.Tensor, tuple]:
+    """cu_seqlens on the host (the call's one device read when it lives on a GPU), checked, and as a tuple."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        check_cu_seqlens(cu_seqlens, 0)  # raises TypeError
+    host = cu_seqlens.cpu()
+    vals = host.tolist() if host.dim() == 1 and host.numel() else [0]
+    check_cu_seqlens(host, vals[-1])
+    return host, tuple(vals)
 
 
 def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                              layout: str = "contiguous", causal: bool = False, softmax_scale: Optional[float] = None,
                              window_size: tuple[int, int] = (-1, -1), return_lse: bool = False,
-                             backend: str = "auto", group=None):
+                             backend: str = "auto", tuning: U.UlyssesTuning = U.ULYSSES, group=None):
     """Packed documents over a token stream sharded across ranks, by head
     parallelism: after the all-to-all every rank holds every token for
-    nheads/p heads and runs :func:`longattn.attention_varlen` with the global
-    ``cu_seqlens``: the same work on every rank whatever the document lengths.
+    nheads/p heads and runs :func:`longattn.attention_varlen`'s kernel with the
+    global ``cu_seqlens``: the same work on every rank whatever the document lengths.
 
     Args:
         q: this rank's tokens ``(total_tokens_local, nheads, headdim)`` as made by
             :func:`longattn.shard_varlen` with ``layout`` (padding rows included);
             k, v likewise with nheads_kv (GQA as :func:`ulysses_attention`).
-        cu_seqlens: the *global* int32 cumulative document lengths (same on every rank).
+        cu_seqlens: the *global* int32 cumulative document lengths (same on every
+            rank). Read once per call on the host: a CPU tensor costs no device
+            synchronisation; one on the GPU costs one, before any exchange.
         layout: ``"contiguous"`` (default: the packed stream cut into p parts,
             padded by at most p-1 tokens) or ``"zigzag"`` (every document padded
             to a multiple of 2p; the ring's packed layout, so its shards can be reused).
         causal, softmax_scale, window_size, return_lse, backend: as
             :func:`longattn.attention_varlen`.
+        tuning: as :func:`ulysses_attention` (per-document kernel calls stay in
+            one group of heads).
         group: a ProcessGroup, a 1-D DeviceMesh or None (WORLD).
+
+    Every call checks across ranks (one small all-gather, not cached: the
+    document lengths change from call to call) that every rank passed the same
+    ``cu_seqlens``, shapes and flags, and raises on every rank if not.
 
     Returns:
         Local output ``(total_tokens_local, nheads, headdim)`` (and lse ``(nheads,
@@ -117,25 +229,40 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     window, scale = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=3)
     g = U.as_group(group)
     world = dist.get_world_size(g)
-    U.check_heads(q.shape[1], world, "the group")
-    check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]))
-    cu = tuple(int(x) for x in cu_seqlens.tolist())
-    want = local_length(cu, layout, world)
-    if q.shape[0] != want:
-        raise ValueError(f"q has {q.shape[0]} local tokens but cu_seqlens with layout={layout!r} over {world} "
-                         f"ranks gives {want}; shard with longattn.shard_varlen(x, cu_seqlens, layout={layout!r})")
-    if not torch.compiler.is_compiling():
-        checks.check_consistent(g, "ulysses_attention_varlen", q=tuple(q.shape), k=tuple(k.shape),
-                               dtype=str(q.dtype), cu=cu, causal=causal, window=window, layout=layout, scale=scale,
-                               backend=backend)
+    problem, cu = None, None
+    try:
+        U.check_heads(q.shape[1], world, "the group")
+        host, cu = _host_cu(cu_seqlens)
+        want = local_length(cu, layout, world)
+        if q.shape[0] != want:
+            raise ValueError(f"q has {q.shape[0]} local tokens but cu_seqlens with layout={layout!r} over {world} "
+                             f"ranks gives {want}; shard with longattn.shard_varlen(x, cu_seqlens, "
+                             f"layout={layout!r})")
+    except (ValueError, TypeError) as e:
+        problem = e
+    if torch.compiler.is_compiling():
+        if problem is not None:
+            raise problem
+    else:  # every call: the lengths are values, a cache keyed by them could let one rank skip the check
+        checks.agree(g, "ulysses_attention_varlen", problem, q=tuple(q.shape), k=tuple(k.shape),
+                     dtype=str(q.dtype), cu=cu, causal=causal, window=window, layout=layout, scale=scale,
+                     backend=backend)
+    if world == 1:
+        return attention_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale, window_size=window,
+                                return_lse=return_lse, backend=backend)
     heads = U.HeadPlan(q.shape[1], k.shape[1], world)
-    # the shards concatenated in rank order (a "contiguous" exchange), then put in packed order
-    qf, kf, vf = (U.to_packed(x[0], cu, layout, world)
-                  for x in U.seq_to_heads(q[None], k[None], v[None], heads, "contiguous", g))
-    out, lse = attention_varlen(qf, kf, vf, cu_seqlens, causal=causal, softmax_scale=scale, window_size=window,
-                                return_lse=True, backend=backend)
-    out = U.heads_to_seq(U.from_packed(out, cu, layout, world, 0.0)[None], "contiguous", g)[0]
-    if not return_lse:
-        return out
-    lse = U.from_packed(lse.t(), cu, layout, world, float("-inf"))  # (rows, heads)
-    return out, U.lse_to_seq(lse.t()[None], "contiguous", g)[0]
+    total, ndocs, d = cu[-1], len(cu) - 1, q.shape[-1]
+    a, e = heads.q_heads(dist.get_rank(g))
+    kernel = _varlen.choose(q[:1, :e - a].expand(total, -1, d), backend, ndocs)
+    chunks = tuning.chunks(heads, total // max(ndocs, 1) if kernel == "loop" else total)
+    ex = U.Exchange.of(g, heads, "contiguous", chunks)
+    dev_cu = cu_seqlens
+    if cu_seqlens.device != q.device:  # a fresh pageable tensor: staged at once, no wait for the device
+        dev_cu = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
+    rows = None if layout == "contiguous" else U.packed_rows(cu, layout, world, q.device)
+    max_seqlen = max((y - x for x, y in zip(cu, cu[1:])), default=0)
+    local = _Varlen(host, dev_cu, cu, max_seqlen, kernel, scale, causal, window, backend, layout, rows, world,
+                    ex.rank, q.shape[0])
+    res = U.ulysses(q[None], k[None], v[None], ex, local, return_lse)
+    # squeeze, not [0]: select's backward would zero-fill a buffer and copy the gradient in
+    return (res[0].squeeze(0), res[1].squeeze(0)) if return_lse else res.squeeze(0)
