@@ -47,8 +47,8 @@ def _device_for(group) -> torch.device:
     CPU backend (``gloo``, or ``"cpu:gloo,cuda:nccl"``, torch's default when
     ``init_process_group`` names no backend), so reading the result never
     waits for the GPU's queue; the GPU under NCCL alone, where reading it is a
-    device sync (measured: two per sharded decode step and layer, which made
-    the step host-bound, docs/performance.md section 9)."""
+    device sync. (A sharded decode step took the same time either way on two
+    H200s: its cost is the ranks' rendezvous, docs/performance.md section 9.)"""
     backend = str(dist.get_backend(group))
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
