@@ -97,6 +97,13 @@ class KVCache:
         # checks on one device: a decode step is host-bound, and a step like
         # the last is not checked again
         self._checked: dict = {}
+        # sharded: the attend call every rank agreed on last ((digest, q shape):
+        # the size of the one all-gather of a step), an append's problem that the
+        # next attend reports on every rank, and the placement before the
+        # appends since the last attend (undone when that attend finds a problem)
+        self._agreed: Optional[tuple] = None
+        self._pending: Optional[Exception] = None
+        self._since_attend: Optional[tuple] = None
         self._steps = _dec.StepGraphs()
         self.tuning = _tuning.DECODE
 
@@ -190,19 +197,17 @@ class KVCache:
                 f"capacity={self.capacity}, dtype={self.k.dtype})")
 
     # ------------------------------------------------------------ decoding
-    def _agree(self, what: str, problem, fields) -> None:
-        # ``fields`` is a thunk: one device has nothing to compare, and a
-        # decode step is host-bound
-        if self.group is not None:
-            checks.agree(self.group, what, problem, **fields())
-        elif problem is not None:
-            raise problem
-
     @torch.no_grad()
-    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> int:
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> Optional[int]:
         """Append ``(batch, n, nheads_kv, headdim)`` new tokens (position
         ``seqlens[b] + i`` of row b), the same on every rank; one rank stores them
-        (returned), chosen the same way on every rank."""
+        (returned), chosen the same way on every rank.
+
+        Sharded, an append runs no collective: a problem with its arguments on
+        any rank (or appends that differ across ranks) is raised by the next
+        :meth:`attend`, on every rank, and every append since the previous
+        attend is undone there (the cache stays usable); this rank's append
+        with a problem returns None. One device: raised here."""
         sig = (type(k_new), type(v_new), k_new.shape, v_new.shape, k_new.dtype, v_new.dtype, k_new.device,
                v_new.device)
         if self.group is None and sig == self._checked.get("append"):
@@ -218,8 +223,16 @@ class KVCache:
                 raise ValueError("k_new/v_new hold no token (n = 0)")
         except (TypeError, ValueError) as e:
             problem = e
-        self._agree("KVCache.append", problem, lambda: dict(k=_dec.describe(k_new), v=_dec.describe(v_new)))
-        self._checked["append"] = sig
+        if self.group is None:
+            if problem is not None:
+                raise problem
+            self._checked["append"] = sig
+            return self._store(k_new, v_new)
+        if self._since_attend is None:
+            self._since_attend = self.layout.state()
+        if problem is not None or self._pending is not None:
+            self._pending = self._pending or problem
+            return None
         return self._store(k_new, v_new)
 
     def _store(self, k_new: torch.Tensor, v_new: torch.Tensor) -> int:
@@ -250,7 +263,10 @@ class KVCache:
         semantics), or dilated with ``segment_lengths``/``dilation_rates``
         (:func:`longattn.dilated_decode_attention` semantics: the last rows of
         ``dilated_attention(..., causal=True)``). Sharded: every rank calls it
-        with the same q and gets the same result."""
+        with the same q and gets the same result, through one all-gather per
+        call (the partial results with each rank's check of the call and of its
+        cache's placement; a call whose shape differs from the last agreed one
+        agrees on it first)."""
         dilated = segment_lengths is not None or dilation_rates is not None
         sig = (type(q), q.shape, q.dtype, q.device, type(softmax_scale), softmax_scale, type(return_lse), return_lse,
                backend)
@@ -269,16 +285,21 @@ class KVCache:
             self._check_q_len(q.shape[1])
         except (TypeError, ValueError) as e:
             problem = e
-        self._agree("KVCache.attend", problem, lambda: dict(q=_dec.describe(q), segs=segs, rates=rates,
-                                                             scale=softmax_scale, lse=return_lse, backend=backend))
-        scale = bk.default_scale(q.shape[-1], softmax_scale)
+        scale = bk.default_scale(q.shape[-1], softmax_scale) if problem is None else None
+        if self.group is not None:
+            fields = dict(q=_dec.describe(q), segs=segs, rates=rates, scale=softmax_scale, lse=return_lse,
+                          backend=backend)
+            out, lse = self._attend_sharded(q, fields, problem, lambda: self._part(q, segs, rates, scale, backend))
+            out = out.to(q.dtype)
+            return (out, lse) if return_lse else out
+        if problem is not None:
+            raise problem
         if not dilated:
             self._checked["attend"] = sig
             return self._attend_dense(q, scale, return_lse, backend)
-        lay, me, lq = self.layout, self.rank, q.shape[1]
-        out, lse = _dec.dilated_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], segs, rates,
-                                     scale, backend)
-        return self._finish(q, out, lse, return_lse)
+        out, lse = self._part(q, segs, rates, scale, backend)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
 
     def _check_q_len(self, lq: int) -> None:
         if lq > self.layout.last_count:
@@ -286,22 +307,72 @@ class KVCache:
                              f"append ({self.layout.last_count} tokens); append their keys and values in one call "
                              f"first")
 
-    def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
-        lens = self.layout.local[self.rank]
-        ragged = len(set(lens)) > 1
-        engine = _dec.dense_engine(q, self.k, self.v, backend, ragged, self.tuning, graph_steps=self.group is None)
-        if engine == "graphs":
-            res = self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
-        else:
-            res = _dec.dense_part(q, self.k, self.v, lens, self.rank == self.layout.last_owner, scale, backend,
-                                  tuning=self.tuning, engine=engine, ragged=ragged)
-        return self._finish(q, *res, return_lse)
+    def _part(self, q, segs, rates, scale: float, backend: str):
+        """This rank's (out, lse) of the call: dense, or dilated with ``segs``."""
+        lay, me, lq = self.layout, self.rank, q.shape[1]
+        if segs is None:
+            lens = lay.local[me]
+            return _dec.dense_part(q, self.k, self.v, lens, me == lay.last_owner, scale, backend, tuning=self.tuning,
+                                   ragged=len(set(lens)) > 1)
+        return _dec.dilated_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], segs, rates, scale,
+                                 backend)
 
-    def _finish(self, q, out, lse, return_lse: bool):
-        if self.group is not None:
-            out, lse = _dec.merge_over_ranks(out, lse, self.group)
+    def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
+        """One device: a step replayed from a CUDA graph where the engine allows."""
+        lens = self.layout.local[0]
+        engine = _dec.dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True)
+        if engine == "graphs":
+            out, lse = self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
+        else:
+            out, lse = _dec.dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning,
+                                       engine=engine, ragged=len(set(lens)) > 1)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
+
+    def _attend_sharded(self, q, fields: dict, problem: Optional[Exception], part):
+        """The merged (out, lse) of every rank's ``part()``: one all-gather that
+        also carries each rank's digest of the call and of its placement and
+        its problems, judged alike on every rank (:meth:`_judge`)."""
+        call = checks.digest(fields)
+        shape = tuple(q.shape)
+        same = problem is None and self._pending is None and self._agreed == (call, shape)
+        placed = self.layout.digest()
+        header = [call & _MASK, call >> 28, placed & _MASK, placed >> 28, int(problem is not None),
+                  int(self._pending is not None), int(not same)]
+        agreed_shape = None if self._agreed is None else self._agreed[1]
+        heads, merge = _dec.gather_partials(part() if same else None, agreed_shape, header, self.group,
+                                            self.k.device)
+        self._judge(heads, problem, fields)
+        if any(h[6] for h in heads):  # every rank made this same call, another than the one agreed before
+            self._agreed = (call, shape)
+            heads, merge = _dec.gather_partials(part(), shape, [], self.group, self.k.device)
+        self._since_attend = None
+        return merge()
+
+    def _judge(self, heads: list, problem: Optional[Exception], fields: dict) -> None:
+        """Raise alike on every rank (they all read the same ``heads``) when an
+        append had a problem or the placements differ (the appends since the
+        last attend undone first), when the calls differ, or when a rank's call
+        had a problem."""
+        me = self.rank
+        pending = [r for r, h in enumerate(heads) if h[5]]
+        placed = [r for r, h in enumerate(heads) if h[2:4] != heads[me][2:4]]
+        if pending or placed:
+            mine, self._pending = self._pending, None
+            self.layout.restore(self._since_attend)
+            self._since_attend = None
+            if pending:
+                checks.raise_flagged("KVCache.append (the appends since the last attend were undone)", mine, pending)
+            raise ValueError(f"KVCache.append: ranks {placed} placed the appends since the last attend differently "
+                             f"from this rank {me} (every rank must append the same tokens: the same n); those "
+                             f"appends were undone")
+        differ = [r for r, h in enumerate(heads) if h[:2] != heads[me][:2]]
+        if differ:
+            raise checks.differ("KVCache.attend", me, fields, differ)
+        checks.raise_flagged("KVCache.attend", problem, [r for r, h in enumerate(heads) if h[4]])
+
+
+_MASK = (1 << 28) - 1  # a 56-bit digest travels as two int32 halves
 
 
 def _checked_build(g, what: str, k, v, seqlens, total: int, layout: str, reserve, block: int, zigzag_local: bool):

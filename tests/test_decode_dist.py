@@ -3,10 +3,12 @@ the float64 reference over the whole context: every step's output and lse,
 dense and dilated, GQA, right-padded rows of different lengths, caches built
 from a contiguous or zigzag prefill shard or from the whole prompt, and the
 raw decode_attention over parts; LongNetLM greedy generation from a sharded
-cache gives the one-device tokens; bad inputs raise on every rank."""
+cache gives the one-device tokens; a step is one collective; bad inputs
+raise on every rank."""
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import longattn
 from dist_utils import assert_group_usable, generator, run_world
@@ -75,6 +77,32 @@ def _check_steps(rank, world):
             assert max(max(r) for r in loc) - min(max(r) for r in loc) <= 3, loc
     _check_empty_part(rank, world)
     _check_generate(rank, world)
+    _check_one_collective_per_step(rank, world)
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the c10d collectives issued under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _check_one_collective_per_step(rank, world):
+    # a decode step (append, then attend) meets the other ranks once: the partial results' all-gather, which also
+    # carries the checks; a query of a new shape first exchanges the checks alone (one more)
+    cache = longattn.KVCache.from_prefill(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), group=dist.group.WORLD,
+                                          reserve=8)
+    for lq, want in ((1, 2), (1, 1), (1, 1), (2, 2), (2, 1)):
+        with _Collectives() as seen:
+            cache.append(torch.randn(1, lq, 2, 8), torch.randn(1, lq, 2, 8))
+            cache.attend(torch.randn(1, lq, 4, 8))
+        assert len(seen.names) == want, (lq, seen.names)
 
 
 def _check_empty_part(rank, world):
@@ -143,11 +171,24 @@ def _check_errors(rank, world):
     # the cache: a prefill whose shard differs, an append of the wrong shape on one rank
     kl = torch.randn(1, 4 + 2 * rank, 2, 8)
     _raises_everywhere(world, "differ across ranks", lambda: longattn.KVCache.from_prefill(kl, kl, group=g))
+    # appends run no collective: one of the wrong shape on one rank is raised by the next attend on every rank,
+    # and the appends since the previous attend are undone (the cache stays usable)
     cache = longattn.KVCache.from_prefill(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), group=g)
-    kn = torch.randn(1, 1, 2 if rank == 0 else 3, 8)
-    _raises_everywhere(world, "nheads_kv=2" if rank == 1 else "differ across ranks", lambda: cache.append(kn, kn))
+    kn = torch.randn(1, 1, 2 if rank != 1 else 3, 8)
+    assert (cache.append(kn, kn) is None) == (rank == 1)
+    _raises_everywhere(world, "nheads_kv=2" if rank == 1 else r"rank\(s\) \[1\]", lambda: cache.attend(q))
+    assert cache.seqlens.tolist() == [4 * world]
     _raises_everywhere(world, "append their keys", lambda: cache.attend(q))
+    # appends of different lengths, each valid alone: the placements differ and the next attend says so
+    cache.append(torch.randn(1, 1 + rank, 2, 8), torch.randn(1, 1 + rank, 2, 8))
+    _raises_everywhere(world, "placed the appends", lambda: cache.attend(q))
+    assert cache.seqlens.tolist() == [4 * world]
     cache.append(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))
+    assert cache.attend(q).shape == q.shape
+    # after an agreed call, a query whose shape differs on one rank (each valid alone)
+    cache.append(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))
+    other = torch.randn(1, 1, 2 if rank == 1 else 4, 8)
+    _raises_everywhere(world, "differ across ranks", lambda: cache.attend(other))
     assert cache.attend(q).shape == q.shape
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from . import checks
 from .layout import check_layout
 
 
@@ -116,6 +117,23 @@ class CacheLayout:
             self.seqlens[b] += n
         self.last_owner, self.last_count = owner, n
         return owner
+
+    def state(self) -> tuple:
+        """A copy of the placement, for :meth:`restore`."""
+        return (list(self.seqlens), [list(r) for r in self.local],
+                [[list(row) for row in r] for r in self.runs], self.last_owner, self.last_count, self._owner,
+                self._block_left)
+
+    def restore(self, state: tuple) -> None:
+        """Back to a placement :meth:`state` returned (the appends since undone)."""
+        seqlens, local, runs, self.last_owner, self.last_count, self._owner, self._block_left = state
+        self.seqlens, self.local = list(seqlens), [list(r) for r in local]
+        self.runs = [[list(row) for row in r] for r in runs]
+
+    def digest(self) -> int:
+        """A 56-bit digest of what every rank's copy must hold alike (the ranks
+        compare it to find appends that differed)."""
+        return checks.digest(dict(s=tuple(self.seqlens), c=self.last_count, o=self._owner, b=self._block_left))
 
     def positions(self, rank: int, row: int) -> list[int]:
         """Global position of each local slot (tests and debugging; O(tokens))."""

@@ -67,17 +67,18 @@ def check_consistent(group, what: str, **fields) -> None:
     key = (id(group), what, tuple(sorted(fields.items())))
     if key in _checked:
         return
-    t = torch.tensor([_digest(fields)], dtype=torch.int64, device=_device_for(group))
+    t = torch.tensor([digest(fields)], dtype=torch.int64, device=_device_for(group))
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, t, group=group)
     vals = [int(x) for x in torch.cat(gathered).cpu().tolist()]
     me = dist.get_rank(group)
     if len(set(vals)) != 1:
-        raise _differ(what, me, fields, [r for r, v in enumerate(vals) if v != vals[me]])
+        raise differ(what, me, fields, [r for r, v in enumerate(vals) if v != vals[me]])
     _checked.add(key)
 
 
-def _digest(fields: dict) -> int:
+def digest(fields: dict) -> int:
+    """56 bits of a hash of ``fields`` (their repr, sorted): equal on every rank for equal fields."""
     return int.from_bytes(hashlib.sha1(repr(sorted(fields.items())).encode()).digest()[:7], "little")
 
 
@@ -105,7 +106,7 @@ def agree(group, what: str, problem: Union[None, str, Exception] = None, **field
     ValueError saying so; otherwise one naming the ranks with a problem."""
     if isinstance(problem, str):
         problem = ValueError(problem)
-    t = torch.tensor([_digest(fields), problem is not None], dtype=torch.int64, device=_device_for(group))
+    t = torch.tensor([digest(fields), problem is not None], dtype=torch.int64, device=_device_for(group))
     got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, t, group=group)
     vals = torch.stack(got).cpu().tolist()  # one device-to-host copy
@@ -114,11 +115,11 @@ def agree(group, what: str, problem: Union[None, str, Exception] = None, **field
     me = dist.get_rank(group)
     bad = [r for r, x in enumerate(vals) if x[0] != vals[me][0]]
     if bad:
-        raise _differ(what, me, fields, bad)
+        raise differ(what, me, fields, bad)
     raise_flagged(what, None, [r for r, x in enumerate(vals) if x[1]])
 
 
-def _differ(what: str, me: int, fields: dict, bad: list[int]) -> ValueError:
+def differ(what: str, me: int, fields: dict, bad: list[int]) -> ValueError:
     return ValueError(f"{what}: arguments differ across ranks (this rank {me} has {dict(sorted(fields.items()))}; "
                       f"ranks {bad} differ). Every rank must make the same call: the same shapes (its local part), "
                       f"dtypes and flags.")

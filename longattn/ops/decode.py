@@ -10,7 +10,7 @@ autograd graph is built.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -267,6 +267,49 @@ def dilated_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 # ------------------------------------------------------------------ over ranks
+def gather_partials(part: Optional[tuple[torch.Tensor, torch.Tensor]], shape: Optional[tuple[int, int, int, int]],
+                    header: Sequence[int], group, device) -> tuple[list[list[int]], Callable]:
+    """One all-gather of every rank's ``header`` (ints in ``[0, 2**31)``) and,
+    where ``shape`` ``(B, Lq, H, D)`` is given, its partial result ``part`` =
+    (out ``(B, Lq, H, D)``, lse ``(B, H, Lq)``); a rank with no result
+    (``part`` None: its call failed or differs) sends zeros of ``shape``, so
+    every rank's block has the same size whatever its arguments. ``shape`` must
+    be the same on every rank (agreed before).
+
+    Returns (the headers of every rank, as host ints: one device-to-host copy
+    when there is a header; a thunk giving the merge by lse in float32 of the
+    gathered results, (out, lse), the same bits on every rank).
+    """
+    nh = len(header)
+    b, lq, h, d = shape if shape is not None else (0, 0, 0, 0)
+    n_out, n_lse = b * lq * h * d, b * h * lq
+    # one int32 block: the header, then the float32 partials viewed in place
+    buf = torch.empty(nh + n_out + n_lse, dtype=torch.int32, device=device)
+    if nh:
+        buf[:nh].copy_(torch.tensor(list(header), dtype=torch.int32))
+    pay = buf[nh:].view(torch.float32)
+    if part is None:
+        pay.zero_()
+    else:
+        pay[:n_out].copy_(part[0].reshape(-1))
+        pay[n_out:].copy_(part[1].reshape(-1))
+    got = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, buf, group=group)
+    heads = torch.stack([x[:nh] for x in got]).tolist() if nh else [[] for _ in got]
+
+    def merge() -> tuple[torch.Tensor, torch.Tensor]:
+        xs = [x[nh:].view(torch.float32) for x in got]
+        acc_out = xs[0][:n_out].view(b, lq, h, d).clone()
+        acc_lse = xs[0][n_out:].view(b, h, lq).clone()
+        for x in xs[1:]:  # the same order on every rank: bitwise the same result everywhere
+            # lse (B, H, Lq) as (B, Lq, H) views: merge_ aligns lse with out's leading dims
+            merge_(acc_out, acc_lse.transpose(1, 2), x[:n_out].view(b, lq, h, d),
+                   x[n_out:].view(b, h, lq).transpose(1, 2))
+        return acc_out, acc_lse
+
+    return heads, merge
+
+
 def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optional[Exception] = None,
                      check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's partial (out ``(B, Lq, H, D)``, lse ``(B, H, Lq)``) merged by
@@ -277,25 +320,11 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optio
     raises when one reported a ``problem`` (that rank joins the all-gather
     with zeros first, so no rank waits); reading the flags costs a device sync.
     """
-    b, lq, h, d = out.shape
-    world = dist.get_world_size(group)
-    parts = [out.float().reshape(-1), lse.float().reshape(-1)]
+    heads, merge = gather_partials((out, lse), tuple(out.shape), [int(problem is not None)] if check else [], group,
+                                   out.device)
     if check:
-        parts.append(torch.full((1,), 1.0 if problem is not None else 0.0, device=out.device))
-    flat = torch.cat(parts)
-    got = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(got, flat, group=group)
-    if check:
-        flags = torch.stack([x[-1] for x in got]).tolist()
-        checks.raise_flagged("decode_attention", problem, [r for r, f in enumerate(flags) if f])
-    n_out = b * lq * h * d
-    acc_out = got[0][:n_out].view(b, lq, h, d).clone()
-    acc_lse = got[0][n_out:n_out + b * lq * h].view(b, h, lq).clone()
-    for x in got[1:]:  # the same order on every rank: bitwise the same result everywhere
-        # lse (B, H, Lq) as (B, Lq, H) views: merge_ aligns lse with out's leading dims
-        merge_(acc_out, acc_lse.transpose(1, 2), x[:n_out].view(b, lq, h, d),
-               x[n_out:n_out + b * lq * h].view(b, h, lq).transpose(1, 2))
-    return acc_out, acc_lse
+        checks.raise_flagged("decode_attention", problem, [r for r, f in enumerate(heads) if f[0]])
+    return merge()
 
 
 # ------------------------------------------------------------------ public
