@@ -13,9 +13,9 @@ argument check's all-gather is read back from the GPU (a device sync per
 ``append`` and per ``attend``); with ``cpu:gloo,cuda:nccl`` (torch's default
 when ``init_process_group`` names none) the checks go through gloo on the host.
 
-Timing: each sample is one step from an idle GPU (ranks aligned by a barrier),
-CUDA events around it, host time beside it (perf_counter to the last launch);
-the median of ``--iters``. The caches hold random K/V (no prefill: this script
+Timing: each sample is ``--steps-per-sample`` steps (default one, from an idle
+GPU; ranks aligned by a barrier), CUDA events around them, host time beside
+(perf_counter to the last launch), per step; the median of ``--iters``. The caches hold random K/V (no prefill: this script
 times the step). Rank 0 writes the JSON and prints a table.
 """
 from __future__ import annotations
@@ -44,14 +44,16 @@ def parse(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--backend", default="flash", help="the local attention backend of attend() (CPU: use auto)")
     p.add_argument("--pg-backend", default="cpu:gloo,cuda:nccl", help="init_process_group's backend")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="samples (the median is reported)")
+    p.add_argument("--steps-per-sample", type=int, default=1,
+                   help="steps back to back in a sample (1: a step from an idle GPU; more: as a generation loop)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
-def timed(fn, iters: int, cuda: bool) -> dict:
+def timed(fn, iters: int, cuda: bool, reps: int = 1) -> dict:
     wall, host = [], []
     for _ in range(iters):
         if cuda:
@@ -61,12 +63,13 @@ def timed(fn, iters: int, cuda: bool) -> dict:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
         t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
+        for _ in range(reps):
+            fn()
+        host.append((time.perf_counter() - t0) * 1e3 / reps)
         if cuda:
             b.record()
             b.synchronize()
-        wall.append(a.elapsed_time(b) if cuda else host[-1])
+        wall.append(a.elapsed_time(b) / reps if cuda else host[-1])
     return dict(ms=statistics.median(wall), host_ms=statistics.median(host))
 
 
@@ -113,7 +116,7 @@ def main(argv=None):
     for name, fn in (("sharded_step", step), ("local_decode_attention", local), ("local_sdpa_flash", sdpa)):
         for _ in range(a.warmup):
             fn()
-        t = timed(fn, a.iters, cuda)
+        t = timed(fn, a.iters, cuda, a.steps_per_sample)
         rows[name] = dict(ms_per_layer=t["ms"] / a.layers, host_ms_per_layer=t["host_ms"] / a.layers)
     kernels = hosts = None
     if not a.no_profile:
