@@ -205,9 +205,9 @@ class KVCache:
 
         Sharded, an append runs no collective: a problem with its arguments on
         any rank (or appends that differ across ranks) is raised by the next
-        :meth:`attend`, on every rank, and every append since the previous
-        attend is undone there (the cache stays usable); this rank's append
-        with a problem returns None. One device: raised here."""
+        :meth:`attend`, on every rank, and every append since the last attend
+        that succeeded is undone there (the cache stays usable); this rank's
+        append with a problem returns None. One device: raised here."""
         sig = (type(k_new), type(v_new), k_new.shape, v_new.shape, k_new.dtype, v_new.dtype, k_new.device,
                v_new.device)
         if self.group is None and sig == self._checked.get("append"):
@@ -359,7 +359,8 @@ class KVCache:
         placed = [r for r, h in enumerate(heads) if h[2:4] != heads[me][2:4]]
         if pending or placed:
             mine, self._pending = self._pending, None
-            self.layout.restore(self._since_attend)
+            if self._since_attend is not None:
+                self.layout.restore(self._since_attend)
             self._since_attend = None
             if pending:
                 checks.raise_flagged("KVCache.append (the appends since the last attend were undone)", mine, pending)
