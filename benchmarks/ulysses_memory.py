@@ -27,6 +27,18 @@ shape; ``--groups N`` forces N instead.
 
 Any checkout's ``longattn`` can be measured the same way (PYTHONPATH);
 a ``ulysses_attention`` without the ``tuning`` argument runs its own way.
+
+Against a GPU (``longattn.bench dist``'s peak, max_memory_allocated): the
+peak here, or what is live at the end of the fullest local backward call
+plus that kernel's own workspace W / groups, whichever is larger. W is not
+seen here; on 2 x H200 at 128K (bf16, D=128, cuDNN dense, FlashAttention
+varlen for short documents) the measured peaks of both exchange designs fit
+W ~ 2.05 shards for dense MHA, ~8.1 for dense GQA 32q/8kv, ~0.7 for
+per-document calls (varlen_mix_32k), ~8.5 for FlashAttention varlen GQA
+(varlen_chat_16k). Frees made by gloo's worker thread are not recorded
+(NCCL releases a finished collective's buffers at the wait): a wait here
+gives the worker time to let go first (``settled_waits``), a measurement
+that still misses a free is taken again, and what stays unseen is reported.
 """
 from __future__ import annotations
 
@@ -277,7 +289,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=8192)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--groups", type=int, default=0, help="force this many head groups (0: as on the GPU)")
-    p.add_argument("--cases", nargs="+", default=list(CASES)[:5], choices=list(CASES))
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--json", default="")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out_dir:

@@ -262,9 +262,10 @@ def _start(x: torch.Tensor, out_elems: list, in_elems: list, ex: Exchange) -> tu
 
 def _wait(transfer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The result of a started transfer. Callers drop the transfer right
-    after: the send buffer is then freed here and now (NCCL's work releases
-    its own reference at the wait; gloo's worker thread would otherwise free
-    it later, unseen by the profiler's allocation events)."""
+    after, so that the send buffer is freed at the wait by the calling thread
+    (NCCL's work releases its own reference there too; gloo's worker thread,
+    were it the last holder, would free it later, unseen by the profiler's
+    allocation events)."""
     return torch.ops._c10d_functional.wait_tensor(transfer[0])
 
 
