@@ -16,9 +16,12 @@ sequence (one contiguous shard per rank, batch 1) or one copy; the outputs
 go back into their heads with one copy. The backward is written out (an
 autograd Function), not derived by autograd through views, which would
 zero-fill and sum a full-size buffer per slice. :func:`ulysses` pipelines a
-call over groups of heads (:class:`UlyssesTuning`): every group's inputs
-start travelling at once and group c's attention runs while the next
-group's inputs and the previous group's outputs travel.
+call over groups of heads (:class:`UlyssesTuning`): group c's attention runs
+while group c+1's inputs and group c-1's outputs travel, never more groups
+at once, and every buffer goes as soon as it has served (send buffers at
+their wait, received inputs once the local call has them or saved them,
+received outputs once in place): what lives through the backward is what
+the local call saves, the head-split inputs and its out and lse.
 
 GQA/MQA (:class:`HeadPlan`): rank r attends with query heads [r m, (r+1) m),
 m = nheads/p, and receives exactly the kv heads those read (kv head of query
@@ -158,24 +161,36 @@ class UlyssesTuning:
     """How a Ulysses call pipelines its exchanges with its local attention.
 
     With ``chunks`` > 1 the heads a rank attends with are cut into that many
-    groups: the all-to-alls of every group start at once, group c's attention
-    runs while group c+1's inputs (and group c-1's outputs) travel, and the
-    backward runs the same schedule on the gradients. Only the first group's
-    inputs and the last group's outputs are waited for with the GPU idle."""
+    groups: group c+1's inputs travel while group c's attention runs, group
+    c-1's outputs land once group c's kernel is queued, and the backward runs
+    the same schedule on the gradients. Only the first group's inputs and the
+    last group's outputs are waited for with the GPU idle. Two groups are in
+    flight at most, so a group costs about one more group's exchange buffers
+    while each kernel call's own workspace shrinks to the group's."""
 
     max_chunks: int = measured(
-        4, "most head groups per call. Ulysses itself not measured pipelined on GPUs yet; the model: at 128K "
-           "tokens, 16 heads x 128 dims, bf16 over 2 ranks the q/k/v exchange moves 384 MiB and the output "
-           "128 MiB per rank per pass (~1.5 ms over NVLink at ~350 GB/s) against 60-120 ms of attention; "
-           "g groups leave 1/g of it exposed, and every group adds a kernel call with its tail",
-        "dist_ulysses_2xh200_df7b171.json")
+        4, "most head groups per call. 2 x H200, 128K tokens, bf16, D=128: dense MHA in 2 groups and GQA "
+           "32q/8kv in 4 ran fwd+bwd in 454 / 237 / 474 ms against 457 / 241 / 473 with the unpipelined "
+           "exchange of df7b171 (dense_128k, dense_128k_causal, gqa_32q8kv_128k_causal): the exchange (~1.5 "
+           "ms a pass over NVLink, 384 MiB q/k/v and 128 MiB out per rank at MHA) is ~1% of the attention, "
+           "so 1 and 2 groups were not told apart and not measured alone; packed short documents "
+           "(varlen_chat_16k at 128K, 4 groups) ran in 21.3 ms against 29.9 with fewer copies as well, the "
+           "pipelining's share not measured. Memory: two groups in flight at most cost about one group's "
+           "exchange buffers, and the local backward kernel's own workspace shrinks with the group (inferred "
+           "from the peaks of df7b171 and d71baeb against benchmarks/ulysses_memory.py's accounting: ~2 "
+           "shards at 128K MHA, ~8 at GQA 32q/8kv, one shard = a rank's local q at 16 heads): predicted "
+           "fwd+bwd peaks 11.0 shards for dense 128K MHA at 1 or 2 groups, 20.1 / 16.6 / 15.8 for GQA at "
+           "1 / 2 / 4 (not measured)",
+        "dist_ulysses_2xh200_d71baeb.json")
     min_chunk_rows: int = measured(
         1 << 19, "least query rows x heads per kernel call of one group (dense: batch x seqlen x heads/group; "
                  "per-document varlen calls: the mean document length x heads/group), 4096 tiles of 128 rows: "
                  "ring steps of that size (4 x H200, 128K, 16 heads, 32K x 32K blocks) ran at 0.964 / 1.02 x "
                  "one GPU (non-causal / causal forward) with their exchange and merges, so calls cut that small "
                  "lose little; smaller calls were not measured. At 128K a rank's 8 heads (16 over 2) run in 2 "
-                 "groups, GQA's 16 query heads in 4; 32K and per-document calls stay whole",
+                 "groups, GQA's 16 query heads in 4; 32K and per-document calls stay whole. 1 group for dense "
+                 "128K MHA (no measured gain from 2) would leave its predicted peak where it is (11.05 against "
+                 "11.03 shards): kept at 2",
         "dist_4xh200_all_9e305a2.json")
 
     def __post_init__(self):
@@ -238,27 +253,34 @@ def _split(ranges, world: int, total: int) -> bool:
     return total % world == 0 and all(r == (j * w, (j + 1) * w) for j, r in enumerate(ranges))
 
 
-def _start(x: torch.Tensor, out_elems: list, in_elems: list, ex: Exchange) -> torch.Tensor:
-    """Start the all-to-all of the flat ``x`` (elements per rank); its result
-    may be read only after :func:`_wait` (eager: the GPU waits there, not the host)."""
-    return torch.ops._c10d_functional.all_to_all_single(x, out_elems, in_elems, ex.group_name)
+def _start(x: torch.Tensor, out_elems: list, in_elems: list, ex: Exchange) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start the all-to-all of the flat ``x`` (elements per rank): a transfer
+    (result, send buffer). The result may be read only after :func:`_wait`
+    (eager: the GPU waits there, not the host)."""
+    return torch.ops._c10d_functional.all_to_all_single(x, out_elems, in_elems, ex.group_name), x
 
 
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(x)
+def _wait(transfer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The result of a started transfer. Callers drop the transfer right
+    after, so that the send buffer is freed at the wait by the calling thread
+    (NCCL's work releases its own reference there too; gloo's worker thread,
+    were it the last holder, would free it later, unseen by the profiler's
+    allocation events)."""
+    return torch.ops._c10d_functional.wait_tensor(transfer[0])
 
 
-def _pack(x: torch.Tensor, ranges, ex: Exchange, chunks: int = 1) -> list[torch.Tensor]:
-    """x (B, s, Hx, D): this rank's rows of every head -> ``chunks`` flat send
-    buffers in the wire format, rank j's block holding heads ``ranges[j]`` (group
-    c: the c-th of ``chunks`` equal parts of every range). One copy where the
-    ranges split the heads; one per rank where heads go to several ranks."""
+def _pack(x: torch.Tensor, ranges, ex: Exchange, chunk: int = 0, chunks: int = 1) -> torch.Tensor:
+    """x (B, s, Hx, D): this rank's rows of every head -> the flat send buffer
+    of head group ``chunk`` of ``chunks`` in the wire format, rank j's block
+    holding the chunk-th of ``chunks`` equal parts of heads ``ranges[j]``. One
+    copy where the ranges split the heads; one per rank where heads go to
+    several ranks. One group at a time: a buffer lives only while its group travels."""
     b, s, hx, d = x.shape
     p, c = ex.world, ex.pieces
     if _split(ranges, p, hx):
         w = hx // p
-        t = x.view(b, c, s // c, p, chunks, w // chunks, d).permute(4, 3, 1, 0, 2, 5, 6)
-        return list(t.contiguous().view(chunks, -1).unbind(0))
+        t = x.view(b, c, s // c, p, chunks, w // chunks, d)[:, :, :, :, chunk].permute(3, 1, 0, 2, 4, 5)
+        return t.contiguous().view(-1)
     assert chunks == 1, "pipelined exchanges need heads split over the ranks"
     parts = [x[:, :, lo:hi].view(b, c, s // c, hi - lo, d).transpose(0, 1) for lo, hi in ranges]
     buf = x.new_empty(sum(t.numel() for t in parts))
@@ -266,7 +288,7 @@ def _pack(x: torch.Tensor, ranges, ex: Exchange, chunks: int = 1) -> list[torch.
     for t in parts:
         buf[at:at + t.numel()].view(t.shape).copy_(t)
         at += t.numel()
-    return [buf]
+    return buf
 
 
 def _to_full(recv: torch.Tensor, ex: Exchange, b: int, s: int, w: int, d: int) -> torch.Tensor:
@@ -331,16 +353,15 @@ def _kv_index(ex: Exchange, device) -> Optional[torch.Tensor]:
     return None if idx is None else torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
 
 
-def _start_groups(tensors, ex: Exchange, n: int) -> list[list[torch.Tensor]]:
-    """Start the inbound all-to-alls of (x (B, s, ., D), head ranges, width per
-    group) for every group of heads: [group][tensor]. The send buffers live on
-    only in the collectives, which drop them once done."""
+def _start_group(tensors, ex: Exchange, chunk: int, chunks: int) -> list:
+    """Start the inbound all-to-alls of head group ``chunk`` of (x (B, s, ., D),
+    head ranges, width per group): one transfer per tensor."""
     started = []
     for x, rg, w in tensors:
         b, s, _, d = x.shape
         per = b * s * d
-        started.append([_start(buf, [per * w] * ex.world, _elems(rg, per, n), ex) for buf in _pack(x, rg, ex, n)])
-    return [list(group) for group in zip(*started)]
+        started.append(_start(_pack(x, rg, ex, chunk, chunks), [per * w] * ex.world, _elems(rg, per, chunks), ex))
+    return started
 
 
 def _group_widths(ex: Exchange) -> tuple[int, int]:
@@ -353,8 +374,8 @@ def _gather_heads(q, k, v, ex: Exchange):
     """seq_to_heads without autograd: (qf, kf, vf) on the whole sequence."""
     b, s, _, d = q.shape
     wq, wk = _group_widths(ex)
-    started = _start_groups([(q, ex.q_ranges, wq), (k, ex.kv_ranges, wk), (v, ex.kv_ranges, wk)], ex, 1)[0]
-    qf, kf, vf = (_to_full(_wait(t), ex, b, s, w, d) for t, w in zip(started, (wq, wk, wk)))
+    started = _start_group([(q, ex.q_ranges, wq), (k, ex.kv_ranges, wk), (v, ex.kv_ranges, wk)], ex, 0, 1)
+    qf, kf, vf = (_to_full(_wait(started.pop(0)), ex, b, s, w, d) for w in (wq, wk, wk))
     idx = _kv_index(ex, q.device)
     if idx is not None:
         kf, vf = kf.index_select(2, idx), vf.index_select(2, idx)
@@ -381,9 +402,11 @@ def _scatter_heads(grads, shapes, ex: Exchange):
         w = rg[me][1] - rg[me][0]
         pending.append(_start(_from_full(g, ex), _elems(rg, b * s * d), [b * s * w * d] * p, ex))
     res = []
-    for t, shape, rg in zip(pending, shapes, ranges):
-        dst = t.new_empty(shape) if _split(rg, p, shape[2]) else t.new_zeros(shape)
+    for shape, rg in zip(shapes, ranges):
+        t = pending.pop(0)
+        dst = t[0].new_empty(shape) if _split(rg, p, shape[2]) else t[0].new_zeros(shape)
         _place(dst, _wait(t), rg, ex)
+        del t
         res.append(dst)
     return res
 
@@ -419,7 +442,7 @@ class _HeadsToSeq(torch.autograd.Function):
         b, total, h, d = ctx.shape
         s, p = total // ex.world, ex.world
         ranges = [(j * h, (j + 1) * h) for j in range(p)]
-        t = _start(_pack(dout, ranges, ex)[0], [b * s * h * d] * p, [b * s * h * d] * p, ex)
+        t = _start(_pack(dout, ranges, ex), [b * s * h * d] * p, [b * s * h * d] * p, ex)
         return _to_full(_wait(t), ex, b, s, h, d), None
 
 
@@ -472,7 +495,7 @@ class Local:
         raise NotImplementedError
 
 
-def _start_back(y, ranges, ex: Exchange, local: "Local", b: int, s: int, rows: int, d: int) -> torch.Tensor:
+def _start_back(y, ranges, ex: Exchange, local: "Local", b: int, s: int, rows: int, d: int):
     """Start returning y (B, R, w, D), one group's heads over every rank's rows,
     to the ranks the rows belong to; what comes back is every rank's heads
     ``ranges`` (one group) of this rank's ``rows``."""
@@ -483,9 +506,11 @@ def _start_back(y, ranges, ex: Exchange, local: "Local", b: int, s: int, rows: i
 
 class _Ulysses(torch.autograd.Function):
     """Exchange, local attention and exchange back, pipelined over head groups
-    (forward and backward alike): every group's inputs start travelling at
-    once; group c's attention runs while later groups' inputs and earlier
-    groups' outputs travel."""
+    (forward and backward alike): group c+1's inputs travel while group c
+    computes, and group c-1's outputs land once group c's kernel is queued,
+    so at most two groups are in flight. Every send buffer is freed at its
+    wait, every receive buffer once landed or, for the inputs, once the local
+    call has consumed it; what backward keeps is what the local call saves."""
 
     @staticmethod
     def forward(ctx, q, k, v, ex: Exchange, local: Local, return_lse: bool):
@@ -493,25 +518,39 @@ class _Ulysses(torch.autograd.Function):
         n = ex.chunks
         qr, kr = ex.q_ranges, ex.kv_ranges
         wq, wk = _group_widths(ex)
-        inbound = _start_groups([(q, qr, wq), (k, kr, wk), (v, kr, wk)], ex, n)
+        ins = [(q, qr, wq), (k, kr, wk), (v, kr, wk)]
         idx = _kv_index(ex, q.device)
         rows = local.recv_rows if local.recv_rows is not None else s
-        saved, outbound = [], []
+        outs = [None, None] if return_lse else [None]  # out, lse: made at their first landing
+
+        def land(t, i, c):
+            if outs[i] is None:
+                outs[i] = q.new_empty(b, s, h, d) if i == 0 else q.new_empty(b, h, s, dtype=torch.float32)
+            dst = outs[0] if i == 0 else outs[1].transpose(1, 2).unsqueeze(-1)
+            _place(dst[:, :rows], _wait(t), qr, ex, c, n)
+
+        saved, pending = [], []
+        inbound = _start_group(ins, ex, 0, n)
         for c in range(n):
-            qf, kf, vf = (_to_full(_wait(t), ex, b, s, w, d) for t, w in zip(inbound[c], (wq, wk, wk)))
+            following = _start_group(ins, ex, c + 1, n) if c + 1 < n else []
+            qf, kf, vf = (_to_full(_wait(inbound.pop(0)), ex, b, s, w, d) for w in (wq, wk, wk))
+            inbound = following
             if idx is not None:
                 kf, vf = kf.index_select(2, idx), vf.index_select(2, idx)
             o, lse, keep = local.forward(qf, kf, vf)
+            del qf, kf, vf
             saved += keep
             # lse travels as (B, R, h, 1) rows: the same exchange with D = 1
-            outbound.append([_start_back(x, qr, ex, local, b, s, rows, e) for x, e in
-                             ((o, d), (lse.transpose(1, 2).unsqueeze(-1), 1))[:2 if return_lse else 1]])
-        out = q.new_empty(b, s, h, d)
-        lse_out = q.new_empty(b, h, s, dtype=torch.float32) if return_lse else None
-        for c, got in enumerate(outbound):
-            _place(out[:, :rows], _wait(got[0]), qr, ex, c, n)
-            if return_lse:
-                _place(lse_out.transpose(1, 2).unsqueeze(-1)[:, :rows], _wait(got[1]), qr, ex, c, n)
+            sent = [_start_back(x, qr, ex, local, b, s, rows, e)
+                    for x, e in ((o, d), (lse.transpose(1, 2).unsqueeze(-1), 1))[:len(outs)]]
+            del o, lse
+            while pending:
+                land(*pending.pop(0))
+            pending = [(t, i, c) for i, t in enumerate(sent)]
+            del sent
+        while pending:
+            land(*pending.pop(0))
+        out, lse_out = outs[0], outs[1] if return_lse else None
         if rows < s:
             out[:, rows:] = 0
             if return_lse:
@@ -526,36 +565,56 @@ class _Ulysses(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, dlse=None):
         ex, local = ctx.ex, ctx.local
-        (b, s, h, d), kshape, vshape = ctx.shapes
-        n = ex.chunks
+        shapes = ctx.shapes
+        b, s, h, d = shapes[0]
+        n, per = ex.chunks, ctx.per_chunk
         qr, kr = ex.q_ranges, ex.kv_ranges
+        ranges = (qr, kr, kr)
         wq, wk = _group_widths(ex)
         saved = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = saved[0].new_zeros(b, s, h, d)
-        grads = [(dout, qr, wq)] + ([] if dlse is None else [(dlse.transpose(1, 2).unsqueeze(-1), qr, wq)])
-        inbound = _start_groups(grads, ex, n)
+        ins = [(dout, qr, wq)] + ([] if dlse is None else [(dlse.transpose(1, 2).unsqueeze(-1), qr, wq)])
         rows = local.recv_rows if local.recv_rows is not None else s
-        outbound = []
+        grads = [None, None, None]  # dq, dk, dv: made at their first landing
+
+        def land(t, i, c):
+            if grads[i] is None:
+                # kv heads that several ranks read come back from each and are summed
+                split = _split(ranges[i], ex.world, shapes[i][2])
+                grads[i] = dout.new_empty(shapes[i]) if split else dout.new_zeros(shapes[i])
+            _place(grads[i][:, :rows], _wait(t), ranges[i], ex, c, n)
+
+        pending = []  # (transfer, gradient, group)
+        inbound = _start_group(ins, ex, 0, n)
         for c in range(n):
-            do = _to_full(_wait(inbound[c][0]), ex, b, s, wq, d)
+            following = _start_group(ins, ex, c + 1, n) if c + 1 < n else []
+            do = _to_full(_wait(inbound.pop(0)), ex, b, s, wq, d)
             dl = None
             if dlse is not None:
-                dl = _to_full(_wait(inbound[c][1]), ex, b, s, wq, 1).squeeze(-1).transpose(1, 2)
-            keep = saved[c * ctx.per_chunk:(c + 1) * ctx.per_chunk]
-            dq, dk, dv = local.backward(do, dl, keep)
-            dk, dv = _kv_received(dk, ex), _kv_received(dv, ex)
-            outbound.append([_start_back(g, rg, ex, local, b, s, rows, d) for g, rg in ((dq, qr), (dk, kr), (dv, kr))])
-        dq = dout.new_empty(b, s, h, d)
-        # kv heads that several ranks read come back from each and are summed
-        dk, dv = (dout.new_empty(sh) if _split(kr, ex.world, sh[2]) else dout.new_zeros(sh) for sh in (kshape, vshape))
-        for c, got in enumerate(outbound):
-            for g, t, rg in zip((dq, dk, dv), got, (qr, kr, kr)):
-                _place(g[:, :rows], _wait(t), rg, ex, c, n)
+                dl = _to_full(_wait(inbound.pop(0)), ex, b, s, wq, 1).squeeze(-1).transpose(1, 2)
+            inbound = following
+            g = list(local.backward(do, dl, saved[c * per:(c + 1) * per]))
+            del do, dl
+            g[1], g[2] = _kv_received(g[1], ex), _kv_received(g[2], ex)
+            last = c == n - 1
+            for i in range(3):
+                # after the last kernel there is nothing to hide the transfers behind: each lands
+                # before the next starts, so that one receive buffer and one new gradient are
+                # made at a time while the saved tensors are still held
+                while last and pending:
+                    land(*pending.pop(0))
+                pending.append((_start_back(g[i], ranges[i], ex, local, b, s, rows, d), i, c))
+                g[i] = None
+            # the previous group's gradients land once this group's kernel is queued behind them
+            while pending and pending[0][2] < c:
+                land(*pending.pop(0))
+        while pending:
+            land(*pending.pop(0))
         if rows < s:
-            for g in (dq, dk, dv):
+            for g in grads:
                 g[:, rows:] = 0
-        return dq, dk, dv, None, None, None
+        return (*grads, None, None, None)
 
 
 def ulysses(q, k, v, ex: Exchange, local: Local, return_lse: bool):

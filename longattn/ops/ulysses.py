@@ -111,7 +111,12 @@ class _Varlen(U.Local):
                                      self.backend)
         else:
             grads = _varlen_bwd(dout, q, k, v, out, lse, dlse, self.dev_cu, *self.op_args)
-        return tuple(self._scatter(g, 0.0, 0) for g in grads)
+        del dout, dlse
+        grads, res = list(grads), []
+        for i in range(3):  # each packed gradient goes as soon as its rows are laid out for sending
+            res.append(self._scatter(grads[i], 0.0, 0))
+            grads[i] = None
+        return tuple(res)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
