@@ -204,7 +204,7 @@ def main():
     a = ap.parse_args()
     extra = {}
     if a.chunks:
-        from longattn.distributed.ulysses import UlyssesTuning
+        from longattn.tuning import UlyssesTuning
         extra["tuning"] = UlyssesTuning(max_chunks=a.chunks, min_chunk_rows=0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

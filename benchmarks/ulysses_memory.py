@@ -170,18 +170,30 @@ def settled_waits(delay_s: float = 0.002):
 def groups_for(case, world: int) -> int:
     """Head groups the tuning gives ``case``'s heads at its GPU shape (1 where
     this longattn has no UlyssesTuning)."""
-    try:
-        from longattn.distributed.ulysses import HeadPlan, UlyssesTuning
-    except ImportError:
+    tuning = _tuning_class()
+    if tuning is None:
         return 1
+    from longattn.distributed.ulysses import HeadPlan
+
     _, _, _, h, hkv, _, rows = case
-    return UlyssesTuning().chunks(HeadPlan(h, hkv, world), rows)
+    return tuning().chunks(HeadPlan(h, hkv, world), rows)
+
+
+def _tuning_class():
+    """UlyssesTuning where this longattn has one (in longattn.tuning; in
+    longattn.distributed.ulysses at d71baeb), else None."""
+    try:
+        from longattn.tuning import UlyssesTuning
+    except ImportError:
+        try:
+            from longattn.distributed.ulysses import UlyssesTuning
+        except ImportError:
+            return None
+    return UlyssesTuning
 
 
 def _forced(groups: int) -> dict:
-    from longattn.distributed.ulysses import UlyssesTuning
-
-    return dict(tuning=UlyssesTuning(max_chunks=groups, min_chunk_rows=0))
+    return dict(tuning=_tuning_class()(max_chunks=groups, min_chunk_rows=0))
 
 
 def inputs(case, world: int, rank: int, seqlen: int, head_dim: int, dtype):

@@ -24,7 +24,8 @@ import longattn
 from longattn.bench import configs as C
 from longattn.bench.impls import varlen_cu_seqlens
 from longattn.bench.measure import environment, time_ms
-from longattn.distributed.ulysses import HeadPlan, UlyssesTuning
+from longattn.distributed.ulysses import HeadPlan
+from longattn.tuning import UlyssesTuning
 
 p = argparse.ArgumentParser()
 p.add_argument("--configs", nargs="+", default=["dense_32k_causal", "dense_128k", "dense_128k_causal",

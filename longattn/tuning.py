@@ -224,16 +224,73 @@ class DecodeTuning:
                     programs_per_sm=self.programs_per_sm, min_split=self.min_split)
 
 
+@dataclasses.dataclass(frozen=True)
+class UlyssesTuning:
+    """How a Ulysses call pipelines its exchanges with its local attention.
+
+    With ``chunks`` > 1 the heads a rank attends with are cut into that many
+    groups: group c+1's inputs travel while group c's attention runs, group
+    c-1's outputs land once group c's kernel is queued, and the backward runs
+    the same schedule on the gradients. Only the first group's inputs and the
+    last group's outputs are waited for with the GPU idle. Two groups are in
+    flight at most, so a group costs about one more group's exchange buffers
+    while each kernel call's own workspace shrinks to the group's."""
+
+    max_chunks: int = measured(
+        4, "most head groups per call. 2 x H200, 128K tokens, bf16, D=128: dense MHA in 2 groups and GQA "
+           "32q/8kv in 4 ran fwd+bwd in 454 / 237 / 474 ms against 457 / 241 / 473 with the unpipelined "
+           "exchange of df7b171 (dense_128k, dense_128k_causal, gqa_32q8kv_128k_causal): the exchange (~1.5 "
+           "ms a pass over NVLink, 384 MiB q/k/v and 128 MiB out per rank at MHA) is ~1% of the attention, "
+           "so 1 and 2 groups were not told apart and not measured alone; packed short documents "
+           "(varlen_chat_16k at 128K, 4 groups) ran in 21.3 ms against 29.9 with fewer copies as well, the "
+           "pipelining's share not measured. Memory: two groups in flight at most cost about one group's "
+           "exchange buffers, and the local backward kernel's own workspace shrinks with the group (inferred "
+           "from the peaks of df7b171 and d71baeb against benchmarks/ulysses_memory.py's accounting: ~2 "
+           "shards at 128K MHA, ~8 at GQA 32q/8kv, one shard = a rank's local q at 16 heads): predicted "
+           "fwd+bwd peaks 11.0 shards for dense 128K MHA at 1 or 2 groups, 20.1 / 16.6 / 15.8 for GQA at "
+           "1 / 2 / 4 (not measured)",
+        "dist_ulysses_2xh200_d71baeb.json")
+    min_chunk_rows: int = measured(
+        1 << 19, "least query rows x heads per kernel call of one group (dense: batch x seqlen x heads/group; "
+                 "per-document varlen calls: the mean document length x heads/group), 4096 tiles of 128 rows: "
+                 "ring steps of that size (4 x H200, 128K, 16 heads, 32K x 32K blocks) ran at 0.964 / 1.02 x "
+                 "one GPU (non-causal / causal forward) with their exchange and merges, so calls cut that small "
+                 "lose little; smaller calls were not measured. At 128K a rank's 8 heads (16 over 2) run in 2 "
+                 "groups, GQA's 16 query heads in 4; 32K and per-document calls stay whole. 1 group for dense "
+                 "128K MHA (no measured gain from 2) would leave its predicted peak where it is (11.05 against "
+                 "11.03 shards): kept at 2",
+        "dist_4xh200_all_9e305a2.json")
+
+    def __post_init__(self):
+        if not isinstance(self.max_chunks, int) or self.max_chunks < 1:
+            raise ValueError(f"UlyssesTuning.max_chunks must be an int >= 1, got {self.max_chunks!r}")
+        if not isinstance(self.min_chunk_rows, int) or self.min_chunk_rows < 0:
+            raise ValueError(f"UlyssesTuning.min_chunk_rows must be a non-negative int, got {self.min_chunk_rows!r}")
+
+    def chunks(self, heads, call_rows: int) -> int:
+        """Head groups for a call (``heads``: its
+        :class:`longattn.distributed.ulysses.HeadPlan`) whose local kernel calls each hold ``call_rows``
+        query rows per head: the most (up to ``max_chunks``) that divide both the
+        query and the kv heads of a rank and keep ``min_chunk_rows`` per call.
+        GQA whose kv heads do not split over the ranks runs in one group."""
+        if not heads.splits_kv:
+            return 1
+        m, w = heads.nheads // heads.world, heads.nheads_kv // heads.world
+        return max(n for n in range(1, min(self.max_chunks, m) + 1)
+                   if n == 1 or (m % n == 0 and w % n == 0 and call_rows * (m // n) >= self.min_chunk_rows))
+
+
 DILATED = DilatedTuning()
 VARLEN = VarlenTuning()
 DECODE = DecodeTuning()
 RING_VARLEN = RingVarlenTuning()
+ULYSSES = UlyssesTuning()
 
 
 def describe() -> str:
     """Every measured threshold with its value, reason and result file (one line each)."""
     lines = []
-    for obj in (DILATED, VARLEN, RING_VARLEN, DECODE):
+    for obj in (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES):
         for f in dataclasses.fields(obj):
             src = f.metadata.get("source")
             lines.append(f"{type(obj).__name__}.{f.name} = {getattr(obj, f.name)!r}: {f.metadata.get('reason', '')}"

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import longattn
 from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close, dense_inputs,
                         run_sharded, run_world, varlen_inputs)
-from longattn.distributed.ulysses import HeadPlan, UlyssesTuning
+from longattn.distributed.ulysses import HeadPlan
+from longattn.tuning import UlyssesTuning
 from reference import assert_close, attention_ref, grads_of, rel_err
 from test_varlen import varlen_ref
 

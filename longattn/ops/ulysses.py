@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
+from .. import tuning as _tuning
 from .._autograd import direct
 from .._validation import check_attention_call, check_cu_seqlens
 from ..backends import varlen as _varlen
@@ -122,7 +123,7 @@ class _Varlen(U.Local):
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
                       layout: str = "contiguous", return_lse: bool = False, backend: str = "auto",
-                      tuning: U.UlyssesTuning = U.ULYSSES, group=None):
+                      tuning: _tuning.UlyssesTuning = _tuning.ULYSSES, group=None):
     """Exact attention over a sequence sharded across the ranks of ``group``,
     by head parallelism: an all-to-all gives each rank the whole sequence for
     nheads/p heads, it attends locally, and an all-to-all returns the shards.
@@ -146,7 +147,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         return_lse: also return lse ``(batch, nheads, seqlen_local)`` float32, in
             the shard's row order.
         backend: local kernel (see :mod:`longattn.backends`).
-        tuning: :class:`longattn.distributed.ulysses.UlyssesTuning`: how many
+        tuning: :class:`longattn.tuning.UlyssesTuning`: how many
             groups of heads the exchanges are pipelined over.
         group: a ProcessGroup, a 1-D DeviceMesh (e.g. ``mesh["ulysses"]``) or None (WORLD).
 
@@ -199,7 +200,7 @@ def _host_cu(cu_seqlens) -> tuple[torch.Tensor, tuple]:
 def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                              layout: str = "contiguous", causal: bool = False, softmax_scale: Optional[float] = None,
                              window_size: tuple[int, int] = (-1, -1), return_lse: bool = False,
-                             backend: str = "auto", tuning: U.UlyssesTuning = U.ULYSSES, group=None):
+                             backend: str = "auto", tuning: _tuning.UlyssesTuning = _tuning.ULYSSES, group=None):
     """Packed documents over a token stream sharded across ranks, by head
     parallelism: after the all-to-all every rank holds every token for
     nheads/p heads and runs :func:`longattn.attention_varlen`'s kernel with the
