@@ -73,34 +73,29 @@ def timed(fn, iters: int, cuda: bool, reps: int = 1) -> dict:
     return dict(ms=statistics.median(wall), host_ms=statistics.median(host))
 
 
-def main(argv=None):
-    a = parse(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(a.pg_backend if cuda else "gloo")  # CPU: a smoke run
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    g, dt = dist.group.WORLD, torch.bfloat16 if cuda else torch.float32
+def build(a, dev, dt, rank: int, world: int):
+    """``--layers`` sharded caches of random K/V, and one token's (kn, vn, qn)."""
     gen = torch.Generator(device=dev).manual_seed(rank)
     caches = []
     for _ in range(a.layers):
         k, v = (torch.randn(1, a.context // world, a.kv_heads, a.head_dim, device=dev, dtype=dt, generator=gen)
                 for _ in range(2))
-        caches.append(longattn.KVCache.from_prefill(k, v, layout="zigzag", group=g, reserve=4096))
+        caches.append(longattn.KVCache.from_prefill(k, v, layout="zigzag", group=dist.group.WORLD, reserve=4096))
         del k, v
     kn, vn = (torch.randn(1, 1, a.kv_heads, a.head_dim, device=dev, dtype=dt, generator=gen) for _ in range(2))
-    qn = torch.randn(1, 1, a.heads, a.head_dim, device=dev, dtype=dt, generator=gen)
+    return caches, kn, vn, torch.randn(1, 1, a.heads, a.head_dim, device=dev, dtype=dt, generator=gen)
+
+
+def variants(a, caches, kn, vn, qn, n: int, cuda: bool) -> dict:
+    """The sharded step, and the same attention on this rank's part alone (no collective)."""
+    lens = torch.tensor([n], dtype=torch.int32)
 
     def step():
         for c in caches:
             c.append(kn, vn)
             c.attend(qn, backend=a.backend)
 
-    n = caches[0].layout.local[rank][0]
-    lens = torch.tensor([n], dtype=torch.int32)
-
-    def local():  # the same attention on this rank's part, no collective
+    def local():
         for c in caches:
             longattn.decode_attention(qn, c.k[:, :n], c.v[:, :n], cache_seqlens=lens, backend=a.backend)
 
@@ -112,42 +107,61 @@ def main(argv=None):
                 torch.nn.functional.scaled_dot_product_attention(
                     qn.transpose(1, 2), c.k[:, :n].transpose(1, 2), c.v[:, :n].transpose(1, 2), enable_gqa=True)
 
-    rows = {}
-    for name, fn in (("sharded_step", step), ("local_decode_attention", local), ("local_sdpa_flash", sdpa)):
+    return dict(sharded_step=step, local_decode_attention=local, local_sdpa_flash=sdpa)
+
+
+def profiled(step, layers: int, cuda: bool):
+    """(top kernels, top host functions) of two steps, per layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(2):
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+    ev, per = prof.key_averages(), 2 * layers
+    dev_us = lambda e: getattr(e, "self_device_time_total", 0)
+    kernels = [dict(name=e.key[:90], calls_per_layer=e.count / per, device_us_per_layer=dev_us(e) / per)
+               for e in sorted(ev, key=lambda e: -dev_us(e))[:8]]
+    hosts = [dict(name=e.key[:90], calls_per_layer=e.count / per, cpu_us_per_layer=e.self_cpu_time_total / per)
+             for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:10]]
+    return kernels, hosts
+
+
+def report(a, dev, world: int, n: int, rows: dict, kernels, hosts) -> None:
+    env = environment(dev)
+    env.update(command=f"torchrun --nproc_per_node={world} " + " ".join(sys.argv), world_size=world)
+    if a.json:
+        write_json(a.json, dict(benchmark="decode_sharded_profile", env=env, args=vars(a), local_tokens=n, rows=rows,
+                                top_kernels=kernels, top_host=hosts))
+    print(f"context {a.context} over {world} ranks ({n} local), {a.layers} layers, pg {a.pg_backend}, "
+          f"backend {a.backend}: ms per layer (host)")
+    for k, r in rows.items():
+        print(f"  {k:24s} {r['ms_per_layer']:.3f} ({r['host_ms_per_layer']:.3f})")
+    for k in kernels or []:
+        print(f"  kernel {k['name'][:60]:60s} {k['calls_per_layer']:.1f}/layer {k['device_us_per_layer']:.0f} us")
+    print(json.dumps(rows))
+
+
+def main(argv=None):
+    a = parse(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(a.pg_backend if cuda else "gloo")  # CPU: a smoke run
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    caches, kn, vn, qn = build(a, dev, torch.bfloat16 if cuda else torch.float32, rank, world)
+    n = caches[0].layout.local[rank][0]
+    fns, rows = variants(a, caches, kn, vn, qn, n, cuda), {}
+    for name, fn in fns.items():
         for _ in range(a.warmup):
             fn()
         t = timed(fn, a.iters, cuda, a.steps_per_sample)
         rows[name] = dict(ms_per_layer=t["ms"] / a.layers, host_ms_per_layer=t["host_ms"] / a.layers)
-    kernels = hosts = None
-    if not a.no_profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            for _ in range(2):
-                step()
-                if cuda:
-                    torch.cuda.synchronize()
-        ev = prof.key_averages()
-        per = 2 * a.layers
-        kernels = [dict(name=e.key[:90], calls_per_layer=e.count / per,
-                        device_us_per_layer=getattr(e, "self_device_time_total", 0) / per)
-                   for e in sorted(ev, key=lambda e: -getattr(e, "self_device_time_total", 0))[:8]]
-        hosts = [dict(name=e.key[:90], calls_per_layer=e.count / per, cpu_us_per_layer=e.self_cpu_time_total / per)
-                 for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:10]]
+    kernels, hosts = (None, None) if a.no_profile else profiled(fns["sharded_step"], a.layers, cuda)
     if rank == 0:
-        env = environment(dev)
-        env.update(command=f"torchrun --nproc_per_node={world} " + " ".join(sys.argv), world_size=world)
-        out = dict(benchmark="decode_sharded_profile", env=env, args=vars(a), local_tokens=n, rows=rows,
-                   top_kernels=kernels, top_host=hosts)
-        if a.json:
-            write_json(a.json, out)
-        print(f"context {a.context} over {world} ranks ({n} local), {a.layers} layers, pg {a.pg_backend}, "
-              f"backend {a.backend}: ms per layer (host)")
-        for k, r in rows.items():
-            print(f"  {k:24s} {r['ms_per_layer']:.3f} ({r['host_ms_per_layer']:.3f})")
-        for k in kernels or []:
-            print(f"  kernel {k['name'][:60]:60s} {k['calls_per_layer']:.1f}/layer {k['device_us_per_layer']:.0f} us")
-        print(json.dumps(rows))
+        report(a, dev, world, n, rows, kernels, hosts)
     dist.destroy_process_group()
 
 
