@@ -208,10 +208,11 @@ class KVCache:
         :meth:`attend`, on every rank, and every append since the last attend
         that succeeded is undone there (the cache stays usable); this rank's
         append with a problem returns None. One device: raised here."""
-        sig = (type(k_new), type(v_new), k_new.shape, v_new.shape, k_new.dtype, v_new.dtype, k_new.device,
-               v_new.device)
-        if self.group is None and sig == self._checked.get("append"):
-            return self._store(k_new, v_new)
+        sig = None
+        if self.group is None and isinstance(k_new, torch.Tensor) and isinstance(v_new, torch.Tensor):
+            sig = (k_new.shape, v_new.shape, k_new.dtype, v_new.dtype, k_new.device, v_new.device)
+            if sig == self._checked.get("append"):
+                return self._store(k_new, v_new)
         problem = None
         try:
             b, _, hkv, d = self.k.shape
@@ -268,11 +269,13 @@ class KVCache:
         cache's placement; a call whose shape differs from the last agreed one
         agrees on it first)."""
         dilated = segment_lengths is not None or dilation_rates is not None
-        sig = (type(q), q.shape, q.dtype, q.device, type(softmax_scale), softmax_scale, type(return_lse), return_lse,
-               backend)
-        if self.group is None and not dilated and sig == self._checked.get("attend"):
-            self._check_q_len(q.shape[1])
-            return self._attend_dense(q, bk.default_scale(q.shape[-1], softmax_scale), return_lse, backend)
+        sig = None
+        if self.group is None and not dilated and isinstance(q, torch.Tensor):
+            sig = (q.shape, q.dtype, q.device, type(softmax_scale), softmax_scale, type(return_lse), return_lse,
+                   backend)
+            if sig == self._checked.get("attend"):
+                self._check_q_len(q.shape[1])
+                return self._attend_dense(q, bk.default_scale(q.shape[-1], softmax_scale), return_lse, backend)
         problem = None
         segs = rates = None
         try:
@@ -287,6 +290,8 @@ class KVCache:
             problem = e
         scale = bk.default_scale(q.shape[-1], softmax_scale) if problem is None else None
         if self.group is not None:
+            if isinstance(q, torch.Tensor):  # under capture on every rank alike: raised before any collective
+                _dec._no_capture(q, "KVCache.attend (sharded)")
             fields = dict(q=_dec.describe(q), segs=segs, rates=rates, scale=softmax_scale, lse=return_lse,
                           backend=backend)
             out, lse = self._attend_sharded(q, fields, problem, lambda: self._part(q, segs, rates, scale, backend))
@@ -334,7 +339,7 @@ class KVCache:
         also carries each rank's digest of the call and of its placement and
         its problems, judged alike on every rank (:meth:`_judge`)."""
         call = checks.digest(fields)
-        shape = tuple(q.shape)
+        shape = tuple(q.shape) if problem is None else None
         same = problem is None and self._pending is None and self._agreed == (call, shape)
         placed = self.layout.digest()
         header = [call & _MASK, call >> 28, placed & _MASK, placed >> 28, int(problem is not None),

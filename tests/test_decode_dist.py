@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longattn
+from longattn.distributed.cache import CacheLayout
 from dist_utils import assert_group_usable, generator, run_world
 from reference import assert_close, attention_ref, dilated_ref
 
@@ -200,6 +201,27 @@ def _check_errors_and_bench(rank, world):
                      "--iters", "2", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2"]))
     assert res["world"] == world and [r["status"] for r in res["results"]] == ["ok", "ok"]
     assert all(r["decode_ms_per_layer"] > 0 and r["prefill_ms"] > 0 for r in res["results"])
+
+
+def test_placements_of_different_appends_differ():
+    # the same total, owner and block left after different counts: the placements differ, and so must the digests
+    # the ranks compare at each attend
+    a, b = CacheLayout(2, 1, 256), CacheLayout(2, 1, 256)
+    for n in (128, 384, 128):
+        a.place(n)
+    for n in (256, 256, 128):
+        b.place(n)
+    assert a.seqlens == b.seqlens and a.local != b.local
+    assert a.digest() != b.digest()
+    # an undo restores the digest with the placement
+    c = CacheLayout(2, 1, 256)
+    for n in (128, 384, 128):
+        c.place(n)
+    state = a.state()
+    a.place(7)
+    assert a.digest() != c.digest()
+    a.restore(state)
+    assert a.digest() == c.digest() and a.local == c.local and a.runs == c.runs
 
 
 @pytest.mark.dist

@@ -180,6 +180,21 @@ def test_step_backward_two_merged_halves(compile, monkeypatch):
     assert spy.callers and not spy.ours
 
 
+def test_step_backward_with_a_captured_table_the_size_of_lse(monkeypatch):
+    """A score_mod that captures a float table with as many elements as a
+    row statistic (B * H * S): compiled, it is saved as a buffer beside out
+    and lse, and the recorded step must keep it (not mistake it for a copy
+    of lse); the merged halves still give the float64 reference's gradients."""
+    bias = torch.randn(H, B * S)
+    score = lambda sc, b, h, qi, ki: sc + bias[h, b * S + qi]
+    mask = masks.causal()
+    q, k, v, do, dl = _inputs(2)
+    steps = _half_steps(mask, score, "aot_eager", S, H, 8)
+    got = _merged_halves(steps, q, k, v, do, dl)
+    want = results(lambda q, k, v: flex_ref(q, k, v, mask, score), [x.double() for x in (q, k, v)], do, dl)
+    assert_close(got, want, TOL, "captured table")
+
+
 @pytest.mark.gpu
 def test_cuda_compiled_forward_backward(monkeypatch):
     """The compiled path on CUDA (inductor's Triton FlexAttention), float32

@@ -18,6 +18,8 @@ from reference import flex_ref
 
 TOL = 1e-4
 B, L, H, D = 2, 12, 4, 16  # L tokens per rank (zigzag: two chunks of 6); D >= 16 for the GPU kernels
+
+
 def alibi(score, b, h, q_idx, kv_idx):
     # slopes 1/2, 1/4, ... from the head index: a captured CPU tensor would not
     # index with the CUDA indices FlexAttention passes on a GPU

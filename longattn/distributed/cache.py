@@ -63,6 +63,9 @@ class CacheLayout:
         self.last_owner: Optional[int] = None
         self.last_count = 0
         self._owner, self._block_left = 0, 0
+        # the placement is a function of the start and of the counts placed since:
+        # a running hash of those counts tells two ranks' placements apart
+        self._placed = 0
 
     @classmethod
     def from_prefill(cls, seqlens: Sequence[int], padded_len: int, *, layout: str = "contiguous", world: int = 1,
@@ -116,24 +119,26 @@ class CacheLayout:
             self.local[owner][b] += n
             self.seqlens[b] += n
         self.last_owner, self.last_count = owner, n
+        self._placed = (self._placed * 1000003 + n) % (1 << 61)
         return owner
 
     def state(self) -> tuple:
         """A copy of the placement, for :meth:`restore`."""
         return (list(self.seqlens), [list(r) for r in self.local],
                 [[list(row) for row in r] for r in self.runs], self.last_owner, self.last_count, self._owner,
-                self._block_left)
+                self._block_left, self._placed)
 
     def restore(self, state: tuple) -> None:
         """Back to a placement :meth:`state` returned (the appends since undone)."""
-        seqlens, local, runs, self.last_owner, self.last_count, self._owner, self._block_left = state
+        seqlens, local, runs, self.last_owner, self.last_count, self._owner, self._block_left, self._placed = state
         self.seqlens, self.local = list(seqlens), [list(r) for r in local]
         self.runs = [[list(row) for row in r] for r in runs]
 
     def digest(self) -> int:
         """A 56-bit digest of what every rank's copy must hold alike (the ranks
         compare it to find appends that differed)."""
-        return checks.digest(dict(s=tuple(self.seqlens), c=self.last_count, o=self._owner, b=self._block_left))
+        return checks.digest(dict(s=tuple(self.seqlens), p=self._placed, c=self.last_count, o=self._owner,
+                                  b=self._block_left))
 
     def positions(self, rank: int, row: int) -> list[int]:
         """Global position of each local slot (tests and debugging; O(tokens))."""

@@ -35,24 +35,33 @@ def group_from_name(name: str) -> dist.ProcessGroup:
 _checked: set = set()
 
 
+def _backend_config(group) -> str:
+    """The group's backend per device: "nccl", "gloo", "cpu:gloo,cuda:nccl"
+    (what ``init_process_group()`` without a backend makes on a CUDA machine,
+    where ``get_backend`` answers "undefined"), ..."""
+    try:
+        return str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):  # pragma: no cover - torch without per-device configs
+        return str(dist.get_backend(group))
+
+
 def nccl_on_cuda(group) -> bool:
     """Whether ``group`` moves CUDA tensors through NCCL: ``"nccl"``, or a
     per-device backend such as ``"cpu:gloo,cuda:nccl"``."""
-    backend = str(dist.get_backend(group))
-    return backend == "nccl" or "cuda:nccl" in backend
+    config = _backend_config(group)
+    return config == "nccl" or "cuda:nccl" in config
 
 
 def _device_for(group) -> torch.device:
     """Where a check's small tensors travel: the CPU wherever the group has a
-    CPU backend (``gloo``, or ``"cpu:gloo,cuda:nccl"``, torch's default when
-    ``init_process_group`` names no backend), so reading the result never
-    waits for the GPU's queue; the GPU under NCCL alone, where reading it is a
-    device sync. (A sharded decode step took the same time either way on two
-    H200s: its cost is the ranks' rendezvous, docs/performance.md section 9.)"""
-    backend = str(dist.get_backend(group))
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    CPU backend (``gloo``, or ``"cpu:gloo,cuda:nccl"``), so reading the result
+    never waits for the GPU's queue; else the GPU (NCCL alone), where reading it
+    is a device sync. (A sharded decode step took the same time either way on
+    two H200s: its cost was the ranks' rendezvous, docs/performance.md section 9.)"""
+    config = _backend_config(group)
+    if config == "gloo" or "cpu:" in config or "nccl" not in config:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def check_consistent(group, what: str, **fields) -> None:

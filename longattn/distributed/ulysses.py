@@ -498,6 +498,7 @@ class _Ulysses(torch.autograd.Function):
             if return_lse:
                 lse_out[:, :, rows:] = float("-inf")
         ctx.set_materialize_grads(False)
+        ctx.return_lse = return_lse
         ctx.save_for_backward(*saved)
         ctx.ex, ctx.local, ctx.per_chunk = ex, local, len(saved) // n
         ctx.shapes = (q.shape, k.shape, v.shape)
@@ -516,6 +517,10 @@ class _Ulysses(torch.autograd.Function):
         saved = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = saved[0].new_zeros(b, s, h, d)
+        if ctx.return_lse and dlse is None:
+            # every rank exchanges dlse when lse was returned: one whose loss ignores lse must not skip a collective
+            # the others run
+            dlse = dout.new_zeros(b, h, s, dtype=torch.float32)
         ins = [(dout, qr, wq)] + ([] if dlse is None else [(dlse.transpose(1, 2).unsqueeze(-1), qr, wq)])
         rows = local.recv_rows if local.recv_rows is not None else s
         grads = [None, None, None]  # dq, dk, dv: made at their first landing

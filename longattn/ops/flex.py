@@ -213,8 +213,9 @@ class FlexStep:
             s.name = names.get(_where(s.tensor)) if s.tensor.numel() else None
             if s.name is not None:
                 s.tensor = None
-            elif s.tensor.is_floating_point() and s.tensor.numel() in (lse2.numel(), out.numel()):
+            elif any(s.tensor.shape == t.shape and s.tensor.dtype == t.dtype for t in (out, lse2)):
                 # a copy of the block's out or lse: its backward would use the block's statistics, not the merged
+                # (a buffer a score_mod captured has its own shape, unless it is exactly out's or lse's)
                 raise RuntimeError("ring_flex_attention: FlexAttention's autograd saved a tensor shaped like its "
                                    "out or lse that is neither; the flex ring's backward (which supplies the merged "
                                    "out and lse in their place) does not support this torch version")

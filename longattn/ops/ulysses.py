@@ -252,7 +252,7 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     else:  # every call: the lengths are values, a cache keyed by them could let one rank skip the check
         checks.agree(g, "ulysses_attention_varlen", problem, q=tuple(q.shape), k=tuple(k.shape),
                      dtype=str(q.dtype), cu=cu, causal=causal, window=window, layout=layout, scale=scale,
-                     backend=backend)
+                     backend=backend, tuning=tuning)  # the tuning sets the head groups: their collectives
     if world == 1:
         return attention_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale, window_size=window,
                                 return_lse=return_lse, backend=backend)
