@@ -8,10 +8,11 @@ collectives), and the step's top kernels and host functions by torch.profiler.
         --pg-backend nccl --json benchmarks/results/x.json
     torchrun --nproc_per_node=2 benchmarks/decode_sharded_profile.py --pg-backend cpu:gloo,cuda:nccl
 
-``--pg-backend``: the process group's backend. With ``nccl`` alone every
-argument check's all-gather is read back from the GPU (a device sync per
-``append`` and per ``attend``); with ``cpu:gloo,cuda:nccl`` (torch's default
-when ``init_process_group`` names none) the checks go through gloo on the host.
+``--pg-backend``: the process group's backend. With ``nccl`` alone the
+ranks' checks are read back from the GPU (a device sync); with
+``cpu:gloo,cuda:nccl`` (what ``init_process_group`` makes on a CUDA machine
+when it names none) the checks of calls that exchange nothing else go through
+gloo on the host. A sharded step's checks travel in its one all-gather.
 
 Timing: each sample is ``--steps-per-sample`` steps (default one, from an idle
 GPU; ranks aligned by a barrier), CUDA events around them, host time beside
