@@ -223,6 +223,25 @@ def _check_bf16(rank, world):
     assert rel_err(longattn.unshard(out, layout="zigzag"), ref) <= 1.01 * rel_err(single, ref)
 
 
+def _check_lse_used_on_one_rank(rank, world):
+    # lse returned on every rank, used by rank 0's loss only: every rank still exchanges its (zero) dlse, so the
+    # backward's collectives match (a rank that skipped them would leave the others waiting) and the gradients are
+    # those of the whole sequence's loss
+    torch.manual_seed(3)
+    s = 2 * world * 3
+    q, k, v, do, _ = dense_inputs(1, s, H, H, 8)
+    dl = torch.zeros(1, H, s)
+    dl[:, :, :s // world] = 1.0  # rank 0's rows of the contiguous layout
+    ro, rl, rg = grads_of(lambda *x: attention_ref(*x, causal=True), [x.double() for x in (q, k, v)], do, dl)
+    ql, kl, vl = (longattn.shard(x, layout="contiguous").requires_grad_() for x in (q, k, v))
+    out, lse = longattn.ulysses_attention(ql, kl, vl, causal=True, layout="contiguous", return_lse=True,
+                                          backend="math", tuning=ALWAYS_CUT)
+    loss = (out * longattn.shard(do, layout="contiguous")).sum() + (lse.sum() if rank == 0 else 0)
+    loss.backward()
+    got = {n: longattn.unshard(x.grad, layout="contiguous") for n, x in zip(("dq", "dk", "dv"), (ql, kl, vl))}
+    assert_close(got, dict(dq=rg[0], dk=rg[1], dv=rg[2]), TOL, "lse used on rank 0 only")
+
+
 def _check(rank, world):
     _check_dense(world)
     _check_varlen(world)
@@ -231,6 +250,7 @@ def _check(rank, world):
         _check_errors(rank, world)
         _check_bf16(rank, world)
         _check_dispatch(rank, world)
+        _check_lse_used_on_one_rank(rank, world)
 
 
 # What one call keeps alive, in shards (one rank's local q at 16 heads), as
