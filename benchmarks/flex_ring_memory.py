@@ -29,7 +29,6 @@ import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
@@ -145,17 +144,6 @@ def _run(rank, world, args, out_dir):
                     print(f"  {s:6.2f}  {site}")
 
 
-def _entry(rank, world, port, args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _run(rank, world, args, out_dir)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
@@ -168,10 +156,10 @@ def main():
                    help="count the temporaries of torch's eager FlexAttention too (no GPU kernel has them)")
     p.add_argument("--patterns", nargs="+", default=["local_global", "causal_documents"])
     args = p.parse_args()
-    from dist_utils import _free_port
-    import torch.multiprocessing as mp
+    from dist_utils import run_world
+
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(args.world, _free_port(), args, out_dir), nprocs=args.world, join=True)
+        run_world(_run, args.world, args, out_dir)
 
 
 if __name__ == "__main__":

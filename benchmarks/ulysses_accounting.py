@@ -24,7 +24,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -181,21 +180,8 @@ def _account(rank, world, out_path, extra):
         print("\nprofiler, dense MHA contiguous fwd+bwd, collective records:", dict(ev))
 
 
-def _entry(rank, world, port, out_path, extra):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _account(rank, world, out_path, extra)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def main():
-    import socket
-
-    import torch.multiprocessing as mp
+    from dist_utils import run_world
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
@@ -206,10 +192,7 @@ def main():
     if a.chunks:
         from longattn.tuning import UlyssesTuning
         extra["tuning"] = UlyssesTuning(max_chunks=a.chunks, min_chunk_rows=0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_entry, args=(a.world, port, a.json, extra), nprocs=a.world, join=True)
+    run_world(_account, a.world, a.json, extra)
 
 
 if __name__ == "__main__":
