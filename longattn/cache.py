@@ -294,17 +294,14 @@ class KVCache:
                 _dec._no_capture(q, "KVCache.attend (sharded)")
             fields = dict(q=_dec.describe(q), segs=segs, rates=rates, scale=softmax_scale, lse=return_lse,
                           backend=backend)
-            out, lse = self._attend_sharded(q, fields, problem, lambda: self._part(q, segs, rates, scale, backend))
-            out = out.to(q.dtype)
-            return (out, lse) if return_lse else out
+            return _returned(q, *self._attend_sharded(q, fields, problem,
+                                                      lambda: self._part(q, segs, rates, scale, backend)), return_lse)
         if problem is not None:
             raise problem
         if not dilated:
             self._checked["attend"] = sig
             return self._attend_dense(q, scale, return_lse, backend)
-        out, lse = self._part(q, segs, rates, scale, backend)
-        out = out.to(q.dtype)
-        return (out, lse) if return_lse else out
+        return _returned(q, *self._part(q, segs, rates, scale, backend), return_lse)
 
     def _check_q_len(self, lq: int) -> None:
         if lq > self.layout.last_count:
@@ -331,8 +328,7 @@ class KVCache:
         else:
             out, lse = _dec.dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning,
                                        engine=engine, ragged=len(set(lens)) > 1)
-        out = out.to(q.dtype)
-        return (out, lse) if return_lse else out
+        return _returned(q, out, lse, return_lse)
 
     def _attend_sharded(self, q, fields: dict, problem: Optional[Exception], part):
         """The merged (out, lse) of every rank's ``part()``: one all-gather that
@@ -379,6 +375,11 @@ class KVCache:
 
 
 _MASK = (1 << 28) - 1  # a 56-bit digest travels as two int32 halves
+
+
+def _returned(q, out, lse, return_lse: bool):
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
 
 
 def _checked_build(g, what: str, k, v, seqlens, total: int, layout: str, reserve, block: int, zigzag_local: bool):

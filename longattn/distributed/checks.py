@@ -55,13 +55,12 @@ def nccl_on_cuda(group) -> bool:
 def _device_for(group) -> torch.device:
     """Where a check's small tensors travel: the CPU wherever the group has a
     CPU backend (``gloo``, or ``"cpu:gloo,cuda:nccl"``), so reading the result
-    never waits for the GPU's queue; else the GPU (NCCL alone), where reading it
-    is a device sync. (A sharded decode step took the same time either way on
-    two H200s: its cost was the ranks' rendezvous, docs/performance.md section 9.)"""
+    never waits for the GPU's queue; the GPU under NCCL alone, where reading it
+    is a device sync."""
     config = _backend_config(group)
-    if config == "gloo" or "cpu:" in config or "nccl" not in config:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    if "nccl" in config and "cpu:" not in config:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def check_consistent(group, what: str, **fields) -> None:
