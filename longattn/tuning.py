@@ -20,7 +20,7 @@ from typing import Any
 __all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DecodeTuning", "DILATED", "VARLEN", "RING_VARLEN",
            "DECODE", "describe"]
 
-DILATED_SCHEDULES = ("auto", "views", "grouped", "per_branch", "per_branch_zero_fill", "gather")
+DILATED_SCHEDULES = ("auto", "views", "grouped", "dedup", "per_branch", "per_branch_zero_fill", "gather")
 
 
 def measured(value: Any, reason: str, source: str = "") -> Any:
@@ -110,7 +110,8 @@ class DilatedTuning:
                    "stay small beside the (B, S, H, D) result (a memory bound, not a speed choice)")
     schedule: str = measured(
         "auto", "force one engine for A/B measurements and tests: 'views', 'gather', or a fused schedule "
-                "('grouped' wherever branches nest, 'per_branch', 'per_branch_zero_fill'); 'auto' decides")
+                "('grouped' wherever branches nest, 'dedup' wherever they form a chain, 'per_branch', "
+                "'per_branch_zero_fill'); 'auto' decides")
     autotune: str = measured(
         "", "tiles of the fused kernels: '1' autotuned per shape, '0' the built-in table, '' as "
             "LONGATTN_TRITON_AUTOTUNE says (unset: autotuned on CUDA)")

@@ -13,6 +13,12 @@ Schedules (chosen by :func:`longattn.dilated.plan.choose`):
   ``delta = rowsum(dO * O) - dlse`` pass over the merged output, then per
   branch a dK/dV and a dQ launch that add into the gradients in place (a
   rate-1 branch first, writing them).
+* ``dedup`` (branches form a chain, see
+  :func:`longattn.kernels.geometry.dedup_chain`): as ``per_branch``, in chain
+  order, with every pair of the union computed once: a branch skips its
+  diagonal sub-blocks (the previous branch's segment, whose pairs that branch
+  has) and each pair is weighted by the number of branches that give it
+  (LongNet: 76% of the pairs, no diagonal tiles outside the first branch).
 * ``per_branch_zero_fill``: as ``per_branch`` with every branch merging into
   zero-filled buffers (A/B measurements).
 
@@ -33,16 +39,29 @@ import torch
 
 from ..kernels import _common, launch
 from ..kernels.autotune import Autotuner, default_tuner
-from ..kernels.geometry import Geometry, GroupedPlan
+from ..kernels.geometry import Geometry, GroupedPlan, dedup_chain
 
 
-def _branches(seqlen, segment_lengths, dilation_rates, causal, zero_fill: bool):
+def _branches(seqlen, segment_lengths, dilation_rates, causal, schedule: str, device):
     """(geometry, writes) per branch, a rate-1 branch first when there is one:
     it selects every (row, head), so it writes the output (and the gradients)
     instead of merging into zeros: no zero-fill and no read-back of the first
-    branch (one H100: 6% of the LongNet forward, 2-3% of the backward)."""
+    branch (one H100: 6% of the LongNet forward, 2-3% of the backward).
+    ``dedup``: the chain's branches, each with its sub-block and the later
+    rates that weight its pairs; a branch all of whose pairs an earlier one
+    computes is left out."""
+    chain = dedup_chain(seqlen, segment_lengths, dilation_rates) if schedule == "dedup" else None
+    if chain is not None:
+        rates = torch.tensor([b.r for b in chain], dtype=torch.int32, device=device)
+        covers = chain[0].r == 1
+        for b in chain:
+            geo = Geometry(seqlen, seqlen, w=b.w, r=b.r, causal=causal, inner=b.inner,
+                           higher=rates[b.rank + 1:] if b.rank + 1 < len(chain) else None)
+            if b.rank == 0 or b.inner < geo.max_m:
+                yield geo, covers and b.rank == 0
+        return
     order = sorted(range(len(dilation_rates)), key=lambda i: dilation_rates[i] != 1)
-    covers = not zero_fill and dilation_rates[order[0]] == 1
+    covers = schedule != "per_branch_zero_fill" and dilation_rates[order[0]] == 1
     for j, i in enumerate(order):
         yield Geometry(seqlen, seqlen, w=segment_lengths[i], r=dilation_rates[i], causal=causal), covers and j == 0
 
@@ -62,7 +81,8 @@ def _buffer(shape, like, dtype, covered, fill):
 def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, schedule: str = "per_branch", out_dtype=None,
             tuner: Optional[Autotuner] = None):
     """Grouped (one launch: every (row, head) is written once, after all its
-    branches) or one launch per branch merging into the output in place. The
+    branches) or one launch per branch (``per_branch``, ``dedup``) merging into
+    the output in place. The
     output is kept in the input dtype by default (the merges run in float32
     registers, one rounding per branch), so the only extra memory is the lse;
     pass ``out_dtype=torch.float32`` where the result is merged again (dilated
@@ -75,7 +95,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, schedule: s
         lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         launch.launch_grouped_forward(q, k, v, out, lse, grouped, scale, tuner)
         return out, lse
-    branches = list(_branches(s, segment_lengths, dilation_rates, causal, schedule == "per_branch_zero_fill"))
+    branches = list(_branches(s, segment_lengths, dilation_rates, causal, schedule, q.device))
     covered = branches[0][1]
     out = _buffer((b, s, h, d), q, out_dtype or q.dtype, covered, 0.0)
     lse = _buffer((b, h, s), q, torch.float32, covered, float("-inf"))
@@ -99,8 +119,7 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
         dq, dk, dv = (torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=q.device) for x in (q, k, v))
         launch.launch_grouped_backward(q, k, v, dout, lse, delta, dq, dk, dv, grouped, scale, tuner)
         return dq, dk, dv
-    branches = list(_branches(q.shape[1], segment_lengths, dilation_rates, causal,
-                              schedule == "per_branch_zero_fill"))
+    branches = list(_branches(q.shape[1], segment_lengths, dilation_rates, causal, schedule, q.device))
     covered = branches[0][1]
     dq, dk, dv = (_buffer(x.shape, q, grad_dtype or x.dtype, covered, 0.0) for x in (q, k, v))
     for geo, writes in branches:

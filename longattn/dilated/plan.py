@@ -15,11 +15,11 @@ import torch
 
 from .. import backends as bk
 from .. import tuning as _tuning
-from ..kernels.geometry import GroupedPlan
+from ..kernels.geometry import GroupedPlan, dedup_chain
 from .schedule import kv_views_ok
 
 ENGINES = ("views", "gather", "fused")
-FUSED_SCHEDULES = ("grouped", "per_branch", "per_branch_zero_fill")
+FUSED_SCHEDULES = ("grouped", "dedup", "per_branch", "per_branch_zero_fill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +93,19 @@ def _nests(seqlen, segment_lengths, dilation_rates) -> bool:
 
 
 def _fused_schedule(seqlen, segs, rates, tuning) -> str:
+    """Grouped for short nested classes, else per branch with every pair
+    computed once where the branches form a chain (``dedup``), else per branch.
+    A forced schedule the branches cannot take runs per branch."""
+    chain = dedup_chain(seqlen, segs, rates) is not None
     if tuning.schedule in ("per_branch", "per_branch_zero_fill"):
         return tuning.schedule
     if tuning.schedule == "grouped":
         return "grouped" if _nests(seqlen, segs, rates) else "per_branch"
-    return "grouped" if grouped_runs(seqlen, segs, rates, tuning) else "per_branch"
+    if tuning.schedule == "dedup":
+        return "dedup" if chain else "per_branch"
+    if grouped_runs(seqlen, segs, rates, tuning):
+        return "grouped"
+    return "dedup" if chain else "per_branch"
 
 
 def _engine(pass_: str, q, k, segs, rates, causal: bool, backend: str, views_ok: bool, tuning) -> str:

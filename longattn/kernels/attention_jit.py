@@ -113,6 +113,43 @@ if HAS_TRITON:
         return ok
 
     @triton.jit
+    def _levels(pos, h, HR, NH: tl.constexpr):
+        """1 + how many of the NH rates in HR select positions ``pos`` for head h.
+
+        Deduplicated branches (see longattn.kernels.geometry.dedup_chain): a
+        pair of branch i is also given by each later branch that selects both
+        its query and its key; the later rates select prefixes of one another
+        (each divides the next), so the pair counts min(levels(query),
+        levels(key)) times."""
+        p = pos.to(tl.int32) - h
+        lv = (p * 0 + 1).to(tl.float32)
+        for t in tl.static_range(NH):
+            lv += tl.where(p % tl.load(HR + t) == 0, 1.0, 0.0)
+        return lv
+
+    @triton.jit
+    def _dedup_ranges(x0, MSELF, MOTHER, INNER, BEFORE: tl.constexpr, AFTER: tl.constexpr, BLOCK: tl.constexpr):
+        """Deduplicated branch: the rows x0.. of a block (all in one sub-block of
+        INNER class indices: the previous branch's segment) see the other side's
+        rows outside that sub-block: before it ([0, a1), unmasked) if BEFORE, after
+        it ([b0, b1) unmasked, [b1, b2) masked up to MOTHER) if AFTER; a block past
+        the program's last row sees nothing."""
+        live = x0 < MSELF
+        sb0 = (x0 // INNER) * INNER
+        a1 = x0 * 0
+        b0 = x0 * 0
+        b1 = x0 * 0
+        b2 = x0 * 0
+        if BEFORE:
+            a1 = tl.where(live, tl.minimum(sb0, MOTHER), 0)
+        if AFTER:
+            b0 = tl.where(live, tl.minimum(sb0 + INNER, MOTHER), 0)
+            b1 = tl.maximum((MOTHER // BLOCK) * BLOCK, b0)
+            b2 = tl.where(b0 < MOTHER, tl.maximum(((MOTHER + BLOCK - 1) // BLOCK) * BLOCK, b1), b1)
+            b1 = tl.minimum(b1, b2)
+        return a1, b0, b1, b2
+
+    @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
         if IEEE:
             return tl.dot(a, b, input_precision="ieee")
@@ -120,12 +157,15 @@ if HAS_TRITON:
             return tl.dot(a, b)
 
     @triton.jit
-    def _online_step(acc, l_i, m_i, qk, v, IEEE: tl.constexpr):
+    def _online_step(acc, l_i, m_i, qk, v, wt, WEIGHTED: tl.constexpr, IEEE: tl.constexpr):
         """One key tile into the running (acc, row sum, row max) of an online
-        softmax in base 2; rows whose scores are all -inf so far stay 0."""
+        softmax in base 2; rows whose scores are all -inf so far stay 0.
+        ``WEIGHTED``: each pair counts ``wt`` times (a tile of multiplicities)."""
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_safe[:, None])
+        if WEIGHTED:
+            p = p * wt
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
@@ -133,8 +173,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, start, end, offs_m, offs_n, offs_d,
-                   dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                   dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, HR, hq, MASKED: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+                   IEEE: tl.constexpr, NH: tl.constexpr):
+        """Key tiles [start, end) into the online softmax; ``NH`` > 0: pairs
+        weighted by their multiplicity (``wrow``: the query rows' levels)."""
         for start_n in range(start, end, BLOCK_N):
             cols = start_n + offs_n
             rows = (kbase + cols.to(tl.int64) * RS)
@@ -145,7 +188,11 @@ if HAS_TRITON:
             if MASKED:
                 ok = _visible(offs_m, cols, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL, HAS_LEFT, HAS_RIGHT)
                 qk = tl.where(ok, qk, float("-inf"))
-            acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, IEEE)
+            if NH > 0:
+                wt = tl.minimum(wrow[:, None], _levels(rows, hq, HR, NH)[None, :])
+                acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, wt, True, IEEE)
+            else:
+                acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, qk, False, IEEE)
         return acc, l_i, m_i
 
     @triton.jit
@@ -182,10 +229,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-                    H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, qk_scale,
+                    H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, qk_scale, HR, INNER,
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    DILATED: tl.constexpr, VARLEN: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr):
+                    DILATED: tl.constexpr, VARLEN: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr,
+                    NH: tl.constexpr, DEDUP: tl.constexpr):
         # torch.compile's launcher may pass Python floats as float64 scalars
         qk_scale = tl.full([], qk_scale, tl.float32)
         b, h, kh, kbase, MQ, MK, RS, i0, offs_m, offs_n, offs_d, dmask, qrows = _query_block(
@@ -198,14 +246,23 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        wrow = _levels(qrows, h, HR, NH)
+        if DEDUP:  # keys outside the block's sub-block: before it (causal), or before and after it
+            a1, b0, b1, b2 = _dedup_ranges(i0, MQ, MK, INNER, True, not CAUSAL, BLOCK_N)
+            s0, e0, s1, e1, s2, e2 = a1 * 0, a1, b0, b1, b1, b2
+        else:
+            lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT,
+                                         HAS_RIGHT)
+            s0, e0, s1, e1, s2, e2 = lo, u0, u0, u1, u1, hi
         # masked [lo, u0), unmasked [u0, u1), masked [u1, hi): the mask costs only on boundary blocks
+        # (deduplicated: [0, a1) and [b0, b1) unmasked, [b1, b2) masked)
         for part in tl.static_range(3):
             acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs,
-                                       lo if part == 0 else (u0 if part == 1 else u1),
-                                       u0 if part == 0 else (u1 if part == 1 else hi), offs_m, offs_n, offs_d, dmask,
-                                       MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, part != 1, CAUSAL, HAS_LEFT, HAS_RIGHT,
-                                       BLOCK_N, IEEE)
+                                       s0 if part == 0 else (s1 if part == 1 else s2),
+                                       e0 if part == 0 else (e1 if part == 1 else e2), offs_m, offs_n, offs_d, dmask,
+                                       MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, HR, h,
+                                       (part == 2) if DEDUP else (part != 1), CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N,
+                                       IEEE, NH)
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         # natural-log lse from the base-2 running max
@@ -239,9 +296,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, start, end, offs_m,
-                    cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, MASKED: tl.constexpr,
+                    cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wkey, HR, hq, MASKED: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_M: tl.constexpr, IEEE: tl.constexpr, NH: tl.constexpr):
+        """Query tiles [start, end) into a key block's dK/dV; ``NH`` > 0: pairs
+        weighted by their multiplicity (``wkey``: the key rows' levels)."""
         for start_m in range(start, end, BLOCK_M):
             rows_i = start_m + offs_m
             rows = qbase + rows_i.to(tl.int64) * RS
@@ -258,6 +317,8 @@ if HAS_TRITON:
             if MASKED:
                 ok = _visible(rows_i, cols, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL, HAS_LEFT, HAS_RIGHT)
                 pT = tl.where(tl.trans(ok), pT, 0.0)
+            if NH > 0:
+                pT = pT * tl.minimum(wkey[:, None], _levels(rows, hq, HR, NH)[None, :])
             dv += _dot(pT.to(do.dtype), do, IEEE)
             dpT = _dot(v, tl.trans(do), IEEE)
             dsT = pT * (dpT - delta[None, :])
@@ -267,10 +328,11 @@ if HAS_TRITON:
     @triton.jit
     def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                      sdob, sdos, sdoh, slb, slh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
-                     H, HKV, G, NCLS, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale,
+                     H, HKV, G, NCLS, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale, HR, INNER,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                     DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+                     DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr,
+                     NH: tl.constexpr, DEDUP: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
         scale = tl.full([], scale, tl.float32)
         pid_n = tl.program_id(0)
@@ -291,7 +353,13 @@ if HAS_TRITON:
         v = tl.load(V + b * svb + kh * svh + krows[:, None] * svs + offs_d[None, :], mask=kmask, other=0.0)
         dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
         dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-        lo, u0, u1, hi = _query_ranges(n0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        if DEDUP:  # queries outside the block's sub-block: after it (causal), or before and after it
+            a1, b0, b1, b2 = _dedup_ranges(n0, MK, MQ, INNER, not CAUSAL, True, BLOCK_M)
+            s0, e0, s1, e1, s2, e2 = a1 * 0, a1, b0, b1, b1, b2
+        else:
+            lo, u0, u1, hi = _query_ranges(n0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT,
+                                           HAS_RIGHT)
+            s0, e0, s1, e1, s2, e2 = lo, u0, u0, u1, u1, hi
         # the query heads of this kv head's group whose offset class is c
         h_first = kh * G + (c - kh * G % R + R) % R
         for h in range(h_first, kh * G + G, R):
@@ -299,12 +367,14 @@ if HAS_TRITON:
             do_ptr = DO + b * sdob + h * sdoh
             lse_ptr = LSE + b * slb + h * slh
             delta_ptr = DELTA + b * slb + h * slh
-            for part in tl.static_range(3):  # masked, unmasked, masked query ranges
+            wkey = _levels(krows, h, HR, NH)
+            for part in tl.static_range(3):  # masked, unmasked, masked query ranges (see _fwd_kernel)
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos,
-                                     lo if part == 0 else (u0 if part == 1 else u1),
-                                     u0 if part == 0 else (u1 if part == 1 else hi), offs_m, cols, offs_d, dmask, MQ,
-                                     MK, Q_OFF, LEFT, RIGHT, qk_scale, part != 1, CAUSAL, HAS_LEFT, HAS_RIGHT,
-                                     BLOCK_M, IEEE)
+                                     s0 if part == 0 else (s1 if part == 1 else s2),
+                                     e0 if part == 0 else (e1 if part == 1 else e2), offs_m, cols, offs_d, dmask, MQ,
+                                     MK, Q_OFF, LEFT, RIGHT, qk_scale, wkey, HR, h,
+                                     (part == 2) if DEDUP else (part != 1), CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_M,
+                                     IEEE, NH)
         dk = dk * scale
         dk_ptrs = DK + b * sdkb + kh * sdkh + krows[:, None] * sdks + offs_d[None, :]
         dv_ptrs = DV + b * sdvb + kh * sdvh + krows[:, None] * sdvs + offs_d[None, :]
@@ -316,8 +386,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, start, end, offs_m, offs_n, offs_d,
-                  dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                  dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, HR, hq, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, NH: tl.constexpr):
         for start_n in range(start, end, BLOCK_N):
             cols = start_n + offs_n
             rows = kbase + cols.to(tl.int64) * RS
@@ -329,6 +400,8 @@ if HAS_TRITON:
             if MASKED:
                 ok = _visible(offs_m, cols, MQ, MK, Q_OFF, LEFT, RIGHT, CAUSAL, HAS_LEFT, HAS_RIGHT)
                 p = tl.where(ok, p, 0.0)
+            if NH > 0:
+                p = p * tl.minimum(wrow[:, None], _levels(rows, hq, HR, NH)[None, :])
             dp = _dot(do, tl.trans(v), IEEE)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, IEEE)
@@ -346,10 +419,11 @@ if HAS_TRITON:
     @triton.jit
     def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                    sdob, sdos, sdoh, slb, slh, sdqb, sdqs, sdqh,
-                   H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale,
+                   H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale, HR, INNER,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr):
+                   DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr,
+                   NH: tl.constexpr, DEDUP: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
         scale = tl.full([], scale, tl.float32)
         b, h, kh, kbase, MQ, MK, RS, i0, offs_m, offs_n, offs_d, dmask, qrows = _query_block(
@@ -361,13 +435,20 @@ if HAS_TRITON:
         k_ptr = K + b * skb + kh * skh
         v_ptr = V + b * svb + kh * svh
         dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT, HAS_RIGHT)
+        wrow = _levels(qrows, h, HR, NH)
+        if DEDUP:  # as in _fwd_kernel
+            a1, b0, b1, b2 = _dedup_ranges(i0, MQ, MK, INNER, True, not CAUSAL, BLOCK_N)
+            s0, e0, s1, e1, s2, e2 = a1 * 0, a1, b0, b1, b1, b2
+        else:
+            lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT,
+                                         HAS_RIGHT)
+            s0, e0, s1, e1, s2, e2 = lo, u0, u0, u1, u1, hi
         for part in tl.static_range(3):  # masked, unmasked, masked key ranges
             dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs,
-                           lo if part == 0 else (u0 if part == 1 else u1),
-                           u0 if part == 0 else (u1 if part == 1 else hi),
-                           offs_m, offs_n, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, part != 1, CAUSAL,
-                           HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE)
+                           s0 if part == 0 else (s1 if part == 1 else s2),
+                           e0 if part == 0 else (e1 if part == 1 else e2),
+                           offs_m, offs_n, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, HR, h,
+                           (part == 2) if DEDUP else (part != 1), CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE, NH)
         dq = dq * scale
         dq_ptrs = DQ + b * sdqb + h * sdqh + qrows[:, None] * sdqs + offs_d[None, :]
         if ACCUM:

@@ -106,7 +106,8 @@ class Autotuner:
     def config(self, kind: str, q, k, geo, trial) -> dict:
         """The launch config of a kernel; ``trial(cfg, nseg)`` runs it on scratch."""
         static = static_tiles(q.shape[-1], q.device, kind)
-        if geo.dilated and max(static["BLOCK_M"], static["BLOCK_N"]) > 1 << max(4, (geo.max_m - 1).bit_length()):
+        big = geo.dilated and max(static["BLOCK_M"], static["BLOCK_N"]) > 1 << max(4, (geo.max_m - 1).bit_length())
+        if big or not _divides(geo, static):
             static = candidates(kind, q.shape[-1], q.device, geo)[0]  # tiles no larger than the rows
         if not geo.dilated or not self.on(q):
             return static
@@ -198,21 +199,35 @@ def _can_time(q: torch.Tensor) -> bool:
     return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def _divides(geo, cfg: dict) -> bool:
+    """A deduplicated branch's tiles lie inside one of its sub-blocks."""
+    inner = getattr(geo, "inner", 0)
+    return not inner or (inner % cfg["BLOCK_M"] == 0 and inner % cfg["BLOCK_N"] == 0)
+
+
 def candidates(kind: str, d: int, device: torch.device, geo) -> list[dict]:
     if device.type == "cpu":
-        return list(CPU_CANDIDATES)
+        cands = [c for c in CPU_CANDIDATES if _divides(geo, c)]
+        return cands or [_C(16, 16, 4, 1)]
     if d > 128:
-        return [static_tiles(d, device, kind)]
-    rows = 1 << max(4, (max(geo.max_m, 1) - 1).bit_length())
-    cands = CANDIDATES[kind.removeprefix("grouped_")]
-    fit = [c for c in cands if c["BLOCK_M"] <= rows and c["BLOCK_N"] <= rows]
-    return fit or [min(cands, key=lambda c: c["BLOCK_M"] * c["BLOCK_N"])]
+        cands = [static_tiles(d, device, kind)]
+    else:
+        rows = 1 << max(4, (max(geo.max_m, 1) - 1).bit_length())
+        cands = CANDIDATES[kind.removeprefix("grouped_")]
+        fit = [c for c in cands if c["BLOCK_M"] <= rows and c["BLOCK_N"] <= rows]
+        cands = fit or [min(cands, key=lambda c: c["BLOCK_M"] * c["BLOCK_N"])]
+    fit = [c for c in cands if _divides(geo, c)]
+    if fit:
+        return fit
+    # dedup_chain makes every sub-block a multiple of 16 rows
+    side = min(64, getattr(geo, "inner", 16) & -getattr(geo, "inner", 16))
+    return [_C(side, side, 4, 2)]
 
 
 def tune_key(kind, q, k, geo):
     pow2 = lambda n: (max(n, 1) - 1).bit_length()
-    return (kind, str(q.device), q.dtype, q.shape[-1], q.shape[2] // k.shape[2], pow2(geo.max_m),
-            pow2(q.shape[0] * q.shape[2] * geo.nseg), geo.causal)
+    return (kind, str(q.device), q.dtype, q.shape[-1], q.shape[2] // k.shape[2], bool(getattr(geo, "inner", 0)),
+            pow2(geo.max_m), pow2(q.shape[0] * q.shape[2] * geo.nseg), geo.causal)
 
 
 _hash: list = []

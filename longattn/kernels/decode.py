@@ -76,7 +76,7 @@ if HAS_TRITON:
             if CAUSAL:
                 ok = ok & (cols[None, :] <= last[:, None])
             qk = tl.where(ok, qk, float("-inf"))
-            acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, IEEE)
+            acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, qk, False, IEEE)
         seen = l_i > 0.0
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         part = (bh * NSPLIT + s).to(tl.int64) * BLOCK_M + rows

@@ -36,7 +36,11 @@ class Geometry:
     """Launch geometry of one dense call, one packed-document call or one dilated branch."""
 
     def __init__(self, sq, sk, *, w=None, r=1, causal=False, window=(-1, -1), q_offset=0, cu_seqlens=None,
-                 max_seqlen=None):
+                 max_seqlen=None, inner=0, higher=None):
+        # deduplicated dilated branch (see dedup_chain): ``inner`` class indices per
+        # sub-block whose pairs an earlier branch computes (0: none), ``higher`` the
+        # int32 rates of the later branches (a device tensor; None: no weights)
+        self.inner, self.higher = inner, higher
         self.dilated = w is not None
         self.varlen = cu_seqlens is not None
         self.cu = cu_seqlens
@@ -63,10 +67,58 @@ class Geometry:
 
     def flags(self):
         return dict(CAUSAL=self.causal, HAS_LEFT=self.window[0] >= 0, HAS_RIGHT=self.window[1] >= 0,
-                    DILATED=self.dilated, VARLEN=self.varlen)
+                    DILATED=self.dilated, VARLEN=self.varlen, NH=0 if self.higher is None else self.higher.numel(),
+                    DEDUP=self.inner > 0)
+
+    def dedup_args(self, like: torch.Tensor) -> tuple:
+        """(HR, INNER) kernel arguments: the later branches' rates (any read-only
+        tensor when there are none) and the sub-block size."""
+        return (like if self.higher is None or self.higher.numel() == 0 else self.higher), self.inner
 
     def cu_arg(self, like: torch.Tensor) -> torch.Tensor:
         return self.cu if self.varlen else like
+
+
+class DedupBranch:
+    """One branch of a deduplicated dilated call, in chain order: its
+    (segment, rate), the sub-block ``inner`` (class indices of the previous
+    branch's segment; 0 for the first branch) and ``rank`` (its place in the chain)."""
+
+    def __init__(self, index, w, r, inner, rank):
+        self.index, self.w, self.r, self.inner, self.rank = index, w, r, inner, rank
+
+
+def dedup_chain(seqlen, segment_lengths, dilation_rates, align: int = 16):
+    """The branches in chain order when each pair of the union is computed once, else None.
+
+    A chain: sorted by (rate, segment), each rate divides the next and each
+    segment nests in the next (divides it, or the next covers the sequence).
+    Then branch i's pairs inside the previous branch's segment (its diagonal
+    sub-blocks of ``inner = w_prev / r_i`` class indices) are pairs of the
+    previous branch too, and are skipped; the earlier branch counts each of
+    its pairs once per branch that gives it (``levels`` in the kernels):
+    every pair computed once, the softmax over the union unchanged (LongNet:
+    76% of the pairs, causal 75%; tests/test_dilated.py checks exactness).
+    ``align``: each ``inner`` must be a multiple of it (tiles lie inside one
+    sub-block); a previous segment covering the sequence leaves nothing."""
+    order = sorted(range(len(dilation_rates)), key=lambda i: (dilation_rates[i], segment_lengths[i]))
+    whole = lambda w: w >= seqlen
+    out = []
+    for rank, i in enumerate(order):
+        w, r = segment_lengths[i], dilation_rates[i]
+        inner = 0
+        if rank:
+            wp, rp = segment_lengths[order[rank - 1]], dilation_rates[order[rank - 1]]
+            if r % rp or not (whole(w) or (not whole(wp) and w % wp == 0)):
+                return None
+            if whole(wp):  # every pair of this branch is the previous one's: a sub-block past the end
+                inner = max(128, 1 << (seqlen - 1).bit_length())
+            elif wp % r or (wp // r) % align:
+                return None
+            else:
+                inner = wp // r
+        out.append(DedupBranch(i, w, r, inner, rank))
+    return out
 
 
 class GroupedPlan:
