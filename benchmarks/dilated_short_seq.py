@@ -13,7 +13,9 @@ LongNet segments 2K..32K, rates 1..16, bf16, D=128 (--head-dim), MHA 16 heads
   op captures per shape (``DilatedTuning.graph_max_tokens``), with the calls
   concurrent (in order);
 * ``fused``: our Triton kernels (built-in tiles: the autotuner's first call
-  of a shape takes minutes);
+  of a shape takes minutes; LongNet's branches run ``dedup``: every pair
+  once), ``fused_per_branch`` (every branch's pairs, duplicates included),
+  ``fused_autotuned`` (tiles autotuned);
 * ``auto`` (the default engine; eagerly the op skips torch.library's
   dispatcher) and ``auto_dispatcher`` (the same through the dispatcher);
 * ``dense``: dense cuDNN at the same length, the yardstick.
@@ -55,6 +57,8 @@ VARIANTS = {
     "views_graphs_serial": dict(
         tuning=DilatedTuning(schedule="views", concurrent_calls="never").graphs_up_to(1 << 40)),
     "fused": dict(backend="triton", tuning=DilatedTuning(autotune="0")),
+    "fused_per_branch": dict(backend="triton", tuning=DilatedTuning(autotune="0", schedule="per_branch")),
+    "fused_autotuned": dict(backend="triton", tuning=DilatedTuning(autotune="1")),
     "auto": dict(),
     "auto_dispatcher": dict(),  # the same op through torch.library's dispatcher (as under a dispatch mode)
 }

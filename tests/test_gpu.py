@@ -214,17 +214,19 @@ def test_dilated_triton_autotuned_bf16(tmp_path):
     from test_dilated import fused_with
 
     tuner = Autotuner(mode="1", cache_dir=str(tmp_path))
-    for segs, schedule in (([512, 2048], "per_branch"), ([256, 512], "grouped")):  # 1024 / 256 keys per class
+    # 1024 / 256 keys per class; dedup: tiles inside its 256-row sub-blocks
+    for segs, schedule in (([512, 2048], "per_branch"), ([256, 512], "grouped"), ([512, 2048], "dedup")):
         f = fused_with(tuner, segs, [1, 2], True, schedule, scale=128 ** -0.5)
         test_dilated_bf16("triton", True, 4, segs, 4096, rates=[1, 2], fn=lambda q, k, v: f(q, k, v)[0])
     assert {key[0] for key in tuner.by_shape} == {"fwd", "dkdv", "dq", "grouped_fwd", "grouped_dkdv", "grouped_dq"}
     assert all(cfg in CANDIDATES[key[0].removeprefix("grouped_")] for key, cfg in tuner.by_shape.items())
 
 
-@pytest.mark.parametrize("schedule", ["grouped", "per_branch_zero_fill"])
+@pytest.mark.parametrize("schedule", ["grouped", "per_branch", "per_branch_zero_fill"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dilated_triton_schedules_bf16(schedule, causal):
-    """Every fused schedule passes the same bar on the nested LongNet-like config."""
+    """Every fused schedule passes the same bar on the nested LongNet-like config
+    (``dedup``, every pair once, is the default there: test_dilated_bf16)."""
     test_dilated_bf16("triton", causal, 4, [512, 1024, 2048, 8192], 6000, tuning=DilatedTuning(schedule=schedule))
 
 
