@@ -126,7 +126,7 @@ def measure(f, q, k, v, do, dev, iters, full=True):
     return r
 
 
-def case(s, h, hkv, d, causal, variants, dev, iters, rounds=1):
+def case(s, h, hkv, d, causal, variants, dev, iters, rounds=1, cold_only=False):
     torch.manual_seed(0)
     q = torch.randn(1, s, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(1, s, hkv, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
@@ -158,7 +158,8 @@ def case(s, h, hkv, d, causal, variants, dev, iters, rounds=1):
                 ref = o if ref is None else ref
                 row["rel_diff_vs_views"] = ((o - ref).norm() / ref.norm()).item()
             dense = name == "dense"
-            row.update(measure(f, q, k, v, do, dev, max(3, iters * 8192 // s) if dense else iters, full=not dense))
+            row.update(measure(f, q, k, v, do, dev, max(3, iters * 8192 // s) if dense else iters,
+                               full=not (dense or cold_only)))
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         for t in ("cold", "batched", "graph"):
@@ -192,6 +193,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=1, help="run the variants this many times, alternating")
+    ap.add_argument("--cold-only", action="store_true", help="cold fwd and fwd+bwd times only (A/B of GPU time)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "dilated_short_seq.json"))
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -201,7 +203,7 @@ def main():
     for i, (s, h, hkv) in enumerate(shapes):
         for causal in (False, True):
             print(f"[{i + 1}/{len(shapes)}] seqlen {s} heads {h}/{hkv} causal {causal}", flush=True)
-            rows += case(s, h, hkv, a.head_dim, causal, a.variants, dev, a.iters, a.rounds)
+            rows += case(s, h, hkv, a.head_dim, causal, a.variants, dev, a.iters, a.rounds, a.cold_only)
             # after every case: a run cut short keeps what it measured
             write_json(a.json, dict(env=env, command=env["command"], rows=rows))  # "rows", not "results": no CSV
     print(f"\n{'seqlen':>7} {'h/kv':>6} {'c':>1} {'impl':>17} | {'fwd cold/batch/graph x dense':>29} | "

@@ -42,7 +42,7 @@ from ..kernels.autotune import Autotuner, default_tuner
 from ..kernels.geometry import Geometry, GroupedPlan, dedup_chain
 
 
-def _branches(seqlen, segment_lengths, dilation_rates, causal, schedule: str, device):
+def _branches(seqlen, segment_lengths, dilation_rates, causal, schedule: str):
     """(geometry, writes) per branch, a rate-1 branch first when there is one:
     it selects every (row, head), so it writes the output (and the gradients)
     instead of merging into zeros: no zero-fill and no read-back of the first
@@ -52,11 +52,10 @@ def _branches(seqlen, segment_lengths, dilation_rates, causal, schedule: str, de
     computes is left out."""
     chain = dedup_chain(seqlen, segment_lengths, dilation_rates) if schedule == "dedup" else None
     if chain is not None:
-        rates = torch.tensor([b.r for b in chain], dtype=torch.int32, device=device)
         covers = chain[0].r == 1
         for b in chain:
             geo = Geometry(seqlen, seqlen, w=b.w, r=b.r, causal=causal, inner=b.inner,
-                           higher=rates[b.rank + 1:] if b.rank + 1 < len(chain) else None)
+                           higher=[x.r for x in chain[b.rank + 1:]])
             if b.rank == 0 or b.inner < geo.max_m:
                 yield geo, covers and b.rank == 0
         return
@@ -95,7 +94,7 @@ def forward(q, k, v, segment_lengths, dilation_rates, causal, scale, schedule: s
         lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         launch.launch_grouped_forward(q, k, v, out, lse, grouped, scale, tuner)
         return out, lse
-    branches = list(_branches(s, segment_lengths, dilation_rates, causal, schedule, q.device))
+    branches = list(_branches(s, segment_lengths, dilation_rates, causal, schedule))
     covered = branches[0][1]
     out = _buffer((b, s, h, d), q, out_dtype or q.dtype, covered, 0.0)
     lse = _buffer((b, h, s), q, torch.float32, covered, float("-inf"))
@@ -119,7 +118,7 @@ def backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, cau
         dq, dk, dv = (torch.empty(x.shape, dtype=grad_dtype or x.dtype, device=q.device) for x in (q, k, v))
         launch.launch_grouped_backward(q, k, v, dout, lse, delta, dq, dk, dv, grouped, scale, tuner)
         return dq, dk, dv
-    branches = list(_branches(q.shape[1], segment_lengths, dilation_rates, causal, schedule, q.device))
+    branches = list(_branches(q.shape[1], segment_lengths, dilation_rates, causal, schedule))
     covered = branches[0][1]
     dq, dk, dv = (_buffer(x.shape, q, grad_dtype or x.dtype, covered, 0.0) for x in (q, k, v))
     for geo, writes in branches:

@@ -113,18 +113,21 @@ if HAS_TRITON:
         return ok
 
     @triton.jit
-    def _levels(pos, h, HR, NH: tl.constexpr):
-        """1 + how many of the NH rates in HR select positions ``pos`` for head h.
+    def _levels(pos, h, HR: tl.constexpr, NH: tl.constexpr):
+        """1 + how many of the NH rates packed in HR (15 bits each, see
+        Geometry.flags) select positions ``pos`` for head h.
 
         Deduplicated branches (see longattn.kernels.geometry.dedup_chain): a
         pair of branch i is also given by each later branch that selects both
         its query and its key; the later rates select prefixes of one another
         (each divides the next), so the pair counts min(levels(query),
-        levels(key)) times."""
+        levels(key)) times. The rates are compile-time constants: a modulo by
+        a runtime rate per key tile halved the forward's speed (one H200)."""
         p = pos.to(tl.int32) - h
         lv = (p * 0 + 1).to(tl.float32)
         for t in tl.static_range(NH):
-            lv += tl.where(p % tl.load(HR + t) == 0, 1.0, 0.0)
+            r: tl.constexpr = (HR >> (15 * t)) & 32767
+            lv += tl.where(p % r == 0, 1.0, 0.0)
         return lv
 
     @triton.jit
@@ -173,9 +176,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs, start, end, offs_m, offs_n, offs_d,
-                   dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, HR, hq, MASKED: tl.constexpr,
+                   dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, hq, MASKED: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   IEEE: tl.constexpr, NH: tl.constexpr):
+                   IEEE: tl.constexpr, HR: tl.constexpr, NH: tl.constexpr):
         """Key tiles [start, end) into the online softmax; ``NH`` > 0: pairs
         weighted by their multiplicity (``wrow``: the query rows' levels)."""
         for start_n in range(start, end, BLOCK_N):
@@ -229,11 +232,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_kernel(Q, K, V, O, LSE, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-                    H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, qk_scale, HR, INNER,
+                    H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, qk_scale, INNER,
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     DILATED: tl.constexpr, VARLEN: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr,
-                    NH: tl.constexpr, DEDUP: tl.constexpr):
+                    HR: tl.constexpr, NH: tl.constexpr, DEDUP: tl.constexpr):
         # torch.compile's launcher may pass Python floats as float64 scalars
         qk_scale = tl.full([], qk_scale, tl.float32)
         b, h, kh, kbase, MQ, MK, RS, i0, offs_m, offs_n, offs_d, dmask, qrows = _query_block(
@@ -260,9 +263,9 @@ if HAS_TRITON:
             acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs,
                                        s0 if part == 0 else (s1 if part == 1 else s2),
                                        e0 if part == 0 else (e1 if part == 1 else e2), offs_m, offs_n, offs_d, dmask,
-                                       MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, HR, h,
+                                       MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, h,
                                        (part == 2) if DEDUP else (part != 1), CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N,
-                                       IEEE, NH)
+                                       IEEE, HR, NH)
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         # natural-log lse from the base-2 running max
@@ -296,9 +299,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos, start, end, offs_m,
-                    cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wkey, HR, hq, MASKED: tl.constexpr,
+                    cols, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wkey, hq, MASKED: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, IEEE: tl.constexpr, NH: tl.constexpr):
+                    BLOCK_M: tl.constexpr, IEEE: tl.constexpr, HR: tl.constexpr, NH: tl.constexpr):
         """Query tiles [start, end) into a key block's dK/dV; ``NH`` > 0: pairs
         weighted by their multiplicity (``wkey``: the key rows' levels)."""
         for start_m in range(start, end, BLOCK_M):
@@ -328,11 +331,11 @@ if HAS_TRITON:
     @triton.jit
     def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                      sdob, sdos, sdoh, slb, slh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
-                     H, HKV, G, NCLS, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale, HR, INNER,
+                     H, HKV, G, NCLS, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale, INNER,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                      DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr,
-                     NH: tl.constexpr, DEDUP: tl.constexpr):
+                     HR: tl.constexpr, NH: tl.constexpr, DEDUP: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
         scale = tl.full([], scale, tl.float32)
         pid_n = tl.program_id(0)
@@ -372,9 +375,9 @@ if HAS_TRITON:
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qbase, RS, sqs, sdos,
                                      s0 if part == 0 else (s1 if part == 1 else s2),
                                      e0 if part == 0 else (e1 if part == 1 else e2), offs_m, cols, offs_d, dmask, MQ,
-                                     MK, Q_OFF, LEFT, RIGHT, qk_scale, wkey, HR, h,
+                                     MK, Q_OFF, LEFT, RIGHT, qk_scale, wkey, h,
                                      (part == 2) if DEDUP else (part != 1), CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_M,
-                                     IEEE, NH)
+                                     IEEE, HR, NH)
         dk = dk * scale
         dk_ptrs = DK + b * sdkb + kh * sdkh + krows[:, None] * sdks + offs_d[None, :]
         dv_ptrs = DV + b * sdvb + kh * sdvh + krows[:, None] * sdvs + offs_d[None, :]
@@ -386,9 +389,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs, start, end, offs_m, offs_n, offs_d,
-                  dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, HR, hq, MASKED: tl.constexpr,
+                  dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, hq, MASKED: tl.constexpr,
                   CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, NH: tl.constexpr):
+                  IEEE: tl.constexpr, HR: tl.constexpr, NH: tl.constexpr):
         for start_n in range(start, end, BLOCK_N):
             cols = start_n + offs_n
             rows = kbase + cols.to(tl.int64) * RS
@@ -419,11 +422,11 @@ if HAS_TRITON:
     @triton.jit
     def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                    sdob, sdos, sdoh, slb, slh, sdqb, sdqs, sdqh,
-                   H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale, HR, INNER,
+                   H, G, SQ, SK, W, R, NFULL, TAIL, Q_OFF, LEFT, RIGHT, scale, qk_scale, INNER,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    DILATED: tl.constexpr, VARLEN: tl.constexpr, ACCUM: tl.constexpr, IEEE: tl.constexpr,
-                   NH: tl.constexpr, DEDUP: tl.constexpr):
+                   HR: tl.constexpr, NH: tl.constexpr, DEDUP: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
         scale = tl.full([], scale, tl.float32)
         b, h, kh, kbase, MQ, MK, RS, i0, offs_m, offs_n, offs_d, dmask, qrows = _query_block(
@@ -447,8 +450,8 @@ if HAS_TRITON:
             dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs,
                            s0 if part == 0 else (s1 if part == 1 else s2),
                            e0 if part == 0 else (e1 if part == 1 else e2),
-                           offs_m, offs_n, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, HR, h,
-                           (part == 2) if DEDUP else (part != 1), CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE, NH)
+                           offs_m, offs_n, offs_d, dmask, MQ, MK, Q_OFF, LEFT, RIGHT, qk_scale, wrow, h,
+                           (part == 2) if DEDUP else (part != 1), CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_N, IEEE, HR, NH)
         dq = dq * scale
         dq_ptrs = DQ + b * sdqb + h * sdqh + qrows[:, None] * sdqs + offs_d[None, :]
         if ACCUM:

@@ -39,8 +39,8 @@ class Geometry:
                  max_seqlen=None, inner=0, higher=None):
         # deduplicated dilated branch (see dedup_chain): ``inner`` class indices per
         # sub-block whose pairs an earlier branch computes (0: none), ``higher`` the
-        # int32 rates of the later branches (a device tensor; None: no weights)
-        self.inner, self.higher = inner, higher
+        # rates of the later branches (their count weights each pair)
+        self.inner, self.higher = inner, tuple(higher or ())
         self.dilated = w is not None
         self.varlen = cu_seqlens is not None
         self.cu = cu_seqlens
@@ -67,16 +67,14 @@ class Geometry:
 
     def flags(self):
         return dict(CAUSAL=self.causal, HAS_LEFT=self.window[0] >= 0, HAS_RIGHT=self.window[1] >= 0,
-                    DILATED=self.dilated, VARLEN=self.varlen, NH=0 if self.higher is None else self.higher.numel(),
-                    DEDUP=self.inner > 0)
-
-    def dedup_args(self, like: torch.Tensor) -> tuple:
-        """(HR, INNER) kernel arguments: the later branches' rates (any read-only
-        tensor when there are none) and the sub-block size."""
-        return (like if self.higher is None or self.higher.numel() == 0 else self.higher), self.inner
+                    DILATED=self.dilated, VARLEN=self.varlen, DEDUP=self.inner > 0, NH=len(self.higher),
+                    HR=sum(r << (15 * t) for t, r in enumerate(self.higher)))  # compile-time constants
 
     def cu_arg(self, like: torch.Tensor) -> torch.Tensor:
         return self.cu if self.varlen else like
+
+
+DEDUP_MAX_BRANCHES = 5  # the later rates of a branch travel packed in one 64-bit constant
 
 
 class DedupBranch:
@@ -100,7 +98,11 @@ def dedup_chain(seqlen, segment_lengths, dilation_rates, align: int = 16):
     every pair computed once, the softmax over the union unchanged (LongNet:
     76% of the pairs, causal 75%; tests/test_dilated.py checks exactness).
     ``align``: each ``inner`` must be a multiple of it (tiles lie inside one
-    sub-block); a previous segment covering the sequence leaves nothing."""
+    sub-block); a previous segment covering the sequence leaves nothing. The
+    kernels take the later rates as compile-time constants: at most
+    ``DEDUP_MAX_BRANCHES`` branches, rates below 2**15."""
+    if len(dilation_rates) > DEDUP_MAX_BRANCHES or max(dilation_rates) >= 1 << 15:
+        return None
     order = sorted(range(len(dilation_rates)), key=lambda i: (dilation_rates[i], segment_lengths[i]))
     whole = lambda w: w >= seqlen
     out = []

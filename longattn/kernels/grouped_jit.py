@@ -89,11 +89,11 @@ if HAS_TRITON:
                                                         CAUSAL)
             if sel:
                 acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kb, r, sks, svs, 0, u1, idx, offs_n,
-                                           offs_d, dmask, mk, mk, 0, 0, 0, qk_scale, l_i, BR, h, False, CAUSAL, False,
-                                           False, BLOCK_N, IEEE, 0)
+                                           offs_d, dmask, mk, mk, 0, 0, 0, qk_scale, l_i, h, False, CAUSAL, False,
+                                           False, BLOCK_N, IEEE, 0, 0)
                 acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kb, r, sks, svs, u1, hi, idx, offs_n,
-                                           offs_d, dmask, mk, mk, 0, 0, 0, qk_scale, l_i, BR, h, True, CAUSAL, False,
-                                           False, BLOCK_N, IEEE, 0)
+                                           offs_d, dmask, mk, mk, 0, 0, 0, qk_scale, l_i, h, True, CAUSAL, False,
+                                           False, BLOCK_N, IEEE, 0, 0)
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -123,10 +123,10 @@ if HAS_TRITON:
                                                         CAUSAL)
             if sel:
                 dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kb, r, sks, svs, 0, u1, idx, offs_n, offs_d,
-                               dmask, mk, mk, 0, 0, 0, qk_scale, lse2, BR, h, False, CAUSAL, False, False, BLOCK_N,
-                               IEEE, 0)
+                               dmask, mk, mk, 0, 0, 0, qk_scale, lse2, h, False, CAUSAL, False, False, BLOCK_N,
+                               IEEE, 0, 0)
                 dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kb, r, sks, svs, u1, hi, idx, offs_n, offs_d,
-                               dmask, mk, mk, 0, 0, 0, qk_scale, lse2, BR, h, True, CAUSAL, False, False, BLOCK_N, IEEE,
+                               dmask, mk, mk, 0, 0, 0, qk_scale, lse2, h, True, CAUSAL, False, False, BLOCK_N, IEEE,
                                0)
         dq = dq * scale
         tl.store(DQ + b * sdqb + h * sdqh + p64[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -175,14 +175,14 @@ if HAS_TRITON:
                         u0 = tl.minimum((((k_last - qb) // r + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, mq)
                     u1 = tl.maximum((mq // BLOCK_M) * BLOCK_M, u0)
                     dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb, r, sqs, sdos, lo, u0,
-                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, kpos, BR, h, True,
-                                         CAUSAL, False, False, BLOCK_M, IEEE, 0)
+                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, kpos, h, True,
+                                         CAUSAL, False, False, BLOCK_M, IEEE, 0, 0)
                     dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb, r, sqs, sdos, u0, u1,
-                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, kpos, BR, h, False,
-                                         CAUSAL, False, False, BLOCK_M, IEEE, 0)
+                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, kpos, h, False,
+                                         CAUSAL, False, False, BLOCK_M, IEEE, 0, 0)
                     dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, qb, r, sqs, sdos, u1, mq,
-                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, kpos, BR, h, True,
-                                         CAUSAL, False, False, BLOCK_M, IEEE, 0)
+                                         offs_m, cols, offs_d, dmask, mq, mq, 0, 0, 0, qk_scale, kpos, h, True,
+                                         CAUSAL, False, False, BLOCK_M, IEEE, 0, 0)
         dk = dk * scale
         tl.store(DK + b * sdkb + kh * sdkh + k64[:, None] * sdks + offs_d[None, :], dk.to(DK.dtype.element_ty),
                  mask=kmask)

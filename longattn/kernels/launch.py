@@ -40,7 +40,7 @@ def _forward(q, k, v, out, lse, geo, scale, merge, cfg, nseg):
     # output: traced launches must not see an output passed twice)
     launchable(_fwd_kernel, q)[grid](
         q, k, v, out, lse, geo.cu_arg(q), *_strides(q, k, v, out), lse.stride(0), lse.stride(1), h,
-        h // k.shape[2], *geo.scalars(), scale * LOG2E, *geo.dedup_args(q),
+        h // k.shape[2], *geo.scalars(), scale * LOG2E, geo.inner,
         D=d, D_PAD=d_pad(d), MERGE=merge, IEEE=ieee(q), **geo.flags(), **cfg)
 
 
@@ -75,7 +75,7 @@ def _dkdv(q, k, v, dout, lse, delta, dk, dv, geo, scale, accum, cfg, nseg):
     ncls = geo.r if geo.dilated else 1
     launchable(_dkdv_kernel, q)[(triton.cdiv(geo.max_mk, cfg["BLOCK_N"]), b * hkv * ncls, nseg)](
         q, k, v, dout, lse, delta, dk, dv, geo.cu_arg(q), *_strides(q, k, v, dout), lse.stride(0), lse.stride(1),
-        *_strides(dk, dv), h, hkv, h // hkv, ncls, *geo.scalars(), scale, scale * LOG2E, *geo.dedup_args(q),
+        *_strides(dk, dv), h, hkv, h // hkv, ncls, *geo.scalars(), scale, scale * LOG2E, geo.inner,
         D=d, D_PAD=d_pad(d), ACCUM=accum, IEEE=ieee(q), **geo.flags(), **cfg)
 
 
@@ -83,7 +83,7 @@ def _dq(q, k, v, dout, lse, delta, dq, geo, scale, accum, cfg, nseg):
     b, _, h, d = q.shape
     launchable(_dq_kernel, q)[(triton.cdiv(geo.max_m, cfg["BLOCK_M"]), b * h, nseg)](
         q, k, v, dout, lse, delta, dq, geo.cu_arg(q), *_strides(q, k, v, dout), lse.stride(0), lse.stride(1),
-        *_strides(dq), h, h // k.shape[2], *geo.scalars(), scale, scale * LOG2E, *geo.dedup_args(q),
+        *_strides(dq), h, h // k.shape[2], *geo.scalars(), scale, scale * LOG2E, geo.inner,
         D=d, D_PAD=d_pad(d), ACCUM=accum, IEEE=ieee(q), **geo.flags(), **cfg)
 
 
