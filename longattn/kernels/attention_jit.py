@@ -126,7 +126,7 @@ if HAS_TRITON:
         p = pos.to(tl.int32) - h
         lv = (p * 0 + 1).to(tl.float32)
         for t in tl.static_range(NH):
-            r: tl.constexpr = (HR >> (15 * t)) & 32767
+            r = (HR >> (15 * t)) & 32767
             lv += tl.where(p % r == 0, 1.0, 0.0)
         return lv
 

@@ -126,8 +126,8 @@ if HAS_TRITON:
                                dmask, mk, mk, 0, 0, 0, qk_scale, lse2, h, False, CAUSAL, False, False, BLOCK_N,
                                IEEE, 0, 0)
                 dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kb, r, sks, svs, u1, hi, idx, offs_n, offs_d,
-                               dmask, mk, mk, 0, 0, 0, qk_scale, lse2, h, True, CAUSAL, False, False, BLOCK_N, IEEE,
-                               0)
+                               dmask, mk, mk, 0, 0, 0, qk_scale, lse2, h, True, CAUSAL, False, False, BLOCK_N,
+                               IEEE, 0, 0)
         dq = dq * scale
         tl.store(DQ + b * sdqb + h * sdqh + p64[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=qmask)
