@@ -57,6 +57,15 @@ class DilatedTuning:
              "segments 256-1K grouped vs per-branch fwd / bwd 0.79 / 2.05 vs 0.94 / 3.08 ms; LongNet's 2048-key "
              "classes lose (32K causal fwd 3.37 vs 1.91 ms), a grouped block spanning the whole segment",
         "triton_grouped_ab_h100_00acb45.json")
+    dedup_max_head_dim: int = measured(
+        64, "fused per-branch launches compute every pair of the union once (schedule 'dedup', LongNet: 76% of "
+            "the pairs) up to this head dim; the multiplicity weights cost an extra multiply per score. One H200, "
+            "static tiles, fwd+bwd ms dedup / per-branch: D=64 8K 2.71 / 3.08, 8K causal 2.12 / 2.74, 16K 4.52 / "
+            "4.67, 32K 8.47 / 8.56, 32K causal 5.60 / 6.33, 128K 32.3 / 32.2, 128K causal 20.2 / 22.5; D=128 8K "
+            "3.96 / 3.88, 32K 16.4 / 13.5, 32K causal 10.7 / 9.5, 128K 62.8 / 50.5, 128K causal 40.2 / 34.5 (the "
+            "D=128 forward alone is faster deduplicated, 4-15%, its backward 4-33% slower)",
+        "dedup_ab_d64_h200_0b53d4c.json, dedup_ab_d128_h200_0b53d4c.json, dedup_ab_short_d64_h200_0b53d4c.json, "
+        "dedup_ab_short_d128_h200_0b53d4c.json")
     grouped_backward_noncausal: bool = measured(
         True, "the non-causal backward of short nested classes runs grouped even where the views run the "
               "forward: 2.06 / 6.92 ms at 32K / 128K against the views' 3.64 / 8.83; causal 128K 8.35 against "
@@ -124,7 +133,7 @@ class DilatedTuning:
                              "or 'never'")
         if self.autotune not in ("", "0", "1"):
             raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
-        for f in ("views_min_tokens", "grouped_max_keys", "gather_max_rows",
+        for f in ("views_min_tokens", "grouped_max_keys", "dedup_max_head_dim", "gather_max_rows",
                   "adopt_bwd_max_elems", "piece_bytes", "graph_max_tokens", "graph_max_tokens_causal",
                   "graph_max_tokens_d64", "graph_max_tokens_gqa"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:

@@ -322,6 +322,107 @@ def test_triton_schedules(schedule, causal):
                         DilatedTuning(schedule=schedule))
 
 
+def test_dedup_chain():
+    """Branches form a chain when, sorted by (rate, segment), each rate divides
+    the next and each segment nests in the next; each branch then skips the
+    previous segment's sub-blocks (inner = w_prev / r class indices)."""
+    from longattn.kernels.geometry import DEDUP_MAX_BRANCHES, dedup_chain
+
+    c = dedup_chain(32768, [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
+    assert [(b.w, b.r, b.inner) for b in c] == [(2048, 1, 0), (4096, 2, 1024), (8192, 4, 1024), (16384, 8, 1024),
+                                                (32768, 16, 1024)]
+    c = dedup_chain(72, [64, 32, 128], [2, 1, 4])  # given out of order; 128 covers the sequence
+    assert [(b.index, b.inner) for b in c] == [(1, 0), (0, 16), (2, 16)]
+    c = dedup_chain(96, [128, 256], [1, 2])  # the first segment covers the sequence: the second adds no pair
+    assert c[1].inner >= 96
+    assert dedup_chain(64, [32, 32], [1, 1])[1].inner == 32  # a repeated branch: all its pairs are the first's
+    for segs, rates in (([32, 48], [1, 2]), ([64, 32], [1, 2]), ([32, 64], [2, 3]), ([16, 32], [1, 2])):
+        assert dedup_chain(256, segs, rates) is None  # no nesting, rates that do not divide, inner 8 < 16
+    n = DEDUP_MAX_BRANCHES + 1
+    assert dedup_chain(1 << 20, [16 << i for i in range(n)], [1 << i for i in range(n)]) is None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("segs,rates,seqlen", [([32, 64, 128, 256], [1, 2, 4, 8], 300), ([64, 32, 128], [2, 1, 4], 72),
+                                               ([64, 128], [2, 4], 200), ([32, 32], [1, 1], 80)])
+def test_dedup_multiplicity_is_the_union(segs, rates, seqlen, causal):
+    """What the dedup kernels compute, written with masks: each chained branch
+    without the previous branch's segment, each pair weighted by 1 + the later
+    branches that select both its query and its key (min of the two levels),
+    sums to the union's multiplicity at every (head, query, key)."""
+    from longattn.kernels.geometry import dedup_chain
+
+    h = 8
+    masks = dilated_masks(seqlen, h, segs, rates, causal)
+    want = sum(m.long() for m in masks)
+    chain = dedup_chain(seqlen, segs, rates)
+    pos, heads = torch.arange(seqlen), torch.arange(h)[:, None]
+    got = torch.zeros_like(want)
+    computed = 0
+    for b in chain:
+        m = masks[b.index].long()
+        if b.rank:
+            wp = min(segs[chain[b.rank - 1].index], seqlen)
+            m = m * (pos[:, None] // wp != pos[None, :] // wp)
+        level = lambda x: 1 + sum((((x - heads) % c.r == 0).long() for c in chain[b.rank + 1:]),
+                                  torch.zeros(h, seqlen, dtype=torch.long))  # (H, S)
+        got += m * torch.minimum(level(pos)[:, :, None], level(pos)[:, None, :])
+        computed += int(m.sum())
+    assert torch.equal(got, want)
+    if segs == [32, 64, 128, 256]:  # LongNet's shape of chain: three quarters of the pairs
+        assert 0.74 < computed / int(want.sum()) < 0.79
+
+
+@triton_ok
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("segs,rates,seqlen", [([64, 32, 128], [2, 1, 4], 72), ([128, 256], [2, 4], 160),
+                                               ([32, 64], [1, 1], 80)])
+def test_triton_dedup(segs, rates, seqlen, causal):
+    """The dedup schedule (every pair once, weighted by its multiplicity)
+    against the float64 definition: GQA, partial last segments, a segment
+    covering the sequence, no rate-1 branch, a branch wholly inside another."""
+    q, k, v = torch.randn(1, seqlen, 4, 16), torch.randn(1, seqlen, 2, 16), torch.randn(1, seqlen, 2, 16)
+    _assert_matches_ref(q, k, v, torch.randn(1, seqlen, 4, 16), torch.randn(1, 4, seqlen), segs, rates, causal,
+                        "auto", DilatedTuning(schedule="dedup"))
+
+
+@triton_ok
+def test_dilated_kernels_compile_for_hopper():
+    """The kernels with dedup's constants compile for sm_90 here, without a
+    GPU (the interpreter accepts code Triton's compiler refuses)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, os.path.join(here, "hopper_compile.py")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode == 3:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_fused_schedule_choice():
+    """The fused schedule, decided in plan._fused_schedule: grouped for short
+    nested classes, dedup for chains up to dedup_max_head_dim, per-branch
+    otherwise; a forced schedule the branches cannot take runs per branch."""
+    from longattn.dilated.plan import _fused_schedule
+
+    t = DilatedTuning()
+    longnet = ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16])
+    assert _fused_schedule(32768, *longnet, 64, t) == "dedup"
+    assert _fused_schedule(32768, *longnet, 128, t) == "per_branch"
+    assert _fused_schedule(32768, *longnet, 128, DilatedTuning(dedup_max_head_dim=128)) == "dedup"
+    assert _fused_schedule(32768, [256, 512, 1024], [1, 2, 4], 64, t) == "grouped"
+    assert _fused_schedule(32768, [2048, 3072], [1, 2], 64, t) == "per_branch"  # 2048 does not divide 3072
+    assert _fused_schedule(32768, [2048, 3072], [1, 2], 64, DilatedTuning(schedule="dedup")) == "per_branch"
+    assert _fused_schedule(32768, *longnet, 128, DilatedTuning(schedule="dedup")) == "dedup"
+    with pytest.raises(ValueError, match="dedup_max_head_dim"):
+        DilatedTuning(dedup_max_head_dim=-1)
+
+
 @triton_ok
 def test_triton_grouped_autotune(tmp_path):
     """Grouped kernels tune per kind too; a trial runs the first segment only

@@ -92,10 +92,11 @@ def _nests(seqlen, segment_lengths, dilation_rates) -> bool:
     return GroupedPlan.of(seqlen, list(segment_lengths), list(dilation_rates), False) is not None
 
 
-def _fused_schedule(seqlen, segs, rates, tuning) -> str:
+def _fused_schedule(seqlen, segs, rates, head_dim, tuning) -> str:
     """Grouped for short nested classes, else per branch with every pair
-    computed once where the branches form a chain (``dedup``), else per branch.
-    A forced schedule the branches cannot take runs per branch."""
+    computed once where the branches form a chain (``dedup``) and the head dim
+    is at most ``tuning.dedup_max_head_dim``, else per branch. A forced
+    schedule the branches cannot take runs per branch."""
     chain = dedup_chain(seqlen, segs, rates) is not None
     if tuning.schedule in ("per_branch", "per_branch_zero_fill"):
         return tuning.schedule
@@ -105,7 +106,7 @@ def _fused_schedule(seqlen, segs, rates, tuning) -> str:
         return "dedup" if chain else "per_branch"
     if grouped_runs(seqlen, segs, rates, tuning):
         return "grouped"
-    return "dedup" if chain else "per_branch"
+    return "dedup" if chain and head_dim <= tuning.dedup_max_head_dim else "per_branch"
 
 
 def _engine(pass_: str, q, k, segs, rates, causal: bool, backend: str, views_ok: bool, tuning) -> str:
@@ -168,7 +169,7 @@ def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
         if why:
             raise ValueError(f"the fused Triton dilated kernels cannot run this call: {'; '.join(why)}")
     return DilatedPlan(
-        fwd=fwd, bwd=bwd, fused_schedule=_fused_schedule(q.shape[1], segs, rates, tuning),
+        fwd=fwd, bwd=bwd, fused_schedule=_fused_schedule(q.shape[1], segs, rates, q.shape[-1], tuning),
         gather_max_rows=tuning.gather_max_rows,
         gather_max_rows_bwd=tuning.gather_max_rows if causal or tuning.gather_noncausal_backward else 0,
         piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems, autotune=tuning.autotune,
