@@ -68,7 +68,8 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
             replayed from a CUDA graph up to 16K tokens, 32K when causal, at
             D <= 64 and for GQA), the fused Triton kernels below 8K and for the non-causal
             backward of short segment classes (at most 512 keys per class,
-            branches nested: one grouped launch per kernel); see
+            branches nested: one grouped launch per kernel; chained branches at
+            D <= 64 compute every pair of the union once); see
             :class:`longattn.tuning.DilatedTuning` for every threshold and its measurement.
         tuning: a :class:`longattn.tuning.DilatedTuning` in place of the measured
             defaults (other hardware, A/B measurements; ``schedule`` forces an engine).
