@@ -153,6 +153,22 @@ if HAS_TRITON:
         return a1, b0, b1, b2
 
     @triton.jit
+    def _query_block_parts(i0, MQ, MK, Q_OFF, LEFT, RIGHT, INNER, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                           DEDUP: tl.constexpr):
+        """The three key ranges (start, end of each) a query block loops over: masked
+        [lo, u0), unmasked [u0, u1), masked [u1, hi) (see _key_ranges); deduplicated,
+        the keys outside the block's sub-block: [0, a1) and [b0, b1) unmasked, [b1, b2)
+        masked (before it when causal, before and after it otherwise)."""
+        if DEDUP:
+            a1, b0, b1, b2 = _dedup_ranges(i0, MQ, MK, INNER, True, not CAUSAL, BLOCK_N)
+            return a1 * 0, a1, b0, b1, b1, b2
+        else:
+            lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT,
+                                         HAS_RIGHT)
+            return lo, u0, u0, u1, u1, hi
+
+    @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
         if IEEE:
             return tl.dot(a, b, input_precision="ieee")
@@ -250,15 +266,9 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         wrow = _levels(qrows, h, HR, NH)
-        if DEDUP:  # keys outside the block's sub-block: before it (causal), or before and after it
-            a1, b0, b1, b2 = _dedup_ranges(i0, MQ, MK, INNER, True, not CAUSAL, BLOCK_N)
-            s0, e0, s1, e1, s2, e2 = a1 * 0, a1, b0, b1, b1, b2
-        else:
-            lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT,
-                                         HAS_RIGHT)
-            s0, e0, s1, e1, s2, e2 = lo, u0, u0, u1, u1, hi
-        # masked [lo, u0), unmasked [u0, u1), masked [u1, hi): the mask costs only on boundary blocks
-        # (deduplicated: [0, a1) and [b0, b1) unmasked, [b1, b2) masked)
+        s0, e0, s1, e1, s2, e2 = _query_block_parts(i0, MQ, MK, Q_OFF, LEFT, RIGHT, INNER, BLOCK_M, BLOCK_N,
+                                                    CAUSAL, HAS_LEFT, HAS_RIGHT, DEDUP)
+        # the mask costs only on boundary blocks: part 1 (and part 0 when deduplicated) runs unmasked
         for part in tl.static_range(3):
             acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, kbase, RS, sks, svs,
                                        s0 if part == 0 else (s1 if part == 1 else s2),
@@ -439,13 +449,8 @@ if HAS_TRITON:
         v_ptr = V + b * svb + kh * svh
         dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         wrow = _levels(qrows, h, HR, NH)
-        if DEDUP:  # as in _fwd_kernel
-            a1, b0, b1, b2 = _dedup_ranges(i0, MQ, MK, INNER, True, not CAUSAL, BLOCK_N)
-            s0, e0, s1, e1, s2, e2 = a1 * 0, a1, b0, b1, b1, b2
-        else:
-            lo, u0, u1, hi = _key_ranges(i0, MQ, MK, Q_OFF, LEFT, RIGHT, BLOCK_M, BLOCK_N, CAUSAL, HAS_LEFT,
-                                         HAS_RIGHT)
-            s0, e0, s1, e1, s2, e2 = lo, u0, u0, u1, u1, hi
+        s0, e0, s1, e1, s2, e2 = _query_block_parts(i0, MQ, MK, Q_OFF, LEFT, RIGHT, INNER, BLOCK_M, BLOCK_N,
+                                                    CAUSAL, HAS_LEFT, HAS_RIGHT, DEDUP)
         for part in tl.static_range(3):  # masked, unmasked, masked key ranges
             dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, kbase, RS, sks, svs,
                            s0 if part == 0 else (s1 if part == 1 else s2),
