@@ -440,17 +440,20 @@ def test_triton_grouped_autotune(tmp_path):
 
 
 @triton_ok
-def test_triton_ops_under_torch_compile():
+@pytest.mark.parametrize("s,segs,schedule", [(40, [8, 16, 32], "auto"), (80, [32, 64, 128], "dedup")])
+def test_triton_ops_under_torch_compile(s, segs, schedule):
     """backend='triton' calls the fused op pair directly (triton_op on GPU, so
     Inductor compiles the kernels; custom ops under the interpreter): a
-    fullgraph compile runs forward and backward and matches eager."""
+    fullgraph compile runs forward and backward and matches eager (grouped
+    short classes; a chain computing every pair once)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    s, h, segs, rates = 40, 4, [8, 16, 32], [1, 2, 4]
+    h, rates = 4, [1, 2, 4]
     q, k, v = (torch.randn(1, s, h, 16) for _ in range(3))
     do = torch.randn(1, s, h, 16)
     fn = lambda q, k, v: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                    causal=True, backend="triton")
+                                                    causal=True, backend="triton",
+                                                    tuning=DilatedTuning(schedule=schedule))
     cnt = CompileCounterWithBackend("aot_eager")
     got = results(torch.compile(fn, backend=cnt, fullgraph=True), [q, k, v], do)
     want = results(fn, [q, k, v], do)

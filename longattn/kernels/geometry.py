@@ -103,7 +103,11 @@ def dedup_chain(seqlen, segment_lengths, dilation_rates, align: int = 16):
     ``DEDUP_MAX_BRANCHES`` branches, rates below 2**15."""
     if len(dilation_rates) > DEDUP_MAX_BRANCHES or max(dilation_rates) >= 1 << 15:
         return None
-    order = sorted(range(len(dilation_rates)), key=lambda i: (dilation_rates[i], segment_lengths[i]))
+    order = []  # by (rate, segment), by comparisons: under torch.compile the values may be symbolic,
+    for i in range(len(dilation_rates)):  # which Dynamo cannot sort by
+        key = (dilation_rates[i], segment_lengths[i])
+        at = next((j for j, o in enumerate(order) if key < (dilation_rates[o], segment_lengths[o])), len(order))
+        order.insert(at, i)
     whole = lambda w: w >= seqlen
     out = []
     for rank, i in enumerate(order):
