@@ -63,7 +63,7 @@ class DilatedTuning:
             "static tiles, fwd+bwd ms dedup / per-branch: D=64 8K 2.71 / 3.08, 8K causal 2.12 / 2.74, 16K 4.52 / "
             "4.67, 32K 8.47 / 8.56, 32K causal 5.60 / 6.33, 128K 32.3 / 32.2, 128K causal 20.2 / 22.5; D=128 8K "
             "3.96 / 3.88, 32K 16.4 / 13.5, 32K causal 10.7 / 9.5, 128K 62.8 / 50.5, 128K causal 40.2 / 34.5 (the "
-            "D=128 forward alone is faster deduplicated, 4-15%, its backward 4-33% slower)",
+            "D=128 forward alone is faster deduplicated, 2-15%, its backward 4-33% slower)",
         "dedup_ab_d64_h200_0b53d4c.json, dedup_ab_d128_h200_0b53d4c.json, dedup_ab_short_d64_h200_0b53d4c.json, "
         "dedup_ab_short_d128_h200_0b53d4c.json")
     grouped_backward_noncausal: bool = measured(
