@@ -13,8 +13,9 @@ LongNet segments 2K..32K, rates 1..16, bf16, D=128 (--head-dim), MHA 16 heads
   op captures per shape (``DilatedTuning.graph_max_tokens``), with the calls
   concurrent (in order);
 * ``fused``: our Triton kernels (built-in tiles: the autotuner's first call
-  of a shape takes minutes; LongNet's branches run ``dedup``: every pair
-  once), ``fused_per_branch`` (every branch's pairs, duplicates included),
+  of a shape takes minutes; the plan's schedule: LongNet's chain runs
+  ``dedup``, every pair once, at head dim <= 64, per-branch launches above),
+  ``fused_per_branch`` (every branch's pairs, duplicates included),
   ``fused_autotuned`` (tiles autotuned);
 * ``auto`` (the default engine; eagerly the op skips torch.library's
   dispatcher) and ``auto_dispatcher`` (the same through the dispatcher);
