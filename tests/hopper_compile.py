@@ -4,8 +4,14 @@ The CPU interpreter runs the kernels' Python and lets through what Triton's
 compiler refuses (a reassigned constexpr, a call missing an argument), so
 tests/test_dilated.py runs this in a subprocess without TRITON_INTERPRET:
 ``python tests/hopper_compile.py`` exits 0 when every variant compiles to
-a cubin, prints ``skip: ...`` and exits 3 where this Triton has no CUDA
-backend to compile with.
+a cubin whose key (or query) tile loads are pipelined asynchronous copies,
+prints ``skip: ...`` and exits 3 where this Triton has no CUDA backend to
+compile with.
+
+The arguments carry the divisibility a real launch gives them (Triton's
+launcher marks pointers and integers divisible by 16): without it no load
+is known to be 16-byte aligned, none is vectorised, and none is pipelined,
+which is not what runs on the GPU.
 """
 import sys
 import warnings
@@ -18,6 +24,17 @@ def sig(fn, consts):
            "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "CU": "*i32", "BR": "*i32"}
     return {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in ("qk_scale", "scale") else "i32")
             for n in fn.arg_names}
+
+
+# integer arguments a LongNet launch passes as multiples of 16: strides, lengths, segment, sub-block
+DIVISIBLE = {"SQ", "SK", "W", "INNER"}
+
+
+def attrs(fn, signature):
+    """The launcher's specialisation: pointers and multiples of 16 marked divisible by 16."""
+    div = lambda n: signature[n].startswith("*") or n in DIVISIBLE or (n[0] == "s" and n[1:].islower())
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+            if signature[n] != "constexpr" and div(n)}
 
 
 def main():
@@ -42,7 +59,8 @@ def main():
         (aj._fwd_kernel, dict(base, CAUSAL=True, DEDUP=False, NH=0, HR=0, BLOCK_M=128, BLOCK_N=128, MERGE=False)),
     ]
     for fn, consts in variants:
-        src = ASTSource(fn=fn, signature=sig(fn, consts), constexprs=consts)
+        signature = sig(fn, consts)
+        src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs(fn, signature))
         try:
             out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
         except (RuntimeError, FileNotFoundError) as e:  # no ptxas / CUDA backend here
@@ -51,6 +69,8 @@ def main():
                 return 3
             raise
         assert "cubin" in out.asm, fn.__name__
+        # the inner loops' tile loads pipelined (cp.async into shared memory, waited on stages ahead)
+        assert "cp.async" in out.asm["ptx"], f"{fn.__name__}: no pipelined tile loads"
     print(f"compiled {len(variants)} kernel variants for sm_90")
     return 0
 
