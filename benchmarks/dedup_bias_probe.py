@@ -18,11 +18,14 @@ This times, on one GPU in bf16, cuDNN on the parts of one LongNet pass at
 calls against a float32 weighted softmax. Predicted pass time from the
 parts: plain = squares x (1 + 15/16) (branch i has 1/2**i of branch 0's
 squares), dedup = biased squares + 15/16 x biased blocks.
-Writes $OUT/dedup_bias_probe.json; a table last.
+Writes $OUT/dedup_bias_probe.json; a table last. ``--profile``: instead,
+the kernels one biased and one plain call launch (torch.profiler), to see
+where the bias's time goes (a copy of the broadcast bias, or cuDNN itself).
 """
 import json
 import math
 import os
+import sys
 
 import torch
 import triton
@@ -103,6 +106,31 @@ def timed(n, mq, d, causal, b):
     return {"fwd_ms": t_f, "bwd_ms": t_b, "fwd_tflops": 4 * pairs * d / t_f / 1e9,
             "bwd_tflops": 10 * pairs * d / t_b / 1e9}
 
+
+def profile():
+    """Kernels (name, calls, CUDA ms) of one plain and one biased fwd+bwd on branch 0's squares, D=128 causal."""
+    out = {}
+    for name, b in (("plain", None), ("biased", bias(0, 0, 0, M, torch.bfloat16))):
+        q, k, v, do = (torch.randn(NSQ, M, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        for _ in range(2):  # the second call is timed: the first builds cuDNN's graph
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                call(q, k, v, b, True, do)
+                torch.cuda.synchronize()
+        evs = prof.key_averages()
+        out[name] = sorted(([e.key[:120], e.count, e.device_time_total / 1e3] for e in evs if e.device_time_total > 0),
+                           key=lambda x: -x[2])[:12]
+    return out
+
+
+if "--profile" in sys.argv:
+    res = {"env": environment(dev), "command": "python benchmarks/dedup_bias_probe.py --profile", "kernels": profile()}
+    with open(os.path.join(os.environ.get("OUT", "."), "dedup_bias_profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    for name, ks in res["kernels"].items():
+        print(f"{name}:")
+        for k_, n, ms in ks:
+            print(f"  {ms:8.3f} ms  x{n}  {k_}")
+    sys.exit(0)
 
 rows = []
 for d in (128, 64):
