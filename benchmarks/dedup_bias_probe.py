@@ -30,7 +30,7 @@ import sys
 import torch
 import triton
 
-from longattn.bench.measure import environment
+from longattn.bench.measure import environment, write_json
 
 dev = torch.device("cuda")
 bench = lambda f: triton.testing.do_bench(f, warmup=3, rep=60, return_mode="median")
@@ -124,8 +124,7 @@ def profile():
 
 if "--profile" in sys.argv:
     res = {"env": environment(dev), "command": "python benchmarks/dedup_bias_probe.py --profile", "kernels": profile()}
-    with open(os.path.join(os.environ.get("OUT", "."), "dedup_bias_profile.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(os.environ.get("OUT", "."), "dedup_bias_profile.json"), res)
     for name, ks in res["kernels"].items():
         print(f"{name}:")
         for k_, n, ms in ks:
@@ -156,9 +155,8 @@ for d in (128, 64):
         torch.cuda.empty_cache()
         print(json.dumps(r), flush=True)
 
-out = {"env": environment(dev), "command": "python benchmarks/dedup_bias_probe.py", "rows": rows}
-with open(os.path.join(os.environ.get("OUT", "."), "dedup_bias_probe.json"), "w") as f:
-    json.dump(out, f, indent=1)
+write_json(os.path.join(os.environ.get("OUT", "."), "dedup_bias_probe.json"),
+           {"env": environment(dev), "command": "python benchmarks/dedup_bias_probe.py", "rows": rows})
 print("| D | causal | squares fwd / bwd TF/s | biased | blocks biased (plain) | pass dedup / plain fwd, bwd | max rel err |")
 print("|---|---|---|---|---|---|---|")
 for r in rows:
