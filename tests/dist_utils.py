@@ -22,6 +22,20 @@ def _free_port() -> int:
 
 BACKEND = os.environ.get("LONGATTN_DIST_BACKEND", "gloo")
 
+# gloo ranks fork from a server that has imported torch and longattn once
+# (spawning each rank afresh re-imports them: seconds per rank, most of a
+# distributed test's time). NCCL ranks are spawned: a server that touched CUDA
+# cannot fork ranks that use it.
+mp.set_forkserver_preload(["torch", "longattn", "dist_utils"])
+
+# Run in a rank after its process group is destroyed, last (forked ranks leave
+# through os._exit, so atexit handlers never run there).
+_AT_TEARDOWN: list = []
+
+
+def at_teardown(f) -> None:
+    _AT_TEARDOWN.append(f)
+
 
 def _entry(rank, world, port, fn, args, backend=None, done_dir=None):
     backend = backend or BACKEND
@@ -39,6 +53,8 @@ def _entry(rank, world, port, fn, args, backend=None, done_dir=None):
     if done_dir is not None:  # every rank's checks have passed
         open(os.path.join(done_dir, str(rank)), "w").close()
     dist.destroy_process_group()
+    for f in _AT_TEARDOWN:
+        f()
 
 
 def generator(seed: int) -> torch.Generator:
@@ -58,7 +74,9 @@ def run_world(fn, world: int, *args, backend=None) -> None:
     warning, not a failure of the code under test."""
     with tempfile.TemporaryDirectory() as done:
         try:
-            mp.spawn(_entry, args=(world, _free_port(), fn, args, backend, done), nprocs=world, join=True)
+            method = "forkserver" if (backend or BACKEND) == "gloo" else "spawn"
+            mp.start_processes(_entry, args=(world, _free_port(), fn, args, backend, done), nprocs=world, join=True,
+                               start_method=method)
         except mp.ProcessExitedException as e:
             if len(os.listdir(done)) < world:
                 raise

@@ -1,18 +1,17 @@
 """The spawned-process harness of the distributed tests: a rank that dies
 during its checks fails the test; one that aborts in teardown, after every
 rank passed its checks and the barrier, is reported as a warning."""
-import atexit
 import os
 
 import pytest
 import torch.multiprocessing as mp
 
-from dist_utils import run_world
+from dist_utils import at_teardown, run_world
 
 
 def _abort_in_teardown(rank, world):
     if rank == 1:
-        atexit.register(os.abort)  # runs after the harness's barrier, marker and destroy
+        at_teardown(os.abort)  # runs after the harness's barrier, marker and destroy
 
 
 def _abort_in_checks(rank, world):
