@@ -1,5 +1,6 @@
-"""Run a function in spawned processes (gloo; NCCL with LONGATTN_DIST_BACKEND=nccl on
-GPU machines); an exception on any rank fails the test."""
+"""Run a function on several ranks (gloo: processes forked from a server that has
+imported torch and longattn; NCCL with LONGATTN_DIST_BACKEND=nccl on GPU machines:
+spawned processes); an exception on any rank fails the test."""
 from __future__ import annotations
 
 import os

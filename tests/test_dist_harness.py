@@ -1,4 +1,4 @@
-"""The spawned-process harness of the distributed tests: a rank that dies
+"""The multi-process harness of the distributed tests: a rank that dies
 during its checks fails the test; one that aborts in teardown, after every
 rank passed its checks and the barrier, is reported as a warning."""
 import os
