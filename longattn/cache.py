@@ -269,6 +269,7 @@ class KVCache:
         cache's placement; a call whose shape differs from the last agreed one
         agrees on it first)."""
         dilated = segment_lengths is not None or dilation_rates is not None
+        backend = bk.resolve(backend) if backend == "auto" else backend  # a bad name is raised by the checks below
         sig = None
         if self.group is None and not dilated and isinstance(q, torch.Tensor):
             sig = (q.shape, q.dtype, q.device, type(softmax_scale), softmax_scale, type(return_lse), return_lse,

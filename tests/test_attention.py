@@ -65,8 +65,25 @@ def test_forced_backend_errors_list_reasons():
     with pytest.raises(ValueError, match="backend='nope'"):
         longattn.attention(q, q, q, backend="nope")
     with longattn.use_backend("math"):
-        assert bk.select_backend(q, q, bk.BlockSpec(1.0)).name == "math"
-    assert bk.select_backend(q, q, bk.BlockSpec(1.0)).name == "flash"
+        assert bk.select_backend(q, q, bk.BlockSpec(1.0), bk.resolve("auto")).name == "math"
+    assert bk.select_backend(q, q, bk.BlockSpec(1.0), bk.resolve("auto")).name == "flash"
+
+
+def test_backward_runs_the_backend_the_forward_chose(monkeypatch):
+    """A backend forced for the forward is the one the backward runs, also
+    when .backward() is called after the use_backend block has closed."""
+    ran = []
+    for name in ("math", "flash"):
+        b = bk.BACKENDS[name]
+        monkeypatch.setattr(b, "backward", lambda *a, _f=b.backward, _n=name, **kw: ran.append(_n) or _f(*a, **kw))
+    q, k, v = (torch.randn(1, 16, 2, 8, requires_grad=True) for _ in range(3))
+    with longattn.use_backend("math"):
+        out = longattn.attention(q, k, v, causal=True)
+    out.sum().backward()
+    assert ran == ["math"]
+    ran.clear()
+    longattn.attention(q, k, v, causal=True).sum().backward()  # outside the block: auto (flash on CPU)
+    assert ran == ["flash"]
 
 
 def test_backend_selection_cache_follows_what_refusals_read():
@@ -77,7 +94,7 @@ def test_backend_selection_cache_follows_what_refusals_read():
     spec = bk.BlockSpec(1.0)
     assert bk.select_backend(q, q, spec).name == "flash"
     with longattn.use_backend("math"):
-        assert bk.select_backend(q, q, spec).name == "math"
+        assert bk.select_backend(q, q, spec, bk.resolve("auto")).name == "math"
     assert bk.select_backend(q, q, spec).name == "flash"
     win = bk.BlockSpec(1.0, window=(2, 2))  # CPU flash has no window: math, or triton under the interpreter
     assert bk.select_backend(q, q, win).name == bk.available_backends(q, q, win)[0] != "flash"

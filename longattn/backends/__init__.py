@@ -36,7 +36,7 @@ from .sdpa import CudnnBackend, EfficientBackend, FlashBackend
 from .triton import TritonBackend
 
 __all__ = [
-    "BlockSpec", "Backend", "BACKENDS", "select_backend", "available_backends", "explain", "use_backend", "forced",
+    "BlockSpec", "Backend", "BACKENDS", "select_backend", "available_backends", "explain", "use_backend", "resolve",
     "block_forward", "block_backward", "check_backend_name", "default_scale",
 ]
 
@@ -53,9 +53,19 @@ AUTO_ORDER = ("cudnn", "flash", "triton", "efficient", "math")
 _state = threading.local()
 
 
-def forced() -> Optional[str]:
-    """The backend a :func:`use_backend` block forces on ``"auto"`` calls (None: none)."""
+def _forced() -> Optional[str]:
     return getattr(_state, "forced", None)
+
+
+def resolve(name: str) -> str:
+    """The backend a public call runs under: ``name``, or for ``"auto"`` the one
+    a :func:`use_backend` block forces (``"auto"`` when none). The only reader of
+    that state: each public op resolves once, at the call, and carries the
+    answer into its backward, so a backward run after the block has closed
+    follows the forward. Below the public ops a name means what it says
+    (``"auto"``: the first backend whose capabilities fit)."""
+    check_backend_name(name)
+    return (_forced() or "auto") if name == "auto" else name
 
 
 @contextlib.contextmanager
@@ -66,7 +76,7 @@ def use_backend(name: str):
     ...     out = longattn.attention(q, k, v)
     """
     check_backend_name(name)
-    prev = forced()
+    prev = _forced()
     _state.forced = None if name == "auto" else name
     try:
         yield
@@ -89,8 +99,6 @@ _SELECTED_MAX = 4096
 
 
 def select_backend(q, k, spec: BlockSpec, name: str = "auto", exclude: Sequence[str] = ()) -> Backend:
-    if name == "auto":
-        name = forced() or "auto"
     key = (name, tuple(exclude), q.device, q.dtype, k.dtype, q.shape[1:], k.shape[1:], spec)
     hit = _selected.get(key)
     if hit is None:

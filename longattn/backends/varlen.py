@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import tuning as _tuning
-from . import BACKENDS, BlockSpec, aten, block_backward, block_forward, forced
+from . import BACKENDS, BlockSpec, aten, block_backward, block_forward
 
 KINDS = ("loop", "flash", "triton")
 
@@ -21,8 +21,9 @@ def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuni
     ``backend="triton"`` / ``"flash"`` their varlen kernels (ValueError when
     they cannot run it), another backend name a loop over documents through
     it; ``"auto"`` on CUDA loops over long documents (one cuDNN call each),
-    else flash varlen, else Triton; elsewhere the loop (Triton when forced
-    with :func:`longattn.use_backend`)."""
+    else flash varlen, else Triton; elsewhere the loop. ``backend`` is
+    already resolved (:func:`longattn.backends.resolve`): a name forced with
+    :func:`longattn.use_backend` arrives as that name."""
     triton_why = BACKENDS["triton"].kernel_refusals(q)
     flash_why = BACKENDS["flash"].varlen_refusals(q)
     if backend in ("triton", "flash"):
@@ -32,13 +33,12 @@ def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuni
         return backend
     if backend != "auto":
         return "loop"
-    want = forced()
     long_docs = q.shape[0] >= tuning.loop_min_mean_tokens * max(ndocs, 1)
-    if want is None and long_docs and q.device.type == "cuda":
+    if long_docs and q.device.type == "cuda":
         return "loop"
-    if want in (None, "flash") and not flash_why:
+    if not flash_why:
         return "flash"
-    if not triton_why and (want == "triton" or (want is None and q.device.type == "cuda")):
+    if not triton_why and q.device.type == "cuda":
         return "triton"
     return "loop"
 

@@ -116,13 +116,12 @@ def _engine(pass_: str, q, k, segs, rates, causal: bool, backend: str, views_ok:
         return "gather" if tuning.schedule == "gather" or not views_ok else "views"
     if tuning.schedule in FUSED_SCHEDULES or backend == "triton":
         return "fused"
-    want = bk.forced()
-    if backend != "auto" or q.device.type != "cuda" or want not in (None, "triton"):
+    if backend != "auto" or q.device.type != "cuda":
         return local
     cudnn_views = views_ok and not bk.BACKENDS["cudnn"].refusals(bk.BlockSpec(1.0), q, k)
     grouped_bwd = (pass_ == "bwd" and not causal and tuning.grouped_backward_noncausal
                    and grouped_runs(q.shape[1], segs, rates, tuning))
-    if want is None and q.shape[0] * q.shape[1] >= tuning.views_min_tokens and cudnn_views and not grouped_bwd:
+    if q.shape[0] * q.shape[1] >= tuning.views_min_tokens and cudnn_views and not grouped_bwd:
         return "views"
     return local if fused_refusals(q) else "fused"
 
@@ -149,7 +148,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
     if torch.compiler.is_compiling():  # traced once per graph; shapes may be symbolic
         return _choose(q, k, list(segment_lengths), list(dilation_rates), causal, backend, tuning)
     key = (q.shape, k.shape, q.dtype, q.device, tuple(segment_lengths), tuple(dilation_rates), causal, backend,
-           tuning, bk.forced())
+           tuning)
     plan = _chosen.get(key)
     if plan is None:
         plan = _choose(q, k, list(segment_lengths), list(dilation_rates), causal, backend, tuning)

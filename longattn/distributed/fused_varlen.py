@@ -102,5 +102,5 @@ def fusable(q: torch.Tensor, window: tuple, backend: str) -> bool:
     """Steps fuse into one flash-varlen launch where that kernel runs (its
     capabilities: CUDA sm80+, fp16/bf16, head dim % 8 == 0 and <= 256), with no
     window and the backend left to ``auto`` (or ``flash``)."""
-    return (window == (-1, -1) and backend in ("auto", "flash") and bk.forced() in (None, "flash")
+    return (window == (-1, -1) and backend in ("auto", "flash")
             and not bk.BACKENDS["flash"].varlen_refusals(q))

@@ -76,7 +76,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(g, 2))
     """
     left, right = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size)
-    bk.check_backend_name(backend)
+    backend = bk.resolve(backend)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     q_offset = k.shape[1] - q.shape[1]
     spec = bk.BlockSpec(scale, causal, (left, right), q_offset)

@@ -65,7 +65,7 @@ def describe(x, capacity: bool = True):
 def _split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning) -> list[str]:
     """Why the split-KV kernel cannot run this call under ``backend`` (a name
     forced with :func:`longattn.use_backend` counts for ``auto``)."""
-    name = (bk.forced() or "auto") if backend == "auto" else backend
+    name = bk.resolve(backend)
     why = [] if name in ("auto", "triton") else [f"backend {name!r} (use 'auto' or 'triton')"]
     return why + bk.BACKENDS["triton"].kernel_refusals(q) + _kdec.refusals(q, k_cache, v_cache,
                                                                            tuning.split_kv_max_rows)
@@ -90,7 +90,7 @@ def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
       backend name (or one forced with :func:`longattn.use_backend`).
 
     (Under CUDA graph capture the kernel is the only engine.)"""
-    name = (bk.forced() or "auto") if backend == "auto" else backend
+    name = bk.resolve(backend)
     if name not in ("auto", "triton"):
         return "backend"
     graphed = graph_steps and tuning.graph_steps and graphs.usable(q)
@@ -421,6 +421,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 out = longattn.decode_attention(q, k_cache, v_cache, cache_seqlens=lens)
             lens += 1; q.copy_(q_next); g.replay()  # out now holds the next step's output
     """
+    backend = bk.resolve(backend) if backend == "auto" else backend  # a bad name is raised by the checks below
     check = lambda: _check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend)
     if group is None:
         check()
@@ -496,7 +497,7 @@ def dilated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     segs, rates = check_dilation(segment_lengths, dilation_rates)
     check_flag(return_lse, "return_lse")
     check_scale(softmax_scale)
-    bk.check_backend_name(backend)
+    backend = bk.resolve(backend)
     lens = cache_seqlens.tolist()
     lq = q.shape[1]
     check_lengths(lens, k_cache.shape[1], lq, True)

@@ -96,7 +96,7 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segm
                            softmax_scale=softmax_scale, return_lse=return_lse, backend=backend, tuning=tuning,
                            group=group)
     segs, rates = check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_lse, softmax_scale)
-    bk.check_backend_name(backend)
+    backend = bk.resolve(backend)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     plan = _dil.choose(q, k, segs, rates, causal, backend, tuning)
     if plan.fwd in ("views", "gather") and backend != "auto" and not torch.compiler.is_compiling():

@@ -54,7 +54,7 @@ def dilated_attention_over_ranks(q, k, v, *, segment_lengths, dilation_rates, ca
     segments fit in a shard run locally (their engine chosen once, as on one
     device), the others as a ring over the ranks a segment spans."""
     segs, rates = check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_lse, softmax_scale)
-    bk.check_backend_name(backend)
+    backend = bk.resolve(backend)
     g = checks.resolve_group(group)
     local, _ = _over.split_branches(q.shape[1], dist.get_world_size(g), segs, rates)
     scale = bk.default_scale(q.shape[-1], softmax_scale)

@@ -64,7 +64,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         out = longattn.shard_for_mesh(longattn.attention(full(q), full(k), full(v), causal=causal),
                                       mesh, layout=layout)
     """
-    window, scale = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend)
+    window, scale, backend = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend)
     ug, rg, u, r = _mesh(mesh, q.shape[2])
     if layout == "zigzag" and (q.shape[1] * u) % 2:
         raise ValueError(f"layout='zigzag' needs an even ring shard (seqlen_local x ulysses size = "
@@ -103,7 +103,7 @@ def context_parallel_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch
         ``unshard_varlen_for_mesh(out, cu_seqlens, mesh, layout=layout)`` equals
         ``attention_varlen`` of the packed input.
     """
-    window, scale = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=3)
+    window, scale, backend = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=3)
     ug, rg, u, r = _mesh(mesh, q.shape[1])
     check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]))
     cu = tuple(int(x) for x in cu_seqlens.tolist())

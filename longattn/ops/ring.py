@@ -108,7 +108,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     """
     window = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True)
     check_layout(layout)
-    bk.check_backend_name(backend)
+    backend = bk.resolve(backend)
     g = checks.resolve_group(group)
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {q.shape[1]}")

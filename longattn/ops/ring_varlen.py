@@ -84,7 +84,7 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     """
     window = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True, ndim=3)
     check_layout(layout)
-    bk.check_backend_name(backend)
+    backend = bk.resolve(backend)
     g = checks.resolve_group(group)
     check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]))
     want = local_length(cu_seqlens.tolist(), layout, dist.get_world_size(g))

@@ -32,11 +32,10 @@ __all__ = ["ulysses_attention", "ulysses_attention_varlen"]
 
 
 def check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=4):
-    """The argument checks every Ulysses / hybrid entry point shares; returns (window, scale)."""
+    """The argument checks every Ulysses / hybrid entry point shares; returns (window, scale, backend resolved)."""
     window = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True, ndim=ndim)
     check_layout(layout)
-    bk.check_backend_name(backend)
-    return window, bk.default_scale(q.shape[-1], softmax_scale)
+    return window, bk.default_scale(q.shape[-1], softmax_scale), bk.resolve(backend)
 
 
 def _run(op, tensors, *args):
@@ -160,7 +159,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         full = lambda x: longattn.unshard(x, layout=layout)
         out = longattn.shard(longattn.attention(full(q), full(k), full(v), causal=causal), layout=layout)
     """
-    window, scale = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend)
+    window, scale, backend = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend)
     g = U.as_group(group)
     world = dist.get_world_size(g)
     U.check_heads(q.shape[2], world, "the group")
@@ -232,7 +231,7 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         ``unshard_varlen(out, cu_seqlens, layout=layout)`` equals ``attention_varlen``
         of the packed input.
     """
-    window, scale = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=3)
+    window, scale, backend = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=3)
     g = U.as_group(group)
     world = dist.get_world_size(g)
     problem, cu = None, None

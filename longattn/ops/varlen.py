@@ -66,7 +66,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     left, right = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True,
                                        ndim=3)
     check_cu_seqlens(cu_seqlens, q.shape[0])
-    bk.check_backend_name(backend)
+    backend = bk.resolve(backend)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1])
     if max_seqlen is None:
         max_seqlen = int(lens.max())
