@@ -48,10 +48,10 @@ CPU_CANDIDATES = [_C(16, 16, 4, 1), _C(32, 16, 4, 1), _C(16, 32, 4, 1)]  # the i
 
 
 def _source_hash() -> str:
-    from . import attention_jit, grouped_jit
+    from . import attention_jit, grouped_jit, ranges_jit
 
     h = hashlib.sha1()
-    for mod in (attention_jit, grouped_jit):
+    for mod in (attention_jit, grouped_jit, ranges_jit):
         with open(mod.__file__, "rb") as fh:
             h.update(fh.read())
     return h.hexdigest()[:12]
