@@ -81,7 +81,7 @@ class ShardedCache(Cache):
     ``attn_implementation="longattn_ring"`` or ``"longattn_dilated"``: each
     layer is a :class:`longattn.KVCache` sharded over ``group`` (default: the
     whole world), filled by the prefill and appended to one rank per token
-    (see the module docstring). Only those two attention implementations
+    (see the package docstring). Only those two attention implementations
     read it: ``update`` returns the new tokens alone, so ``"sdpa"`` or
     ``"eager"`` would attend to nothing else (``"longattn"`` raises).
 
