@@ -9,7 +9,7 @@ import torch
 
 import longattn
 from longattn import context_parallel as _cp
-from longattn.distributed import checks as _checks
+from longattn.distributed import checks as rank_checks
 
 from . import checks
 from .masks import mask_error
@@ -48,7 +48,7 @@ def agree(module, group, impl: str, problem, **facts) -> None:
     the facts that must match across ranks), or here alone at later layers,
     which every rank reaches only when the first agreed."""
     if checks.first_layer(module):
-        _checks.agree(group, impl, problem, **facts)
+        rank_checks.agree(group, impl, problem, **facts)
     elif problem is not None:
         raise problem
 

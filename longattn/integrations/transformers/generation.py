@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 import longattn
 from longattn import context_parallel as _cp
-from longattn.distributed import checks as _checks
+from longattn.distributed import checks as rank_checks
 from longattn.distributed.cache import prefill_pieces
 from longattn.distributed.layout import check_layout
 
@@ -149,7 +149,7 @@ def _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_win
             raise ValueError(f"attn_implementation={impl!r}: a sharded batch (longattn_cp) fills an empty "
                              f"ShardedCache with dense rows of one length under 'longattn_ring' (no padding, no "
                              f"packed documents); decode with model.generate(input_ids, past_key_values=cache)")
-        if _checks.group_name(ctx.group) != _checks.group_name(layer.owner.group):
+        if rank_checks.group_name(ctx.group) != rank_checks.group_name(layer.owner.group):
             raise ValueError(f"attn_implementation={impl!r}: the sharded batch's group differs from the "
                              f"ShardedCache's group")
     if query.shape[2] != key.shape[2]:
