@@ -278,6 +278,32 @@ def test_value_head_dim_smaller_than_query():
     assert rel_err(out, ref[..., :6]) < TOL
 
 
+def test_mask_hook_hands_the_call_documents():
+    """What the mask hook returns is what transformers hands each attention call
+    as attention_mask: None for dense rows, Documents (the real tokens as packed
+    documents) for padding; a 2-D padding mask given to the call directly runs
+    the same, and a padded row equals that sequence alone."""
+    from longattn.integrations.transformers.masks import Documents
+
+    hook = transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["longattn"]
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[0, :3] = False
+    docs = hook(batch_size=2, q_length=9, kv_length=9, attention_mask=pad)
+    assert isinstance(docs, Documents) and docs.cu_k.tolist() == [0, 6, 15]
+    assert hook(batch_size=2, q_length=9, kv_length=9, attention_mask=torch.ones_like(pad)) is None
+    model, _ = _pair("llama")
+    attn = model.model.layers[0].self_attn
+    torch.manual_seed(5)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    got, _ = lt.attention_forward(attn, q, k, v, docs, scaling=0.3)
+    direct, _ = lt.attention_forward(attn, q, k, v, pad, scaling=0.3)
+    assert torch.equal(got, direct) and not got[0, :3].any()
+    from reference import attention_ref
+
+    alone, _ = attention_ref(*(x[:1, :, 3:].transpose(1, 2).double() for x in (q, k, v)), causal=True, scale=0.3)
+    assert rel_err(got[:1, 3:], alone) < TOL
+
+
 def test_import_longattn_does_not_import_transformers():
     code = "import sys, longattn; assert 'transformers' not in sys.modules; longattn.context_parallel"
     subprocess.run([sys.executable, "-c", code], check=True)

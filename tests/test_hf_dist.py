@@ -205,6 +205,13 @@ def _check_generate(rank, world):
     from longattn import context_parallel as cp
 
     lt.register()
+    # a layer reaches the attention call through the keyword arguments the model passes update (not the tensors)
+    probe, call_kwargs, t = lt.ShardedCache(), {}, torch.zeros(1, 2, 3, 8)
+    k_out, v_out = probe.update(t, t, 0, kwargs=call_kwargs)
+    assert k_out is t and v_out is t and not vars(t)
+    assert call_kwargs == {"longattn_sharded_layer": probe.layers[0]}
+    with pytest.raises(ValueError, match="kwargs=kwargs"):
+        probe.update(t, t, 0)
     extra = dict(eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(_config(**extra), attn_implementation="sdpa")

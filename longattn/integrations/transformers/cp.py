@@ -1,0 +1,66 @@
+"""The sharded batch of :func:`longattn.context_parallel.shard_batch` in the
+attention call of ``"longattn_ring"``: its :class:`~longattn.context_parallel.CPContext`
+arrives as the ``longattn_cp`` keyword; problems are found on each rank and
+raised on all of them (one small all-gather per forward, at the first layer)
+so that no rank waits in the ring."""
+from __future__ import annotations
+
+import torch
+
+import longattn
+from longattn import context_parallel as _cp
+from longattn.distributed import checks as rank_checks
+
+from . import checks
+from .masks import mask_error
+
+
+def context(kwargs, impl: str) -> _cp.CPContext:
+    ctx = kwargs.get(checks.CP_KEY)
+    if not isinstance(ctx, _cp.CPContext):
+        raise ValueError(f"attn_implementation={impl!r} runs on a batch sharded by "
+                         f"longattn.context_parallel.shard_batch: call model(**batch) with the dict it returns (its "
+                         f"'{checks.CP_KEY}' entry carries the process group and layout)")
+    return ctx
+
+
+def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs) -> None:
+    """What a sharded batch cannot carry (ValueError)."""
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        raise mask_error(impl, attention_mask)
+    if attention_mask is not None:
+        raise ValueError(f"attn_implementation={impl!r}: an attention_mask with padding reached the model; give "
+                         f"it to longattn.context_parallel.shard_batch(attention_mask=...) instead")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"attn_implementation={impl!r} runs training and prefill over a sharded sequence, "
+                         f"without a KV cache (queries {query.shape[2]}, keys {key.shape[2]}): call the model "
+                         f"with use_cache=False; generate with past_key_values=ShardedCache(group) "
+                         f"(longattn.integrations.transformers)")
+    if checks.flash_kwargs(kwargs) is not None:
+        raise ValueError(f"attn_implementation={impl!r}: pass packed documents to "
+                         f"longattn.context_parallel.shard_batch (cu_seqlens=...), not cu_seq_lens_q/k")
+    if ctx.cu_seqlens is not None and query.shape[0] != 1:
+        raise ValueError(f"attn_implementation={impl!r}: a packed batch is one row, got batch {query.shape[0]}")
+
+
+def agree(module, group, impl: str, problem, **facts) -> None:
+    """Raise ``problem`` on every rank of ``group`` (at the first layer, with
+    the facts that must match across ranks), or here alone at later layers,
+    which every rank reaches only when the first agreed."""
+    if checks.first_layer(module):
+        rank_checks.agree(group, impl, problem, **facts)
+    elif problem is not None:
+        raise problem
+
+
+def ring_forward(ctx: _cp.CPContext, q, k, v, causal: bool, scaling, sliding_window):
+    """Ring attention of this rank's shard, (batch, seq, heads, dim): dense rows,
+    or the packed stream on the global document boundaries."""
+    if ctx.cu_seqlens is None:
+        return longattn.ring_attention(q, k, v, causal=causal, softmax_scale=scaling,
+                                       window_size=checks.window(sliding_window, causal, ctx.seqlen),
+                                       layout=ctx.layout, group=ctx.group)
+    lens = ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1]
+    window = checks.window(sliding_window, causal, int(lens.max()))
+    return longattn.ring_attention_varlen(q[0], k[0], v[0], ctx.cu_seqlens, layout=ctx.layout, causal=causal,
+                                          softmax_scale=scaling, window_size=window, group=ctx.group)[None]

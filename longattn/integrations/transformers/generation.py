@@ -1,0 +1,171 @@
+"""Context-parallel generation: :class:`ShardedCache`, a transformers
+``Cache`` whose layers are :class:`longattn.KVCache` parts sharded over a
+group, and the attention call of a layer that holds one (see the package
+docstring). Imported on first use of
+``longattn.integrations.transformers.ShardedCache`` (it imports transformers).
+
+A layer's ``update`` writes itself into the keyword arguments that the model
+passes on to the attention call (``cache.update(..., kwargs=kwargs)``, the
+channel transformers' paged cache uses); the attention call finds it there."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+import longattn
+from longattn import context_parallel as _cp
+from longattn.distributed import checks as rank_checks
+from longattn.distributed.cache import prefill_pieces
+from longattn.distributed.layout import check_layout
+
+from . import checks
+from .cp import agree
+
+__all__ = ["ShardedCache", "ShardedLayer", "sharded_layer_forward"]
+
+
+class ShardedLayer(CacheLayerMixin):
+    """One layer of a :class:`ShardedCache`: a :class:`longattn.KVCache` built by
+    the layer's first attention call (the prefill), appended by ``update``."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner, self.kv = owner, None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, kwargs=None, **_):
+        """Append the new tokens (decoding) and return them alone, never the
+        cache's parts; ``kwargs``: the attention call's keyword arguments,
+        which then carry this layer."""
+        if kwargs is None:
+            raise ValueError("ShardedCache: this model's attention layer does not pass its keyword arguments to the "
+                             "cache (cache.update(key, value, layer_idx, kwargs=kwargs), as transformers' own models "
+                             "do), so its attention call cannot find the sharded layer; use the default cache")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.kv is not None:
+            self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
+        kwargs[checks.SHARDED_LAYER_KEY] = self
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0 if self.kv is None else self.kv.layout.seqlens[0]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.kv, self.is_initialized = None, False
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("a ShardedCache cannot be reordered, cropped or re-batched (beam search, "
+                                  "assisted decoding); use greedy or sampled generation")
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class ShardedCache(Cache):
+    """A transformers ``Cache`` for context-parallel generation with
+    ``attn_implementation="longattn_ring"`` or ``"longattn_dilated"``: each
+    layer is a :class:`longattn.KVCache` sharded over ``group`` (default: the
+    whole world), filled by the prefill and appended to one rank per token
+    (see the package docstring). Only those two attention implementations
+    read it: ``update`` returns the new tokens alone, so ``"sdpa"`` or
+    ``"eager"`` would attend to nothing else (``"longattn"`` raises).
+
+    Args:
+        group: ProcessGroup (default WORLD; torch.distributed must be
+            initialised); a group of one rank works too.
+        layout: how a prompt given whole is split for the cache (``"zigzag"``
+            or ``"contiguous"``; any length); a sharded batch brings its own.
+        reserve: tokens to be generated, preallocated (otherwise the parts
+            grow when full, a copy each time).
+        block: tokens that go to one rank before the next is chosen.
+    """
+
+    def __init__(self, group=None, *, layout: str = "zigzag", reserve: int = 0, block: int = 256):
+        check_layout(layout)
+        self.group = _cp.resolve_group(group)
+        self.layout, self.reserve, self.block = layout, reserve, block
+        super().__init__(layer_class_to_replicate=functools.partial(ShardedLayer, self))
+
+
+def sharded_layer_forward(impl: str, layer: ShardedLayer, module, query, key, value, attention_mask, scaling,
+                          dropout, sliding_window, softcap, kwargs, branches=None):
+    """The attention call of a layer whose cache is ``layer``: ``key``/``value``
+    are the tokens of this forward (``update`` already appended them when
+    decoding). ``branches``: the dilated segment lengths and rates, or None."""
+    cache = layer.owner
+    ctx = kwargs.get(checks.CP_KEY)
+    problem, causal, dv = None, True, value.shape[-1]
+    try:
+        causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs)
+        _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_window, causal, branches)
+    except ValueError as e:
+        problem = e
+    agree(module, cache.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
+          prefill=layer.kv is None, sharded_batch=ctx is not None)
+    q, k, v = checks.to_bshd(query, key, value)
+    if layer.kv is not None:
+        out = layer.kv.attend(q, softmax_scale=scaling, **(branches or {}))
+    elif ctx is not None:  # this rank's shard of the prompt: ring attention, then keep the shard's K/V
+        out = longattn.ring_attention(q, k, v, causal=True, softmax_scale=scaling, layout=ctx.layout,
+                                      group=cache.group)
+        layer.kv = longattn.KVCache.from_prefill(k, v, layout=ctx.layout, group=cache.group, reserve=cache.reserve,
+                                                 block=cache.block)
+    else:  # the whole prompt on every rank: keep this rank's pieces
+        layer.kv = longattn.KVCache.from_sequence(k, v, layout=cache.layout, group=cache.group,
+                                                  reserve=cache.reserve, block=cache.block)
+        if branches is not None:
+            out = longattn.dilated_attention(q, k, v, causal=True, softmax_scale=scaling, **branches)
+        else:
+            out = _pieces_attention(q, k, v, scaling, cache.layout, cache.group)
+    return checks.crop(out, dv)
+
+
+def _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_window, causal, branches) -> None:
+    if attention_mask is not None:
+        raise ValueError(f"attn_implementation={impl!r} with a ShardedCache: got a padding mask; generate from "
+                         f"prompts of one length (no padding), or one prompt per call")
+    if sliding_window is not None:
+        raise ValueError(f"attn_implementation={impl!r} with a ShardedCache has no sliding window (this layer has "
+                         f"{sliding_window}); set config.sliding_window = None or use the default cache")
+    if not causal:
+        raise ValueError(f"attn_implementation={impl!r}: decoding from a ShardedCache needs a causal layer")
+    if ctx is not None:
+        if branches is not None or layer.kv is not None or ctx.cu_seqlens is not None:
+            raise ValueError(f"attn_implementation={impl!r}: a sharded batch (longattn_cp) fills an empty "
+                             f"ShardedCache with dense rows of one length under 'longattn_ring' (no padding, no "
+                             f"packed documents); decode with model.generate(input_ids, past_key_values=cache)")
+        if rank_checks.group_name(ctx.group) != rank_checks.group_name(layer.owner.group):
+            raise ValueError(f"attn_implementation={impl!r}: the sharded batch's group differs from the "
+                             f"ShardedCache's group")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"attn_implementation={impl!r}: the ShardedCache returned {key.shape[2]} keys for "
+                         f"{query.shape[2]} queries")
+
+
+def _pieces_attention(q, k, v, scale, layout: str, group) -> torch.Tensor:
+    """Causal attention of the whole prompt when every rank holds all of q, k,
+    v: each rank computes the queries of its pieces (their keys are all at or
+    before them: no communication) and one all-reduce assembles the output."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    for g0, n in prefill_pieces(layout, rank, world, q.shape[1]):
+        if n:
+            out[:, g0:g0 + n] = longattn.attention(q[:, g0:g0 + n], k[:, :g0 + n], v[:, :g0 + n], causal=True,
+                                                   softmax_scale=scale)
+    dist.all_reduce(out, group=group)  # the other ranks add zeros: exact
+    return out
