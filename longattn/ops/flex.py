@@ -81,7 +81,7 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     skipped, a step with no visible key is not computed, and the ring ends
     after the last step any rank needs (a sliding window or documents that
     stay within a shard end it early). Block masks are built on the first call
-    per (shape, pattern) and cached (one small collective then).
+    per (shape, pattern) and cached (two small collectives then).
 
     Runs outside ``torch.compile`` graphs (a graph break); its local steps are compiled on CUDA.
 
