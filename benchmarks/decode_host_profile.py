@@ -10,7 +10,7 @@ import torch
 
 import longattn
 from longattn import tuning
-from longattn.ops.decode import dense_part
+from longattn.decode.engine import dense_part
 from longattn.kernels import decode as kd
 dev = torch.device("cuda")
 b, n, h, hkv, d = 1, 131072, 32, 8, 128

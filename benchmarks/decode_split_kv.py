@@ -31,7 +31,7 @@ from longattn import tuning as tn
 from longattn.bench.decode import _captured
 from longattn.bench.measure import environment, time_ms
 from longattn.bench.single import _failure
-from longattn.ops.decode import dense_part
+from longattn.decode.engine import dense_part
 
 p = argparse.ArgumentParser()
 p.add_argument("--context", type=int, nargs="+", default=[131072, 1048576])

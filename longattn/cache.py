@@ -14,7 +14,11 @@ from ._validation import check_dilation, check_flag, check_qkv, check_scale
 from .distributed import checks
 from .distributed.cache import CacheLayout, prefill_pieces
 from .distributed.layout import check_layout
-from .ops import decode as _dec
+from .decode.checks import check_cache_tensors, describe, no_capture
+from .decode.dilated import dilated_part
+from .decode.engine import dense_engine, dense_part
+from .decode.graph_steps import StepGraphs
+from .decode.sharded import gather_partials
 
 __all__ = ["KVCache"]
 
@@ -51,7 +55,7 @@ class KVCache:
     every rank. Dense decoding needs every token. Dilated decoding reads, for
     each branch (w, r), the keys of the query's current segment in its offset
     class: every token (all kv heads, since heads differ in class) from
-    :func:`longattn.ops.decode.dilated_read_start` on; the cache keeps all
+    :func:`longattn.decode.dilated_read_start` on; the cache keeps all
     tokens, so one cache serves both and a model may mix them.
 
     * Build it from a context-parallel prefill: :meth:`from_prefill` (each rank
@@ -73,7 +77,7 @@ class KVCache:
 
     On one CUDA device a dense step (``attend`` without branches, backend
     auto or triton) is replayed from a CUDA graph from its shape's second
-    call on (:class:`longattn.ops.decode.StepGraphs`: an eager step is
+    call on (:class:`longattn.decode.graph_steps.StepGraphs`: an eager step is
     host-bound at long contexts); steps of one cache run on one stream. The
     engines follow ``cache.tuning`` (:class:`longattn.tuning.DecodeTuning`),
     e.g. ``cache.tuning = DecodeTuning(graph_steps=False)`` to run every step
@@ -104,7 +108,7 @@ class KVCache:
         self._agreed: Optional[tuple] = None
         self._pending: Optional[Exception] = None
         self._since_attend: Optional[tuple] = None
-        self._steps = _dec.StepGraphs()
+        self._steps = StepGraphs()
         self.tuning = _tuning.DECODE
 
     # ------------------------------------------------------------ construction
@@ -280,7 +284,7 @@ class KVCache:
         problem = None
         segs = rates = None
         try:
-            _dec.check_cache_tensors(q, self.k, self.v)
+            check_cache_tensors(q, self.k, self.v)
             if dilated:
                 segs, rates = check_dilation(segment_lengths, dilation_rates)
             check_flag(return_lse, "return_lse")
@@ -292,8 +296,8 @@ class KVCache:
         scale = bk.default_scale(q.shape[-1], softmax_scale) if problem is None else None
         if self.group is not None:
             if isinstance(q, torch.Tensor):  # under capture on every rank alike: raised before any collective
-                _dec._no_capture(q, "KVCache.attend (sharded)")
-            fields = dict(q=_dec.describe(q), segs=segs, rates=rates, scale=softmax_scale, lse=return_lse,
+                no_capture(q, "KVCache.attend (sharded)")
+            fields = dict(q=describe(q), segs=segs, rates=rates, scale=softmax_scale, lse=return_lse,
                           backend=backend)
             return _returned(q, *self._attend_sharded(q, fields, problem,
                                                       lambda: self._part(q, segs, rates, scale, backend)), return_lse)
@@ -315,20 +319,20 @@ class KVCache:
         lay, me, lq = self.layout, self.rank, q.shape[1]
         if segs is None:
             lens = lay.local[me]
-            return _dec.dense_part(q, self.k, self.v, lens, me == lay.last_owner, scale, backend, tuning=self.tuning,
-                                   ragged=len(set(lens)) > 1)
-        return _dec.dilated_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], segs, rates, scale,
-                                 backend)
+            return dense_part(q, self.k, self.v, lens, me == lay.last_owner, scale, backend, tuning=self.tuning,
+                              ragged=len(set(lens)) > 1)
+        return dilated_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], segs, rates, scale,
+                            backend)
 
     def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
         """One device: a step replayed from a CUDA graph where the engine allows."""
         lens = self.layout.local[0]
-        engine = _dec.dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True)
+        engine = dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True)
         if engine == "graphs":
             out, lse = self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
         else:
-            out, lse = _dec.dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning,
-                                       engine=engine, ragged=len(set(lens)) > 1)
+            out, lse = dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning, engine=engine,
+                                  ragged=len(set(lens)) > 1)
         return _returned(q, out, lse, return_lse)
 
     def _attend_sharded(self, q, fields: dict, problem: Optional[Exception], part):
@@ -342,12 +346,11 @@ class KVCache:
         header = [call & _MASK, call >> 28, placed & _MASK, placed >> 28, int(problem is not None),
                   int(self._pending is not None), int(not same)]
         agreed_shape = None if self._agreed is None else self._agreed[1]
-        heads, merge = _dec.gather_partials(part() if same else None, agreed_shape, header, self.group,
-                                            self.k.device)
+        heads, merge = gather_partials(part() if same else None, agreed_shape, header, self.group, self.k.device)
         self._judge(heads, problem, fields)
         if any(h[6] for h in heads):  # every rank made this same call, another than the one agreed before
             self._agreed = (call, shape)
-            heads, merge = _dec.gather_partials(part(), shape, [], self.group, self.k.device)
+            heads, merge = gather_partials(part(), shape, [], self.group, self.k.device)
         self._since_attend = None
         return merge()
 
@@ -398,7 +401,7 @@ def _checked_build(g, what: str, k, v, seqlens, total: int, layout: str, reserve
     except (TypeError, ValueError) as e:
         problem = e
     if g is not None:
-        checks.agree(g, what, problem, k=_dec.describe(k), v=_dec.describe(v),
+        checks.agree(g, what, problem, k=describe(k), v=describe(v),
                      seqlens=None if lens is None else tuple(lens), layout=layout, reserve=reserve, block=block)
     elif problem is not None:
         raise problem

@@ -26,6 +26,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .flex.checks import check_mod
+
 __all__ = ["causal", "sliding_window", "document", "prefix_lm", "local_global", "block_sparse", "dilated_branch",
            "dilated", "and_", "or_"]
 
@@ -200,6 +202,8 @@ def dilated(segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, ca
 def _combine(mods, op: str) -> MaskMod:
     if not mods or not all(callable(m) for m in mods):
         raise TypeError(f"{op}_() takes one or more mask_mod functions")
+    for i, m in enumerate(mods):
+        check_mod(m, "mask_mod", f"{op}_() argument {i + 1}")
     mods = tuple(mods)
     if op == "and":
         def mask(b, h, q_idx, kv_idx):

@@ -9,7 +9,7 @@ import torch
 
 import longattn
 from longattn.distributed.cache import CacheLayout, prefill_pieces
-from longattn.ops.decode import dilated_read_start
+from longattn.decode import dilated_read_start
 from reference import assert_close, attention_ref, dilated_ref
 
 TOL = 1e-4
@@ -71,7 +71,7 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
     lengths in one launch (lengths on the host and as a tensor), equal lengths,
     several splits per row, causal and not, an empty row, a strided cache."""
     from longattn.kernels import decode as kdec
-    from longattn.ops.decode import dense_engine
+    from longattn.decode.engine import dense_engine
 
     torch.manual_seed(2)
     b, cap, d = 3, 80, 16

@@ -5,15 +5,17 @@ lse: no recompute, no tensor kept) on two merged key halves; the compiled path
 CUDA takes (FlexAttention's operator under torch.compile, traced with the
 aot_eager backend on CPU) and its backward through FlexAttention's autograd;
 input checks."""
+import os
 import sys
+import traceback
 
 import pytest
 import torch
 
 import longattn
 from longattn import masks
-from longattn.distributed import flex_plan as fp
-from longattn.ops.flex import FlexStep
+from longattn.flex import plan as fp
+from longattn.flex.step import FlexStep
 from reference import assert_close, check_op, dense_mask, flex_ref, results
 
 TOL = 1e-4
@@ -275,6 +277,31 @@ def test_input_checks():
         longattn.flex_attention(q, torch.randn(B, S, 3, D), torch.randn(B, S, 3, D))
     with pytest.raises(TypeError, match="return_lse"):
         longattn.flex_attention(q, k, v, return_lse=1)
+
+
+@pytest.mark.parametrize("name,fn,want", [
+    ("mask_mod", lambda q_idx, kv_idx: kv_idx <= q_idx, r"mask_mod must take 4 positional arguments, "
+                                                        r"mask_mod\(b, h, q_idx, kv_idx\)"),
+    ("mask_mod", lambda score, b, h, q_idx, kv_idx: kv_idx <= q_idx, "mask_mod must take 4"),
+    ("score_mod", lambda score, q_idx, kv_idx: score, r"score_mod must take 5 positional arguments, "
+                                                      r"score_mod\(score, b, h, q_idx, kv_idx\)"),
+])
+def test_wrong_arity_raises_at_the_call(name, fn, want):
+    """A mask or score function of the wrong arity: a TypeError naming the
+    argument and FlexAttention's signature, raised by the argument checks (not
+    inside the block planner or torch's vmap)."""
+    q, k, v, _, _ = _inputs(2)
+    with pytest.raises(TypeError, match=want) as info:
+        longattn.flex_attention(q, k, v, **{name: fn})
+    files = [f.filename for f in traceback.extract_tb(info.tb)]
+    assert files[-1].endswith(os.path.join("longattn", "flex", "checks.py")), files
+    assert not any(f.endswith(("plan.py", "schedule.py")) or "_functorch" in f for f in files), files
+    with pytest.raises(TypeError, match=r"and_\(\) argument 2 must take 4"):
+        masks.and_(masks.causal(), lambda q_idx, kv_idx: kv_idx <= q_idx)
+    # extra parameters with defaults, or *args, fit FlexAttention's call
+    out = longattn.flex_attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx, w=2: kv_idx <= q_idx,
+                                  score_mod=lambda score, *idx: score)
+    torch.testing.assert_close(out, longattn.flex_attention(q, k, v, mask_mod=masks.causal()))
 
 
 def test_dilated_mask_against_dilated_attention():

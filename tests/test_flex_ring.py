@@ -13,7 +13,7 @@ from longattn import masks
 from longattn.distributed import transport
 from longattn.distributed.ring import BackendOp, ring_forward
 from longattn.distributed.transport import ring_transport
-from longattn.ops.flex import ring_schedule
+from longattn.flex.schedule import ring_schedule
 from reference import flex_ref
 
 TOL = 1e-4
@@ -149,8 +149,12 @@ def _check_errors(rank, world):
         longattn.ring_flex_attention(q[:, :7], q[:, :7], q[:, :7], layout="zigzag")
     with pytest.raises(TypeError, match="mask_mod must be a function"):
         longattn.ring_flex_attention(q, q, q, mask_mod=3)
+    with pytest.raises(TypeError, match=r"mask_mod must take 4 positional arguments, mask_mod\(b, h, q_idx, kv_idx\)"):
+        longattn.ring_flex_attention(q, q, q, mask_mod=lambda q_idx, kv_idx: kv_idx <= q_idx)
+    with pytest.raises(TypeError, match=r"score_mod must take 5 positional arguments"):
+        longattn.ring_flex_attention(q, q, q, score_mod=lambda score, q_idx, kv_idx: score)
     # a mask that fails on one rank only: that rank raises its error, the others say where it failed
-    want = (TypeError, "must return a bool tensor") if rank == 1 else (ValueError, r"failed on ranks \[1\]")
+    want = (TypeError, "must return a bool tensor") if rank == 1 else (ValueError, r"rank\(s\) \[1\] of the group")
     with pytest.raises(want[0], match=want[1]):
         longattn.ring_flex_attention(q, q, q, mask_mod=_flaky_mask, layout="contiguous")
     assert_group_usable(world)

@@ -1,7 +1,7 @@
 """longattn.masks against dense boolean definitions written plainly (Python
 loops over positions), evaluated both on broadcast index tensors and as
 FlexAttention evaluates them (torch.vmap over scalars); the block planner
-of distributed/flex_plan against the dense mask it summarises."""
+of longattn/flex/plan.py against the dense mask it summarises."""
 import itertools
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 from longattn import masks
-from longattn.distributed import flex_plan as fp
+from longattn.flex import plan as fp
 from reference import dense_mask, dilated_masks
 
 B, H, S = 2, 4, 24

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_mask, noop_mask
 
-from .layout import chunks
+from ..distributed.layout import chunks
 
 BLOCK_SIZE = 128
 """FlexAttention's sparse block (its kernels' default): the granularity of skipping."""

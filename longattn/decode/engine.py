@@ -1,0 +1,141 @@
+"""Dense decoding on one device: the engine of a call (chosen once, in
+:func:`dense_engine`), the dense part of a cache (:func:`dense_part`, what a
+:class:`longattn.KVCache` rank and :func:`longattn.decode_attention` run) and
+the call under CUDA graph capture."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import backends as bk
+from .. import tuning as _tuning
+from .._merge import empty_state
+from ..dilated import graphs
+from ..kernels import decode as _kdec
+from .checks import check_decode_args, check_lengths
+
+
+def split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning) -> list[str]:
+    """Why the split-KV kernel cannot run this call under ``backend`` (resolved
+    at the public call)."""
+    why = [] if backend in ("auto", "triton") else [f"backend {backend!r} (use 'auto' or 'triton')"]
+    return why + bk.BACKENDS["triton"].kernel_refusals(q) + _kdec.refusals(q, k_cache, v_cache,
+                                                                           tuning.split_kv_max_rows)
+
+
+def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
+                 tuning: _tuning.DecodeTuning = _tuning.DECODE, graph_steps: bool = False) -> str:
+    """The engine of a dense decode call, decided once per call: the one
+    place that picks it (``backend`` as resolved at the public call).
+
+    * ``"graphs"`` (only with ``graph_steps``, a :class:`longattn.KVCache`
+      step on one device): replayed from a CUDA graph
+      (:class:`longattn.decode.graph_steps.StepGraphs`) where
+      ``tuning.graph_steps``, :func:`longattn.dilated.graphs.usable` and the
+      split-KV kernel (the one engine a replay can feed new lengths) runs.
+    * ``"split_kv"``: the split-KV kernel (:mod:`longattn.kernels.decode`).
+      ``auto``: on CUDA, for ``ragged`` calls (rows of different lengths: one
+      launch instead of one per row; or lengths given on the device: the
+      launch a CUDA graph capture replays), or rows of one length where
+      ``tuning.split_kv_equal_rows``, if the kernel takes the shapes;
+      ``triton``: wherever the kernel runs (the CPU interpreter included).
+    * ``"backend"``: a backend on views of the cache; always for any other
+      backend name.
+
+    (Under CUDA graph capture the kernel is the only engine.)"""
+    if backend not in ("auto", "triton"):
+        return "backend"
+    graphed = graph_steps and tuning.graph_steps and graphs.usable(q)
+    if not graphed and backend == "auto" and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
+        return "backend"
+    if split_kv_refusals(q, k_cache, v_cache, backend, tuning):
+        return "backend"
+    return "graphs" if graphed else "split_kv"
+
+
+def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
+               scale: float, backend: str, lens_tensor: Optional[torch.Tensor] = None,
+               tuning: _tuning.DecodeTuning = _tuning.DECODE, *, engine: Optional[str] = None,
+               ragged: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each
+    row; ``causal``: bottom-right (query i sees ``lens[b] - Lq + i + 1`` keys).
+    Returns out in q's dtype and lse ``(B, H, Lq)`` float32; a row with no key
+    gives 0 and -inf. The split-KV kernel takes the whole batch in one call
+    (``lens_tensor``: the lengths on q's device, if the caller has them);
+    otherwise one backend call when the rows have equal lengths, else one per
+    row (views of the cache, never copies). ``engine`` (``"split_kv"`` or
+    ``"backend"``) and ``ragged`` (rows of different lengths), when the caller
+    has decided them (:func:`dense_engine`); else decided here."""
+    b, lq, h, _ = q.shape
+    masked = causal and lq > 1  # one query sees every cached key
+    if ragged is None:
+        ragged = len(set(lens)) > 1
+    if engine is None:
+        engine = dense_engine(q, k_cache, v_cache, backend, ragged or lens_tensor is not None, tuning)
+    if engine == "split_kv":
+        return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor, ragged=ragged,
+                            **tuning.kernel_args(q.device.type == "cpu"))
+    if not ragged:
+        return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    for i, n in enumerate(lens):
+        out[i:i + 1], lse[i:i + 1] = _dense_rows(q[i:i + 1], k_cache[i:i + 1], v_cache[i:i + 1], n, masked, scale,
+                                                 backend, tuning)
+    return out, lse
+
+
+def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend: str,
+                tuning: _tuning.DecodeTuning):
+    b, lq, h, _ = q.shape
+    if n == 0:
+        return empty_state(q, q.dtype)
+    k, v = k_cache[:, :n], v_cache[:, :n]
+    if masked:
+        spec = bk.BlockSpec(scale, True, (-1, -1), n - lq)
+        be = bk.select_backend(q, k, spec, backend, exclude=tuning.auto_excludes)
+    else:
+        spec = bk.BlockSpec(scale)
+        be = unmasked_backend(q, k, spec, backend, tuning)
+    return be.forward(q, k, v, spec)
+
+
+def unmasked_backend(q, k, spec, backend: str, tuning: _tuning.DecodeTuning = _tuning.DECODE):
+    # Chosen on one key row: an unmasked call's refusals do not depend on the
+    # key count, and a shape that stays the same as the cache grows is looked
+    # up once instead of walking every backend's refusals per token.
+    return bk.select_backend(q, k[:, :1], spec, backend, exclude=tuning.auto_excludes)
+
+
+def captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, backend: str):
+    """Inside CUDA graph capture: the lengths stay on the device (a host read
+    cannot be captured, and a replay sees the lengths of its own step), so
+    only the split-KV kernel, whose launch does not depend on them, can run;
+    keeping them within [q_len, capacity] is the caller's part."""
+    why = split_kv_refusals(q, k_cache, v_cache, backend, _tuning.DECODE)
+    if cache_seqlens.device != q.device:
+        why.append(f"cache_seqlens is on {cache_seqlens.device} (put it on {q.device})")
+    if why:
+        raise ValueError("decode_attention under CUDA graph capture runs the split-KV kernel over lengths read on "
+                         f"the device; it cannot here: {'; '.join(why)}")
+    return _kdec.decode(q, k_cache, v_cache, None, causal and q.shape[1] > 1, scale, lens_tensor=cache_seqlens,
+                        **_tuning.DECODE.kernel_args(False))
+
+
+def on_device(lens: torch.Tensor, q: torch.Tensor) -> Optional[torch.Tensor]:
+    """The lengths tensor where the split-KV kernel can read it (q's device), else None."""
+    return lens if lens.device == q.device else None
+
+
+def decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`longattn.decode_attention` on one device: checked, then captured
+    or eager; (out in q's dtype, lse)."""
+    check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend)
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return captured(q, k_cache, v_cache, cache_seqlens, causal, scale, backend)
+    lens = cache_seqlens.tolist()
+    check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
+    return dense_part(q, k_cache, v_cache, lens, causal, scale, backend, on_device(cache_seqlens, q))

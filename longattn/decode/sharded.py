@@ -1,0 +1,104 @@
+"""Decoding with the cache sharded over the ranks of a group: each rank's
+partial (out, lse) and the merge by lse in float32, through one all-gather
+whose size does not depend on the context length."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import backends as bk
+from .._merge import empty_state, merge_
+from ..distributed import checks as dist_checks
+from .checks import check_decode_args, check_lengths, describe, no_capture
+from .engine import dense_part, on_device
+
+
+def gather_partials(part: Optional[tuple[torch.Tensor, torch.Tensor]], shape: Optional[tuple[int, int, int, int]],
+                    header: Sequence[int], group, device) -> tuple[list[list[int]], Callable]:
+    """One all-gather of every rank's ``header`` (ints in ``[0, 2**31)``) and,
+    where ``shape`` ``(B, Lq, H, D)`` is given, its partial result ``part`` =
+    (out ``(B, Lq, H, D)``, lse ``(B, H, Lq)``); a rank with no result
+    (``part`` None: its call failed or differs) sends zeros of ``shape``, so
+    every rank's block has the same size whatever its arguments. ``shape`` must
+    be the same on every rank (agreed before).
+
+    Returns (the headers of every rank, as host ints: one device-to-host copy
+    when there is a header; a thunk giving the merge by lse in float32 of the
+    gathered results, (out, lse), the same bits on every rank).
+    """
+    nh = len(header)
+    b, lq, h, d = shape if shape is not None else (0, 0, 0, 0)
+    n_out, n_lse = b * lq * h * d, b * h * lq
+    # one int32 block: the header, then the float32 partials viewed in place
+    buf = torch.empty(nh + n_out + n_lse, dtype=torch.int32, device=device)
+    if nh:
+        buf[:nh].copy_(torch.tensor(list(header), dtype=torch.int32))
+    pay = buf[nh:].view(torch.float32)
+    if part is None:
+        pay.zero_()
+    else:
+        pay[:n_out].copy_(part[0].reshape(-1))
+        pay[n_out:].copy_(part[1].reshape(-1))
+    got = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, buf, group=group)
+    heads = torch.stack([x[:nh] for x in got]).tolist() if nh else [[] for _ in got]
+
+    def merge() -> tuple[torch.Tensor, torch.Tensor]:
+        xs = [x[nh:].view(torch.float32) for x in got]
+        acc_out = xs[0][:n_out].view(b, lq, h, d).clone()
+        acc_lse = xs[0][n_out:].view(b, h, lq).clone()
+        for x in xs[1:]:  # the same order on every rank: bitwise the same result everywhere
+            # lse (B, H, Lq) as (B, Lq, H) views: merge_ aligns lse with out's leading dims
+            merge_(acc_out, acc_lse.transpose(1, 2), x[:n_out].view(b, lq, h, d),
+                   x[n_out:].view(b, h, lq).transpose(1, 2))
+        return acc_out, acc_lse
+
+    return heads, merge
+
+
+def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optional[Exception] = None,
+                     check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's partial (out ``(B, Lq, H, D)``, lse ``(B, H, Lq)``) merged by
+    lse in float32, the same on every rank: one all-gather of
+    ``B * Lq * H * (D + 1)`` floats per rank, whatever the context length.
+
+    ``check``: the gathered block also carries a flag per rank, and every rank
+    raises when one reported a ``problem`` (that rank joins the all-gather
+    with zeros first, so no rank waits); reading the flags costs a device sync.
+    """
+    heads, merge = gather_partials((out, lse), tuple(out.shape), [int(problem is not None)] if check else [], group,
+                                   out.device)
+    if check:
+        dist_checks.raise_flagged("decode_attention", problem, [r for r, f in enumerate(heads) if f[0]])
+    return merge()
+
+
+def decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend: str, group
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`longattn.decode_attention` with ``group``: the call agreed on
+    every rank (the capacity and the lengths may differ; everything else may
+    not), each rank's part, merged; (out in q's dtype, lse), the same on every
+    rank. A rank whose lengths are out of range joins the merge with zeros and
+    every rank raises."""
+    no_capture(q, "decode_attention(..., group=...)")
+    g = dist_checks.resolve_group(group)
+    problem = None
+    try:
+        check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend)
+    except (TypeError, ValueError) as e:
+        problem = e
+    dist_checks.agree(g, "decode_attention", problem, q=describe(q), k=describe(k_cache, capacity=False),
+                      v=describe(v_cache, capacity=False), seqlens=describe(cache_seqlens), scale=softmax_scale,
+                      lse=return_lse, backend=backend)
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    lens = cache_seqlens.tolist()
+    try:
+        check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
+        out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, on_device(cache_seqlens, q))
+    except ValueError as e:
+        problem = e
+        out, lse = empty_state(q, q.dtype)
+    out, lse = merge_over_ranks(out, lse, g, problem, check=True)
+    return out.to(q.dtype), lse

@@ -1,0 +1,115 @@
+"""The executors of a flex call, built once per (shape, pattern) and cached:
+the one step of a single-device call, and the ring schedule of
+``ring_flex_attention`` (each step's block mask, the empty steps, and the
+step count every rank agrees on)."""
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import backends as bk
+from ..distributed import checks
+from ..distributed.plan import Call
+from ..distributed.ring import RingSchedule
+from . import plan as fp
+from .step import FlexStep, compile_backend
+
+
+class _LRU(collections.OrderedDict):
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        val = self[key] = make()
+        if len(self) > self.size:
+            self.popitem(last=False)
+        return val
+
+
+_PLANS = _LRU(64)
+"""Block masks and executors per (shape, pattern, rank): a training loop builds them once."""
+
+
+def pattern_key(fn):
+    """A mask or score function as a cache key: its pattern_key (longattn.masks), else itself."""
+    return None if fn is None else getattr(fn, "pattern_key", None) or fn
+
+
+def signature(fn) -> str:
+    """What ranks compare: the pattern key, or the function's qualified name."""
+    if fn is None:
+        return "none"
+    key = getattr(fn, "pattern_key", None)
+    return repr(key) if key is not None else getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _make_step(table, mask_mod, score_mod, scale, qmap, kmap, q, k) -> FlexStep:
+    return FlexStep(fp.block_mask(table, mask_mod, qmap, kmap, (q.shape[1], k.shape[1])),
+                    fp.localize_score(score_mod, qmap, kmap), scale, compile_backend(q.device),
+                    (pattern_key(mask_mod), pattern_key(score_mod)))
+
+
+def single_step(q, k, mask_mod, score_mod, scale) -> Optional[FlexStep]:
+    """The executor of a single-device call (cached); None where no query sees any key."""
+    def make():
+        qpos = torch.arange(q.shape[1], dtype=torch.int32, device=q.device)
+        kpos = torch.arange(k.shape[1], dtype=torch.int32, device=q.device)
+        table = fp.block_table(mask_mod, q.shape[0], q.shape[2], qpos, kpos)
+        if table.empty:
+            return None
+        ident = fp.position_map("contiguous", 0, 1, q.shape[1], q.device)  # local index = global position
+        kmap = fp.position_map("contiguous", 0, 1, k.shape[1], k.device)
+        return _make_step(table, mask_mod, score_mod, scale, ident, kmap, q, k)
+    key = ("single", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
+           str(q.device))
+    return _PLANS.get_or(key, make)
+
+
+def _ring_steps(need: int, group, device) -> int:
+    """The ring's step count: the most steps any rank needs."""
+    t = torch.tensor([need], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag", scale: float, group=None
+                  ) -> RingSchedule:
+    """The ring schedule ``ring_flex_attention`` runs (cached per shape,
+    pattern and group): ``steps`` (the same on every rank) and
+    ``calls(src)``, one call with its :class:`FlexStep` or none where the step
+    is empty. On first use of a pattern, two small collectives: every rank's
+    planning agreed (a mask that fails on one rank raises on every rank) and
+    the step count."""
+    group = checks.resolve_group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    b, length, h, _ = q.shape
+
+    def make():
+        problem, need = None, 0
+        try:
+            tables = fp.rank_tables(mask_mod, layout, rank, world, length, b, h, device=q.device)
+            need = fp.steps_needed(tables)
+        except Exception as e:  # noqa: BLE001 - raised by agree, on this rank; the others name it
+            problem = e
+        checks.agree(group, "ring_flex_attention (planning the mask's blocks)", problem)
+        steps = _ring_steps(need, group, q.device)
+        qmap = fp.position_map(layout, rank, world, length, q.device)
+        calls = []
+        for s in range(steps):
+            if tables[s].empty:  # nothing visible: no compute at this step (the block still passes on)
+                calls.append(())
+                continue
+            kmap = fp.position_map(layout, (rank - s) % world, world, length, q.device)
+            step = _make_step(tables[s], mask_mod, score_mod, scale, qmap, kmap, q, k)
+            calls.append((Call(0, length, 0, length, bk.BlockSpec(scale), run=step),))
+        return RingSchedule(steps, lambda src: calls[(rank - src) % world])
+    key = ("ring", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
+           str(q.device), layout, checks.group_name(group))
+    return _PLANS.get_or(key, make)
