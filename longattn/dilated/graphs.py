@@ -12,7 +12,7 @@ the pass runs as it is (the caller's graph takes its kernels).
 
 :class:`GraphCache` (that policy: eager, then captured, then replayed, at
 most so many graphs) also serves the decode steps of a
-:class:`longattn.KVCache` (:class:`longattn.ops.decode.StepGraphs`, one
+:class:`longattn.KVCache` (:class:`longattn.decode.graph_steps.StepGraphs`, one
 cache of graphs per KV cache).
 
 Memory: each captured shape holds its inputs, outputs and temporaries in
