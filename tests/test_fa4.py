@@ -185,6 +185,107 @@ def test_window_bounds():
     assert _fa4_api._window((128, -1)) == (128, None)
 
 
+class _MathInterface:
+    """Stands in for ``flash_attn.cute.interface`` on CPU: FA4's conventions
+    (bottom-right masks, None an unbounded window side and a negative one a
+    real bound, varlen lse (H, T), the 5-tuple the forward returns) over the
+    math backend, so the path from the backend and the varlen kinds to FA4 runs
+    without a GPU."""
+
+    @staticmethod
+    def _spec(q, k, scale, causal, left, right):
+        assert all(w is None or w >= 0 for w in (left, right)), (left, right)
+        return bk.BlockSpec(scale, causal, (-1 if left is None else left, -1 if right is None else right),
+                            k.shape[1] - q.shape[1])
+
+    def _flash_attn_fwd(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
+                        return_lse=False):
+        assert return_lse and (cu_seqlens_q is None) == (max_seqlen_q is None)
+        if cu_seqlens_q is None:
+            return (*bk.MATH.forward(q, k, v, self._spec(q, k, softmax_scale, causal, window_size_left,
+                                                          window_size_right)), None, None, None)
+        out, lse = torch.zeros_like(q), torch.full(q.shape[1::-1], float("-inf"))
+        for a, e in _varlen._docs(cu_seqlens_q):
+            qd, kd, vd = q[None, a:e], k[None, a:e], v[None, a:e]
+            o, l = bk.MATH.forward(qd, kd, vd, self._spec(qd, kd, softmax_scale, causal, window_size_left,
+                                                          window_size_right))
+            out[a:e], lse[:, a:e] = o[0], l[0]
+        return out, lse, None, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, window_size_left=None,
+                        window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, dlse=None):
+        assert lse.dtype == torch.float32 and (dlse is None or dlse.shape == lse.shape)
+        if cu_seqlens_q is None:
+            return bk.MATH.backward(dout, q, k, v, out, lse, self._spec(q, k, softmax_scale, causal, window_size_left,
+                                                                      window_size_right), dlse)
+        grads = [torch.zeros_like(x) for x in (q, k, v)]
+        for a, e in _varlen._docs(cu_seqlens_q):
+            qd, kd = q[None, a:e], k[None, a:e]
+            g = bk.MATH.backward(dout[None, a:e], qd, kd, v[None, a:e], out[None, a:e], lse[None, :, a:e],
+                                 self._spec(qd, kd, softmax_scale, causal, window_size_left, window_size_right),
+                                 None if dlse is None else dlse[None, :, a:e])
+            for acc, x in zip(grads, g):
+                acc[a:e] = x[0]
+        return tuple(grads)
+
+
+@pytest.fixture
+def math_fa4(monkeypatch):
+    fake = _MathInterface()
+    assert _fa4_api.signature_problem(fake, _fa4_api.WRITTEN_FOR) is None
+    monkeypatch.setattr(_fa4_api, "_interface", lambda: fake)
+    return bk.BACKENDS["fa4"]
+
+
+def _cpu_inputs(b, sq, sk, h, hkv, d=16):
+    mk = lambda *shape: torch.randn(*shape, dtype=torch.float64)
+    return mk(b, sq, h, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d), mk(b, sq, h, d), mk(b, h, sq)
+
+
+@pytest.mark.parametrize("causal,window,sq,sk", [(False, (-1, -1), 24, 24), (True, (-1, -1), 30, 20),
+                                                 (False, (5, -1), 16, 24), (True, (6, -1), 24, 24),
+                                                 (False, (-1, 3), 24, 24)])
+def test_plumbing_to_fa4(math_fa4, causal, window, sq, sk):
+    """forward and backward (with the lse's gradient) through _fa4_api's calls."""
+    q, k, v, do, dl = _cpu_inputs(2, sq, sk, 4, 2)
+    spec = bk.BlockSpec(0.25, causal, window, sk - sq)
+    out, lse = math_fa4.forward(q, k, v, spec)
+    dq, dk, dv = math_fa4.backward(do, q, k, v, out, lse, spec, dlse=dl)
+    want = results(lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window, scale=0.25), [q, k, v], do,
+                   dl)
+    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"{causal} {window}")
+
+
+def test_plumbing_merged_backward(math_fa4):
+    q, k, v, do, dl = _cpu_inputs(1, 20, 40, 4, 2)
+    spec = bk.BlockSpec(0.25)
+    halves = [(k[:, :15], v[:, :15]), (k[:, 15:], v[:, 15:])]
+    parts = [math_fa4.forward(q, kh, vh, spec) for kh, vh in halves]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in parts)
+    g = [math_fa4.backward(do, q, kh, vh, out, lse, spec, dlse=dl) for kh, vh in halves]
+    got = dict(out=out, lse=lse, dq=g[0][0] + g[1][0], dk=torch.cat([g[0][1], g[1][1]], 1),
+               dv=torch.cat([g[0][2], g[1][2]], 1))
+    want = results(lambda q, k, v: attention_ref(q, k, v, scale=0.25), [q, k, v], do, dl)
+    assert_close(got, want, 1e-6, "merged")
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 2)), (True, (4, 0))])
+def test_plumbing_varlen(math_fa4, causal, window):
+    lens = [5, 17, 1, 0, 9]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    q, k, v, do = (torch.randn(total, n, 16, dtype=torch.float64) for n in (4, 2, 2, 4))
+    dl = torch.randn(4, total, dtype=torch.float64)
+    spec = bk.BlockSpec(16 ** -0.5, causal, window)
+    out, lse = _varlen.forward("fa4", q, k, v, cu, max(lens), spec, "auto")
+    dq, dk, dv = _varlen.backward("fa4", do, q, k, v, out, lse, dl, cu, max(lens), spec, "auto")
+    want = results(lambda q, k, v: varlen_ref(q, k, v, cu, causal=causal, window=window), [q, k, v], do, dl)
+    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"varlen {causal} {window}")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="a flash_attn package is installed")
 def test_missing_fa4_is_reported():
     why = _fa4_api.problem()
