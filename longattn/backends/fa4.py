@@ -14,9 +14,9 @@ class FA4Backend(Backend):
     the kernel, packed documents in one launch (:meth:`varlen_refusals`).
     Faster than cuDNN in both passes on every shape measured on one H200
     (32K/128K, causal and not, GQA, D=64 and 128; 32K causal D=128 fwd / bwd
-    673 / 604 TFLOP/s against cuDNN's 610 / 532). Strided views (the dilated engine's ``q[:, off::r]``)
-    run without copies where their strides are 16-byte aligned (FA4 copies
-    others itself)."""
+    673 / 604 TFLOP/s against cuDNN's 610 / 532). Strided views (the dilated
+    engine's ``q[:, off::r]``) run without copies where their strides are
+    16-byte aligned (FA4 copies others itself)."""
 
     name = "fa4"
     devices = ("cuda",)
