@@ -194,10 +194,12 @@ class DecodeTuning:
     on views of the cache. And the split kernel's tiles."""
 
     auto_excludes: tuple = measured(
-        ("cudnn",), "a decode step's key length changes every call, and our cuDNN call on (B, S, H, D) views of "
-                    "the cache paid for it: one query over 128K cached tokens took 39.3 ms through cuDNN against "
+        ("cudnn", "fa4"), "a decode step's key length changes every call, and our cuDNN call on (B, S, H, D) views "
+                    "of the cache paid for it: one query over 128K cached tokens took 39.3 ms through cuDNN against "
                     "0.30 ms through flash (one H100); SDPA's cuDNN call on (B, H, S, D) views of a growing "
-                    "cache did not (0.189 ms, one H200, not profiled why)",
+                    "cache did not (0.189 ms, one H200, not profiled why). fa4: not measured on decode steps (its "
+                    "calls here run one KV split per (batch, kv head)), so decoding keeps the kernels it was "
+                    "measured with",
         "decode_1xh100_38fed5d.json")
     split_kv_equal_rows: bool = measured(
         False, "rows of one length: the flash kernel on views is one aten launch, the split-KV kernel two Triton "

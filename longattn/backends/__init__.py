@@ -31,6 +31,7 @@ import threading
 from typing import Optional, Sequence
 
 from .base import Backend, BlockSpec
+from .fa4 import FA4Backend
 from .math import MathBackend
 from .sdpa import CudnnBackend, EfficientBackend, FlashBackend
 from .triton import TritonBackend
@@ -43,12 +44,14 @@ __all__ = [
 MATH = MathBackend()
 _FLASH = FlashBackend()
 BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (CudnnBackend(_FLASH, MATH), _FLASH, TritonBackend(), EfficientBackend(), MATH)
+    b.name: b for b in (FA4Backend(), CudnnBackend(_FLASH, MATH), _FLASH, TritonBackend(), EfficientBackend(), MATH)
 }
-# "auto" walks this order; cuDNN first because it is the fastest on Hopper
-# where it applies, our Triton kernel before the efficient one because it
+# "auto" walks this order: FlashAttention-4 first where it is installed (it
+# beats cuDNN in both passes on every shape measured on Hopper, see
+# FA4Backend), then cuDNN, the fastest of PyTorch's own kernels on Hopper
+# where it applies; our Triton kernel before the efficient one because it
 # handles every mask offset at flash speed.
-AUTO_ORDER = ("cudnn", "flash", "triton", "efficient", "math")
+AUTO_ORDER = ("fa4", "cudnn", "flash", "triton", "efficient", "math")
 
 _state = threading.local()
 
@@ -92,7 +95,7 @@ def explain(q, k, spec: BlockSpec) -> dict[str, list[str]]:
 # Selections already made: short sequences cut into many block calls (the
 # dilated views path: 16-32 per pass) are bound by host time, and walking the
 # refusals of every backend costs tens of microseconds per call. The key holds
-# everything refusals read (cuDNN's presence and the interpreter switch are
+# everything refusals read (cuDNN's and FA4's presence and the interpreter switch are
 # fixed per process); bounded so shapes that never repeat cannot grow it.
 _selected: dict = {}
 _SELECTED_MAX = 4096

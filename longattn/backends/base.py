@@ -72,7 +72,7 @@ class Backend:
         if spec.has_window and not self.supports_window:
             reasons.append("sliding window not supported")
         if q.device.type == "cuda" and self.min_capability > (0, 0):
-            cap = torch.cuda.get_device_capability(q.device)
+            cap = self.capability(q.device)
             if cap < self.min_capability:
                 reasons.append(f"compute capability {cap} < {self.min_capability}")
         reasons.extend(self._extra_refusals(spec, q, k))
@@ -80,6 +80,10 @@ class Backend:
 
     def _extra_refusals(self, spec, q, k) -> list[str]:
         return []
+
+    def capability(self, device: torch.device) -> tuple[int, int]:
+        """The CUDA compute capability refusals read (tests substitute one)."""
+        return torch.cuda.get_device_capability(device)
 
     def forward(self, q, k, v, spec: BlockSpec):
         raise NotImplementedError

@@ -54,7 +54,7 @@ class FlashBackend(Backend):
             r.append(f"head dim {q.shape[-1]} > {self.max_headdim}")
         if q.device.type == "cuda":
             r += self._cuda_refusals(q)
-            if torch.cuda.get_device_capability(q.device) < self.min_capability:
+            if self.capability(q.device) < self.min_capability:
                 r.append(f"compute capability below {self.min_capability}")
         return r
 

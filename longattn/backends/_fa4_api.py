@@ -1,0 +1,114 @@
+"""The one module that calls FlashAttention-4 (``flash-attn-4``, the CuTe DSL
+kernels of flash-attention), dense and varlen.
+
+Its public functions (``flash_attn_func``, ``flash_attn_varlen_func``) tie the
+backward to the forward's own output inside one autograd Function; longattn's
+blocks take their backward from a given, possibly merged, output and lse (see
+:mod:`longattn.backends`), which only the private ``_flash_attn_fwd`` and
+``_flash_attn_bwd`` of ``flash_attn.cute.interface`` offer. They are reached
+here and nowhere else: :func:`problem` checks on first use that they still take
+every argument passed below, and names the release this module was written for
+when they do not (the backend then refuses with that reason).
+
+Every function takes and returns our layouts: (B, S, H, D) (varlen: (T, H, D))
+tensors and lse (B, H, S) (varlen: (H, T)) float32. FA4 already marks rows
+that saw no key with lse -inf and output 0, and its backward reads -inf rows
+as empty, so no conversion is needed. Strides that are not 16-byte aligned
+are copied by FA4 itself.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+WRITTEN_FOR = "4.0.0b36"
+DIST = "flash-attn-4"
+INSTALL_HINT = f"pip install 'longattn[fa4]' (pins {DIST}=={WRITTEN_FOR})"
+
+# The keyword arguments passed below, per private function.
+FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+            "causal", "window_size_left", "window_size_right", "return_lse")
+BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "window_size_left",
+            "window_size_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dlse")
+
+
+def installed_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(DIST)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def signature_problem(interface, version: str) -> Optional[str]:
+    """Why ``interface`` (a ``flash_attn.cute.interface`` module or a stand-in)
+    lacks the private functions this module calls with their arguments; None if it has them."""
+    for fn_name, args in (("_flash_attn_fwd", FWD_ARGS), ("_flash_attn_bwd", BWD_ARGS)):
+        fn = getattr(interface, fn_name, None)
+        if fn is None:
+            missing = f"no {fn_name}"
+        else:
+            params = inspect.signature(fn).parameters
+            absent = [a for a in args if a not in params]
+            missing = f"{fn_name} lacks {absent}" if absent else ""
+        if missing:
+            return (f"{DIST} {version}: flash_attn.cute.interface has {missing}; longattn's fa4 backend was "
+                    f"written for {DIST}=={WRITTEN_FOR} ({INSTALL_HINT})")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    """(interface module, None) or (None, why it cannot be used). Imported on
+    the first CUDA call that asks, never at ``import longattn``."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError as e:
+        return None, f"{DIST} not installed ({e}); {INSTALL_HINT}"
+    except Exception as e:  # noqa: BLE001 - a broken CuTe DSL install raises anything at import
+        return None, f"{DIST} failed to import ({type(e).__name__}: {e}); {INSTALL_HINT}"
+    why = signature_problem(interface, installed_version())
+    return (None, why) if why else (interface, None)
+
+
+def problem() -> Optional[str]:
+    """Why FA4 cannot be used in this process (None: it can)."""
+    return _load()[1]
+
+
+def _interface():
+    mod, why = _load()
+    if mod is None:
+        raise RuntimeError(why)
+    return mod
+
+
+def _window(window: tuple[int, int]) -> tuple[Optional[int], Optional[int]]:
+    # FA4 reads a negative bound on one side as a real bound (right = -1 hides the
+    # diagonal); unbounded is None.
+    return tuple(None if w < 0 else int(w) for w in window)
+
+
+def forward(q, k, v, scale: float, causal: bool, window: tuple[int, int], cu=None, max_seqlen: int = 0):
+    """out in q.dtype and lse float32; ``cu`` (int32 cu_seqlens, shared by q and k) makes it varlen."""
+    left, right = _window(window)
+    res = _interface()._flash_attn_fwd(
+        q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen if cu is not None else None,
+        max_seqlen_k=max_seqlen if cu is not None else None, softmax_scale=scale, causal=causal,
+        window_size_left=left, window_size_right=right, return_lse=True)
+    return res[0], res[1]
+
+
+def backward(dout, q, k, v, out, lse, scale: float, causal: bool, window: tuple[int, int], dlse=None, cu=None,
+             max_seqlen: int = 0):
+    """(dq, dk, dv) from the given out and lse; ``dlse`` (lse's shape) enters FA4's
+    preprocessing as delta - dlse, its own handling of a used lse."""
+    left, right = _window(window)
+    res = _interface()._flash_attn_bwd(
+        q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float(), softmax_scale=scale,
+        causal=causal, window_size_left=left, window_size_right=right, cu_seqlens_q=cu, cu_seqlens_k=cu,
+        max_seqlen_q=max_seqlen if cu is not None else None, max_seqlen_k=max_seqlen if cu is not None else None,
+        dlse=None if dlse is None else dlse.float())
+    return res[0], res[1], res[2]

@@ -1,0 +1,458 @@
+"""The FlashAttention-4 backend: its capability table and the choice on CPU
+(fake tensors and a substituted capability lookup, no FA4 needed), the one
+module that reaches FA4's private functions, and on a GPU with FA4 installed
+every result against float64 references, within 2x the error of PyTorch's own
+bf16 flash kernel (the ``flash`` backend) on the same call."""
+import importlib.util
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import longattn
+from longattn import backends as bk
+from longattn.backends import _fa4_api
+from longattn.backends import varlen as _varlen
+from longattn.backends.fa4 import FA4Backend
+from reference import assert_close, attention_ref, rel_err, results
+from test_varlen import varlen_ref
+
+CUDA = torch.device("cuda", 0)
+
+
+class _Api:
+    """A stand-in for :mod:`longattn.backends._fa4_api`: installed or not."""
+
+    def __init__(self, why=None):
+        self.why, self.asked = why, 0
+
+    def problem(self):
+        self.asked += 1
+        return self.why
+
+
+class _Fake(FA4Backend):
+    """FA4 on a GPU of the given compute capability."""
+
+    def __init__(self, cap=(9, 0), why=None):
+        super().__init__(_Api(why))
+        self.cap = cap
+
+    def capability(self, device):
+        return self.cap
+
+
+def _t(*shape, dtype=torch.bfloat16, device=CUDA):
+    """Only what refusals read: device, dtype, shape."""
+    return types.SimpleNamespace(device=device, dtype=dtype, shape=tuple(shape))
+
+
+SPEC = bk.BlockSpec(0.1)
+
+
+# ------------------------------------------------------------------ capabilities and refusals (CPU)
+def test_capability_table():
+    b = bk.BACKENDS["fa4"]
+    assert isinstance(b, FA4Backend) and bk.AUTO_ORDER[0] == "fa4"
+    assert b.devices == ("cuda",) and set(b.dtypes) == {torch.float16, torch.bfloat16}
+    assert (b.min_headdim, b.max_headdim, b.headdim_multiple) == (8, 256, 8)
+    assert b.supports_window and b.supports_gqa_native and b.min_capability == (9, 0)
+    assert b.arch_max_headdim == {9: 256, 10: 128}
+
+
+@pytest.mark.parametrize("d", [8, 64, 72, 128, 200, 256])
+def test_accepts_hopper_calls(d):
+    b = _Fake()
+    q, k = _t(2, 64, 8, d), _t(2, 64, 2, d)
+    for spec in (SPEC, bk.BlockSpec(0.1, True), bk.BlockSpec(0.1, False, (16, 0)), bk.BlockSpec(0.1, True, (8, -1))):
+        assert b.refusals(spec, q, k) == []
+    assert b.refusals(bk.BlockSpec(0.1, True, q_offset=64), _t(1, 16, 4, d), _t(1, 80, 4, d)) == []
+    assert b.varlen_refusals(_t(500, 8, d)) == []
+
+
+@pytest.mark.parametrize("case,q,cap,spec,k,expect", [
+    ("cpu", _t(1, 8, 2, 64, device=torch.device("cpu")), (9, 0), SPEC, None, "device cpu"),
+    ("fp32", _t(1, 8, 2, 64, dtype=torch.float32), (9, 0), SPEC, None, "dtype torch.float32"),
+    ("d12", _t(1, 8, 2, 12), (9, 0), SPEC, None, "not a multiple of 8"),
+    ("d4", _t(1, 8, 2, 4), (9, 0), SPEC, None, "head dim 4 < 8"),
+    ("d264", _t(1, 8, 2, 264), (9, 0), SPEC, None, "head dim 264 > 256"),
+    ("sm100_d192", _t(1, 8, 2, 192), (10, 0), SPEC, None, "head dim 192 > 128 on sm_100"),
+    ("sm80", _t(1, 8, 2, 64), (8, 0), SPEC, None, "compute capability (8, 0) < (9, 0)"),
+    ("sm120", _t(1, 8, 2, 64), (12, 0), SPEC, None, "sm_90 and sm_100 only"),
+    # causal with the query rows aligned to the first keys (a ring step's diagonal block with sq != sk)
+    ("top_left", _t(1, 4, 2, 64), (9, 0), bk.BlockSpec(0.1, True, q_offset=0), _t(1, 8, 2, 64), "bottom-right"),
+    ("window_offset", _t(1, 8, 2, 64), (9, 0), bk.BlockSpec(0.1, False, (4, 4), q_offset=3), None,
+     "not bottom-right aligned (0)"),
+])
+def test_refusals(case, q, cap, spec, k, expect):
+    b = _Fake(cap)
+    why = b.refusals(spec, q, k or q)
+    assert any(expect in r for r in why), why
+
+
+def test_unmasked_calls_take_any_offset():
+    assert _Fake().refusals(bk.BlockSpec(0.1, q_offset=5), _t(1, 4, 2, 64), _t(1, 32, 2, 64)) == []
+
+
+def test_not_installed_is_a_reason_and_asked_only_on_cuda():
+    b = _Fake(why="flash-attn-4 not installed (x); pip install 'longattn[fa4]'")
+    q = _t(1, 8, 2, 64)
+    assert b.refusals(SPEC, q, q) == [b._api.why] and b.varlen_refusals(_t(8, 2, 64)) == [b._api.why]
+    cpu = _Fake()
+    cpu.refusals(SPEC, torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64))
+    cpu.varlen_refusals(torch.randn(8, 2, 64))
+    assert cpu._api.asked == 0  # a CPU call never imports FA4
+
+
+def test_varlen_refusals():
+    b = _Fake()
+    assert any("CUDA" in r for r in b.varlen_refusals(torch.randn(8, 2, 64)))
+    assert any("fp16/bf16" in r for r in b.varlen_refusals(_t(8, 2, 64, dtype=torch.float32)))
+    assert any("head dim 20" in r for r in b.varlen_refusals(_t(8, 2, 20)))
+    assert any("(8, 6)" in r for r in _Fake((8, 6)).varlen_refusals(_t(8, 2, 64)))
+    assert any("> 128 on sm_100" in r for r in _Fake((10, 0)).varlen_refusals(_t(8, 2, 256)))
+
+
+# ------------------------------------------------------------------------------ the choice (CPU)
+def test_auto_takes_fa4_first_on_hopper(monkeypatch):
+    fa4 = bk.BACKENDS["fa4"]
+    monkeypatch.setattr(fa4, "_api", _Api())
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
+    q, k = _t(1, 128, 8, 128), _t(1, 128, 2, 128)
+    assert bk._select(q, k, bk.BlockSpec(0.1, True, q_offset=0), "auto", ()).name == "fa4"
+    assert bk._select(q, k, SPEC, "fa4", ()).name == "fa4"
+    assert _varlen.choose(_t(4096, 8, 128), "auto", ndocs=1) == "fa4"  # long documents too
+    assert _varlen.choose(_t(4096, 8, 128), "fa4", ndocs=40) == "fa4"
+
+
+def test_without_fa4_the_choice_is_unchanged(monkeypatch):
+    fa4 = bk.BACKENDS["fa4"]
+    monkeypatch.setattr(fa4, "_api", _Api("flash-attn-4 not installed"))
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
+    q, k = _t(1, 128, 8, 128), _t(1, 128, 2, 128)
+    spec = bk.BlockSpec(0.1, True, q_offset=0)
+    got = bk._select(q, k, spec, "auto", ())
+    assert got.name != "fa4" and got is bk._select(q, k, spec, "auto", ("fa4",))
+    with pytest.raises(ValueError, match="backend='fa4' cannot run this call: flash-attn-4 not installed"):
+        bk._select(q, k, spec, "fa4", ())
+    for ndocs in (1, 64):
+        assert _varlen.choose(_t(4096, 8, 128), "auto", ndocs) in ("loop", "flash")
+    with pytest.raises(ValueError, match="backend='fa4' cannot run this varlen call: flash-attn-4 not installed"):
+        _varlen.choose(_t(4096, 8, 128), "fa4", 4)
+
+
+def test_cpu_calls_never_pick_fa4():
+    q = torch.randn(1, 8, 2, 16)
+    assert bk.select_backend(q, q, SPEC).name == "flash"
+    assert any("device cpu" in r for r in bk.explain(q, q, SPEC)["fa4"])
+    assert _varlen.choose(torch.randn(16, 2, 16), "auto", 2) == "loop"
+    with pytest.raises(ValueError, match="cannot run this call: device cpu"):
+        longattn.attention(q, q, q, backend="fa4")
+
+
+def test_import_longattn_does_not_import_fa4():
+    code = "import sys, longattn; bad = {'flash_attn', 'cutlass'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+# ---------------------------------------------------------------------- the private-API module (CPU)
+def _fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
+         causal=False, window_size_left=None, window_size_right=None, return_lse=False, **more):
+    pass
+
+
+def _bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
+         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dlse=None):
+    pass
+
+
+def test_signature_check_names_the_version_written_for():
+    ok = types.SimpleNamespace(_flash_attn_fwd=_fwd, _flash_attn_bwd=_bwd)
+    assert _fa4_api.signature_problem(ok, "4.0.0b36") is None
+    moved = types.SimpleNamespace(_flash_attn_fwd=_fwd)
+    why = _fa4_api.signature_problem(moved, "4.1.0")
+    assert "4.1.0" in why and "no _flash_attn_bwd" in why and f"written for flash-attn-4=={_fa4_api.WRITTEN_FOR}" in why
+    renamed = types.SimpleNamespace(_flash_attn_fwd=_fwd, _flash_attn_bwd=lambda q, k, v, out, dout, lse: None)
+    why = _fa4_api.signature_problem(renamed, "4.1.0")
+    assert "'dlse'" in why and _fa4_api.WRITTEN_FOR in why
+
+
+def test_window_bounds():
+    assert _fa4_api._window((-1, -1)) == (None, None)
+    assert _fa4_api._window((-1, 0)) == (None, 0)
+    assert _fa4_api._window((128, -1)) == (128, None)
+
+
+class _MathInterface:
+    """Stands in for ``flash_attn.cute.interface`` on CPU: FA4's conventions
+    (bottom-right masks, None an unbounded window side and a negative one a
+    real bound, varlen lse (H, T), the 5-tuple the forward returns) over the
+    math backend, so the path from the backend and the varlen kinds to FA4 runs
+    without a GPU."""
+
+    @staticmethod
+    def _spec(q, k, scale, causal, left, right):
+        assert all(w is None or w >= 0 for w in (left, right)), (left, right)
+        return bk.BlockSpec(scale, causal, (-1 if left is None else left, -1 if right is None else right),
+                            k.shape[1] - q.shape[1])
+
+    def _flash_attn_fwd(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
+                        return_lse=False):
+        assert return_lse and (cu_seqlens_q is None) == (max_seqlen_q is None)
+        if cu_seqlens_q is None:
+            return (*bk.MATH.forward(q, k, v, self._spec(q, k, softmax_scale, causal, window_size_left,
+                                                          window_size_right)), None, None, None)
+        out, lse = torch.zeros_like(q), torch.full(q.shape[1::-1], float("-inf"))
+        for a, e in _varlen._docs(cu_seqlens_q):
+            qd, kd, vd = q[None, a:e], k[None, a:e], v[None, a:e]
+            o, l = bk.MATH.forward(qd, kd, vd, self._spec(qd, kd, softmax_scale, causal, window_size_left,
+                                                          window_size_right))
+            out[a:e], lse[:, a:e] = o[0], l[0]
+        return out, lse, None, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, window_size_left=None,
+                        window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, dlse=None):
+        assert lse.dtype == torch.float32 and (dlse is None or dlse.shape == lse.shape)
+        if cu_seqlens_q is None:
+            return bk.MATH.backward(dout, q, k, v, out, lse, self._spec(q, k, softmax_scale, causal, window_size_left,
+                                                                      window_size_right), dlse)
+        grads = [torch.zeros_like(x) for x in (q, k, v)]
+        for a, e in _varlen._docs(cu_seqlens_q):
+            qd, kd = q[None, a:e], k[None, a:e]
+            g = bk.MATH.backward(dout[None, a:e], qd, kd, v[None, a:e], out[None, a:e], lse[None, :, a:e],
+                                 self._spec(qd, kd, softmax_scale, causal, window_size_left, window_size_right),
+                                 None if dlse is None else dlse[None, :, a:e])
+            for acc, x in zip(grads, g):
+                acc[a:e] = x[0]
+        return tuple(grads)
+
+
+@pytest.fixture
+def math_fa4(monkeypatch):
+    fake = _MathInterface()
+    assert _fa4_api.signature_problem(fake, _fa4_api.WRITTEN_FOR) is None
+    monkeypatch.setattr(_fa4_api, "_interface", lambda: fake)
+    return bk.BACKENDS["fa4"]
+
+
+def _cpu_inputs(b, sq, sk, h, hkv, d=16):
+    mk = lambda *shape: torch.randn(*shape, dtype=torch.float64)
+    return mk(b, sq, h, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d), mk(b, sq, h, d), mk(b, h, sq)
+
+
+@pytest.mark.parametrize("causal,window,sq,sk", [(False, (-1, -1), 24, 24), (True, (-1, -1), 30, 20),
+                                                 (False, (5, -1), 16, 24), (True, (6, -1), 24, 24),
+                                                 (False, (-1, 3), 24, 24)])
+def test_plumbing_to_fa4(math_fa4, causal, window, sq, sk):
+    """forward and backward (with the lse's gradient) through _fa4_api's calls."""
+    q, k, v, do, dl = _cpu_inputs(2, sq, sk, 4, 2)
+    spec = bk.BlockSpec(0.25, causal, window, sk - sq)
+    out, lse = math_fa4.forward(q, k, v, spec)
+    dq, dk, dv = math_fa4.backward(do, q, k, v, out, lse, spec, dlse=dl)
+    want = results(lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window, scale=0.25), [q, k, v], do,
+                   dl)
+    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"{causal} {window}")
+
+
+def test_plumbing_merged_backward(math_fa4):
+    q, k, v, do, dl = _cpu_inputs(1, 20, 40, 4, 2)
+    spec = bk.BlockSpec(0.25)
+    halves = [(k[:, :15], v[:, :15]), (k[:, 15:], v[:, 15:])]
+    parts = [math_fa4.forward(q, kh, vh, spec) for kh, vh in halves]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in parts)
+    g = [math_fa4.backward(do, q, kh, vh, out, lse, spec, dlse=dl) for kh, vh in halves]
+    got = dict(out=out, lse=lse, dq=g[0][0] + g[1][0], dk=torch.cat([g[0][1], g[1][1]], 1),
+               dv=torch.cat([g[0][2], g[1][2]], 1))
+    want = results(lambda q, k, v: attention_ref(q, k, v, scale=0.25), [q, k, v], do, dl)
+    assert_close(got, want, 1e-6, "merged")
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 2)), (True, (4, 0))])
+def test_plumbing_varlen(math_fa4, causal, window):
+    lens = [5, 17, 1, 0, 9]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    q, k, v, do = (torch.randn(total, n, 16, dtype=torch.float64) for n in (4, 2, 2, 4))
+    dl = torch.randn(4, total, dtype=torch.float64)
+    spec = bk.BlockSpec(16 ** -0.5, causal, window)
+    out, lse = _varlen.forward("fa4", q, k, v, cu, max(lens), spec, "auto")
+    dq, dk, dv = _varlen.backward("fa4", do, q, k, v, out, lse, dl, cu, max(lens), spec, "auto")
+    want = results(lambda q, k, v: varlen_ref(q, k, v, cu, causal=causal, window=window), [q, k, v], do, dl)
+    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"varlen {causal} {window}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="a flash_attn package is installed")
+def test_missing_fa4_is_reported():
+    why = _fa4_api.problem()
+    assert "flash-attn-4 not installed" in why and "longattn[fa4]" in why
+    with pytest.raises(RuntimeError, match="not installed"):
+        _fa4_api.forward(None, None, None, 1.0, False, (-1, -1))
+
+
+def test_installed_fa4_has_what_longattn_calls():
+    """Fails loudly when an installed flash-attn-4 moved or renamed the private
+    functions :mod:`longattn.backends._fa4_api` calls, or is not the pinned release."""
+    interface = pytest.importorskip("flash_attn.cute.interface")
+    version = _fa4_api.installed_version()
+    assert _fa4_api.signature_problem(interface, version) is None
+    assert version == _fa4_api.WRITTEN_FOR, (
+        f"flash-attn-4 {version} installed, longattn's fa4 backend was checked against {_fa4_api.WRITTEN_FOR}: run "
+        "the GPU tests of this file, then update WRITTEN_FOR and the pin in pyproject.toml")
+
+
+# --------------------------------------------------------------------------------- GPU, FA4 installed
+@pytest.fixture
+def fa4():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("flash_attn.cute")
+    b = bk.BACKENDS["fa4"]
+    if b.capability(CUDA)[0] not in b.arch_max_headdim:
+        pytest.skip(f"FA4 backend runs on sm_90 / sm_100, not {b.capability(CUDA)}")
+    assert _fa4_api.problem() is None, _fa4_api.problem()
+    return b
+
+
+def _randn(*shape, gen, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+
+def _inputs(b, sq, sk, h, hkv, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (_randn(b, sq, h, d, gen=g), _randn(b, sk, hkv, d, gen=g), _randn(b, sk, hkv, d, gen=g),
+            _randn(b, sq, h, d, gen=g), _randn(b, h, sq, gen=g, scale=0.3).float())
+
+
+def _within_bar(fn, bar_fn, ref_fn, inputs, dout, dlse, tag, bar_dlse=True):
+    """fn's out, lse and gradients within 2x bar_fn's error against ref_fn
+    (float64); the lse within 1e-3 (both kernels keep it in float32).
+    ``bar_dlse=False``: the bar's error is measured without the lse's gradient
+    (PyTorch's flash varlen kernel takes none: with one, the call would loop
+    over documents through ``auto``, which is FA4 itself)."""
+    doubled = [x.double() for x in inputs]
+    want = results(ref_fn, doubled, dout, dlse)
+    got = results(fn, inputs, dout, dlse)
+    bar_want = want if bar_dlse else results(ref_fn, doubled, dout)
+    bar = results(bar_fn, inputs, dout, dlse if bar_dlse else None)
+    tol = {n: 2 * rel_err(bar[n], bar_want[n]) for n in ("out", "dq", "dk", "dv")}
+    errs = {n: rel_err(got[n], want[n]) for n in tol}
+    assert all(errs[n] <= tol[n] for n in tol), (tag, errs, tol)
+    assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, tag)
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (64, 32)), (True, (100, -1)),
+                                           (False, (-1, 0)), (False, (200, -1))])
+@pytest.mark.parametrize("sq,sk,h,hkv", [(512, 512, 8, 8), (384, 640, 8, 2), (300, 200, 4, 1)])
+def test_dense_against_reference(fa4, causal, window, sq, sk, h, hkv):
+    """Bottom-right masks (sq > sk: rows before key 0 see nothing), windows, GQA;
+    with a gradient on the lse (the kernel's own dlse term)."""
+    q, k, v, do, dl = _inputs(2, sq, sk, h, hkv, 128)
+    kw = dict(causal=causal, window_size=window, return_lse=True)
+    got = _within_bar(lambda q, k, v: longattn.attention(q, k, v, backend="fa4", **kw),
+                      lambda q, k, v: longattn.attention(q, k, v, backend="flash", **kw),
+                      lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window), [q, k, v], do, dl,
+                      f"causal={causal} window={window} {sq}x{sk} {h}/{hkv}")
+    if causal and sq > sk:
+        dead = slice(0, sq - sk)
+        assert torch.equal(got["out"][:, dead], torch.zeros_like(got["out"][:, dead]))
+        assert (got["lse"][:, :, dead] == float("-inf")).all() and torch.isfinite(got["dq"]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [8, 40, 64, 96, 192, 256])
+def test_head_dims(fa4, d):
+    q, k, v, do, _ = _inputs(1, 256, 256, 4, 2, d)
+    _within_bar(lambda q, k, v: longattn.attention(q, k, v, backend="fa4", return_lse=True),
+                lambda q, k, v: longattn.attention(q, k, v, backend="flash", return_lse=True),
+                lambda q, k, v: attention_ref(q, k, v), [q, k, v], do, None, f"d={d}")
+
+
+@pytest.mark.gpu
+def test_auto_picks_fa4(fa4):
+    q, k, v, *_ = _inputs(1, 256, 256, 8, 2, 128)
+    spec = bk.BlockSpec(128 ** -0.5, True)
+    assert bk.explain(q, k, spec)["fa4"] == [] and bk.select_backend(q, k, spec).name == "fa4"
+    assert _varlen.choose(q[0], "auto", ndocs=3) == "fa4"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_backward_from_merged_out_and_lse(fa4, with_dlse, hkv):
+    """Two key halves attended apart and merged: each half's backward from the
+    merged out and lse gives the gradients of attention over all keys (the
+    ring-attention identity ring and dilated branches rely on)."""
+    q, k, v, do, dl = _inputs(1, 512, 1024, 8, hkv, 128)
+    dl = dl if with_dlse else None
+    spec = bk.BlockSpec(128 ** -0.5)
+    halves = [(k[:, :400], v[:, :400]), (k[:, 400:], v[:, 400:])]
+    parts = [fa4.forward(q, kh, vh, spec) for kh, vh in halves]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o.float() * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in parts).to(q.dtype)
+    grads = [fa4.backward(do, q, kh, vh, out, lse, spec, dlse=dl) for kh, vh in halves]
+    merged = dict(out=out, lse=lse, dq=grads[0][0] + grads[1][0], dk=torch.cat([grads[0][1], grads[1][1]], 1),
+                  dv=torch.cat([grads[0][2], grads[1][2]], 1))
+    want = results(lambda q, k, v: attention_ref(q, k, v), [q.double(), k.double(), v.double()], do, dl)
+    whole = results(lambda q, k, v: longattn.attention(q, k, v, backend="flash", return_lse=True), [q, k, v], do, dl)
+    errs = {n: rel_err(merged[n], want[n]) for n in ("out", "dq", "dk", "dv")}
+    bars = {n: 2 * rel_err(whole[n], want[n]) for n in errs}
+    assert all(errs[n] <= bars[n] for n in errs), (errs, bars)
+    assert_close(dict(lse=lse), dict(lse=want["lse"]), 1e-3)
+
+
+def _block_results(backend, q, k, v, do, dl, spec):
+    """One block's forward and backward called directly (the views stay views:
+    the autograd helpers clone their inputs into contiguous tensors)."""
+    out, lse = backend.forward(q, k, v, spec)
+    dq, dk, dv = backend.backward(do, q, k, v, out, lse, spec, dlse=dl)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_views(fa4, causal):
+    """The dilated views engine's calls: q[:, off::r] of larger tensors, no copies."""
+    r, off = 4, 1
+    big = _inputs(1, 2048, 2048, 8, 2, 128)
+    q, k, v, do = (x[:, off::r] for x in big[:4])
+    dl = big[4][:, :, off::r]
+    assert not q.is_contiguous() and not dl.is_contiguous()
+    spec = bk.BlockSpec(128 ** -0.5, causal)
+    want = results(lambda q, k, v: attention_ref(q, k, v, causal=causal), [q.double(), k.double(), v.double()],
+                   do, dl)
+    got = _block_results(fa4, q, k, v, do, dl, spec)
+    bar = _block_results(bk.BACKENDS["flash"], q, k, v, do, dl, spec)
+    errs = {n: rel_err(got[n], want[n]) for n in ("out", "dq", "dk", "dv")}
+    tol = {n: 2 * rel_err(bar[n], want[n]) for n in errs}
+    assert all(errs[n] <= tol[n] for n in errs), (errs, tol)
+    assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3)
+    o_copy, l_copy = fa4.forward(q.contiguous(), k.contiguous(), v.contiguous(), spec)
+    assert torch.equal(got["out"], o_copy) and torch.equal(got["lse"], l_copy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,causal,window,hkv", [
+    ([500, 17, 1, 900, 0, 130], False, (-1, -1), 8),
+    ([500, 17, 1, 900, 0, 130], True, (-1, -1), 2),
+    ([300, 2, 700], True, (64, 0), 4),
+    ([256, 256, 512], False, (32, 16), 8),
+])
+def test_varlen_one_launch(fa4, lens, causal, window, hkv):
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
+    total, h = int(cu[-1]), 8
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, do = (_randn(total, n, 128, gen=g) for n in (h, hkv, hkv, h))
+    dl = _randn(h, total, gen=g, scale=0.3).float()
+    assert _varlen.choose(q, "auto", len(lens)) == "fa4"
+    kw = dict(causal=causal, window_size=window, return_lse=True)
+    _within_bar(lambda q, k, v: longattn.attention_varlen(q, k, v, cu, backend="fa4", **kw),
+                lambda q, k, v: longattn.attention_varlen(q, k, v, cu, backend="flash", **kw),
+                lambda q, k, v: varlen_ref(q, k, v, cu.cpu(), causal=causal, window=window), [q, k, v], do, dl,
+                f"varlen {lens} causal={causal} window={window}", bar_dlse=False)
