@@ -119,7 +119,7 @@ def block(paths) -> str:
     return f"{BEGIN}{' '.join(paths)} -->\n{table(paths)}\n{END}"
 
 
-_BLOCK = re.compile(re.escape(BEGIN) + r"(?P<files>[^>]*) -->\n(?P<table>.*?)\n" + re.escape(END), re.S)
+_BLOCK = re.compile(re.escape(BEGIN) + r"(?P<files>[^>]*) -->\n(?P<table>(?:.*?\n)?)" + re.escape(END), re.S)
 
 
 def readme_block(text: str):
@@ -127,7 +127,7 @@ def readme_block(text: str):
     m = _BLOCK.search(text)
     if not m:
         raise ValueError(f"no numbers table markers ({BEGIN}... and {END}) in the README")
-    return m.group("files").split(), m.group("table")
+    return m.group("files").split(), m.group("table").rstrip("\n")
 
 
 def update_readme(readme: str, paths) -> bool:
