@@ -25,7 +25,6 @@ the config seqlen) W = FLOPs ratio, p^2 for dense attention, ~p for dilated.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import os
 from typing import Optional
@@ -40,49 +39,13 @@ from . import tables as T
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
 from .impls import fwd_flops, varlen_cu_seqlens
+# parse_mesh, with_mesh: part of dist's interface (the CLI, tests)
+from .cp_rows import CP_IMPLS, _cp_call, _cp_reason, parse_mesh, with_mesh  # noqa: F401
 from .torch_cp import FLEX_DIST_IMPLS, flex_dist_build, flex_dist_reason, run_torch_cp, torch_cp_reason
 from ..distributed import transport as _transport
 
 RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
-CP_IMPLS = ("ulysses", "hybrid", "hybrid-contiguous")
 DIST_IMPLS = RING_IMPLS + CP_IMPLS
-
-
-def parse_mesh(text: str) -> tuple[int, int]:
-    """"UxR" -> (ulysses ranks, ring ranks)."""
-    u, _, r = str(text).partition("x")
-    if not (u.isdigit() and r.isdigit() and int(u) > 0 and int(r) > 0):
-        raise ValueError(f"mesh {text!r}: write UxR, ulysses ranks x ring ranks, e.g. 2x2 or 8x1")
-    return int(u), int(r)
-
-
-def with_mesh(impls, mesh: Optional[str]):
-    """Bare ``hybrid`` / ``hybrid-contiguous`` names get the ``--mesh`` shape: ``hybrid:2x2``."""
-    if impls is None or mesh is None:
-        return impls
-    parse_mesh(mesh)
-    return [f"{i.partition('+')[0]}:{mesh}{i.partition('+')[1]}{i.partition('+')[2]}"
-            if i.partition("+")[0] in ("hybrid", "hybrid-contiguous") else i for i in impls]
-
-
-def _cp_reason(cfg: Config, impl: str) -> Optional[str]:
-    """Why ``ulysses`` / ``hybrid[-contiguous]:UxR`` cannot run ``cfg`` on this world (None: it can)."""
-    world = dist.get_world_size()
-    name, _, mesh = impl.partition("+")[0].partition(":")
-    if name == "ulysses":
-        u, r = world, 1
-    elif not mesh:
-        return f"{name} needs a mesh: --mesh UxR (U ulysses x R ring ranks = {world}) or --impl {name}:UxR"
-    else:
-        try:
-            u, r = parse_mesh(mesh)
-        except ValueError as e:
-            return str(e)
-        if u * r != world:
-            return f"mesh {mesh} has {u * r} ranks, the run {world}"
-    if cfg.heads % u:
-        return f"{cfg.heads} heads do not split over {u} ulysses ranks (nheads must be divisible by U)"
-    return None
 
 
 LAUNCH_HINT = ("Start it with torchrun, one process per rank (NCCL on GPUs, gloo on CPU), e.g.\n"
@@ -167,34 +130,6 @@ def _ours(cfg, impl, make, dev, warmup, iters, backward, batched, label):
         # exchange slots in symmetric memory live outside the allocator's counters
         held = _transport.symmetric_bytes()
     return tf, tb, mf + held, None if mb is None else mb + held, hf, hb
-
-
-@functools.lru_cache(maxsize=None)  # one mesh (and its process groups) per shape for the whole run
-def _mesh(device_type: str, u: int, r: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    # ulysses ranks consecutive (the GPUs of a node under torchrun), ring across them
-    return init_device_mesh(device_type, (r, u), mesh_dim_names=("ring", "ulysses"))
-
-
-def _cp_call(cfg, impl, q, k, v, dev):
-    """(fn, local shards) of ``ulysses`` / ``hybrid[-contiguous]:UxR``."""
-    name, _, shape = impl.partition(":")
-    kw = dict(causal=cfg.causal, window_size=cfg.window)
-    cu = varlen_cu_seqlens(cfg.with_overrides(seqlen=q.shape[1]), dev) if cfg.kind == "varlen" else None
-    if name == "ulysses":
-        if cu is None:
-            fn = lambda q_, k_, v_: longattn.ulysses_attention(q_, k_, v_, **kw)
-            return fn, [longattn.shard(x) for x in (q, k, v)]
-        fn = lambda q_, k_, v_: longattn.ulysses_attention_varlen(q_, k_, v_, cu, **kw)
-        return fn, [longattn.shard_varlen(x.flatten(0, 1), cu, layout="contiguous")[0] for x in (q, k, v)]
-    mesh, layout = _mesh(dev.type, *parse_mesh(shape)), "contiguous" if name == "hybrid-contiguous" else "zigzag"
-    if cu is None:
-        fn = lambda q_, k_, v_: longattn.context_parallel_attention(q_, k_, v_, mesh=mesh, layout=layout, **kw)
-        return fn, [longattn.shard_for_mesh(x, mesh, layout=layout) for x in (q, k, v)]
-    fn = lambda q_, k_, v_: longattn.context_parallel_attention_varlen(q_, k_, v_, cu, mesh=mesh, layout=layout,
-                                                                       **kw)
-    return fn, [longattn.shard_varlen_for_mesh(x.flatten(0, 1), cu, mesh, layout=layout)[0] for x in (q, k, v)]
 
 
 def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched, label):
@@ -454,8 +389,8 @@ def format_table(results) -> str:
         if r["status"] == "unsupported":
             continue
         mem = r.get("peak_mem_fwd_bwd_bytes") or r.get("peak_mem_fwd_bytes") or r.get("peak_mem_bytes")
-        lines.append(f"| {r['config']} | {r['impl']} | {r['world_size']} | {r['seqlen']} | {T.num(r.get('fwd_ms'))} | "
-                     f"{T.num(r.get('fwd_bwd_ms'))} | {eff(r.get('efficiency_fwd'))} | "
+        lines.append(f"| {r['config']} | {T.impl_label(r)} | {r['world_size']} | {r['seqlen']} | "
+                     f"{T.num(r.get('fwd_ms'))} | {T.num(r.get('fwd_bwd_ms'))} | {eff(r.get('efficiency_fwd'))} | "
                      f"{eff(r.get('efficiency_fwd_bwd'))} | {T.num(mem and mem / 2**20)} | "
                      f"{r['status']}{(': ' + r['reason']) if r.get('reason') else ''} |")
     lines += T.not_run(results)

@@ -87,8 +87,8 @@ def parse(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, 4/2 heads, vocab 256, 256 tokens")
     p.add_argument("--profile", action="store_true", help="also record the top kernels of one step")
-    p.add_argument("--out", default=None, help="JSON path, {commit} filled in (default "
-                                                "benchmarks/results/hf_train_..._COMMIT.json on CUDA; none with --tiny)")
+    p.add_argument("--out", default=None, help="JSON path, {commit} filled in (default benchmarks/results/"
+                                                "hf_train_..._COMMIT.json on CUDA; none with --tiny)")
     p.add_argument("--timeout-s", type=int, default=900, help="process-group timeout (a stuck collective dies)")
     a = p.parse_args(argv)
     if a.tiny:
@@ -226,7 +226,8 @@ def _torch_cp_setup(args, world, dev, ids, pos, shift, num_items, info):
     ids_b, shift_b = ids.clone(), shift.clone()
     bufs = [ids_b, pos_full, shift_b]
     stack = contextlib.ExitStack()
-    stack.enter_context(context_parallel(mesh, buffers=bufs, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(bufs)))
+    stack.enter_context(context_parallel(mesh, buffers=bufs, buffer_seq_dims=[1, 1, 1],
+                                         no_restore_buffers=set(bufs)))
     stack.enter_context(sdpa_kernel(sdpa_backends(), set_priority=True))
     return stack, dict(input_ids=ids_b, position_ids=pos_full), shift_b, num_items
 

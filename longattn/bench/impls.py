@@ -39,6 +39,8 @@ class Impl:
     rel diff then measures how far that function is from ours, not an error."""
     pair_fraction: Callable[[Config], float] = lambda c: 1.0
     """share of the config's useful pairs this implementation computes (FLOPs count only those)."""
+    backward_reason: Optional[str] = None
+    """set for a forward-only implementation: why it has no backward (the row says so)."""
 
 
 _NO_TRITON = "Triton kernels unavailable here (on CPU they run only under TRITON_INTERPRET=1, the slow interpreter)"
@@ -275,7 +277,9 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("longnet-gather", ("dilated",), lambda c, d: (lambda q, k, v: longnet_gather_dilated(
         q, k, v, c.segment_lengths, c.dilation_rates, c.causal)), lambda c, d: None,
         "LongNet's function the direct way: per branch and offset gather the rows, one SDPA (cuDNN aten op, "
-        "for its lse) over all segments, merge by lse; forward only"),
+        "for its lse) over all segments, merge by lse; forward only",
+        backward_reason="forward-only: the lse of SDPA's aten ops carries no gradient, which LongNet's merge of "
+                        "the branches needs"),
     Impl("flex-dilated", ("dilated",), _flex_dilated_build, _flex_reason, "FlexAttention, head-split dilated mask",
          computes=_HEADSPLIT, pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
     Impl("dense-same-length", ("dilated", "varlen"), lambda c, d: (lambda q, k, v: longattn.attention(
