@@ -169,8 +169,9 @@ def test_ring_model_errors_raise_on_every_rank():
 
 
 def _check_scripts(rank, world):
-    """examples/finetune_hf.py with --cp and benchmarks/hf_train.py with
+    """examples/finetune_hf.py with --cp and `bench hf-train` with
     longattn_ring run under gloo and give the one-device losses."""
+    from longattn.bench import hf_train as bench
     from test_hf import _load as load
 
     ex = load("examples/finetune_hf.py")
@@ -179,7 +180,6 @@ def _check_scripts(rank, world):
     if rank == 0:
         one = ex.main(args + ["--attn", "longattn"])
         assert all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(ring, one)), (ring, one)
-    bench = load("benchmarks/hf_train.py")
     for docs in ("1", "4"):
         row = bench.main(["--tiny", "--attn", "longattn_ring", "--seqlen", "64", "--docs", docs, "--steps", "1",
                           "--warmup", "1"])["results"][0]

@@ -1,7 +1,9 @@
-"""python -m longattn.bench [list|run|dist|scale|report] ...
+"""python -m longattn.bench [list|run|dist|scale|decode|hf-train|report] ...
 
 With no command: run the default small configs on whatever device is here
-(CPU included) and print a table.
+(CPU included) and print a table. `COMMAND --help` describes each command.
+A --json path may hold {commit}: it becomes the commit of the code that runs
+(with -dirty for a tree with uncommitted changes), e.g. --json dist_2xh200_{commit}.json.
 """
 from __future__ import annotations
 
@@ -43,6 +45,14 @@ def _emit(payload, a, table):
     print(table)
 
 
+def _json_path(a) -> None:
+    """--json's {commit} filled in, once, before the run (every rank the same name)."""
+    if getattr(a, "json", None):
+        from .measure import result_path
+
+        a.json = result_path(a.json)
+
+
 def _impl_list() -> str:
     from .impls import IMPLS
 
@@ -59,8 +69,8 @@ _WARMUP_HELP = "untimed calls before timing (the first compiles, autotunes, fill
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .dist import DIST_IMPLS
-    from .impls import FLEX_DIST_IMPLS
+    from .dist import DIST_IMPLS, LAUNCH_HINT
+    from .torch_cp import FLEX_DIST_IMPLS
 
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="python -m longattn.bench", description=__doc__, formatter_class=raw)
@@ -85,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                                f"{', '.join(FLEX_DIST_IMPLS)}. Examples on CPU (gloo):\n"
                                "  torchrun --nproc_per_node=2 -m longattn.bench dist --config tiny\n"
                                "  torchrun --nproc_per_node=4 -m longattn.bench dist --config tiny "
-                               "--impl ring-zigzag ulysses hybrid --mesh 2x2",
+                               "--impl ring-zigzag ulysses hybrid --mesh 2x2\n" + LAUNCH_HINT,
                         formatter_class=raw)
     pd.add_argument("--config", nargs="+", required=True, help=_CONFIG_HELP)
     pd.add_argument("--impl", nargs="+", help=f"from {', '.join(DIST_IMPLS)}; flex configs: "
@@ -110,9 +120,17 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--no-backward", action="store_true", help="time the forward only")
     ps.add_argument("--device", help="torch device (default: cuda when present, else cpu)")
     _add_overrides(ps)
-    pp = sub.add_parser("report", help="markdown summary and PNG plots from result JSONs")
-    pp.add_argument("paths", nargs="+", help="result JSON files of run, scale or dist")
+    # their own parsers (`decode --help`, `hf-train --help`); listed here so that --help names them
+    sub.add_parser("decode", add_help=False, help="long-context inference: prefill, KVCache, one token per step "
+                                                   "(`decode --help`)")
+    sub.add_parser("hf-train", add_help=False, help="a transformers Llama training step under each attention "
+                                                     "implementation (`hf-train --help`)")
+    pp = sub.add_parser("report", help="markdown summary and PNG plots from result JSONs; --readme: README's "
+                                       "numbers table")
+    pp.add_argument("paths", nargs="+", help="result JSON files of run, scale, dist, decode or hf-train")
     pp.add_argument("--out", default=None, help="folder for report.md and plots (default: beside the first JSON)")
+    pp.add_argument("--readme", metavar="README", help="rewrite README's numbers table (between its "
+                                                        "<!-- numbers --> markers) from these files instead")
     return p
 
 
@@ -173,7 +191,11 @@ def _cmd_scale(p, a, cfgs) -> int:
 def _cmd_dist(p, a, cfgs) -> int:
     import torch.distributed as dist
 
-    from .dist import format_table, run_dist
+    from .dist import LAUNCH_HINT, format_table, launched, run_dist
+
+    if not launched():
+        p.exit(2, f"{p.prog} dist: not started by torchrun (no RANK / WORLD_SIZE in the environment).\n"
+                  f"{LAUNCH_HINT}\n")
 
     res = run_dist(cfgs, _dist_impls(p, a), weak=a.weak, backward=not a.no_backward, warmup=a.warmup,
                    iters=a.iters, json_path=a.json, timing=a.timing)
@@ -187,10 +209,24 @@ def _cmd_dist(p, a, cfgs) -> int:
 def _cmd_report(p, a, cfgs) -> int:
     from .report import load, markdown, plots
 
-    docs = load(a.paths)
+    try:
+        docs = load(a.paths)
+    except ValueError as e:
+        p.error(str(e))
+    if a.readme:
+        from .readme import update_readme
+
+        changed = update_readme(a.readme, a.paths)
+        print(f"{a.readme}: numbers table {'rewritten' if changed else 'already up to date'} from "
+              f"{len(a.paths)} file(s)", file=sys.stderr)
+        return 0
     out = a.out or os.path.dirname(os.path.abspath(a.paths[0]))
     md = markdown(docs)
     pngs, missing = plots(docs, out)
+    if pngs is None:
+        md += f"\nPlots: {missing[0]}\n"
+        missing = []
+        pngs = []
     md += "\n" + "\n".join(f"![{os.path.basename(x)}]({os.path.basename(x)})" for x in pngs) + "\n"
     if missing:
         md += "\nPlots these results cannot make yet:\n\n" + "\n".join(f"- {m}" for m in missing) + "\n"
@@ -213,8 +249,14 @@ def main(argv=None):
         from .decode import main as decode_main
 
         return decode_main(argv[1:])
+    if argv[:1] == ["hf-train"]:  # its own parser, longattn/bench/hf_train.py
+        from .hf_train import main as hf_main
+
+        hf_main(argv[1:])
+        return 0
     p = _parser()
     a = p.parse_args(argv)
+    _json_path(a)
     if a.cmd in ("run", "scale") and a.impl:
         _check_impls(p, a)
     cfgs = None

@@ -318,6 +318,7 @@ def main(argv=None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         if a.json:
+            a.json = measure.result_path(a.json)
             measure.write_json(a.json, res)
             print(f"wrote {a.json}", file=sys.stderr)
         print(format_table(res["results"]))

@@ -1,9 +1,9 @@
 """`dist`: one device against N ranks on the same global problem (torchrun;
 NCCL on GPUs, gloo on CPU).
 
-Rows: our ring (contiguous and zigzag layouts), torch's context_parallel
-(cuDNN SDPA, its default head-tail balancing for causal, balancing off for
-non-causal which the balancer refuses; CUDA only, see ``torch_cp_reason``);
+Rows: our ring (contiguous and zigzag layouts), torch's context_parallel at
+its best (``torch_cp``: native GQA, head-tail balancing for causal, the faster
+rotate method of the run, the SDPA backend recorded; CUDA only);
 for dilated configs our dilated attention over ranks; for varlen configs
 ``ring_attention_varlen`` in both layouts against ``attention_varlen`` (auto)
 on one device; Ulysses (``ulysses``: all-to-all head parallelism over every
@@ -25,7 +25,6 @@ the config seqlen) W = FLOPs ratio, p^2 for dense attention, ~p for dilated.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import os
 from typing import Optional
@@ -39,54 +38,31 @@ from . import measure
 from . import tables as T
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
-from .impls import FLEX_DIST_IMPLS, flex_dist_build, flex_dist_reason, fwd_flops, varlen_cu_seqlens
+from .impls import fwd_flops, varlen_cu_seqlens
+# parse_mesh, with_mesh: part of dist's interface (the CLI, tests)
+from .cp_rows import CP_IMPLS, _cp_call, _cp_reason, parse_mesh, with_mesh  # noqa: F401
+from .torch_cp import FLEX_DIST_IMPLS, flex_dist_build, flex_dist_reason, run_torch_cp, torch_cp_reason
 from ..distributed import transport as _transport
 
 RING_IMPLS = ("ring-contiguous", "ring-zigzag", "torch-cp")
-CP_IMPLS = ("ulysses", "hybrid", "hybrid-contiguous")
 DIST_IMPLS = RING_IMPLS + CP_IMPLS
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-    """"UxR" -> (ulysses ranks, ring ranks)."""
-    u, _, r = str(text).partition("x")
-    if not (u.isdigit() and r.isdigit() and int(u) > 0 and int(r) > 0):
-        raise ValueError(f"mesh {text!r}: write UxR, ulysses ranks x ring ranks, e.g. 2x2 or 8x1")
-    return int(u), int(r)
+LAUNCH_HINT = ("Start it with torchrun, one process per rank (NCCL on GPUs, gloo on CPU), e.g.\n"
+               "  torchrun --nproc_per_node=2 -m longattn.bench dist --config dense_32k_causal\n"
+               "  torchrun --nproc_per_node=2 -m longattn.bench dist --config tiny      # CPU, gloo")
 
 
-def with_mesh(impls, mesh: Optional[str]):
-    """Bare ``hybrid`` / ``hybrid-contiguous`` names get the ``--mesh`` shape: ``hybrid:2x2``."""
-    if impls is None or mesh is None:
-        return impls
-    parse_mesh(mesh)
-    return [f"{i.partition('+')[0]}:{mesh}{i.partition('+')[1]}{i.partition('+')[2]}"
-            if i.partition("+")[0] in ("hybrid", "hybrid-contiguous") else i for i in impls]
-
-
-def _cp_reason(cfg: Config, impl: str) -> Optional[str]:
-    """Why ``ulysses`` / ``hybrid[-contiguous]:UxR`` cannot run ``cfg`` on this world (None: it can)."""
-    world = dist.get_world_size()
-    name, _, mesh = impl.partition("+")[0].partition(":")
-    if name == "ulysses":
-        u, r = world, 1
-    elif not mesh:
-        return f"{name} needs a mesh: --mesh UxR (U ulysses x R ring ranks = {world}) or --impl {name}:UxR"
-    else:
-        try:
-            u, r = parse_mesh(mesh)
-        except ValueError as e:
-            return str(e)
-        if u * r != world:
-            return f"mesh {mesh} has {u * r} ranks, the run {world}"
-    if cfg.heads % u:
-        return f"{cfg.heads} heads do not split over {u} ulysses ranks (nheads must be divisible by U)"
-    return None
+def launched() -> bool:
+    """Started by torchrun (or a process group is already up)."""
+    return dist.is_initialized() or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def _init(one_rank: bool = False):
     """(rank, world size, device): joins torchrun's process group. ``one_rank``:
     outside torchrun (no WORLD_SIZE) run as rank 0 of 1 instead of failing."""
+    if not one_rank and not launched():
+        raise RuntimeError(f"bench dist runs over several processes. {LAUNCH_HINT}")
     if not dist.is_initialized() and (not one_rank or "WORLD_SIZE" in os.environ):
         # on CUDA both backends: tensors on the GPU go through NCCL, the argument
         # checks' small CPU tensors through gloo without a device sync
@@ -97,18 +73,6 @@ def _init(one_rank: bool = False):
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return rank, world, dev
-
-
-def torch_cp_reason(cfg: Config, dev) -> Optional[str]:
-    """Why torch's context_parallel cannot run ``cfg`` on ``dev`` (None: it can)."""
-    if dev.type != "cuda":
-        return ("torch's context_parallel shards only SDPA's flash, efficient and cuDNN kernels, which exist on "
-                "CUDA alone (CPU SDPA takes another kernel that it does not shard)")
-    if cfg.kind == "varlen":
-        return "torch's context_parallel has no packed-document (varlen) mode"
-    if cfg.window != (-1, -1):
-        return "torch's context_parallel has no sliding window"
-    return None
 
 
 def _reason(cfg: Config, impl: str, dev) -> Optional[str]:
@@ -168,34 +132,6 @@ def _ours(cfg, impl, make, dev, warmup, iters, backward, batched, label):
     return tf, tb, mf + held, None if mb is None else mb + held, hf, hb
 
 
-@functools.lru_cache(maxsize=None)  # one mesh (and its process groups) per shape for the whole run
-def _mesh(device_type: str, u: int, r: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    # ulysses ranks consecutive (the GPUs of a node under torchrun), ring across them
-    return init_device_mesh(device_type, (r, u), mesh_dim_names=("ring", "ulysses"))
-
-
-def _cp_call(cfg, impl, q, k, v, dev):
-    """(fn, local shards) of ``ulysses`` / ``hybrid[-contiguous]:UxR``."""
-    name, _, shape = impl.partition(":")
-    kw = dict(causal=cfg.causal, window_size=cfg.window)
-    cu = varlen_cu_seqlens(cfg.with_overrides(seqlen=q.shape[1]), dev) if cfg.kind == "varlen" else None
-    if name == "ulysses":
-        if cu is None:
-            fn = lambda q_, k_, v_: longattn.ulysses_attention(q_, k_, v_, **kw)
-            return fn, [longattn.shard(x) for x in (q, k, v)]
-        fn = lambda q_, k_, v_: longattn.ulysses_attention_varlen(q_, k_, v_, cu, **kw)
-        return fn, [longattn.shard_varlen(x.flatten(0, 1), cu, layout="contiguous")[0] for x in (q, k, v)]
-    mesh, layout = _mesh(dev.type, *parse_mesh(shape)), "contiguous" if name == "hybrid-contiguous" else "zigzag"
-    if cu is None:
-        fn = lambda q_, k_, v_: longattn.context_parallel_attention(q_, k_, v_, mesh=mesh, layout=layout, **kw)
-        return fn, [longattn.shard_for_mesh(x, mesh, layout=layout) for x in (q, k, v)]
-    fn = lambda q_, k_, v_: longattn.context_parallel_attention_varlen(q_, k_, v_, cu, mesh=mesh, layout=layout,
-                                                                       **kw)
-    return fn, [longattn.shard_varlen_for_mesh(x.flatten(0, 1), cu, mesh, layout=layout)[0] for x in (q, k, v)]
-
-
 def _ours_timed(cfg, impl, make, dev, warmup, iters, backward, batched, label):
     q, k, v = make()
     fn, (ql, kl, vl) = _call_and_shards(cfg, impl, q, k, v, dev)
@@ -241,42 +177,8 @@ def _timed_call(fn, ql, kl, vl, dev, warmup, iters, backward, batched, label):
 
 
 def _torch_cp(cfg, make, dev, warmup, iters, backward, batched, label):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    try:
-        from torch.distributed.tensor.experimental._attention import _cp_options
-    except ImportError:  # pragma: no cover
-        _cp_options = None
-    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
-    g = cfg.heads // cfg.hkv
-    q, k, v = make()
-    # torch's CP has no GQA: K/V are repeated to all query heads
-    qb = q.transpose(1, 2).contiguous()
-    kb = k.repeat_interleave(g, 2).transpose(1, 2).contiguous()
-    vb = v.repeat_interleave(g, 2).transpose(1, 2).contiguous()
-    del q, k, v
-    old = None
-    if _cp_options is not None:
-        old = _cp_options.enable_load_balance
-        _cp_options.enable_load_balance = cfg.causal  # the head-tail balancer refuses non-causal
-    try:
-        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
-                sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            fwd = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=cfg.causal)
-            step = None
-            if backward:
-                qg, kg, vg = (x.detach().requires_grad_() for x in (qb, kb, vb))
-                dout = torch.randn_like(qb)
-
-                def step():
-                    torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=cfg.causal).backward(dout)
-                    qg.grad = kg.grad = vg.grad = None
-            return _time_pair(fwd, step, dev, warmup, iters, batched, label)
-    finally:
-        if _cp_options is not None:
-            _cp_options.enable_load_balance = old
+    return run_torch_cp(cfg, make, dev, _time_pair, _allmax, warmup=warmup, iters=iters, backward=backward,
+                        batched=batched, label=label)
 
 
 def _agree(reps: int) -> int:
@@ -361,20 +263,24 @@ def _single_row(cfg: Config, single_cfg: Config, base: dict, dt, run: _Run) -> t
 
 
 def _measure(cfg: Config, impl: str, seqlen: int, dt, run: _Run, tag: str):
-    """(this rank's (tf, tb, mf, mb, hf, hb), None), or (Nones, the failure)."""
+    """(this rank's (tf, tb, mf, mb, hf, hb), None, what the row records of
+    how it ran), or (Nones, the failure, {})."""
     # The global inputs are made inside the timed helpers and dropped once
     # sharded: held here they would sit beside the run (3 x 16 GiB at 4M tokens).
     make = lambda: _inputs(cfg, seqlen, run.dev, dt)
     args = (make, run.dev, run.warmup, run.iters, run.backward, run.batched, tag)
+    info = {}
     try:
         if impl == "torch-cp":
-            measured, err = _torch_cp(cfg, *args), None
+            measured, info = _torch_cp(cfg, *args)
+            info = dict(torch_cp=info)
         else:
-            measured, err = _ours(cfg, impl, *args), None
+            measured = _ours(cfg, impl, *args)
+        err = None
     except Exception as e:  # noqa: BLE001 - recorded
         measured, err = (None,) * 6, _failure(e)
     _free(run.dev)
-    return measured, err
+    return measured, err, info
 
 
 def _merge_ranks(row: dict, measured, err: Optional[str], t1: tuple, world: int) -> None:
@@ -424,7 +330,8 @@ def _impl_row(cfg: Config, impl: str, base: dict, dt, t1: tuple, run: _Run) -> d
         return row
     if run.rank == 0:
         _log(f"{tag} ...")
-    measured, err = _measure(cfg, impl, base["seqlen"], dt, run, tag)
+    measured, err, info = _measure(cfg, impl, base["seqlen"], dt, run, tag)
+    row.update(info)
     _merge_ranks(row, measured, err, t1, run.world)
     _log_row(tag, row)
     return row
@@ -482,8 +389,8 @@ def format_table(results) -> str:
         if r["status"] == "unsupported":
             continue
         mem = r.get("peak_mem_fwd_bwd_bytes") or r.get("peak_mem_fwd_bytes") or r.get("peak_mem_bytes")
-        lines.append(f"| {r['config']} | {r['impl']} | {r['world_size']} | {r['seqlen']} | {T.num(r.get('fwd_ms'))} | "
-                     f"{T.num(r.get('fwd_bwd_ms'))} | {eff(r.get('efficiency_fwd'))} | "
+        lines.append(f"| {r['config']} | {T.impl_label(r)} | {r['world_size']} | {r['seqlen']} | "
+                     f"{T.num(r.get('fwd_ms'))} | {T.num(r.get('fwd_bwd_ms'))} | {eff(r.get('efficiency_fwd'))} | "
                      f"{eff(r.get('efficiency_fwd_bwd'))} | {T.num(mem and mem / 2**20)} | "
                      f"{r['status']}{(': ' + r['reason']) if r.get('reason') else ''} |")
     lines += T.not_run(results)

@@ -3,13 +3,14 @@
 Each entry says why it cannot run a config on a device (``reason``) or
 builds a callable ``fn(q, k, v) -> out`` over (B, S, H, D) tensors that were
 made before timing. Baselines are what users would otherwise pick: PyTorch
-SDPA backends, FlexAttention, and the gather-then-SDPA dilated algorithm of
-dilated-attention-pytorch (heads divided among branches).
+SDPA backends, FlexAttention, the gather-then-SDPA dilated algorithm of
+dilated-attention-pytorch (heads divided among branches) and LongNet's own
+function written the direct way (gather per branch, SDPA, merge by lse), see
+``baselines``. Flex patterns live in ``patterns``.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Callable, Optional
 
@@ -19,7 +20,9 @@ import torch.nn.functional as F
 import longattn
 from longattn import dilated as _dil
 
+from .baselines import headsplit_dilated, longnet_gather_dilated
 from .configs import DTYPES, Config
+from .patterns import flex_mask, flex_pairs  # noqa: F401 - flex_mask: one import place for callers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Impl:
     rel diff then measures how far that function is from ours, not an error."""
     pair_fraction: Callable[[Config], float] = lambda c: 1.0
     """share of the config's useful pairs this implementation computes (FLOPs count only those)."""
+    backward_reason: Optional[str] = None
+    """set for a forward-only implementation: why it has no backward (the row says so)."""
 
 
 _NO_TRITON = "Triton kernels unavailable here (on CPU they run only under TRITON_INTERPRET=1, the slow interpreter)"
@@ -99,38 +104,6 @@ def _flex_reason(cfg: Config, dev):
     if dev.type != "cuda":
         return "FlexAttention is benchmarked on CUDA only (CPU compile time dominates small runs)"
     return None
-
-
-def headsplit_dilated(q, k, v, segment_lengths, dilation_rates, causal):
-    """The dilated-attention-pytorch algorithm (baseline): heads are divided
-    among the branches; branch i gathers rows ``offset::r`` (offset = i % r)
-    of each segment for its head group, runs SDPA on the copies and scatters
-    back; the sum is divided by the number of branches. Needs S divisible by
-    every segment length. Not LongNet's definition (see longattn.dilated)."""
-    b, s, h, d = q.shape
-    n = len(segment_lengths)
-    out = torch.zeros_like(q)
-    bounds = [round(i * h / n) for i in range(n + 1)]
-    g = h // k.shape[2]
-    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        h0, h1 = bounds[i], bounds[i + 1]
-        if h1 == h0:
-            continue
-        off = i % r
-        w = min(w, s)
-        qs = q.view(b, s // w, w, h, d)[:, :, off::r, h0:h1]
-        kvh = torch.arange(h0, h1, device=q.device) // g
-        ks = k.view(b, s // w, w, -1, d)[:, :, off::r].index_select(3, kvh)
-        vs = v.view(b, s // w, w, -1, d)[:, :, off::r].index_select(3, kvh)
-        m = qs.shape[2]
-        x = F.scaled_dot_product_attention(qs.reshape(-1, m, h1 - h0, d).transpose(1, 2),
-                                           ks.reshape(-1, m, h1 - h0, d).transpose(1, 2),
-                                           vs.reshape(-1, m, h1 - h0, d).transpose(1, 2), is_causal=causal)
-        x = x.transpose(1, 2).reshape(b, s // w, m, h1 - h0, d)
-        out = out.view(b, s // w, w, h, d)
-        out[:, :, off::r, h0:h1] += x
-        out = out.view(b, s, h, d)
-    return out / n
 
 
 def _headsplit_reason(cfg: Config, dev):
@@ -301,6 +274,12 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
         q, k, v, c.segment_lengths, c.dilation_rates, c.causal)), _headsplit_reason,
         "dilated-attention-pytorch algorithm: heads split among branches, gather + SDPA",
         computes=_HEADSPLIT, pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
+    Impl("longnet-gather", ("dilated",), lambda c, d: (lambda q, k, v: longnet_gather_dilated(
+        q, k, v, c.segment_lengths, c.dilation_rates, c.causal)), lambda c, d: None,
+        "LongNet's function the direct way: per branch and offset gather the rows, one SDPA (cuDNN aten op, "
+        "for its lse) over all segments, merge by lse; forward only",
+        backward_reason="forward-only: the lse of SDPA's aten ops carries no gradient, which LongNet's merge of "
+                        "the branches needs"),
     Impl("flex-dilated", ("dilated",), _flex_dilated_build, _flex_reason, "FlexAttention, head-split dilated mask",
          computes=_HEADSPLIT, pair_fraction=lambda c: 1.0 / len(c.segment_lengths)),
     Impl("dense-same-length", ("dilated", "varlen"), lambda c, d: (lambda q, k, v: longattn.attention(
@@ -345,78 +324,6 @@ def fwd_flops(cfg: Config) -> float:
     return 4.0 * cfg.batch * cfg.heads * cfg.head_dim * useful_pairs(cfg)
 
 
-# ------------------------------------------------------------------ attention patterns (FlexAttention masks)
-# Configs of kind "flex" (configs.FlexConfig): longattn.flex_attention against torch's compiled
-# FlexAttention and dense cuDNN on one device; for `dist`, ring_flex_attention against torch's
-# context_parallel running FlexAttention (K/V all-gathered).
-def _flex_doc_lengths(cfg: Config) -> list[int]:
-    total, lens, i = cfg.seqlen, [], 0
-    while sum(lens) < total:
-        lens.append(min(cfg.pattern_args[i % len(cfg.pattern_args)], total - sum(lens)))
-        i += 1
-    return lens
-
-
-def _flex_layout(cfg: Config) -> torch.Tensor:
-    block, band, density, seed = cfg.pattern_args
-    n = -(-cfg.seqlen // block)
-    i = torch.arange(n)
-    lay = (i[:, None] - i[None, :]).abs() <= band
-    lay |= (i[:, None] == 0) | (i[None, :] == 0)
-    return lay | (torch.rand(n, n, generator=torch.Generator().manual_seed(seed)) < density)
-
-
-def flex_mask(cfg: Config, dev):
-    """The config's mask_mod (tensors on ``dev``), and-ed with causal when ``cfg.causal``."""
-    from longattn import masks
-
-    p, a = cfg.pattern, cfg.pattern_args
-    if p == "local_global":
-        m = masks.local_global(a[0], a[1])
-    elif p == "causal_document":
-        cu = torch.tensor([0] + _flex_doc_lengths(cfg)).cumsum(0)
-        m = masks.and_(masks.causal(), masks.document(cu_seqlens=cu.to(dev)))
-    elif p == "prefix_lm":
-        m = masks.prefix_lm(int(cfg.seqlen * a[0]))
-    else:
-        m = masks.block_sparse(_flex_layout(cfg).to(dev), a[0])
-    return masks.and_(masks.causal(), m) if cfg.causal else m
-
-
-@functools.lru_cache(maxsize=64)
-def flex_pairs(cfg: Config) -> float:
-    """Visible (query, key) pairs of the pattern per (batch, head), counted exactly."""
-    s, a = cfg.seqlen, cfg.pattern_args
-    q = torch.arange(s, dtype=torch.float64)
-    if cfg.causal:
-        return _flex_pairs_by_rows(cfg)
-    if cfg.pattern == "block_sparse":
-        sizes = torch.full((-(-s // a[0]),), float(a[0]), dtype=torch.float64)
-        sizes[-1] = s - a[0] * (len(sizes) - 1)
-        return float((_flex_layout(cfg).double() * sizes[:, None] * sizes[None, :]).sum())
-    if cfg.pattern == "local_global":
-        w, n = a
-        lo, hi = (q - w).clamp(min=0), (q + w).clamp(max=s - 1)
-        band_in_globals = (hi.clamp(max=n - 1) - lo + 1).clamp(min=0)
-        per_row = torch.where(q < n, torch.tensor(float(s)), (hi - lo + 1) + n - band_in_globals)
-        return float(per_row.sum())
-    if cfg.pattern == "causal_document":
-        return float(sum(n * (n + 1) / 2 for n in _flex_doc_lengths(cfg)))
-    return float(torch.maximum(q + 1, torch.tensor(float(int(s * a[0])))).sum())  # prefix_lm
-
-
-def _flex_pairs_by_rows(cfg: Config, rows: int = 1024) -> float:
-    """The mask evaluated in row chunks (on CUDA when present): patterns without a closed form."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    m, s, total = flex_mask(cfg, dev), cfg.seqlen, 0
-    k = torch.arange(s, device=dev).view(1, 1, 1, -1)
-    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
-    for r0 in range(0, s, rows):
-        q = torch.arange(r0, min(s, r0 + rows), device=dev).view(1, 1, -1, 1)
-        total += int(m(zero, zero, q, k).expand(1, 1, q.shape[2], s).sum())
-    return float(total)
-
-
 def _longattn_flex_build(cfg: Config, dev):
     mask = flex_mask(cfg, dev)
     return lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask)
@@ -451,65 +358,3 @@ IMPLS.update({i.name: i for i in (
          comparable=False, computes="dense attention at the same length (a cost reference)"),
 )})
 
-FLEX_DIST_IMPLS = ("flex-ring", "flex-ring-contiguous", "torch-cp-flex")
-"""`dist` rows of flex configs: ring_flex_attention (zigzag, contiguous) and torch's
-context_parallel with FlexAttention; T_single is ``torch-flex`` on one device."""
-
-
-def flex_dist_reason(cfg: Config, impl: str, dev) -> Optional[str]:
-    import torch.distributed as dist
-
-    if impl not in FLEX_DIST_IMPLS:
-        return f"flex configs run {', '.join(FLEX_DIST_IMPLS)}"
-    if impl == "torch-cp-flex":
-        if dev.type != "cuda":
-            return "torch's context-parallel FlexAttention compiles FlexAttention with a backward: CUDA only"
-        if cfg.seqlen % (dist.get_world_size() * 128):
-            return "torch's _create_cp_block_mask needs seqlen divisible by ranks x 128"
-    elif dev.type != "cuda" and cfg.seqlen * cfg.batch > 4096:
-        return "on CPU FlexAttention runs eagerly with dense scores (shapes up to 4K tokens)"
-    return None
-
-
-def flex_dist_build(cfg: Config, impl: str, q, k, v):
-    """``(fn, (ql, kl, vl))``: this rank's shards of the global q, k, v (B, S, H, D)
-    and the call timed on them (its output shaped like ``ql``)."""
-    if impl == "torch-cp-flex":
-        return _torch_cp_flex(cfg, q, k, v)
-    layout = "contiguous" if impl == "flex-ring-contiguous" else "zigzag"
-    mask = flex_mask(cfg, q.device)
-    shards = tuple(longattn.shard(x, layout=layout) for x in (q, k, v))
-    return (lambda q_, k_, v_: longattn.ring_flex_attention(q_, k_, v_, mask_mod=mask, layout=layout)), shards
-
-
-class _FlexModule(torch.nn.Module):
-    def __init__(self, gqa: bool):
-        super().__init__()
-        from torch.nn.attention.flex_attention import flex_attention
-
-        self.flex, self.gqa = torch.compile(flex_attention, dynamic=False), gqa
-
-    def forward(self, q, k, v, block_mask):
-        return self.flex(q, k, v, block_mask=block_mask, enable_gqa=self.gqa)
-
-
-def _torch_cp_flex(cfg: Config, q, k, v):
-    """torch's context-parallel FlexAttention (torch.distributed.tensor.experimental):
-    the module wrapper all-gathers K/V before each call (reduce-scatters dK/dV
-    after), the block mask of the local queries against the whole sequence from
-    ``_create_cp_block_mask``; head-tail balancing, which is longattn's zigzag
-    order. Shards (B, H, L, D), as FlexAttention takes them."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental._attention import _ContextParallel, _HeadTailLoadBalancer
-    from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    world, s = dist.get_world_size(), q.shape[1]
-    mesh = init_device_mesh(q.device.type, (world,))
-    balancer = _HeadTailLoadBalancer(s, world, q.device)
-    bm = _create_cp_block_mask(flex_mask(cfg, q.device), 1, 1, s, s, mesh, load_balancer=balancer)
-    module = parallelize_module(_FlexModule(cfg.hkv != cfg.heads), mesh,
-                                _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
-    shards = tuple(longattn.shard(x, layout="zigzag").transpose(1, 2).contiguous() for x in (q, k, v))
-    return (lambda q_, k_, v_: module(q_, k_, v_, block_mask=bm)), shards

@@ -199,11 +199,27 @@ def git_commit() -> Optional[str]:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
         if out.returncode:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        # dirty: a tracked file changed, or a file git does not track sits in the package (it runs too)
+        status = lambda *a: subprocess.run(["git", "status", "--porcelain", *a], cwd=here, capture_output=True,
+                                           text=True, timeout=5).stdout.strip()
+        dirty = status("--untracked-files=no") or status("--untracked-files=normal", "--", os.path.dirname(here))
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except Exception:
         return None
+
+
+def short_commit(commit: Optional[str] = None) -> str:
+    """abc1234 or abc1234-dirty (the code that runs), "nocommit" when unknown."""
+    commit = git_commit() if commit is None else commit
+    if not commit:
+        return "nocommit"
+    head, _, dirty = commit.partition("-")
+    return head[:7] + ("-" + dirty if dirty else "")
+
+
+def result_path(path: str) -> str:
+    """``path`` with ``{commit}`` replaced by ``short_commit()``."""
+    return path.replace("{commit}", short_commit()) if "{commit}" in path else path
 
 
 def environment(device: torch.device, command: Optional[str] = None) -> dict:

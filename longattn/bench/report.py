@@ -6,39 +6,57 @@ import os
 from collections import defaultdict
 
 
+KINDS = ("run", "scale", "dist", "decode", "hf_train")
+
+
+def kind_of(d: dict) -> str:
+    """The command that wrote a result: ``kind`` (run, scale, dist, decode) or
+    ``benchmark`` (hf_train)."""
+    return d.get("kind") or d.get("benchmark") or "unknown"
+
+
 def load(paths):
+    """The result files, each with ``_path``; a file no bench command wrote is a ValueError naming it."""
     out = []
     for p in paths:
         with open(p) as f:
             d = json.load(f)
+        if not isinstance(d, dict) or kind_of(d) not in KINDS or not isinstance(d.get("results"), list):
+            raise ValueError(f"{p}: not a result of `python -m longattn.bench` ({', '.join(KINDS)}): "
+                             "report reads the JSON files those commands write")
         d["_path"] = p
         out.append(d)
     return out
 
 
-def _mib(v):
-    return "–" if v is None else f"{v / 2**20:.0f}"
+def hf_train_table(rows) -> str:
+    lines = ["| attn | ranks | seqlen | docs | step ms | tokens/s per GPU | peak GiB | peak extra GiB | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['attn']} | {r.get('world')} | {r['seqlen']} | {r.get('docs')} | "
+                     f"{r.get('step_ms_median') or '–'} | {r.get('tokens_per_s_per_gpu') or '–'} | "
+                     f"{r.get('peak_mem_gib') or '–'} | {r.get('peak_extra_gib') or '–'} | {r.get('error') or 'ok'} |")
+    return "\n".join(lines)
 
 
 def markdown(docs) -> str:
+    from .decode import format_table as decode_table
     from .dist import format_table as dist_table
     from .single import format_table as run_table
 
+    tables = {"dist": dist_table, "decode": decode_table, "hf_train": hf_train_table}
     parts = ["# longattn benchmark report", ""]
     for d in docs:
         env = d.get("env", {})
-        parts.append(f"## {os.path.basename(d['_path'])} ({d.get('kind')})")
+        parts.append(f"## {os.path.basename(d['_path'])} ({kind_of(d)})")
         parts.append(f"device: {env.get('device')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN "
                      f"{env.get('cudnn')}, Triton {env.get('triton')}, commit {env.get('commit')}")
         parts.append(f"command: `{env.get('command')}`")
         parts.append("")
-        if d.get("kind") == "dist":
-            parts.append(dist_table(d["results"]))
-        else:
-            parts.append(run_table(d["results"]))
-            if d.get("kind") == "scale":
-                parts.append("")
-                parts.append(f"longest sequence that ran: {d.get('longest_seqlen')}")
+        parts.append(tables.get(kind_of(d), run_table)(d["results"]))
+        if kind_of(d) == "scale":
+            parts.append("")
+            parts.append(f"longest sequence that ran: {d.get('longest_seqlen')}")
         parts.append("")
     return "\n".join(parts)
 
@@ -188,9 +206,10 @@ def _efficiency_vs_ranks(docs, plt, save) -> list[str]:
     return []
 
 
-def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
+def plots(docs, outdir: str):
     """Write the PNG plots these results support; returns (paths written,
-    lines naming each plot that needs more runs and what it needs).
+    lines naming each plot that needs more runs and what it needs), or (None,
+    [how to get plots]) without matplotlib.
 
     One run (``run``) gives, per config, time and FLOP/s per implementation;
     one ``dist`` run gives the parallel efficiency per implementation at its
@@ -198,8 +217,11 @@ def plots(docs, outdir: str) -> tuple[list[str], list[str]]:
     sequence length (one implementation at two or more lengths: ``scale``, or
     ``run`` files at different ``--seqlen``) and efficiency against the number
     of ranks (``dist`` at two or more world sizes)."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        return None, ["none written: matplotlib is not installed (`pip install matplotlib`, then run report "
+                      "again)"]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -163,6 +163,9 @@ def bench_impl(cfg: Config, impl_name: str, dev, dt, *, backward: bool = True, w
         gc.collect()
     if not backward:
         return row
+    if impl.backward_reason:
+        row.update(bwd_status="unsupported", bwd_reason=impl.backward_reason)
+        return row
     _time_backward(row, fn, cfg, dev, dt, timed, profile=profile, bwd_alone=bwd_alone)
     gc.collect()
     if dev.type == "cuda":

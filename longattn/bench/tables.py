@@ -44,3 +44,16 @@ def not_run(rows: list[dict], status: str = "unsupported") -> list[str]:
         where = f" [{', '.join(dict.fromkeys(cfgs))}]" if many else ""
         lines.append(f"- {impl}{where}: {reason}")
     return lines
+
+
+def impl_label(r: dict) -> str:
+    """A `dist` row's implementation as a table shows it: torch-cp with how it
+    ran (SDPA backend, rotate method), or "K/V repeated" for rows written
+    before it ran with native GQA."""
+    if r["impl"] != "torch-cp":
+        return r["impl"]
+    info = r.get("torch_cp")
+    if not info:
+        return "torch-cp (K/V repeated)" if "kv " in r.get("shape", "") else "torch-cp"
+    return f"torch-cp ({info.get('sdpa_backend')}, {info.get('rotate_method')})"
+

@@ -1,0 +1,181 @@
+"""torch's context parallelism as `dist` rows, at its best, and the flex rows.
+
+``torch-cp``: ``torch.distributed.tensor.experimental.context_parallel``
+around SDPA with ``enable_gqa`` (K/V keep their own head count; the ring
+rotates the smaller K/V), torch's head-tail load balancer for causal calls
+(it refuses non-causal ones), the rotate method ("allgather" or "alltoall")
+that measures faster in the run (both timed briefly first), SDPA's backends in
+the order cuDNN, flash, efficient (the one SDPA picks is recorded). The row
+records all of it (``torch_cp`` field). ``torch-cp-flex``: its FlexAttention
+path (K/V all-gathered, head-tail balanced).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import longattn
+
+from .configs import Config
+from .patterns import flex_mask
+
+ROTATE_METHODS = ("allgather", "alltoall")
+
+
+def torch_cp_reason(cfg: Config, dev) -> Optional[str]:
+    """Why torch's context_parallel cannot run ``cfg`` on ``dev`` (None: it can)."""
+    if dev.type != "cuda":
+        return ("torch's context_parallel shards only SDPA's flash, efficient and cuDNN kernels, which exist on "
+                "CUDA alone (CPU SDPA takes another kernel that it does not shard)")
+    if cfg.kind == "varlen":
+        return "torch's context_parallel has no packed-document (varlen) mode"
+    if cfg.window != (-1, -1):
+        return "torch's context_parallel has no sliding window"
+    return None
+
+
+def cp_sdpa_inputs(q, k, v):
+    """(B, S, H, D) q, k, v -> the (B, H, S, D) buffers torch's CP shards, and
+    SDPA's ``enable_gqa``: K/V keep their own head count (never repeated)."""
+    qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return (qb, kb, vb), kb.shape[1] != qb.shape[1]
+
+
+def sdpa_backends():
+    """SDPA's backends in the order torch's CP is tried with: cuDNN (fastest on
+    Hopper, anchors), flash, efficient; all three are the kernels CP shards."""
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def sdpa_choice(q, k, v, causal: bool, gqa: bool) -> str:
+    """The SDPA backend a call with these (local) tensors takes under the
+    active ``sdpa_kernel`` (torch's own choice function)."""
+    from torch.nn.attention import SDPBackend
+
+    try:
+        code = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=None, enable_gqa=gqa)
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        return f"unknown ({type(e).__name__})"
+    names = {int(m.value): n.lower() for n, m in SDPBackend.__members__.items()}
+    return names.get(int(code), str(code))
+
+
+def load_balanced(cfg: Config, seqlen: int, world: int) -> bool:
+    """torch's default head-tail balancer applies: causal (it refuses others)
+    and the sequence splits in 2 x ranks chunks."""
+    return bool(cfg.causal) and seqlen % (2 * world) == 0
+
+
+def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iters: int, backward: bool,
+                 batched: bool, label: str, probe_iters: int = 3):
+    """((fwd ms, fwd+bwd ms, peak fwd, peak fwd+bwd, host fwd, host fwd+bwd), info):
+    torch's context_parallel timed with ``time_pair`` (dist's timer) after each
+    rotate method was timed ``probe_iters`` calls; ``allmax`` agrees a figure
+    over the ranks, so every rank keeps the same method."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+    from torch.nn.attention import sdpa_kernel
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(dev.type, (world,))
+    q, k, v = make()
+    seqlen = q.shape[1]
+    (qb, kb, vb), gqa = cp_sdpa_inputs(q, k, v)
+    del q, k, v
+    info = dict(enable_gqa=gqa, kv_heads=kb.shape[1], load_balance=load_balanced(cfg, seqlen, world))
+    old_balance, old_rotate = _cp_options.enable_load_balance, _cp_options.rotate_method
+    _cp_options.enable_load_balance = info["load_balance"]  # read by context_parallel on entry
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
+                sdpa_kernel(sdpa_backends(), set_priority=True):
+            info["sdpa_backend"] = sdpa_choice(qb, kb, vb, cfg.causal, gqa)
+            fwd = lambda: sdpa(qb, kb, vb, is_causal=cfg.causal, enable_gqa=gqa)
+            step = None
+            if backward:
+                qg, kg, vg = (x.detach().requires_grad_() for x in (qb, kb, vb))
+                dout = torch.randn_like(qb)
+
+                def step():
+                    sdpa(qg, kg, vg, is_causal=cfg.causal, enable_gqa=gqa).backward(dout)
+                    qg.grad = kg.grad = vg.grad = None
+            probe = {}
+            for method in ROTATE_METHODS:
+                set_rotate_method(method)
+                t = time_pair(fwd, step, dev, 1, probe_iters, batched, f"{label} rotate {method}")
+                probe[method] = allmax(t[1] if step is not None else t[0])
+            info["rotate_probe_ms"] = probe
+            info["rotate_method"] = min(ROTATE_METHODS, key=lambda m: probe[m])
+            set_rotate_method(info["rotate_method"])
+            return time_pair(fwd, step, dev, warmup, iters, batched, label), info
+    finally:
+        _cp_options.enable_load_balance, _cp_options.rotate_method = old_balance, old_rotate
+
+
+FLEX_DIST_IMPLS = ("flex-ring", "flex-ring-contiguous", "torch-cp-flex")
+"""`dist` rows of flex configs: ring_flex_attention (zigzag, contiguous) and torch's
+context_parallel with FlexAttention; T_single is ``torch-flex`` on one device."""
+
+
+def flex_dist_reason(cfg: Config, impl: str, dev) -> Optional[str]:
+    import torch.distributed as dist
+
+    if impl not in FLEX_DIST_IMPLS:
+        return f"flex configs run {', '.join(FLEX_DIST_IMPLS)}"
+    if impl == "torch-cp-flex":
+        if dev.type != "cuda":
+            return "torch's context-parallel FlexAttention compiles FlexAttention with a backward: CUDA only"
+        if cfg.seqlen % (dist.get_world_size() * 128):
+            return "torch's _create_cp_block_mask needs seqlen divisible by ranks x 128"
+    elif dev.type != "cuda" and cfg.seqlen * cfg.batch > 4096:
+        return "on CPU FlexAttention runs eagerly with dense scores (shapes up to 4K tokens)"
+    return None
+
+
+def flex_dist_build(cfg: Config, impl: str, q, k, v):
+    """``(fn, (ql, kl, vl))``: this rank's shards of the global q, k, v (B, S, H, D)
+    and the call timed on them (its output shaped like ``ql``)."""
+    if impl == "torch-cp-flex":
+        return _torch_cp_flex(cfg, q, k, v)
+    layout = "contiguous" if impl == "flex-ring-contiguous" else "zigzag"
+    mask = flex_mask(cfg, q.device)
+    shards = tuple(longattn.shard(x, layout=layout) for x in (q, k, v))
+    return (lambda q_, k_, v_: longattn.ring_flex_attention(q_, k_, v_, mask_mod=mask, layout=layout)), shards
+
+
+class _FlexModule(torch.nn.Module):
+    def __init__(self, gqa: bool):
+        super().__init__()
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.flex, self.gqa = torch.compile(flex_attention, dynamic=False), gqa
+
+    def forward(self, q, k, v, block_mask):
+        return self.flex(q, k, v, block_mask=block_mask, enable_gqa=self.gqa)
+
+
+def _torch_cp_flex(cfg: Config, q, k, v):
+    """torch's context-parallel FlexAttention (torch.distributed.tensor.experimental):
+    the module wrapper all-gathers K/V before each call (reduce-scatters dK/dV
+    after), the block mask of the local queries against the whole sequence from
+    ``_create_cp_block_mask``; head-tail balancing, which is longattn's zigzag
+    order. Shards (B, H, L, D), as FlexAttention takes them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import _ContextParallel, _HeadTailLoadBalancer
+    from torch.distributed.tensor.experimental._context_parallel._attention import _create_cp_block_mask
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    world, s = dist.get_world_size(), q.shape[1]
+    mesh = init_device_mesh(q.device.type, (world,))
+    balancer = _HeadTailLoadBalancer(s, world, q.device)
+    bm = _create_cp_block_mask(flex_mask(cfg, q.device), 1, 1, s, s, mesh, load_balancer=balancer)
+    module = parallelize_module(_FlexModule(cfg.hkv != cfg.heads), mesh,
+                                _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    shards = tuple(longattn.shard(x, layout="zigzag").transpose(1, 2).contiguous() for x in (q, k, v))
+    return (lambda q_, k_, v_: module(q_, k_, v_, block_mask=bm)), shards

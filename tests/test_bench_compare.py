@@ -1,0 +1,189 @@
+"""Honest comparisons on CPU: the baselines at their best (torch's context
+parallel with K/V at their own head count, LongNet's function gathered), the
+README numbers table generated from its files, the CLI as a new user meets it."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import longattn
+from dist_utils import run_world
+from longattn.bench import configs as C
+from longattn.bench.__main__ import main
+from longattn.bench.baselines import longnet_gather_dilated
+from reference import assert_close, dilated_ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ LongNet-exact gather baseline
+@pytest.mark.parametrize("b, s, h, hkv, segs, rates, causal", [
+    (1, 64, 4, 4, (16, 32), (1, 2), False),
+    (2, 100, 4, 2, (16, 64), (1, 4), True),     # partial last segments, GQA
+    (1, 40, 8, 2, (8, 16, 64), (1, 2, 4), False),  # a segment longer than the sequence
+    (1, 24, 2, 1, (32,), (4,), True),            # rate above the head count: offsets no head takes
+])
+def test_longnet_gather_equals_dilated_attention(b, s, h, hkv, segs, rates, causal):
+    """The gather baseline computes longattn.dilated_attention's function (the
+    float64 reference's output and lse, as dilated_attention does), so the "x"
+    against it compares costs only. (Both sit ~1e-7 from the reference in
+    float64: torch's CPU attention kernels accumulate below float64.)"""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, s, h, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(b, s, hkv, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    got = longnet_gather_dilated(q, k, v, segs, rates, causal, return_lse=True)
+    want = longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal,
+                                      return_lse=True)
+    ref = dilated_ref(q, k, v, segs, rates, causal=causal)
+    assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1]))
+    assert_close(dict(out=got[0], lse=got[1]), dict(out=ref[0], lse=ref[1]), 1e-6, "longnet-gather vs float64")
+    assert_close(dict(out=got[0], lse=got[1]), dict(out=want[0], lse=want[1]), 1e-6, "vs dilated_attention")
+
+
+def test_longnet_gather_in_the_run_command(tmp_path):
+    """`run --impl longnet-gather` beside longattn-dilated in one run: it agrees
+    with the reference; its backward is recorded as unsupported (not run), with the reason."""
+    path = tmp_path / "g.json"
+    main(["run", "--config", "dilated_tiny", "--impl", "longattn-dilated", "longnet-gather", "--iters", "1",
+          "--warmup", "1", "--json", str(path)])
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["results"]}
+    row = rows["longnet-gather"]
+    assert row["status"] == "ok" and row["fwd_ms"] > 0 and row["rel_diff_vs_ref"] < 1e-5, row
+    assert row["bwd_status"] == "unsupported" and "forward-only" in row["bwd_reason"]
+
+
+# ------------------------------------------------------------------ torch's context parallel at its best
+def test_torch_cp_inputs_keep_kv_heads():
+    from longattn.bench.torch_cp import cp_sdpa_inputs
+
+    q, k, v = torch.randn(1, 16, 8, 4), torch.randn(1, 16, 2, 4), torch.randn(1, 16, 2, 4)
+    (qb, kb, vb), gqa = cp_sdpa_inputs(q, k, v)
+    assert gqa and qb.shape == (1, 8, 16, 4) and kb.shape == vb.shape == (1, 2, 16, 4)
+    assert torch.equal(kb, k.transpose(1, 2))
+    assert not cp_sdpa_inputs(q, q, q)[1]
+
+
+def _check_torch_cp_plumbing(rank, world):
+    """run_torch_cp under gloo with a stand-in timer (torch's CP shards no CPU
+    SDPA kernel): K/V go in with their own head count, the balancer is on for
+    causal only, the faster rotate method is kept on every rank, torch's
+    options are restored."""
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    from longattn.bench.torch_cp import run_torch_cp
+
+    before = (_cp_options.enable_load_balance, _cp_options.rotate_method)
+    seen = []
+
+    def time_pair(fwd, step, dev, warmup, iters, batched, label):
+        seen.append((_cp_options.rotate_method.name, _cp_options.enable_load_balance))
+        slow = 2.0 if _cp_options.rotate_method.name == "ALL_GATHER" else 1.0
+        return (slow, slow * 3 if step else None, 1, 2, 0.1, 0.2)
+
+    allmax = lambda x: x
+    for causal in (True, False):
+        cfg = C.Config("t", 1, 64, 8, 16, kv_heads=2, causal=causal)
+        make = lambda: (torch.randn(1, 64, 8, 16), torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16))
+        seen.clear()
+        measured, info = run_torch_cp(cfg, make, torch.device("cpu"), time_pair, allmax, warmup=1, iters=1,
+                                      backward=True, batched=False, label="t")
+        assert info["enable_gqa"] and info["kv_heads"] == 2 and info["load_balance"] == causal
+        assert info["rotate_method"] == "alltoall" and set(info["rotate_probe_ms"]) == {"allgather", "alltoall"}
+        assert isinstance(info["sdpa_backend"], str)
+        assert seen[-1][0] == "ALL_TO_ALL" and {lb for _, lb in seen} == {causal}
+        assert measured[0] == 1.0
+        assert (_cp_options.enable_load_balance, _cp_options.rotate_method) == before
+
+
+@pytest.mark.dist
+def test_torch_cp_plumbing_under_gloo():
+    run_world(_check_torch_cp_plumbing, 2)
+
+
+def test_torch_cp_says_why_not():
+    from longattn.bench.torch_cp import torch_cp_reason
+
+    cuda = torch.device("cuda")
+    assert "CUDA" in torch_cp_reason(C.get("tiny"), torch.device("cpu"))
+    assert "varlen" in torch_cp_reason(C.get("varlen_tiny"), cuda)
+    assert "window" in torch_cp_reason(C.get("window_small"), cuda)
+    assert torch_cp_reason(C.get("gqa_32q8kv_128k_causal"), cuda) is None
+
+
+# ------------------------------------------------------------------ results and README
+def test_result_path_carries_the_commit(monkeypatch):
+    from longattn.bench.measure import result_path, short_commit
+
+    monkeypatch.setenv("LONGATTN_COMMIT", "0123456789abcdef-dirty")
+    assert short_commit() == "0123456-dirty"
+    assert result_path("out/dist_{commit}.json") == "out/dist_0123456-dirty.json"
+    assert result_path("plain.json") == "plain.json"
+
+
+def test_readme_numbers_table_is_generated_from_its_files():
+    """README's table equals what `report --readme` generates from the files its marker names."""
+    from longattn.bench.readme import readme_block, table
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        files, current = readme_block(f.read())
+    assert files, "the marker names no result file"
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert current == table(files)
+    finally:
+        os.chdir(cwd)
+
+
+def test_readme_update_rewrites_between_markers(tmp_path):
+    from longattn.bench.readme import BEGIN, END, readme_block
+
+    src = os.path.join(ROOT, "benchmarks", "results", "dist_flex_2xh200_df7b171.json")
+    shutil.copy(src, tmp_path / "f.json")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{BEGIN}old.json -->\n| stale |\n{END}\n\nafter\n")
+    main(["report", "--readme", str(readme), str(tmp_path / "f.json")])
+    text = readme.read_text()
+    files, tab = readme_block(text)
+    assert files == ["f.json"] and "| stale |" not in text and text.endswith("\n\nafter\n")
+    assert "flex_doc_128k" in tab and "torch-cp-flex" in tab
+
+
+def test_report_reads_a_decode_json_without_matplotlib(tmp_path, monkeypatch):
+    """A decode result makes a report; without matplotlib report.md is still
+    written and says how to get the plots."""
+    src = os.path.join(ROOT, "benchmarks", "results", "decode_1xh200_ea260f1.json")
+    shutil.copy(src, tmp_path / "dec.json")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    main(["report", str(tmp_path / "dec.json"), "--out", str(tmp_path / "rep")])
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "(decode)" in md and "sdpa-cudnn" in md
+    assert "pip install matplotlib" in md
+
+
+def test_report_refuses_a_file_no_command_wrote(tmp_path, capsys):
+    (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path / "x.json")])
+    assert "not a result of" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the CLI as a new user meets it
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("list", "run", "dist", "scale", "decode", "hf-train", "report"):
+        assert cmd in out, cmd
+
+
+def test_dist_outside_torchrun_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK")}
+    res = subprocess.run([sys.executable, "-m", "longattn.bench", "dist", "--config", "tiny"], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2
+    assert "torchrun --nproc_per_node=" in res.stderr and "RANK expected" not in res.stderr
