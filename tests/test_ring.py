@@ -279,3 +279,43 @@ def _check_bf16(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_bf16_error_within_single_device(world):
     run_world(_check_bf16, world)
+
+
+def _check_backward_follows_forward(rank, world):
+    """A forward under ``use_backend("math")`` whose backward runs after the
+    block has closed: every block's backward runs math, as the forward did
+    (on CPU float32, "auto" would take the flash CPU kernel for full blocks).
+    The ring, the packed-document ring and Ulysses."""
+    from longattn import backends as bk
+
+    calls = {"math": 0, "flash": 0}
+    for name in calls:
+        real = bk.BACKENDS[name].backward
+
+        def counted(*a, _name=name, _real=real, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        bk.BACKENDS[name].backward = counted  # this forked rank's instance only
+    torch.manual_seed(0)
+    q, k, v = (longattn.shard(torch.randn(1, 4 * world, 6, 8), layout="zigzag").requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 3, 4 * world], dtype=torch.int32)
+    qv, kv, vv = (longattn.shard_varlen(torch.randn(4 * world, 2, 8), cu)[0].requires_grad_() for _ in range(3))
+    runs = [lambda: longattn.ring_attention(q, k, v, layout="zigzag"),
+            lambda: longattn.ring_attention_varlen(qv, kv, vv, cu),
+            lambda: longattn.ulysses_attention(q, k, v, layout="zigzag")]
+    for run in runs:
+        out = run()  # auto, for the counts to compare with
+        out.sum().backward()
+        assert calls["flash"] > 0, calls
+        calls.update(math=0, flash=0)
+        with longattn.use_backend("math"):
+            out = run()
+        out.sum().backward()
+        assert calls["math"] > 0 and calls["flash"] == 0, calls
+        calls.update(math=0, flash=0)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_backward_runs_the_forwards_backend(world):
+    run_world(_check_backward_follows_forward, world)
