@@ -116,11 +116,12 @@ def block_backends(q_meta: tuple, k_meta: tuple, steps: Iterable, backend: str) 
     (``backend`` resolved: a forced name raises here, before any collective,
     where a block refuses it)."""
     qs, ks = q_meta[0], k_meta[0]
+    q1, k1 = tensor_like(q_meta, (1, 1, 1, 1)), tensor_like(k_meta, (1, 1, 1, 1))
     out = {}
     for calls in steps:
         for c in flat_calls(calls):
-            qb = tensor_like(q_meta, (qs[0], c.q1 - c.q0, qs[2], qs[3]))
-            kb = tensor_like(k_meta, (ks[0], c.k1 - c.k0, ks[2], ks[3]))
+            qb = q1.expand(qs[0], c.q1 - c.q0, qs[2], qs[3])
+            kb = k1.expand(ks[0], c.k1 - c.k0, ks[2], ks[3])
             kind = _kind(c.spec, qb, kb)
             if kind not in out:
                 out[kind] = bk.select_backend(qb, kb, c.spec, backend).name
