@@ -319,3 +319,40 @@ def _check_backward_follows_forward(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_backward_runs_the_forwards_backend(world):
     run_world(_check_backward_follows_forward, world)
+
+
+def _check_plan_refused_on_one_rank(rank, world):
+    """A forced backend that only one rank's blocks refuse: every rank raises
+    when the call is planned, before any ring step (none waits in the ring)."""
+    from longattn import backends as bk
+
+    flash = bk.BACKENDS["flash"]
+    real = flash._extra_refusals
+    flash._extra_refusals = lambda spec, q, k: real(spec, q, k) + (["refused on rank 1"] if rank == 1 else [])
+    q = torch.randn(1, 6, 2, 8)  # a shape no earlier call selected a backend for
+    with pytest.raises(ValueError, match="refused on rank 1" if rank == 1 else r"rank\(s\) \[1\]"):
+        longattn.ring_attention(q, q, q, backend="flash")
+    assert_group_usable(world)
+
+
+@pytest.mark.dist
+def test_plan_refused_on_one_rank_raises_on_every_rank():
+    run_world(_check_plan_refused_on_one_rank, 2)
+
+
+def test_ring_plan_key_round_trip():
+    """A plan travels through the custom ops as its key and comes back equal;
+    one made at a traced call (no blocks yet) is completed by the planner."""
+    from longattn.distributed.ring_plan import RingPlan
+
+    spec = longattn.backends.BlockSpec(0.5, True, (-1, -1), 3)
+    q, k = torch.empty(1, 4, 2, 8), torch.empty(1, 7, 1, 8)
+    plan = RingPlan("auto", (((0.5, True, -1, -1, 3, 4, 7, 2, 1), "math"),), True, "copy", "barrier")
+    assert RingPlan.from_key(plan.key()) == plan and plan.backend_of(spec, q, k) == "math"
+    with pytest.raises(RuntimeError, match="not in the call's plan"):
+        plan.backend_of(spec, q, k[:, :6])
+    traced_key = '["math", null, false, "auto", "memops"]'  # as ring_plan.make spells it while traced
+    traced = RingPlan.from_key(traced_key)
+    assert traced == RingPlan("math", None, False, "auto", "memops") and traced.key() == traced_key
+    assert traced.complete(lambda b, tr: RingPlan(b, (), False, *tr)) == RingPlan("math", (), False, "auto", "memops")
+    assert plan.complete(None) is plan

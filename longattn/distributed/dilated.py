@@ -105,7 +105,8 @@ def _ring_plan(q, k, segs, rates, causal, scale, group, backend: str, tr: tuple)
             steps = (sched.calls((me - s) % len(peers)) for s in range(sched.steps))
             blocks.update(block_backends(q_meta, ((b, l // r, hp, d), dtype, device), steps, backend))
         return RingPlan(backend, tuple(sorted(blocks.items())), False, *tr)
-    return cached(("dilated", q_meta, k_meta, tuple(span), causal, scale, world, rank, backend, tr), build)
+    return cached(("dilated", q_meta, k_meta, tuple(span), causal, scale, world, rank, backend, tr), build, group,
+                  "dilated_attention")
 
 
 def _span_setup(q, k, w, r, world, rank, causal, scale, group, ring_plan: RingPlan):

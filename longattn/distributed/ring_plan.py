@@ -22,6 +22,7 @@ from typing import Iterable, Optional
 import torch
 
 from .. import backends as bk
+from . import checks
 from . import transport as _transport
 from .ring import flat_calls
 
@@ -150,11 +151,21 @@ _made: dict = {}
 _MADE_MAX = 1024
 
 
-def cached(key: tuple, build) -> RingPlan:
-    """``build()``, remembered under ``key`` (everything ``build`` reads)."""
+def cached(key: tuple, build, group, what: str) -> RingPlan:
+    """``build()``, remembered under ``key`` (everything ``build`` reads).
+
+    A plan is made on every rank of ``group`` at the same call (the same
+    calls miss alike): where a rank cannot plan (a forced backend that refuses
+    one of its blocks), every rank raises (:func:`longattn.distributed.checks.agree`),
+    before any ring step."""
     plan = _made.get(key)
     if plan is None:
-        plan = build()
+        problem = None
+        try:
+            plan = build()
+        except (ValueError, TypeError) as e:
+            problem = e
+        checks.agree(group, what, problem)
         if len(_made) >= _MADE_MAX:
             _made.clear()
         _made[key] = plan

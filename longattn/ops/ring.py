@@ -35,7 +35,8 @@ def _plan(q, k, scale, causal, window, layout, group, backend: str, tr: tuple) -
         sched = _schedule(world, rank, q_meta[0][1], causal, window, layout, scale)
         steps = (sched.calls((rank - s) % world) for s in range(sched.steps))
         return RingPlan(backend, block_backends(q_meta, k_meta, steps, backend), False, *tr)
-    return cached(("ring", q_meta, k_meta, scale, causal, window, layout, world, rank, backend, tr), build)
+    return cached(("ring", q_meta, k_meta, scale, causal, window, layout, world, rank, backend, tr), build,
+                  group, "ring_attention")
 
 
 def _forward(q, k, v, scale, causal, window, layout, group, plan: RingPlan):

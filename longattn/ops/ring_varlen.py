@@ -43,7 +43,8 @@ def _plan(q, k, cu: tuple, scale, causal, window, layout, group, backend: str, t
         steps = (sched.calls((rank - s) % world) for s in range(sched.steps))
         batched = lambda m: ((1, *m[0]), *m[1:])  # the ring runs on (1, T, H, D)
         return RingPlan(backend, block_backends(batched(q_meta), batched(k_meta), steps, backend), fuse, *tr)
-    return cached(("ring_varlen", q_meta, k_meta, cu, scale, causal, window, layout, world, rank, backend, tr), build)
+    return cached(("ring_varlen", q_meta, k_meta, cu, scale, causal, window, layout, world, rank, backend, tr), build,
+                  group, "ring_attention_varlen")
 
 
 def _run(cu_seqlens, layout, causal, window, scale, group_name, q, k, plan_key):
