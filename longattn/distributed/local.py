@@ -55,16 +55,18 @@ class BackendOp(LocalOp):
     def __init__(self, backend: str = "auto", plan=None):
         self.backend, self.plan = backend, plan
 
-    def _backend(self, c, q, k) -> str:
-        return self.backend if self.plan is None else self.plan.backend_of(c.spec, q, k)
+    def _backend(self, c, q, k) -> bk.Backend:
+        if self.plan is None:
+            return bk.select_backend(q, k, c.spec, self.backend)
+        return bk.BACKENDS[self.plan.backend_of(c.spec, q, k)]  # chosen for this block kind by the plan
 
     def forward(self, c, q, k, v):
         if c.run is not None:
             return c.run.forward(q, k, v)
-        return bk.block_forward(q, k, v, c.spec, self._backend(c, q, k))
+        return self._backend(c, q, k).forward(q, k, v, c.spec)
 
     def backward(self, c, dout, q, k, v, out, lse, dlse):
         """(dq, dk, dv), or None when the executor cannot (its plain calls run instead)."""
         if c.run is not None:
             return c.run.backward(dout, q, k, v, out, lse, dlse)
-        return bk.block_backward(dout, q, k, v, out, lse, c.spec, self._backend(c, q, k), dlse=dlse)
+        return self._backend(c, q, k).backward(dout, q, k, v, out, lse, c.spec, dlse=dlse)

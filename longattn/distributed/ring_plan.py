@@ -32,18 +32,16 @@ class RingPlan:
     """How one ring call runs.
 
     ``backend``: the resolved name the call was made with. ``blocks``: the
-    backend of every block kind the call's schedule holds,
-    as ``((scale, causal, left, right, q_offset, seqlen_q, seqlen_k,
-    nheads, nheads_kv), backend name)``; None in the plan of a call traced
-    by torch.compile, which cannot run the planning: its forward and backward
-    ops complete it from the same arguments (:meth:`complete`), the same
-    plan for both. ``fuse``: packed-document steps run
-    as one FlashAttention-2 varlen launch where that pays
-    (:func:`longattn.distributed.fused_varlen.fused_call`). ``transport``:
-    ``"copy"`` or ``"nccl"`` (see :func:`longattn.distributed.transport.exchange`;
-    ``"auto"`` where the call was traced by torch.compile, resolved for the
-    group the same way by both passes); ``copy_sync``: how copy exchanges
-    are ordered."""
+    backend of every block kind the call's schedule holds, as ``((scale,
+    causal, left, right, q_offset, seqlen_q, seqlen_k, nheads, nheads_kv),
+    backend name)``; None in the plan of a call traced by torch.compile, which
+    cannot run the planning: its forward and backward ops complete it from
+    the same arguments, the same plan for both (:meth:`complete`). ``fuse``:
+    packed-document steps run as one FlashAttention-2 varlen launch where
+    that pays (:func:`longattn.distributed.fused_varlen.fused_call`).
+    ``transport``: ``"copy"`` or ``"nccl"`` (:func:`longattn.distributed.transport.resolve`;
+    in a traced call the requested name, resolved for the group alike by both
+    passes); ``copy_sync``: how copy exchanges are ordered."""
 
     backend: str = "auto"
     blocks: Optional[tuple] = None
@@ -58,6 +56,10 @@ class RingPlan:
     def from_key(key: str) -> "RingPlan":
         return _from_key(key)
 
+    def __post_init__(self):
+        # the lookup table of backend_of, made once (hashing the plan per block would cost O(blocks))
+        object.__setattr__(self, "_table", dict(self.blocks or ()))
+
     def complete(self, build) -> "RingPlan":
         """This plan, or where it was made at a traced call, ``build(backend,
         (transport, copy_sync))``: the planning the call would have made (a
@@ -66,7 +68,7 @@ class RingPlan:
 
     def backend_of(self, spec: bk.BlockSpec, q: torch.Tensor, k: torch.Tensor) -> str:
         """The backend chosen for a block of ``spec`` on q (B, Sq, H, D), k (B, Sk, Hkv, D)."""
-        name = _table(self).get(_kind(spec, q, k))
+        name = self._table.get(_kind(spec, q, k))
         if name is None:
             raise RuntimeError(f"ring block {_kind(spec, q, k)} is not in the call's plan (planned: "
                                f"{[b for b, _ in self.blocks]})")
@@ -92,11 +94,6 @@ def _from_key(key: str) -> RingPlan:
     backend, blocks, fuse, tr, sync = json.loads(key)
     return RingPlan(backend, None if blocks is None else tuple((tuple(k), name) for k, name in blocks), fuse, tr,
                     sync)
-
-
-@functools.lru_cache(maxsize=256)
-def _table(plan: RingPlan) -> dict:
-    return dict(plan.blocks)
 
 
 def meta(x: torch.Tensor) -> tuple:

@@ -23,7 +23,10 @@ from .heads import HeadPlan
 # of q, k and v would each need a copy, which costs more than two launches.
 @dataclasses.dataclass(frozen=True)
 class Exchange:
-    """The all-to-all geometry of one Ulysses call on this rank."""
+    """The all-to-all geometry of one Ulysses call on this rank: the call's
+    plan, made once at the public call (the head groups from
+    :class:`longattn.tuning.UlyssesTuning`) and kept by the autograd
+    Function for its backward, with the local op (its backend resolved)."""
 
     group_name: str
     world: int
