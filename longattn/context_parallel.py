@@ -59,22 +59,8 @@ __all__ = ["CPContext", "shard_batch", "loss", "reduce_loss", "all_reduce_grads"
 def resolve_group(group=None, mesh_dim=None) -> dist.ProcessGroup:
     """A ProcessGroup from ``group``: None (the default group), a ProcessGroup, or
     a DeviceMesh (with ``mesh_dim`` naming the context-parallel dimension when
-    the mesh has more than one)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first")
-    if group is None:
-        return dist.group.WORLD
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch without DeviceMesh
-        DeviceMesh = ()
-    if isinstance(group, DeviceMesh):
-        if mesh_dim is None and group.ndim != 1:
-            raise ValueError(f"group is a {group.ndim}-D DeviceMesh: pass mesh_dim, the context-parallel dimension")
-        return group.get_group(mesh_dim if mesh_dim is not None else 0)
-    if mesh_dim is not None:
-        raise ValueError("mesh_dim is for a DeviceMesh group; a ProcessGroup needs none")
-    return group
+    the mesh has more than one); :func:`longattn.distributed.checks.resolve_group`."""
+    return _checks.resolve_group(group, mesh_dim)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

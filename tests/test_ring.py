@@ -279,3 +279,80 @@ def _check_bf16(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_bf16_error_within_single_device(world):
     run_world(_check_bf16, world)
+
+
+def _check_backward_follows_forward(rank, world):
+    """A forward under ``use_backend("math")`` whose backward runs after the
+    block has closed: every block's backward runs math, as the forward did
+    (on CPU float32, "auto" would take the flash CPU kernel for full blocks).
+    The ring, the packed-document ring and Ulysses."""
+    from longattn import backends as bk
+
+    calls = {"math": 0, "flash": 0}
+    for name in calls:
+        real = bk.BACKENDS[name].backward
+
+        def counted(*a, _name=name, _real=real, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        bk.BACKENDS[name].backward = counted  # this forked rank's instance only
+    torch.manual_seed(0)
+    q, k, v = (longattn.shard(torch.randn(1, 4 * world, 6, 8), layout="zigzag").requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 3, 4 * world], dtype=torch.int32)
+    qv, kv, vv = (longattn.shard_varlen(torch.randn(4 * world, 2, 8), cu)[0].requires_grad_() for _ in range(3))
+    runs = [lambda: longattn.ring_attention(q, k, v, layout="zigzag"),
+            lambda: longattn.ring_attention_varlen(qv, kv, vv, cu),
+            lambda: longattn.ulysses_attention(q, k, v, layout="zigzag")]
+    for run in runs:
+        out = run()  # auto, for the counts to compare with
+        out.sum().backward()
+        assert calls["flash"] > 0, calls
+        calls.update(math=0, flash=0)
+        with longattn.use_backend("math"):
+            out = run()
+        out.sum().backward()
+        assert calls["math"] > 0 and calls["flash"] == 0, calls
+        calls.update(math=0, flash=0)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_backward_runs_the_forwards_backend(world):
+    run_world(_check_backward_follows_forward, world)
+
+
+def _check_plan_refused_on_one_rank(rank, world):
+    """A forced backend that only one rank's blocks refuse: every rank raises
+    when the call is planned, before any ring step (none waits in the ring)."""
+    from longattn import backends as bk
+
+    flash = bk.BACKENDS["flash"]
+    real = flash._extra_refusals
+    flash._extra_refusals = lambda spec, q, k: real(spec, q, k) + (["refused on rank 1"] if rank == 1 else [])
+    q = torch.randn(1, 6, 2, 8)  # a shape no earlier call selected a backend for
+    with pytest.raises(ValueError, match="refused on rank 1" if rank == 1 else r"rank\(s\) \[1\]"):
+        longattn.ring_attention(q, q, q, backend="flash")
+    assert_group_usable(world)
+
+
+@pytest.mark.dist
+def test_plan_refused_on_one_rank_raises_on_every_rank():
+    run_world(_check_plan_refused_on_one_rank, 2)
+
+
+def test_ring_plan_key_round_trip():
+    """A plan travels through the custom ops as its key and comes back equal;
+    one made at a traced call (no blocks yet) is completed by the planner."""
+    from longattn.distributed.ring_plan import RingPlan
+
+    spec = longattn.backends.BlockSpec(0.5, True, (-1, -1), 3)
+    q, k = torch.empty(1, 4, 2, 8), torch.empty(1, 7, 1, 8)
+    plan = RingPlan("auto", (((0.5, True, -1, -1, 3, 4, 7, 2, 1), "math"),), True, "copy", "barrier")
+    assert RingPlan.from_key(plan.key()) == plan and plan.backend_of(spec, q, k) == "math"
+    with pytest.raises(RuntimeError, match="not in the call's plan"):
+        plan.backend_of(spec, q, k[:, :6])
+    traced_key = '["math", null, false, "auto", "memops"]'  # as ring_plan.make spells it while traced
+    traced = RingPlan.from_key(traced_key)
+    assert traced == RingPlan("math", None, False, "auto", "memops") and traced.key() == traced_key
+    assert traced.complete(lambda b, tr: RingPlan(b, (), False, *tr)) == RingPlan("math", (), False, "auto", "memops")
+    assert plan.complete(None) is plan

@@ -254,7 +254,7 @@ def _check(rank, world):
 
 
 # What one call keeps alive, in shards (one rank's local q at 16 heads), as
-# benchmarks/ulysses_memory.py counts it from the profiler's allocation events
+# longattn.bench.ulysses_memory counts it from the profiler's allocation events
 # (world 2, the local kernel's own temporaries left out): name -> (head groups,
 # fwd peak, fwd+bwd peak, the most live at the end of a local backward call).
 MEMORY = {
@@ -268,20 +268,9 @@ MEMORY = {
 }
 
 
-def _load_memory_script():
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                        "ulysses_memory.py")
-    spec = importlib.util.spec_from_file_location("ulysses_memory", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _check_memory(rank, world, tmp):
-    mem = _load_memory_script()
+    from longattn.bench import ulysses_memory as mem
+
     for name, (groups, fwd, both, at_bwd) in MEMORY.items():
         res, _, n = mem.measure(mem.CASES[name], world, rank, 64, 1024, torch.float32, tmp, groups=groups)
         got = (res["fwd"]["peak"], res["fwd+bwd"]["peak"], res["fwd+bwd"]["at_local_backward"])

@@ -1,7 +1,11 @@
-"""Process-group plumbing every distributed op uses: resolving the group,
-passing it through custom ops by name, and the cross-rank checks that turn
-would-be hangs into errors: :func:`check_consistent` (shapes and flags, once
-per signature) and :func:`agree` (every call, with a per-rank problem)."""
+"""Process-group plumbing every distributed op uses: resolving the group
+(:func:`resolve_group`, the one resolver: a ProcessGroup, None or a
+DeviceMesh dim), passing it through custom ops by name, and the cross-rank
+handshake that turns would-be hangs into errors (:func:`handshake`: one
+small all-gather of a digest of the call's fields and a per-rank problem
+flag). Its two uses: :func:`check_consistent` (shapes and flags, once per
+signature, over one group or the groups of a mesh) and :func:`agree` (every
+call, with a per-rank problem)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,11 +15,28 @@ import torch
 import torch.distributed as dist
 
 
-def resolve_group(group) -> dist.ProcessGroup:
+def resolve_group(group=None, mesh_dim=None, what: str = "group") -> dist.ProcessGroup:
+    """The ProcessGroup of ``group``: None (the default group), a
+    ProcessGroup, or a DeviceMesh: 1-D, or with ``mesh_dim`` (name or index)
+    naming the dimension. ``what`` names the argument in errors."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first "
                            "(or use the single-device ops)")
-    return dist.group.WORLD if group is None else group
+    if group is None:
+        return dist.group.WORLD
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if mesh_dim is None and group.ndim != 1:
+            raise TypeError(f"{what}: a {group.ndim}-D DeviceMesh where one dimension is needed; pass one dim "
+                            f"(e.g. mesh['ulysses']) or mesh_dim, or use context_parallel_attention(..., mesh=mesh) "
+                            f"for the Ulysses x ring hybrid")
+        return group.get_group(mesh_dim if mesh_dim is not None else 0)
+    if mesh_dim is not None:
+        raise ValueError(f"mesh_dim is for a DeviceMesh {what}; a ProcessGroup needs none")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{what} must be a ProcessGroup, a DeviceMesh or None, got {type(group).__name__}")
+    return group
 
 
 def group_name(group) -> str:
@@ -63,26 +84,74 @@ def _device_for(group) -> torch.device:
     return torch.device("cpu")
 
 
-def check_consistent(group, what: str, **fields) -> None:
-    """Raise ValueError on every rank when ``fields`` differ across ranks.
+def handshake(group, what: str, problem: Union[None, str, Exception] = None, once: bool = False,
+              **fields) -> None:
+    """The cross-rank agreement every distributed call makes before its
+    collectives: raise on every rank of ``group`` when a rank found a
+    ``problem`` or when ``fields`` differ across ranks; nothing otherwise.
 
-    One small all-gather per distinct local signature (cached): a rank whose
-    shapes or flags differ sees the others' values and every rank raises the
-    same error instead of deadlocking in the ring. Limitation: once a
-    signature was checked, a later call where only some ranks change shape
-    again is caught by the collective's own size check, not by this one.
-    """
+    One small all-gather (a digest of ``fields`` and a problem flag per
+    rank). ``problem``: None, or this rank's error (an Exception, or a str for
+    a ValueError); the rank with a problem raises its own error; where
+    ``fields`` differ, every other rank raises a ValueError saying so;
+    otherwise one naming the ranks with a problem. ``once``: skip a signature
+    (group, what, fields) already agreed on (shapes and flags; never with a
+    problem, which may depend on values a signature does not show).
+
+    ``group`` may be a sequence of groups (the dims of a mesh): the handshake
+    runs on each in turn, and a group's verdict is a field of the next, so a
+    disagreement inside one group makes every later group it meets disagree
+    too and no rank waits in a handshake the others skipped."""
+    if not isinstance(group, (list, tuple)):
+        return _handshake(group, what, problem, once, fields)
+    err = None
+    for i, g in enumerate(group):
+        try:
+            _handshake(g, what, problem if err is None else None, once and err is None and problem is None,
+                       dict(fields, earlier_dims_agree=err is None) if i else fields)
+        except (ValueError, TypeError) as e:
+            err = err or e
+    if err is not None:
+        raise err
+
+
+def _handshake(group, what, problem, once, fields) -> None:
     key = (id(group), what, tuple(sorted(fields.items())))
-    if key in _checked:
+    if once and problem is None and key in _checked:
         return
-    t = torch.tensor([digest(fields)], dtype=torch.int64, device=_device_for(group))
-    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, t, group=group)
-    vals = [int(x) for x in torch.cat(gathered).cpu().tolist()]
+    if isinstance(problem, str):
+        problem = ValueError(problem)
+    t = torch.tensor([digest(fields), problem is not None], dtype=torch.int64, device=_device_for(group))
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, t, group=group)
+    vals = torch.stack(got).cpu().tolist()  # one device-to-host copy
+    if problem is not None:
+        raise problem
     me = dist.get_rank(group)
-    if len(set(vals)) != 1:
-        raise differ(what, me, fields, [r for r, v in enumerate(vals) if v != vals[me]])
-    _checked.add(key)
+    bad = [r for r, x in enumerate(vals) if x[0] != vals[me][0]]
+    if bad:
+        raise differ(what, me, fields, bad)
+    raise_flagged(what, None, [r for r, x in enumerate(vals) if x[1]])
+    if once:
+        _checked.add(key)
+
+
+def check_consistent(group, what: str, **fields) -> None:
+    """Raise ValueError on every rank when ``fields`` differ across ranks
+    (:func:`handshake`, once per distinct local signature).
+
+    A rank whose shapes or flags differ sees the others' values and every
+    rank raises the same error instead of deadlocking in the ring.
+    Limitation: once a signature was checked, a later call where only some
+    ranks change shape again is caught by the collective's own size check,
+    not by this one. ``group``: one group, or the groups of a mesh (see
+    :func:`handshake`)."""
+    handshake(group, what, once=True, **fields)
+
+
+def check_consistent_mesh(ulysses_group, ring_group, what: str, **fields) -> None:
+    """:func:`check_consistent` over a mesh's (ulysses, ring) groups."""
+    check_consistent((ulysses_group, ring_group), what, **fields)
 
 
 def digest(fields: dict) -> int:
@@ -102,29 +171,10 @@ def raise_flagged(what: str, problem: Optional[Exception], flagged: Sequence[int
 
 
 def agree(group, what: str, problem: Union[None, str, Exception] = None, **fields) -> None:
-    """Raise on every rank of ``group`` when a rank found a ``problem`` or when
-    ``fields`` differ across ranks; nothing otherwise.
-
-    One small all-gather (a digest of ``fields`` and a problem flag per rank)
-    on every call, never cached: a problem may depend on values (lengths) that
-    a signature does not show, and a rank that exchanged alone would wait in
-    a collective the others skipped. ``problem``: None, or this rank's error
-    (an Exception, or a str for a ValueError). The rank with a problem raises
-    its own error; where ``fields`` differ, every other rank raises a
-    ValueError saying so; otherwise one naming the ranks with a problem."""
-    if isinstance(problem, str):
-        problem = ValueError(problem)
-    t = torch.tensor([digest(fields), problem is not None], dtype=torch.int64, device=_device_for(group))
-    got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, t, group=group)
-    vals = torch.stack(got).cpu().tolist()  # one device-to-host copy
-    if problem is not None:
-        raise problem
-    me = dist.get_rank(group)
-    bad = [r for r, x in enumerate(vals) if x[0] != vals[me][0]]
-    if bad:
-        raise differ(what, me, fields, bad)
-    raise_flagged(what, None, [r for r, x in enumerate(vals) if x[1]])
+    """:func:`handshake` on every call, never cached: a problem may depend
+    on values (lengths) that a signature does not show, and a rank that
+    exchanged alone would wait in a collective the others skipped."""
+    handshake(group, what, problem, **fields)
 
 
 def differ(what: str, me: int, fields: dict, bad: list[int]) -> ValueError:

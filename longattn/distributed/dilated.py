@@ -27,7 +27,7 @@ from .._merge import empty_state, merge_
 from ..dilated.plan import DilatedPlan
 from .plan import num_steps, plan
 from .ring import BackendOp, RingSchedule, ring_backward, ring_forward
-from .transport import ring_transport
+from .ring_plan import RingPlan, block_backends, cached, choose_transport, make, meta
 
 
 def split_branches(local_len: int, world: int, segment_lengths, dilation_rates):
@@ -70,30 +70,64 @@ def _rows(x: torch.Tensor, r: int):
     return x.view(b, l // r, r, h, d)
 
 
-def _span_setup(q, k, w, r, world, rank, causal, scale, group):
-    """The ring of the G ranks a segment of branch (w, r) spans, over its dilated rows."""
-    l = q.shape[1]
+def _span_ring(l: int, w: int, r: int, world: int, rank: int, causal: bool, scale: float):
+    """(schedule, peers, this rank's place among them) of the ring of the G
+    ranks a segment of branch (w, r) spans, over its dilated rows: a pure
+    function of the call's arguments."""
     gsize = min(w, l * world) // l
     first = (rank // gsize) * gsize
-    peers = list(range(first, first + gsize))
     m = l // r
     me = rank - first
     sched = RingSchedule(num_steps("contiguous", gsize, m, causal, (-1, -1)),
                          lambda src: plan("contiguous", me, src, gsize, m, causal, (-1, -1), scale))
-    transport = ring_transport(group, peers)
-    return sched, transport, _heads(q.shape[2], k.shape[2], r, q.device)
+    return sched, list(range(first, first + gsize)), me
+
+
+def make_ring_plan(q, k, segs, rates, causal: bool, scale: float, group, backend: str) -> str:
+    """The key of the spanning branches' rings' plan (:mod:`longattn.distributed.ring_plan`)."""
+    world, l = dist.get_world_size(group), q.shape[1]
+    _, span = split_branches(l, world, segs, rates)
+    tr = choose_transport(group, whole=any(min(w, l * world) // l == world for w, _ in span))
+    return make(lambda b, t: _ring_plan(q, k, segs, rates, causal, scale, group, b, t), backend, tr)
+
+
+def _ring_plan(q, k, segs, rates, causal, scale, group, backend: str, tr: tuple) -> RingPlan:
+    """The spanning branches' rings' plan: every block's backend and the transport, for all of them."""
+    q_meta, k_meta, world, rank = meta(q), meta(k), dist.get_world_size(group), dist.get_rank(group)
+    (b, l, h, d), dtype, device = q_meta
+    _, span = split_branches(l, world, segs, rates)
+
+    def build():
+        blocks = {}
+        for w, r in span:
+            sched, peers, me = _span_ring(l, w, r, world, rank, causal, scale)
+            hp = _heads(h, k_meta[0][2], r, "cpu")[2].numel()  # the exchanged dilated rows' kv heads
+            steps = (sched.calls((me - s) % len(peers)) for s in range(sched.steps))
+            blocks.update(block_backends(q_meta, ((b, l // r, hp, d), dtype, device), steps, backend))
+        return RingPlan(backend, tuple(sorted(blocks.items())), False, *tr)
+    return cached(("dilated", q_meta, k_meta, tuple(span), causal, scale, world, rank, backend, tr), build, group,
+                  "dilated_attention")
+
+
+def _span_setup(q, k, w, r, world, rank, causal, scale, group, ring_plan: RingPlan):
+    """The ring of the G ranks a segment of branch (w, r) spans: schedule,
+    transport and head classes, as the call's plan says."""
+    sched, peers, _ = _span_ring(q.shape[1], w, r, world, rank, causal, scale)
+    return sched, ring_plan.transport_for(group, peers), _heads(q.shape[2], k.shape[2], r, q.device)
 
 
 # The local branches' results stay in float32 only when spanning branches
 # merge into them afterwards; with none, they are final and kept in the input
 # dtype (at 2M tokens per GPU the float32 copies were 50 GiB of the peak).
-def forward(plan: Optional[DilatedPlan], q, k, v, segs, rates, scale, causal, group, backend):
+def forward(plan: Optional[DilatedPlan], ring_plan: RingPlan, q, k, v, segs, rates, scale, causal, group, backend):
     """(out, lse) of this rank's shard; ``plan`` runs the local branches (see
-    :func:`split_branches`; None when there are none)."""
+    :func:`split_branches`; None when there are none), ``ring_plan`` the
+    spanning ones (:func:`make_ring_plan`)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, l, h, d = q.shape
     local, span = split_branches(l, world, segs, rates)
     lsegs, lrates = [w for w, _ in local], [r for _, r in local]
+    ring_plan = ring_plan.complete(lambda bk_, tr: _ring_plan(q, k, segs, rates, causal, scale, group, bk_, tr))
     if not span:
         return _dil.forward(plan, q, k, v, lsegs, lrates, causal, scale, backend, out_dtype=q.dtype)
     if local:
@@ -102,11 +136,12 @@ def forward(plan: Optional[DilatedPlan], q, k, v, segs, rates, scale, causal, gr
         out, lse = empty_state(q, torch.float32)
     lse_blh = lse.transpose(1, 2).contiguous()
     for w, r in span:
-        sched, transport, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)
+        sched, transport, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group,
+                                                               ring_plan)
         qd = _rows(q, r)[:, :, cls, hidx]                    # (B, L/r, H, D)
         kd = _rows(k, r)[:, :, pcls, pkv].contiguous()       # (B, L/r, Hp, D)
         vd = _rows(v, r)[:, :, pcls, pkv].contiguous()
-        ob, lb, _ = ring_forward(qd, kd, vd, sched, BackendOp(backend), transport)
+        ob, lb, _ = ring_forward(qd, kd, vd, sched, BackendOp(plan=ring_plan), transport)
         o_sel = _rows(out, r)[:, :, cls, hidx]
         l_sel = lse_blh.view(b, l // r, r, h)[:, :, cls, hidx]
         merge_(o_sel, l_sel, ob, lb.transpose(1, 2))
@@ -115,12 +150,13 @@ def forward(plan: Optional[DilatedPlan], q, k, v, segs, rates, scale, causal, gr
     return out.to(q.dtype), lse_blh.transpose(1, 2).contiguous()
 
 
-def backward(plan: Optional[DilatedPlan], dout, q, k, v, out, lse, dlse, segs, rates, scale, causal, group,
-             backend):
+def backward(plan: Optional[DilatedPlan], ring_plan: RingPlan, dout, q, k, v, out, lse, dlse, segs, rates, scale,
+             causal, group, backend):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, l, h, d = q.shape
     local, span = split_branches(l, world, segs, rates)
     lsegs, lrates = [w for w, _ in local], [r for _, r in local]
+    ring_plan = ring_plan.complete(lambda bk_, tr: _ring_plan(q, k, segs, rates, causal, scale, group, bk_, tr))
     if not span:
         return _dil.backward(plan, dout, q, k, v, out, lse, dlse, lsegs, lrates, causal, scale, backend)
     if local:
@@ -131,13 +167,14 @@ def backward(plan: Optional[DilatedPlan], dout, q, k, v, out, lse, dlse, segs, r
     lse_blh = lse.transpose(1, 2).contiguous()
     dlse_blh = None if dlse is None else dlse.transpose(1, 2).contiguous()
     for w, r in span:
-        sched, transport, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group)
+        sched, transport, (cls, hidx, pcls, pkv) = _span_setup(q, k, w, r, world, rank, causal, scale, group,
+                                                               ring_plan)
         sel = lambda x: _rows(x, r)[:, :, cls, hidx]
         lsel = lambda x: x.view(b, l // r, r, h)[:, :, cls, hidx].transpose(1, 2).contiguous()
         kd = _rows(k, r)[:, :, pcls, pkv].contiguous()
         vd = _rows(v, r)[:, :, pcls, pkv].contiguous()
         dqd, dkd, dvd = ring_backward(sel(dout), sel(q), kd, vd, sel(out), lsel(lse_blh),
-                                      None if dlse_blh is None else lsel(dlse_blh), sched, BackendOp(backend),
+                                      None if dlse_blh is None else lsel(dlse_blh), sched, BackendOp(plan=ring_plan),
                                       transport)
         _add_rows(dq, r, cls, hidx, dqd)
         _add_rows(dk, r, pcls, pkv, dkd)

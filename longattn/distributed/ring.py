@@ -19,7 +19,8 @@ documents, dilated branches over ranks):
 * ``schedule`` (:class:`RingSchedule`): how many steps, and which dense calls
   (:class:`longattn.distributed.plan.Call`) this rank makes on the block that
   started at each ring position (:mod:`longattn.distributed.plan`);
-* ``op`` (:class:`BackendOp`): the local attention of one call;
+* ``op`` (:class:`longattn.distributed.local.LocalOp`, e.g. :class:`BackendOp`):
+  the local attention of one call;
 * ``transport(tag) -> exchange``: the P2P exchange for a tag (``"kv"``,
   ``"dkv"``), e.g. :func:`longattn.distributed.transport.ring_transport`.
 """
@@ -30,9 +31,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .. import backends as bk
 from .accumulate import MergedRows, RowSums, assemble, disjoint, home, kv_sums, max_cover
+from .local import BackendOp, LocalOp
 from .plan import Call
+
+__all__ = ["RingSchedule", "BackendOp", "ring_forward", "ring_backward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,27 +47,7 @@ class RingSchedule:
     calls: Callable[[int], Sequence[Call]]
 
 
-class BackendOp:
-    """The local op of a ring step: one dense block through the backend layer
-    (``backend`` as the public ops take it), or a call's own executor
-    (``Call.run``: a fused step of many document blocks)."""
-
-    def __init__(self, backend: str = "auto"):
-        self.backend = backend
-
-    def forward(self, c: Call, q, k, v):
-        if c.run is not None:
-            return c.run.forward(q, k, v)
-        return bk.block_forward(q, k, v, c.spec, self.backend)
-
-    def backward(self, c: Call, dout, q, k, v, out, lse, dlse):
-        """(dq, dk, dv), or None when the executor cannot (its plain calls run instead)."""
-        if c.run is not None:
-            return c.run.backward(dout, q, k, v, out, lse, dlse)
-        return bk.block_backward(dout, q, k, v, out, lse, c.spec, self.backend, dlse=dlse)
-
-
-def ring_forward(q, k, v, schedule: RingSchedule, op: BackendOp, transport, keep_last: bool = False):
+def ring_forward(q, k, v, schedule: RingSchedule, op: LocalOp, transport, keep_last: bool = False):
     """Returns (out, lse, kv_last): with ``keep_last`` and more than one step,
     ``kv_last`` is the last K/V block received (ring position rank - steps +
     1) in tensors of its own, for :func:`ring_backward` to start on; else None."""
@@ -85,7 +68,7 @@ def ring_forward(q, k, v, schedule: RingSchedule, op: BackendOp, transport, keep
     return out, lse, ((kc, vc) if keep_last and steps > 1 else None)
 
 
-def _flat(calls) -> list:
+def flat_calls(calls) -> list:
     """Calls as the backward may run them (a fused executor can fall back to its plain blocks)."""
     return [x for c in calls for x in (c.run.calls if c.run is not None else [c])]
 
@@ -94,11 +77,11 @@ class _StepGrads:
     """The backward's per-step work: runs a step's calls, sums dQ over the
     whole ring, and returns each call's (k0, k1, dK, dV)."""
 
-    def __init__(self, op: BackendOp, dout, q, out, lse, dlse, plans):
+    def __init__(self, op: LocalOp, dout, q, out, lse, dlse, plans):
         self.op, self.dout, self.q, self.out, self.lse, self.dlse = op, dout, q, out, lse, dlse
         # Rows with at most two dQ pieces are summed in the input dtype (copy, then one add in float32
         # arithmetic: one rounding, as a float32 accumulator's cast).
-        self.dq_dtype = q.dtype if max_cover([_flat(p) for p in plans]) <= 2 else torch.float32
+        self.dq_dtype = q.dtype if max_cover([flat_calls(p) for p in plans]) <= 2 else torch.float32
         self.dq: Optional[RowSums] = None
 
     def run(self, calls, kc, vc) -> list:
@@ -129,7 +112,7 @@ class _StepGrads:
         return self.dq.result(self.q.dtype) if self.dq is not None else torch.zeros_like(self.q)
 
 
-def ring_backward(dout, q, k, v, out, lse, dlse, schedule: RingSchedule, op: BackendOp, transport, kv_last=None):
+def ring_backward(dout, q, k, v, out, lse, dlse, schedule: RingSchedule, op: LocalOp, transport, kv_last=None):
     """(dq, dk, dv) of this rank's shard, in the reverse order of the forward.
 
     The forward ends holding the K/V block of ring position rank - steps + 1

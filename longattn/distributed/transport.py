@@ -94,9 +94,9 @@ class CopyEngineP2P(P2P):
 
     ALIGN = 256
 
-    def __init__(self, group: dist.ProcessGroup, tag: str):
+    def __init__(self, group: dist.ProcessGroup, tag: str, copy_sync: str = "memops"):
         super().__init__(group)
-        self.tag = tag
+        self.tag, self.copy_sync = tag, copy_sync
         self._event = None
         self._hold = None
         self._stream = side_stream(torch.cuda.current_device(), "ring transport")
@@ -107,7 +107,7 @@ class CopyEngineP2P(P2P):
         for t in tensors:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
-        sl = _symmetric_slots(self.group, self.tag, total)
+        sl = _symmetric_slots(self.group, self.tag, total, self.copy_sync)
         buf, hdl, cap, n = sl.buf, sl.hdl, sl.cap, sl.n
         sl.n += 1
         send, recv = n % 2, (n + 1) % 2
@@ -218,10 +218,10 @@ class _Slots:
 _slots: dict = {}
 
 
-def _memops_usable(device: torch.device, flag: torch.Tensor) -> bool:
+def _memops_usable(device: torch.device, flag: torch.Tensor, copy_sync: str) -> bool:
     """Whether the driver runs stream memory operations here (one write + wait
     on a local flag) and the copy transport is not told to use the barrier."""
-    if _choice()[1] == "barrier":
+    if copy_sync == "barrier":
         return False
     try:
         ops, st = _memops(), torch.cuda.current_stream(device)
@@ -236,7 +236,7 @@ def _memops_usable(device: torch.device, flag: torch.Tensor) -> bool:
         return False
 
 
-def _symmetric_slots(group, tag: str, nbytes: int) -> _Slots:
+def _symmetric_slots(group, tag: str, nbytes: int, copy_sync: str) -> _Slots:
     """A rank's exchange slots in symmetric memory (a collective the first time
     and when a larger block arrives: every rank asks for the same sizes in the
     same order, since shapes were checked consistent)."""
@@ -258,7 +258,7 @@ def _symmetric_slots(group, tag: str, nbytes: int) -> _Slots:
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = symm_mem.empty(2 * cap + _flag_bytes(dist.get_world_size(group)), dtype=torch.uint8, device=dev)
     buf[2 * cap:].zero_()
-    memops = _memops_usable(dev, buf[2 * cap: 2 * cap + 4])
+    memops = _memops_usable(dev, buf[2 * cap: 2 * cap + 4], copy_sync)
     hdl = symm_mem.rendezvous(buf, group.group_name)
     # every rank must take the same path (and have zeroed its flags before any peer writes them)
     agree = torch.tensor([1 if memops else 0], device=dev)
@@ -312,6 +312,13 @@ def _choice() -> tuple[str, str]:
     return _transport_override[-1] if _transport_override else (ENV.ring_transport, ENV.copy_sync)
 
 
+def requested() -> tuple[str, str]:
+    """(transport, copy_sync) a ring call takes now (see :func:`use_transport`):
+    read once per call, when its plan is made
+    (:func:`longattn.distributed.ring_plan.choose_transport`)."""
+    return _choice()
+
+
 def transport() -> str:
     """The transport ring calls take now (see :func:`use_transport`)."""
     return _choice()[0]
@@ -355,28 +362,39 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return (int(v[0]), int(v[1])) >= (major, minor)
 
 
-def exchange(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None, tag: str = "kv") -> P2P:
-    """The ring's exchange object.
-
-    ``"copy"``: copy engines over peer memory (whole-group rings whose ranks
-    share one host with peer access); ``"nccl"``: batched send/recv through
-    the process group. ``"auto"`` takes copy where it can (torch >= 2.9, whose
-    symmetric-memory API this was tested with) and send/recv elsewhere
-    (other backends, several hosts, sub-rings). docs/performance.md has both
-    measured side by side."""
-    name = transport()
-    whole = peers is None or list(peers) == list(range(dist.get_world_size(group)))
-    if name == "nccl" or not whole or (name == "auto" and not _torch_at_least(2, 9)):
-        return P2P(group, peers)
+def resolve(group: dist.ProcessGroup, name: str) -> str:
+    """The exchange a ring call over the whole of ``group`` uses for the
+    transport ``name``: ``"copy"``, copy engines over peer memory (ranks of
+    one host with peer access); ``"nccl"``, batched send/recv through the
+    process group. ``"auto"`` takes copy where it can (torch >= 2.9, whose
+    symmetric-memory API this was tested with) and send/recv elsewhere (other
+    backends, several hosts). ValueError where ``"copy"`` cannot serve the
+    group. docs/performance.md has both measured side by side."""
+    if name == "nccl" or (name == "auto" and not _torch_at_least(2, 9)):
+        return "nccl"
     why = copy_engine_refusal(group)
     if not why:
-        return CopyEngineP2P(group, tag)
+        return "copy"
     if name == "copy":
         raise ValueError(f"ring transport 'copy' refused: {why} (use 'nccl' or 'auto')")
+    return "nccl"
+
+
+def exchange(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None, tag: str = "kv",
+             name: Optional[str] = None, copy_sync: Optional[str] = None) -> P2P:
+    """The ring's exchange object for the transport ``name`` (default: the one
+    :func:`use_transport` or the environment sets now; see :func:`resolve`).
+    Sub-rings (``peers`` not the whole group) exchange by send/recv."""
+    name, copy_sync = name or transport(), copy_sync or _choice()[1]
+    whole = peers is None or list(peers) == list(range(dist.get_world_size(group)))
+    if whole and resolve(group, name) == "copy":
+        return CopyEngineP2P(group, tag, copy_sync)
     return P2P(group, peers)
 
 
-def ring_transport(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None):
+def ring_transport(group: dist.ProcessGroup, peers: Optional[Sequence[int]] = None, name: Optional[str] = None,
+                   copy_sync: Optional[str] = None):
     """``transport(tag) -> exchange`` for the ring algorithm: one exchange per
-    tag (``"kv"``, ``"dkv"``) over ``group`` (a sub-ring of ``peers`` where given)."""
-    return lambda tag: exchange(group, peers, tag=tag)
+    tag (``"kv"``, ``"dkv"``) over ``group`` (a sub-ring of ``peers`` where
+    given), for the transport ``name`` (see :func:`exchange`)."""
+    return lambda tag: exchange(group, peers, tag, name, copy_sync)

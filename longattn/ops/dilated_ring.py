@@ -13,6 +13,7 @@ from .. import tuning as _tuning
 from .._autograd import out_lse_like, register_attention_autograd
 from .._validation import check_dilated_call
 from ..dilated.plan import DilatedPlan
+from ..distributed.ring_plan import RingPlan
 from ..distributed import checks
 from ..distributed import dilated as _over
 
@@ -23,25 +24,28 @@ def _plan(key: str) -> Optional[DilatedPlan]:
     return DilatedPlan.from_key(key) if key else None
 
 
+# ``plan``: the local branches' DilatedPlan as a key ('' when none); ``ring_plan``: the
+# spanning branches' RingPlan as a key. Both ops follow them.
 @torch.library.custom_op("longattn::dilated_dist_fwd", mutates_args=(), device_types=None)
 def _dist_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: list[int],
-              dilation_rates: list[int], scale: float, causal: bool, group_name: str, backend: str, plan: str
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _over.forward(_plan(plan), q, k, v, segment_lengths, dilation_rates, scale, causal,
-                         checks.group_from_name(group_name), backend)
+              dilation_rates: list[int], scale: float, causal: bool, group_name: str, backend: str, plan: str,
+              ring_plan: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _over.forward(_plan(plan), RingPlan.from_key(ring_plan), q, k, v, segment_lengths, dilation_rates, scale,
+                         causal, checks.group_from_name(group_name), backend)
 
 
 @torch.library.custom_op("longattn::dilated_dist_bwd", mutates_args=(), device_types=None)
 def _dist_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: list[int], dilation_rates: list[int],
-              scale: float, causal: bool, group_name: str, backend: str, plan: str
+              scale: float, causal: bool, group_name: str, backend: str, plan: str, ring_plan: str
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _over.backward(_plan(plan), dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, scale, causal,
-                          checks.group_from_name(group_name), backend)
+    return _over.backward(_plan(plan), RingPlan.from_key(ring_plan), dout, q, k, v, out, lse, dlse, segment_lengths,
+                          dilation_rates, scale, causal, checks.group_from_name(group_name), backend)
 
 
 _dist = register_attention_autograd(_dist_fwd, _dist_bwd, ("segment_lengths", "dilation_rates", "scale", "causal",
-                                                          "group_name", "backend", "plan"), fwd_fake=out_lse_like)
+                                                          "group_name", "backend", "plan", "ring_plan"),
+                                    fwd_fake=out_lse_like)
 
 
 def dilated_attention_over_ranks(q, k, v, *, segment_lengths, dilation_rates, causal=False, softmax_scale=None,
@@ -62,6 +66,7 @@ def dilated_attention_over_ranks(q, k, v, *, segment_lengths, dilation_rates, ca
         checks.check_consistent(g, "dilated_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                                 segs=segs, rates=rates, causal=causal, scale=scale, backend=backend)
     plan = _dil.choose(q, k, [w for w, _ in local], [r for _, r in local], causal, backend, tuning) if local else None
+    ring_plan = _over.make_ring_plan(q, k, segs, rates, causal, scale, g, backend)
     out, lse = _dist(q, k, v, list(segs), list(rates), scale, causal, checks.group_name(g), backend,
-                     plan.key() if plan else "")
+                     plan.key() if plan else "", ring_plan)
     return (out, lse) if return_lse else out

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .._validation import check_cu_seqlens
+from ..distributed import checks
 from ..distributed import ulysses as U
 from ..distributed.plan import local_length
 from .ring import ring_attention
@@ -70,7 +71,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"layout='zigzag' needs an even ring shard (seqlen_local x ulysses size = "
                          f"{q.shape[1]} x {u}): pad the sequence to a multiple of 2 x {u * r}")
     if not torch.compiler.is_compiling():
-        U.check_consistent_mesh(ug, rg, "context_parallel_attention", q=tuple(q.shape), k=tuple(k.shape),
+        checks.check_consistent((ug, rg), "context_parallel_attention", q=tuple(q.shape), k=tuple(k.shape),
                                 dtype=str(q.dtype), mesh=(u, r), causal=causal, window=window, layout=layout,
                                 scale=scale, backend=backend)
     heads = U.HeadPlan(q.shape[2], k.shape[2], u)
@@ -112,7 +113,7 @@ def context_parallel_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch
         raise ValueError(f"q has {q.shape[0]} local tokens but cu_seqlens with layout={layout!r} over a {u} x {r} "
                          f"mesh gives {want}; shard with longattn.shard_varlen_for_mesh")
     if not torch.compiler.is_compiling():
-        U.check_consistent_mesh(ug, rg, "context_parallel_attention_varlen", q=tuple(q.shape), k=tuple(k.shape),
+        checks.check_consistent((ug, rg), "context_parallel_attention_varlen", q=tuple(q.shape), k=tuple(k.shape),
                                 dtype=str(q.dtype), mesh=(u, r), cu=cu, causal=causal, window=window, layout=layout,
                                 scale=scale, backend=backend)
     heads = U.HeadPlan(q.shape[1], k.shape[1], u)

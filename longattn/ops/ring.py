@@ -15,47 +15,63 @@ from ..distributed import checks
 from ..distributed.layout import check_layout
 from ..distributed.plan import num_steps, plan
 from ..distributed.ring import BackendOp, RingSchedule, ring_backward, ring_forward
-from ..distributed.transport import ring_transport
+from ..distributed import ring_plan
+from ..distributed.ring_plan import RingPlan, block_backends, cached, meta
 
 __all__ = ["ring_attention"]
 
 
-def _schedule(group, l: int, causal: bool, window, layout: str, scale: float) -> RingSchedule:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+def _schedule(world: int, rank: int, l: int, causal: bool, window, layout: str, scale: float) -> RingSchedule:
+    """A pure function of the call's arguments: the forward and the backward rebuild the same one."""
     return RingSchedule(num_steps(layout, world, l, causal, window),
                         lambda src: plan(layout, rank, src, world, l, causal, window, scale))
 
 
-def _forward(q, k, v, scale, causal, window, layout, group, backend):
-    sched = _schedule(group, q.shape[1], causal, window, layout, scale)
-    out, lse, kv_last = ring_forward(q, k, v, sched, BackendOp(backend), ring_transport(group),
+def _plan(q, k, scale, causal, window, layout, group, backend: str, tr: tuple) -> RingPlan:
+    """The call's plan (:mod:`longattn.distributed.ring_plan`): every block's backend and the transport."""
+    q_meta, k_meta, world, rank = meta(q), meta(k), dist.get_world_size(group), dist.get_rank(group)
+
+    def build():
+        sched = _schedule(world, rank, q_meta[0][1], causal, window, layout, scale)
+        steps = (sched.calls((rank - s) % world) for s in range(sched.steps))
+        return RingPlan(backend, block_backends(q_meta, k_meta, steps, backend), False, *tr)
+    return cached(("ring", q_meta, k_meta, scale, causal, window, layout, world, rank, backend, tr), build,
+                  group, "ring_attention")
+
+
+def _forward(q, k, v, scale, causal, window, layout, group, plan: RingPlan):
+    plan = plan.complete(lambda b, tr: _plan(q, k, scale, causal, window, layout, group, b, tr))
+    sched = _schedule(dist.get_world_size(group), dist.get_rank(group), q.shape[1], causal, window, layout, scale)
+    out, lse, kv_last = ring_forward(q, k, v, sched, BackendOp(plan=plan), plan.transport_for(group),
                                      keep_last=True)
     if kv_last is None:
         kv_last = (k.new_empty(0), v.new_empty(0))
     return out, lse, *kv_last
 
 
-def _backward(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, window, layout, group, backend):
-    sched = _schedule(group, q.shape[1], causal, window, layout, scale)
+def _backward(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, window, layout, group, plan: RingPlan):
+    plan = plan.complete(lambda b, tr: _plan(q, k, scale, causal, window, layout, group, b, tr))
+    sched = _schedule(dist.get_world_size(group), dist.get_rank(group), q.shape[1], causal, window, layout, scale)
     kv_last = (k_last, v_last) if k_last.numel() else None
-    return ring_backward(dout, q, k, v, out, lse, dlse, sched, BackendOp(backend), ring_transport(group),
+    return ring_backward(dout, q, k, v, out, lse, dlse, sched, BackendOp(plan=plan), plan.transport_for(group),
                          kv_last)
 
 
 # ------------------------------------------------------------------ custom ops
 # The forward also returns the last K/V block it received (empty when the ring
 # has one step): the backward starts on it (see ring_backward). It is saved for
-# the backward like q, k and v: one more local K/V block per call.
+# the backward like q, k and v: one more local K/V block per call. ``plan`` is
+# the call's RingPlan as a key: both ops follow it.
 @torch.library.custom_op("longattn::ring_fwd", mutates_args=(), device_types=None)
 def _ring_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window_left: int,
-              window_right: int, layout: str, group_name: str, backend: str
+              window_right: int, layout: str, group_name: str, plan: str
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = checks.group_from_name(group_name)
-    return _forward(q, k, v, scale, causal, (window_left, window_right), layout, g, backend)
+    return _forward(q, k, v, scale, causal, (window_left, window_right), layout, g, RingPlan.from_key(plan))
 
 
 @_ring_fwd.register_fake
-def _(q, k, v, scale, causal, window_left, window_right, layout, group_name, backend):
+def _(q, k, v, scale, causal, window_left, window_right, layout, group_name, plan):
     b, l, h, _ = q.shape
     world = checks.group_from_name(group_name).size()
     # int(): the step count depends on the length and window, so a traced graph specialises on them
@@ -68,15 +84,15 @@ def _(q, k, v, scale, causal, window_left, window_right, layout, group_name, bac
 def _ring_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, dlse: Optional[torch.Tensor], k_last: torch.Tensor, v_last: torch.Tensor,
               scale: float, causal: bool, window_left: int, window_right: int, layout: str, group_name: str,
-              backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              plan: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = checks.group_from_name(group_name)
     return _backward(dout, q, k, v, out, lse, dlse, k_last, v_last, scale, causal, (window_left, window_right),
-                     layout, g, backend)
+                     layout, g, RingPlan.from_key(plan))
 
 
 _ring_bwd.register_fake(grads_like)
 _ring = register_attention_autograd(_ring_fwd, _ring_bwd, ("scale", "causal", "window_left", "window_right",
-                                                          "layout", "group_name", "backend"), kept_outputs=2)
+                                                          "layout", "group_name", "plan"), kept_outputs=2)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -116,5 +132,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     if not torch.compiler.is_compiling():
         checks.check_consistent(g, "ring_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                                causal=causal, window=window, layout=layout, scale=scale, backend=backend)
-    out, lse, _, _ = _ring(q, k, v, scale, causal, window[0], window[1], layout, checks.group_name(g), backend)
+    plan = ring_plan.make(lambda b, tr: _plan(q, k, scale, causal, window, layout, g, b, tr), backend,
+                          ring_plan.choose_transport(g))
+    out, lse, _, _ = _ring(q, k, v, scale, causal, window[0], window[1], layout, checks.group_name(g), plan)
     return (out, lse) if return_lse else out

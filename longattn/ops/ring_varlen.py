@@ -17,49 +17,68 @@ from ..distributed.fused_varlen import fusable, fused_call
 from ..distributed.layout import check_layout
 from ..distributed.plan import local_length, num_steps_varlen, plan_varlen
 from ..distributed.ring import BackendOp, RingSchedule, ring_backward, ring_forward
-from ..distributed.transport import ring_transport
+from ..distributed import ring_plan
+from ..distributed.ring_plan import RingPlan, block_backends, cached, meta
 
 __all__ = ["ring_attention_varlen"]
 
 
-def _schedule(cu_seqlens, layout, causal, window, scale, group, q, backend) -> RingSchedule:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    cu = tuple(int(v) for v in cu_seqlens.tolist())
-    fuse = fusable(q, window, backend)
-
+def _schedule(cu: tuple, layout, causal, window, scale, world: int, rank: int, device, heads_x_dim: int,
+              fuse: bool) -> RingSchedule:
+    """A pure function of the call's arguments and the plan's ``fuse``: both passes rebuild the same one."""
     def calls(src):
-        one = fuse and fused_call(cu, layout, world, rank, src, causal, window, scale, str(q.device),
-                                  q.shape[1] * q.shape[2])
+        one = fuse and fused_call(cu, layout, world, rank, src, causal, window, scale, str(device), heads_x_dim)
         return one or plan_varlen(cu, layout, world, rank, src, causal, window, scale)
     return RingSchedule(num_steps_varlen(cu, layout, world, causal, window), calls)
 
 
+def _plan(q, k, cu: tuple, scale, causal, window, layout, group, backend: str, tr: tuple) -> RingPlan:
+    """The call's plan (:mod:`longattn.distributed.ring_plan`): fusion, every block's backend, the transport."""
+    q_meta, k_meta, world, rank = meta(q), meta(k), dist.get_world_size(group), dist.get_rank(group)
+
+    def build():
+        qs = q_meta[0]
+        fuse = fusable(q, window, backend)
+        sched = _schedule(cu, layout, causal, window, scale, world, rank, q_meta[2], qs[1] * qs[2], fuse)
+        steps = (sched.calls((rank - s) % world) for s in range(sched.steps))
+        batched = lambda m: ((1, *m[0]), *m[1:])  # the ring runs on (1, T, H, D)
+        return RingPlan(backend, block_backends(batched(q_meta), batched(k_meta), steps, backend), fuse, *tr)
+    return cached(("ring_varlen", q_meta, k_meta, cu, scale, causal, window, layout, world, rank, backend, tr), build,
+                  group, "ring_attention_varlen")
+
+
+def _run(cu_seqlens, layout, causal, window, scale, group_name, q, k, plan_key):
+    g = checks.group_from_name(group_name)
+    cu = tuple(int(v) for v in cu_seqlens.tolist())
+    plan = RingPlan.from_key(plan_key).complete(lambda b, tr: _plan(q, k, cu, scale, causal, window, layout, g, b, tr))
+    sched = _schedule(cu, layout, causal, window, scale, dist.get_world_size(g), dist.get_rank(g), q.device,
+                      q.shape[1] * q.shape[2], plan.fuse)
+    return sched, BackendOp(plan=plan), plan.transport_for(g)
+
+
 @torch.library.custom_op("longattn::ring_varlen_fwd", mutates_args=(), device_types=None)
 def _ring_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                     causal: bool, window_left: int, window_right: int, layout: str, group_name: str, backend: str
+                     causal: bool, window_left: int, window_right: int, layout: str, group_name: str, plan: str
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    g = checks.group_from_name(group_name)
-    sched = _schedule(cu_seqlens, layout, causal, (window_left, window_right), scale, g, q, backend)
-    out, lse, _ = ring_forward(q[None], k[None], v[None], sched, BackendOp(backend), ring_transport(g))
+    sched, op, tr = _run(cu_seqlens, layout, causal, (window_left, window_right), scale, group_name, q, k, plan)
+    out, lse, _ = ring_forward(q[None], k[None], v[None], sched, op, tr)
     return out[0], lse[0]
 
 
 @torch.library.custom_op("longattn::ring_varlen_bwd", mutates_args=(), device_types=None)
 def _ring_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, scale: float,
-                     causal: bool, window_left: int, window_right: int, layout: str, group_name: str, backend: str
+                     causal: bool, window_left: int, window_right: int, layout: str, group_name: str, plan: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = checks.group_from_name(group_name)
-    sched = _schedule(cu_seqlens, layout, causal, (window_left, window_right), scale, g, q, backend)
+    sched, op, tr = _run(cu_seqlens, layout, causal, (window_left, window_right), scale, group_name, q, k, plan)
     dq, dk, dv = ring_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
-                               None if dlse is None else dlse[None], sched, BackendOp(backend),
-                               ring_transport(g))
+                               None if dlse is None else dlse[None], sched, op, tr)
     return dq[0], dk[0], dv[0]
 
 
 _ring_varlen = register_attention_autograd(_ring_varlen_fwd, _ring_varlen_bwd,
                                            ("scale", "causal", "window_left", "window_right", "layout", "group_name",
-                                            "backend"),
+                                            "plan"),
                                            extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
@@ -92,10 +111,12 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         raise ValueError(f"q has {q.shape[0]} local tokens but cu_seqlens with layout={layout!r} over "
                          f"{dist.get_world_size(g)} ranks gives {want}; shard with longattn.shard_varlen")
     scale = bk.default_scale(q.shape[-1], softmax_scale)
+    cu = tuple(int(x) for x in cu_seqlens.tolist())
     if not torch.compiler.is_compiling():
         checks.check_consistent(g, "ring_attention_varlen", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
-                               cu=tuple(cu_seqlens.tolist()), causal=causal, window=window, layout=layout,
-                               scale=scale, backend=backend)
+                                cu=cu, causal=causal, window=window, layout=layout, scale=scale, backend=backend)
+    plan = ring_plan.make(lambda b, tr: _plan(q, k, cu, scale, causal, window, layout, g, b, tr), backend,
+                          ring_plan.choose_transport(g))
     out, lse = _ring_varlen(q, k, v, cu_seqlens.cpu(), scale, causal, window[0], window[1], layout,
-                            checks.group_name(g), backend)
+                            checks.group_name(g), plan)
     return (out, lse) if return_lse else out

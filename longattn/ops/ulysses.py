@@ -23,6 +23,7 @@ from .._validation import check_attention_call, check_cu_seqlens
 from ..backends import varlen as _varlen
 from ..distributed import checks
 from ..distributed import ulysses as U
+from ..distributed.local import LocalOp
 from ..distributed.layout import check_layout
 from ..distributed.plan import local_length
 from .attention import _attention_bwd, _attention_fwd, attention
@@ -44,23 +45,21 @@ def _run(op, tensors, *args):
     return (op._init_fn if direct(tensors) else op)(*args)
 
 
-class _Dense(U.Local):
+class _Dense(LocalOp):
     """``attention``'s kernels on one group of heads over the whole sequence."""
 
     def __init__(self, scale, causal, window, backend):
         self.args = (scale, causal, window[0], window[1], 0, backend)
 
-    def forward(self, q, k, v):
-        out, lse = _run(_attention_fwd, (q, k, v), q, k, v, *self.args)
-        return out, lse, (q, k, v, out, lse)
+    def forward(self, call, q, k, v):
+        return _run(_attention_fwd, (q, k, v), q, k, v, *self.args)
 
-    def backward(self, dout, dlse, saved):
-        q, k, v, out, lse = saved
+    def backward(self, call, dout, q, k, v, out, lse, dlse):
         dlse = None if dlse is None else dlse.contiguous()
         return _run(_attention_bwd, (dout, q, k, v), dout.contiguous(), q, k, v, out, lse, dlse, *self.args)
 
 
-class _Varlen(U.Local):
+class _Varlen(LocalOp):
     """``attention_varlen``'s kernels on one group of heads over every token.
 
     The exchange's rows are every rank's shard concatenated (p * L rows);
@@ -90,17 +89,22 @@ class _Varlen(U.Local):
         shape[dim] = self.padded
         return y.new_full(shape, fill).index_copy_(dim, self.rows, y)[None]
 
-    def forward(self, q, k, v):
+    def forward(self, call, q, k, v):
         q, k, v = self._packed(q), self._packed(k), self._packed(v)
         if direct((q, k, v)):
             cu = self.host_cu if self.kernel == "loop" else self.dev_cu
             out, lse = _varlen.forward(self.kernel, q, k, v, cu, self.max_seqlen, self.spec, self.backend)
         else:
             out, lse = _varlen_fwd(q, k, v, self.dev_cu, *self.op_args)
-        return self._scatter(out, 0.0, 0), self._scatter(lse, float("-inf"), 1), (q, k, v, out, lse)
+        self._kept = (q, k, v, out, lse)
+        return self._scatter(out, 0.0, 0), self._scatter(lse, float("-inf"), 1)
 
-    def backward(self, dout, dlse, saved):
-        q, k, v, out, lse = saved
+    def saved(self, q, k, v, out, lse) -> tuple:
+        """The packed tensors of the forward just run (not the exchange's rows)."""
+        kept, self._kept = self._kept, None
+        return kept
+
+    def backward(self, call, dout, q, k, v, out, lse, dlse):
         dout = self._packed(dout).contiguous()
         if dlse is not None:
             dlse = (dlse[0, :, :self.total] if self.layout == "contiguous" else dlse[0].index_select(1, self.rows))
@@ -160,7 +164,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         out = longattn.shard(longattn.attention(full(q), full(k), full(v), causal=causal), layout=layout)
     """
     window, scale, backend = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend)
-    g = U.as_group(group)
+    g = checks.resolve_group(group)
     world = dist.get_world_size(g)
     U.check_heads(q.shape[2], world, "the group")
     if layout == "zigzag" and q.shape[1] % 2:
@@ -232,7 +236,7 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         of the packed input.
     """
     window, scale, backend = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=3)
-    g = U.as_group(group)
+    g = checks.resolve_group(group)
     world = dist.get_world_size(g)
     problem, cu = None, None
     try:
