@@ -153,3 +153,27 @@ def test_custom_op_with_softcap_and_compile():
     got.backward()
     want = longattn.attention(q, q, q, causal=True, softcap=2.0, sinks=sinks.detach()).sum()
     assert torch.allclose(got, want) and sinks.grad is not None and torch.isfinite(sinks.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "cudnn", "flash", "triton", "math"])
+def test_bf16_on_cuda(backend):
+    """bf16 on CUDA, GQA, causal, 1K tokens: sinks on every backend (their
+    backward takes the lse gradient the sink merge gives), soft-capping where
+    the backend applies it (auto picks one: math) and refused elsewhere;
+    output, lse and all gradients near float64."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    q, k, v = mk(2, 1024, 8, 64), mk(2, 1024, 2, 64), mk(2, 1024, 2, 64)
+    sinks = torch.randn(8, device="cuda", generator=g)
+    do, dl = mk(2, 1024, 8, 64), torch.randn(2, 8, 1024, device="cuda", generator=g)
+    for softcap in (0.0, 20.0):
+        spec = bk.BlockSpec(64 ** -0.5, True, softcap=softcap)
+        if backend != "auto" and bk.BACKENDS[backend].refusals(spec, q, k):
+            with pytest.raises(ValueError):
+                longattn.attention(q, k, v, causal=True, softcap=softcap, sinks=sinks, backend=backend)
+            continue
+        fn = lambda q, k, v, s: longattn.attention(q, k, v, causal=True, softcap=softcap, sinks=s, return_lse=True,
+                                                   backend=backend)
+        ref = lambda q, k, v, s: attention_ref(q, k, v, causal=True, softcap=softcap, sinks=s)
+        check_op(fn, ref, [q, k, v, sinks], do, dl, tol=3e-2, tag=f"{backend} softcap={softcap}")
