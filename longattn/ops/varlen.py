@@ -60,7 +60,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return_lse: also return lse ``(nheads, total_tokens)`` float32 (flash-attn's varlen layout).
         softcap, sinks: as :func:`longattn.attention`. Soft-capping runs one
             document at a time through a dense backend that applies it (the
-            Triton and flash varlen kernels do not: forcing them raises).
+            one-launch varlen kernels do not: forcing them raises).
         backend: ``"auto"``, ``"triton"``, ``"flash"`` or a dense backend name used per document.
 
     Equivalent PyTorch::
@@ -94,7 +94,7 @@ def _kernel(q, backend: str, ndocs: int, softcap: float) -> str:
     backend is chosen from capabilities that include it."""
     if not softcap:
         return _varlen.choose(q, backend, ndocs)
-    if backend in ("triton", "flash"):
+    if backend in _varlen.KINDS:  # a one-launch varlen kernel forced by name
         raise ValueError(f"backend={backend!r} cannot run this varlen call: logit soft-capping (softcap) not "
                          f"supported; use backend='auto' or 'math'")
     return "loop"
