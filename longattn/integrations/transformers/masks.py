@@ -154,7 +154,8 @@ def local_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                **kwargs) -> Optional[Documents]:
     """transformers' mask hook for "longattn" / "longattn_dilated": None when
     every key is a real token of one sequence (dense attention); otherwise the
-    :class:`Documents` of the padding mask or of the packed sequences."""
+    :class:`Documents` of the padding mask or of the packed sequences, cut at
+    the chunk edges under chunked attention."""
     pattern = read_pattern(mask_function, impl)
     if pattern.chunk is not None and impl != "longattn":
         raise chunk_error(impl)
