@@ -188,7 +188,8 @@ def test_training_steps_on_cuda(kind):
                 initializer_range=0.02)
     size.update(dict(gemma2=dict(sliding_window=512, attn_logit_softcapping=50.0, query_pre_attn_scalar=64),
                      gpt_oss=dict(sliding_window=512, intermediate_size=1024),
-                     llama4=dict(attention_chunk_size=512, intermediate_size_mlp=2816, no_rope_layers=[1, 1, 1, 0]))[kind])
+                     llama4=dict(attention_chunk_size=512, intermediate_size_mlp=2816,
+                                 no_rope_layers=[1, 1, 1, 0]))[kind])  # 3 chunked layers : 1 full, as Llama 4
     torch.manual_seed(0)
     ids = torch.randint(1, 32000, (2, 2048), device="cuda")
     mask = torch.ones_like(ids)
