@@ -46,9 +46,17 @@ def _config(kind: str, **extra):
         return transformers.MistralConfig(sliding_window=4, **common)
     if kind == "qwen2":  # layer 0 full attention, layer 1 a sliding window of 4
         return transformers.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)
-    cls = dict(gemma2=transformers.Gemma2Config, gpt_oss=transformers.GptOssConfig,
-               llama4=transformers.Llama4TextConfig)[kind]
-    return cls(**common)
+    two_kinds = dict(layer_types=["sliding_attention", "full_attention"])  # layer 0 a window of 4, layer 1 full
+    more = dict(qwen3=(transformers.Qwen3Config, dict(head_dim=8)),
+                gemma3=(transformers.Gemma3TextConfig, dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=8,
+                                                            **two_kinds)),
+                phi3=(transformers.Phi3Config, {}), olmo=(transformers.OlmoConfig, {}),
+                granite=(transformers.GraniteConfig, {}),
+                cohere2=(transformers.Cohere2Config, dict(sliding_window=4, **two_kinds)),
+                gemma2=(transformers.Gemma2Config, {}), gpt_oss=(transformers.GptOssConfig, {}),
+                llama4=(transformers.Llama4TextConfig, {}))
+    cls, own = more[kind]
+    return cls(**{**own, **common})
 
 
 MOE = ("gpt_oss", "llama4")
@@ -213,6 +221,19 @@ def test_training_steps_on_cuda(kind):
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want)), (got, want)
     bad = {n: e for n in g_want if not (e := rel_err(g_got[n], g_want[n])) < 1e-3}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3", "olmo", "granite", "cohere2"])
+def test_more_families_match_sdpa_and_eager(kind):
+    """More families as they are (Gemma 3 and Cohere 2 with a sliding and a
+    full layer): against sdpa in every case, against eager where its float64
+    mask makes no NaN (see test_logits_and_gradients_match_sdpa_and_eager)."""
+    model, ref = _pair(kind, ref_impl="sdpa")
+    for case in ("none", "right", "left", "packed"):
+        _compare(model, ref, case)
+    model, ref = _pair(kind, ref_impl="eager")
+    for case in ("none", "packed"):
+        _compare(model, ref, case)
 
 
 def test_eager_reference_is_sensitive():
