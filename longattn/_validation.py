@@ -124,3 +124,25 @@ def check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size
     check_flag(return_lse, "return_lse")
     check_scale(softmax_scale)
     return check_window(window_size)
+
+
+def check_softcap_sinks(softcap, sinks, q: torch.Tensor) -> float:
+    """``softcap`` (a float >= 0; 0 is none) and ``sinks`` (None or one logit
+    per query head, ``(nheads,)``, floating, on q's device, as q's heads are
+    ``q.shape[-2]``); returns softcap as a float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0.0: no soft-capping), got {type(softcap).__name__}")
+    if not (softcap >= 0 and softcap != float("inf")):
+        raise ValueError(f"softcap must be a finite float >= 0 (0.0: no soft-capping; Gemma 2 uses 50.0), "
+                         f"got {softcap}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"sinks must be a torch.Tensor of shape (nheads,) or None, got {type(sinks).__name__}")
+        h = q.shape[-2]
+        if sinks.shape != (h,):
+            raise ValueError(f"sinks must hold one logit per query head, shape ({h},), got {tuple(sinks.shape)}")
+        if sinks.dtype not in _FLOAT:
+            raise ValueError(f"sinks must be a floating tensor (fp16, bf16, fp32, fp64), got {sinks.dtype}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+    return float(softcap)

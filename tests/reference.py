@@ -28,21 +28,45 @@ def window_mask(sq, sk, *, causal=False, window=(-1, -1), q_offset=None):
     return ok
 
 
-def masked_attention(q, k, v, mask, scale):
+def masked_attention(q, k, v, mask, scale, softcap=0.0, sinks=None):
     """q (B,Sq,H,D), k/v (B,Sk,Hkv,D), mask broadcastable to (B,H,Sq,Sk). float64.
-    Returns out (B,Sq,H,D) and lse (B,H,Sq); rows with no key: 0 and -inf."""
+    Returns out (B,Sq,H,D) and lse (B,H,Sq); rows with no key: 0 and -inf.
+    ``softcap``: scores become softcap * tanh(scores / softcap) before the mask.
+    ``sinks`` (H,): one more score per row whose value vector is zero (as
+    GPT-OSS's eager attention: a column concatenated, dropped after the
+    softmax); lse includes it, rows with no key give 0 and the sink."""
     q, k, v = q.double(), expand_kv(k.double(), q.shape[2]), expand_kv(v.double(), q.shape[2])
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[None, :, None, None].expand(*s.shape[:3], 1)], -1)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]
     return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
-def attention_ref(q, k, v, *, causal=False, window=(-1, -1), scale=None, q_offset=None):
+def attention_ref(q, k, v, *, causal=False, window=(-1, -1), scale=None, q_offset=None, softcap=0.0, sinks=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mask = window_mask(q.shape[1], k.shape[1], causal=causal, window=window, q_offset=q_offset)
-    return masked_attention(q, k, v, mask.to(q.device), scale)
+    return masked_attention(q, k, v, mask.to(q.device), scale, softcap, sinks)
+
+
+def varlen_ref(q, k, v, cu, causal=False, window=(-1, -1), softcap=0.0, sinks=None):
+    """Packed documents (T, H, D) with int32 cu_seqlens: a block-diagonal mask
+    over the packed tokens, plain. Returns out (T, H, D) and lse (H, T)."""
+    total = q.shape[0]
+    doc = torch.zeros(total, dtype=torch.long)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        doc[a:b] = i
+    same = doc[:, None] == doc[None, :]
+    m = (same & window_mask(total, total, causal=causal, window=window, q_offset=0)).to(q.device)
+    # window_mask works in packed positions; inside one document they equal doc positions
+    out, lse = masked_attention(q[None], k[None], v[None], m, q.shape[-1] ** -0.5, softcap, sinks)
+    return out[0], lse[0]
 
 
 def dilated_masks(seqlen, nheads, segment_lengths, dilation_rates, causal, head_offset=0):
@@ -130,7 +154,7 @@ def grads_of(fn, inputs, dout, dlse=None):
     return out.detach(), (None if lse is None else lse.detach()), [x.grad for x in xs]
 
 
-GRAD_NAMES = ("dq", "dk", "dv")
+GRAD_NAMES = ("dq", "dk", "dv", "dsinks")  # the fourth: an op with attention sinks
 
 
 def assert_close(got: dict, ref: dict, tol: float, tag: str = "") -> dict:

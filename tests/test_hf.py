@@ -1,8 +1,9 @@
 """transformers models under attn_implementation="longattn" / "longattn_dilated"
 against the same weights under transformers' own "sdpa" and "eager" attention
 in float64 (masks written out by transformers): logits on real tokens and every parameter gradient,
-with no mask, right and left padding, packed sequences; greedy generation
-against "sdpa"; and the errors for what longattn does not run."""
+with no mask, right and left padding, packed sequences (Gemma 2's soft-capping,
+GPT-OSS's sinks and Llama 4's chunked attention included); greedy generation
+against "sdpa"/"eager"; and the errors for what longattn does not run."""
 import subprocess
 import sys
 
@@ -19,10 +20,25 @@ TOL = 1e-4
 S = 12
 
 
+# The families with soft-capping, sinks, chunked attention: layer 0 sliding (chunked), layer 1 full.
+FAMILY = {
+    # logit soft-capping 2.0: the cap bites (scores ~ N(0, 1-3))
+    "gemma2": dict(head_dim=8, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                   query_pre_attn_scalar=8),
+    # a learned sink per query head (s_aux)
+    "gpt_oss": dict(head_dim=8, sliding_window=4, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16),
+    # layer 0 chunked (chunks of 4, RoPE), layer 1 full (NoPE, temperature tuning)
+    "llama4": dict(head_dim=8, attention_chunk_size=4, no_rope_layers=[1, 0], intermediate_size=48,
+                   intermediate_size_mlp=48, num_local_experts=2, num_experts_per_tok=1),
+}
+
+
 def _config(kind: str, **extra):
     common = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, pad_token_id=0,
                   eos_token_id=None, bos_token_id=None)
+    if kind in FAMILY:
+        common.update(FAMILY[kind])
     common.update(extra)
     if kind == "llama":
         return transformers.LlamaConfig(**common)
@@ -30,14 +46,30 @@ def _config(kind: str, **extra):
         return transformers.MistralConfig(sliding_window=4, **common)
     if kind == "qwen2":  # layer 0 full attention, layer 1 a sliding window of 4
         return transformers.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)
-    raise ValueError(kind)
+    two_kinds = dict(layer_types=["sliding_attention", "full_attention"])  # layer 0 a window of 4, layer 1 full
+    more = dict(qwen3=(transformers.Qwen3Config, dict(head_dim=8)),
+                gemma3=(transformers.Gemma3TextConfig, dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=8,
+                                                            **two_kinds)),
+                phi3=(transformers.Phi3Config, {}), olmo=(transformers.OlmoConfig, {}),
+                granite=(transformers.GraniteConfig, {}),
+                cohere2=(transformers.Cohere2Config, dict(sliding_window=4, **two_kinds)),
+                gemma2=(transformers.Gemma2Config, {}), gpt_oss=(transformers.GptOssConfig, {}),
+                llama4=(transformers.Llama4TextConfig, {}))
+    cls, own = more[kind]
+    return cls(**{**own, **common})
+
+
+MOE = ("gpt_oss", "llama4")
 
 
 def _pair(kind: str, impl: str = "longattn", ref_impl: str = "sdpa", **extra):
     """The same random weights under impl (float32) and ref_impl (float64)."""
     torch.manual_seed(0)  # (each model its own config: from_config records the attention in it)
-    ref = transformers.AutoModelForCausalLM.from_config(_config(kind, **extra), attn_implementation=ref_impl).double()
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **extra), attn_implementation=impl)
+    # transformers' grouped-mm experts have no float64: the plain loop for mixture-of-experts families
+    moe = dict(experts_implementation="eager") if kind in MOE else {}
+    ref = transformers.AutoModelForCausalLM.from_config(_config(kind, **extra), attn_implementation=ref_impl,
+                                                        **moe).double()
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **extra), attn_implementation=impl, **moe)
     model.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
     return model, ref
 
@@ -108,6 +140,102 @@ def test_logits_and_gradients_match_sdpa_and_eager(kind):
         _compare(model, ref, case)
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "llama4"])
+def test_softcap_sinks_chunked_match_eager(kind):
+    """Gemma 2 (soft-capping), GPT-OSS (sinks), Llama 4 text (chunked
+    attention on its local layers) against eager in float64: logits and every
+    parameter gradient (the sinks' included) with no mask, right and left
+    padding, packed sequences (Llama 4: chunks cut inside each document, also
+    given as flash-attention keywords). Gemma 2 with padding against eager in
+    float32: in float64 its additive mask turns the padding rows that see no
+    key (its window of 4 within the padding) into NaN, which reach real rows
+    through zero weights."""
+    model, ref = _pair(kind, ref_impl="eager")
+    if kind == "gpt_oss":
+        with torch.no_grad():  # sinks comparable to the scores, so that they change the result
+            for m in (model, ref):
+                for layer in m.model.layers:
+                    layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+    padded = ["right", "left"]
+    cases = ["none", "packed"] + (padded if kind != "gemma2" else [])
+    for case in cases + (["flash_kwargs"] if kind == "llama4" else []):
+        _compare(model, ref, case)
+    if kind == "gpt_oss":
+        assert model.model.layers[0].self_attn.sinks.grad.abs().sum() > 0
+    if kind == "gemma2":
+        for case in padded:
+            _compare(model, ref.float(), case)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "llama4"])
+def test_softcap_sinks_chunked_are_used(kind):
+    """The comparison above can fail: without the family's feature the logits differ."""
+    model, ref = _pair(kind, ref_impl="eager")
+    ids, _, _ = _inputs("none")
+    if kind == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)  # a sink that takes no weight: no sink
+    elif kind == "gemma2":
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+    else:
+        model.config.attention_chunk_size = 64  # one chunk: full causal attention
+    assert rel_err(model(ids).logits.detach(), ref(ids).logits.detach()) > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "llama4"])
+def test_training_steps_on_cuda(kind):
+    """Two AdamW steps of a mid-size model of each family (hidden 1024, 4
+    layers, 16 query / 4 kv heads of 64, windows and chunks of 512, soft-cap
+    50; 2 x 2048 tokens, one row right-padded) on CUDA in float32: the losses
+    of "longattn" equal eager's to 4 digits and the gradients agree."""
+    size = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+                initializer_range=0.02)
+    size.update(dict(gemma2=dict(sliding_window=512, attn_logit_softcapping=50.0, query_pre_attn_scalar=64),
+                     gpt_oss=dict(sliding_window=512, intermediate_size=1024),
+                     llama4=dict(attention_chunk_size=512, intermediate_size_mlp=2816,
+                                 no_rope_layers=[1, 1, 1, 0]))[kind])  # 3 chunked layers : 1 full, as Llama 4
+    torch.manual_seed(0)
+    ids = torch.randint(1, 32000, (2, 2048), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, 1500:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    runs = {}
+    for impl in ("eager", "longattn"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(_config(kind, **size), attn_implementation=impl).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        losses = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            losses.append(float(loss))
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+        runs[impl] = losses, grads
+    (want, g_want), (got, g_got) = runs["eager"], runs["longattn"]
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(got, want)), (got, want)
+    bad = {n: e for n in g_want if not (e := rel_err(g_got[n], g_want[n])) < 1e-3}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3", "olmo", "granite", "cohere2"])
+def test_more_families_match_sdpa_and_eager(kind):
+    """More families as they are (Gemma 3 and Cohere 2 with a sliding and a
+    full layer): against sdpa in every case, against eager where its float64
+    mask makes no NaN (see test_logits_and_gradients_match_sdpa_and_eager)."""
+    model, ref = _pair(kind, ref_impl="sdpa")
+    for case in ("none", "right", "left", "packed"):
+        _compare(model, ref, case)
+    model, ref = _pair(kind, ref_impl="eager")
+    for case in ("none", "packed"):
+        _compare(model, ref, case)
+
+
 def test_eager_reference_is_sensitive():
     """The comparison can fail: a window the model does not have changes the logits."""
     model, ref = _pair("llama")
@@ -142,12 +270,14 @@ def _greedy(model, ids, mask, n):
     return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss", "llama4"])
 def test_generate_matches_sdpa(kind):
     """Greedy tokens with the KV cache (queries shorter than keys), without and
     with left padding; Mistral's window (4) is shorter than the prompt (7), so the
-    sliding cache layers run too."""
-    model, ref = _pair(kind, ref_impl="sdpa")
+    sliding cache layers run too (Gemma 2, GPT-OSS: windows of 4; Llama 4:
+    chunks of 4 over a sliding cache, decoding across chunk edges). Against
+    eager where transformers has no sdpa (Gemma 2, GPT-OSS) or it differs."""
+    model, ref = _pair(kind, ref_impl="sdpa" if kind in ("llama", "mistral") else "eager")
     ref = ref.float()
     torch.manual_seed(3)
     ids = torch.randint(1, 50, (2, 7))
@@ -244,19 +374,30 @@ def test_unsupported_options_raise():
     q, k = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 8, 8)
     with pytest.raises(ValueError, match="num_key_value_heads"):
         lt.attention_forward(attn, q, k, k, None)
-    with pytest.raises(ValueError, match="soft-capping"):
-        lt.attention_forward(attn, q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="soft-capping"):  # the single-device function runs it
+        lt.dilated_attention_forward(attn, q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="attention sinks"):
+        lt.dilated_attention_forward(attn, q, q, q, None, s_aux=torch.zeros(4))
 
 
 def test_custom_mask_parts_raise():
-    """Chunked attention (Llama 4) and or-masks cannot be expressed: the mask hook
-    raises instead of dropping them."""
+    """Or-masks cannot be expressed: the mask hook raises instead of dropping
+    them. Chunked attention (Llama 4) becomes documents cut at the chunk edges
+    (after left padding) for "longattn"; the ring and dilated hooks raise."""
+    from longattn.integrations.transformers.masks import Documents
     from transformers import masking_utils as mu
 
     hook = mu.ALL_MASK_ATTENTION_FUNCTIONS["longattn"]
-    chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
-    with pytest.raises(ValueError, match="chunked"):
-        hook(batch_size=1, q_length=8, kv_length=8, mask_function=chunked)
+    chunked = mu.chunked_causal_mask_function(4, torch.tensor([0, 2]))
+    pad = torch.ones(2, 10, dtype=torch.bool)
+    pad[1, :2] = False
+    docs = hook(batch_size=2, q_length=10, kv_length=10, mask_function=chunked, attention_mask=pad)
+    assert isinstance(docs, Documents) and docs.cu_k.tolist() == [0, 4, 8, 10, 14, 18]
+    short = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    assert hook(batch_size=1, q_length=4, kv_length=4, mask_function=short) is None  # one chunk: dense
+    for impl in ("longattn_ring", "longattn_dilated"):
+        with pytest.raises(ValueError, match="chunked attention"):
+            mu.ALL_MASK_ATTENTION_FUNCTIONS[impl](batch_size=1, q_length=8, kv_length=8, mask_function=chunked)
     custom = mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: k == 0)
     with pytest.raises(ValueError, match="flex_attention"):
         hook(batch_size=1, q_length=8, kv_length=8, mask_function=custom)

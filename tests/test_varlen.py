@@ -3,22 +3,9 @@ import pytest
 import torch
 
 import longattn
-from reference import check_op, masked_attention, window_mask
+from reference import check_op, varlen_ref
 
 TOL = 1e-4
-
-
-def varlen_ref(q, k, v, cu, causal=False, window=(-1, -1)):
-    """Block-diagonal mask over the packed tokens, plain."""
-    total = q.shape[0]
-    doc = torch.zeros(total, dtype=torch.long)
-    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        doc[a:b] = i
-    same = doc[:, None] == doc[None, :]
-    m = (same & window_mask(total, total, causal=causal, window=window, q_offset=0)).to(q.device)
-    # window_mask works in packed positions; inside one document they equal doc positions
-    out, lse = masked_attention(q[None], k[None], v[None], m, q.shape[-1] ** -0.5)
-    return out[0], lse[0]
 
 
 CASES = [

@@ -17,6 +17,10 @@ class BlockSpec:
     window: tuple[int, int] = (-1, -1)
     # Position of query row 0 relative to key row 0 (see the package docstring).
     q_offset: int = 0
+    # Logit soft-capping (Gemma 2): scores become softcap * tanh(scores / softcap)
+    # before the mask and softmax; 0 is none. Elementwise per score, so each
+    # block's lse still merges with the others'.
+    softcap: float = 0.0
 
     @property
     def has_window(self) -> bool:
@@ -56,6 +60,7 @@ class Backend:
     headdim_multiple: int = 1
     supports_window: bool = False
     supports_gqa_native: bool = False  # False: K/V heads are expanded first
+    supports_softcap: bool = False
     min_capability: tuple[int, int] = (0, 0)
 
     def refusals(self, spec: BlockSpec, q: torch.Tensor, k: torch.Tensor) -> list[str]:
@@ -71,6 +76,8 @@ class Backend:
             reasons.append(f"head dim {d} not a multiple of {self.headdim_multiple}")
         if spec.has_window and not self.supports_window:
             reasons.append("sliding window not supported")
+        if spec.softcap and not self.supports_softcap:
+            reasons.append("logit soft-capping (softcap) not supported")
         if q.device.type == "cuda" and self.min_capability > (0, 0):
             cap = self.capability(q.device)
             if cap < self.min_capability:

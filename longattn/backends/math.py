@@ -9,14 +9,16 @@ from .base import Backend, BlockSpec, dead_rows_to_pos_inf, expand_kv, reduce_kv
 
 
 class MathBackend(Backend):
-    """Plain PyTorch: any device, any dtype, any mask. Chunked over query rows
-    so memory stays bounded; computes in float32 (float64 for float64 input)."""
+    """Plain PyTorch: any device, any dtype, any mask, logit soft-capping.
+    Chunked over query rows so memory stays bounded; computes in float32
+    (float64 for float64 input)."""
 
     name = "math"
     devices = ("cpu", "cuda")
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     supports_window = True
     supports_gqa_native = True
+    supports_softcap = True
     # Scores held at once: 64 MiB of float32, so a long call's memory stays
     # bounded whatever its length (a memory bound, not a speed choice).
     chunk_elems = 1 << 24
@@ -41,6 +43,16 @@ class MathBackend(Backend):
     def _acc(t):
         return torch.float64 if t.dtype == torch.float64 else torch.float32
 
+    @staticmethod
+    def _scores(qf, kf, spec):
+        """Scaled scores (B, H, q, k) and, with soft-capping, tanh of the capped
+        argument (its derivative 1 - t^2 enters the backward); else None."""
+        s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * spec.scale
+        if not spec.softcap:
+            return s, None
+        t = torch.tanh(s / spec.softcap)
+        return t * spec.softcap, t
+
     def _chunks(self, q, k):
         b, sq, h, _ = q.shape
         step = max(1, self.chunk_elems // max(1, b * h * k.shape[1]))
@@ -56,7 +68,7 @@ class MathBackend(Backend):
         lse = torch.empty(q.shape[0], h, q.shape[1], dtype=torch.float32, device=q.device)
         for s0, s1 in self._chunks(q, k):
             qf = q[:, s0:s1].to(acc)
-            s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * spec.scale
+            s, _ = self._scores(qf, kf, spec)
             mask = self._mask(spec, torch.arange(s0, s1, device=q.device), k.shape[1], q.device)
             if mask is not None:
                 s = s.masked_fill(~mask, float("-inf"))
@@ -80,7 +92,7 @@ class MathBackend(Backend):
             qf = q[:, s0:s1].to(acc)
             do = dout[:, s0:s1].to(acc)
             l = lse[:, :, s0:s1].to(acc)
-            s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * spec.scale
+            s, t = self._scores(qf, kf, spec)
             mask = self._mask(spec, torch.arange(s0, s1, device=q.device), k.shape[1], q.device)
             p = torch.exp(s - dead_rows_to_pos_inf(l)[..., None])
             if mask is not None:
@@ -91,6 +103,8 @@ class MathBackend(Backend):
             if dlse is not None:
                 delta = delta - dlse[:, :, s0:s1].to(acc)
             ds = p * (dp - delta[..., None]) * spec.scale
+            if t is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+                ds = ds * (1 - t * t)
             dq[:, s0:s1] = torch.einsum("bhqk,bkhd->bqhd", ds, kf)
             dk += torch.einsum("bhqk,bqhd->bkhd", ds, qf)
         return dq.to(q.dtype), reduce_kv_grad(dk, hkv).to(k.dtype), reduce_kv_grad(dv, hkv).to(v.dtype)

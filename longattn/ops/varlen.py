@@ -13,7 +13,8 @@ import torch
 
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
-from .._validation import check_attention_call, check_cu_seqlens
+from .._sinks import apply_sinks
+from .._validation import check_attention_call, check_cu_seqlens, check_softcap_sinks
 from ..backends import varlen as _varlen
 
 __all__ = ["attention_varlen"]
@@ -21,31 +22,33 @@ __all__ = ["attention_varlen"]
 
 @torch.library.custom_op("longattn::varlen_fwd", mutates_args=(), device_types=None)
 def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = bk.BlockSpec(scale, causal, (window_left, window_right))
+                scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
+                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = bk.BlockSpec(scale, causal, (window_left, window_right), 0, softcap)
     return _varlen.forward(kernel, q, k, v, cu_seqlens.to(q.device), max_seqlen, spec, backend)
 
 
 @torch.library.custom_op("longattn::varlen_bwd", mutates_args=(), device_types=None)
 def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, max_seqlen: int,
-                scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = bk.BlockSpec(scale, causal, (window_left, window_right))
+                scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
+                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = bk.BlockSpec(scale, causal, (window_left, window_right), 0, softcap)
     return _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, cu_seqlens.to(q.device), max_seqlen, spec,
                             backend)
 
 
+# softcap last and defaulted, as in ops/attention.py
 _varlen_op = register_attention_autograd(_varlen_fwd, _varlen_bwd,
                                          ("max_seqlen", "scale", "causal", "window_left", "window_right", "backend",
-                                          "kernel"),
+                                          "kernel", "softcap"),
                                          extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                      max_seqlen: Optional[int] = None, causal: bool = False, softmax_scale: Optional[float] = None,
-                     window_size: tuple[int, int] = (-1, -1), return_lse: bool = False, backend: str = "auto"):
+                     window_size: tuple[int, int] = (-1, -1), return_lse: bool = False, softcap: float = 0.0,
+                     sinks: Optional[torch.Tensor] = None, backend: str = "auto"):
     """Attention within each of several packed documents.
 
     Args:
@@ -55,6 +58,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         causal, softmax_scale, window_size: as :func:`longattn.attention`, in
             positions inside each document.
         return_lse: also return lse ``(nheads, total_tokens)`` float32 (flash-attn's varlen layout).
+        softcap, sinks: as :func:`longattn.attention`. Soft-capping runs one
+            document at a time through a dense backend that applies it (the
+            one-launch varlen kernels do not: forcing them raises).
         backend: ``"auto"``, ``"triton"``, ``"flash"`` or a dense backend name used per document.
 
     Equivalent PyTorch::
@@ -66,6 +72,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     left, right = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True,
                                        ndim=3)
     check_cu_seqlens(cu_seqlens, q.shape[0])
+    softcap = check_softcap_sinks(softcap, sinks, q)
     backend = bk.resolve(backend)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1])
     if max_seqlen is None:
@@ -73,6 +80,21 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     elif max_seqlen < int(lens.max()):
         raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document ({int(lens.max())})")
     scale = bk.default_scale(q.shape[-1], softmax_scale)
-    kernel = _varlen.choose(q, backend, cu_seqlens.numel() - 1)
-    out, lse = _varlen_op(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, left, right, backend, kernel)
+    kernel = _kernel(q, backend, cu_seqlens.numel() - 1, softcap)
+    out, lse = _varlen_op(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, left, right, backend, kernel,
+                          softcap)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks, varlen=True)
     return (out, lse) if return_lse else out
+
+
+def _kernel(q, backend: str, ndocs: int, softcap: float) -> str:
+    """:func:`longattn.backends.varlen.choose`, less the varlen kernels where
+    the call soft-caps (they have no softcap): the document loop, whose dense
+    backend is chosen from capabilities that include it."""
+    if not softcap:
+        return _varlen.choose(q, backend, ndocs)
+    if backend in _varlen.KINDS:  # a one-launch varlen kernel forced by name
+        raise ValueError(f"backend={backend!r} cannot run this varlen call: logit soft-capping (softcap) not "
+                         f"supported; use backend='auto' or 'math'")
+    return "loop"

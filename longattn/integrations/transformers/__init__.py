@@ -29,7 +29,13 @@ attention call instead of being dropped):
     * ``sliding_window`` (Mistral, Qwen2, ...): a key is seen when
       ``q - k < sliding_window`` (causal), i.e. ``window_size=(sliding_window - 1, 0)``,
       as transformers' own masks; bidirectional layers ``|q - k| <= sliding_window``;
-    * GQA natively (K/V keep their heads); ``scaling`` as the softmax scale.
+    * GQA natively (K/V keep their heads); ``scaling`` as the softmax scale;
+    * logit soft-capping (Gemma 2's ``softcap``) and attention sinks (GPT-OSS's
+      ``s_aux``), as :func:`longattn.attention`'s ``softcap`` and ``sinks``;
+    * chunked attention (Llama 4's ``attention_chunk_size``): the mask hook cuts
+      the documents at the chunk edges (after left padding, inside packed
+      documents, from the cache's offset while decoding), so each chunk is a
+      causal document.
 
 ``"longattn_ring"`` — the sequence sharded over a process group (context
 parallelism), :func:`longattn.ring_attention` (zigzag layout by default) or, for
@@ -70,11 +76,12 @@ causal dilated attention: the tokens of ``generate(..., use_cache=False)``),
 or from a :class:`ShardedCache` sharded over a group.
 
 Raised, never ignored (each error names the setting to change): attention
-dropout in training (``config.attention_dropout``), logit soft-capping,
-``output_attentions=True``, attention sinks, position biases, paged caches, a
-static cache, 4-D or other custom masks (chunked attention, bidirectional
-image-token blocks: use ``"sdpa"`` or ``"flex_attention"`` there), head counts
-that GQA cannot pair.
+dropout in training (``config.attention_dropout``), ``output_attentions=True``,
+position biases, paged caches, a static cache, 4-D or other custom masks
+(or-masks, bidirectional image-token blocks: use ``"sdpa"`` or
+``"flex_attention"`` there), head counts that GQA cannot pair; logit
+soft-capping, attention sinks and chunked attention under ``"longattn_ring"``
+and ``"longattn_dilated"``.
 
 Modules: ``attention`` (the three attention calls), ``masks`` (the mask hooks
 and the ``Documents`` they return, which transformers hands each attention

@@ -31,18 +31,25 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get(checks.SHARDED_LAYER_KEY) is not None:
         raise ValueError(f"attn_implementation={impl!r} got a ShardedCache: it serves 'longattn_ring' and "
                          f"'longattn_dilated'; use the default cache with 'longattn'")
-    causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs)
+    causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs, scores=True)
     docs = documents_of(attention_mask, query.shape[2], impl) if attention_mask is not None else None
     causal, sliding_window = causal_and_window(docs, causal, sliding_window, impl)
     fa = checks.flash_kwargs(kwargs)
     q, k, v = checks.to_bshd(query, key, value)
+    # Gemma 2's logit soft-capping and GPT-OSS's sinks (s_aux, one logit per query head)
+    scores = dict(softcap=float(softcap or 0.0), sinks=kwargs.get("s_aux"))
+    if fa is not None and docs is not None and docs.pattern is not None and docs.pattern.chunk is not None:
+        if not docs.packed:  # the chunks are cut inside the documents that position ids give
+            raise ValueError(f"attn_implementation={impl!r}: chunked attention with cu_seq_lens_q/k needs the "
+                             f"position_ids that restart at each document (and use_cache=False)")
+        fa = None
     if docs is not None and (not docs.packed or fa is None):
-        out = _documents_attention(impl, q, k, v, docs, causal, scaling, sliding_window)
+        out = _documents_attention(impl, q, k, v, docs, causal, scaling, sliding_window, scores)
     elif fa is not None:
-        out = _flash_kwargs_attention(impl, q, k, v, fa, causal, scaling, sliding_window)
+        out = _flash_kwargs_attention(impl, q, k, v, fa, causal, scaling, sliding_window, scores)
     else:
         out = longattn.attention(q, k, v, causal=causal, softmax_scale=scaling,
-                                 window_size=checks.window(sliding_window, causal, k.shape[1]))
+                                 window_size=checks.window(sliding_window, causal, k.shape[1]), **scores)
     return checks.crop(out, dv)
 
 
@@ -126,7 +133,7 @@ def _branches(impl: str, module, sliding_window) -> dict:
     return dict(segment_lengths=[int(x) for x in segs], dilation_rates=[int(x) for x in rates])
 
 
-def _documents_attention(impl, q, k, v, docs: Documents, causal, scale, sliding_window) -> torch.Tensor:
+def _documents_attention(impl, q, k, v, docs: Documents, causal, scale, sliding_window, scores) -> torch.Tensor:
     """Attention within the documents of the real tokens; padding rows 0."""
     b, sq, h, d = q.shape
     sk = k.shape[1]
@@ -137,11 +144,11 @@ def _documents_attention(impl, q, k, v, docs: Documents, causal, scale, sliding_
     qf = q.reshape(b * sq, h, d).index_select(0, docs.q_idx)
     kf = k.reshape(b * sk, *k.shape[2:]).index_select(0, docs.k_idx)
     vf = v.reshape(b * sk, *v.shape[2:]).index_select(0, docs.k_idx)
-    o = _varlen_qk(qf, kf, vf, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, causal, scale, window)
+    o = _varlen_qk(qf, kf, vf, docs.cu_q, docs.cu_k, docs.max_q, docs.max_k, causal, scale, window, scores)
     return o.new_zeros(b * sq, h, d).index_copy(0, docs.q_idx, o).view(b, sq, h, d)
 
 
-def _flash_kwargs_attention(impl, q, k, v, fa, causal, scale, sliding_window) -> torch.Tensor:
+def _flash_kwargs_attention(impl, q, k, v, fa, causal, scale, sliding_window, scores) -> torch.Tensor:
     """Packed documents given as transformers' flash-attention keywords."""
     b, sq, h, d = q.shape
     sk = k.shape[1]
@@ -152,22 +159,22 @@ def _flash_kwargs_attention(impl, q, k, v, fa, causal, scale, sliding_window) ->
                          f"but the layer has {b * sq}/{b * sk} tokens (batch x seq)")
     window = checks.window(sliding_window, causal, int(max_k))
     o = _varlen_qk(q.reshape(b * sq, h, d), k.reshape(b * sk, *k.shape[2:]), v.reshape(b * sk, *v.shape[2:]),
-                   cu_q, cu_k, int(max_q), int(max_k), causal, scale, window)
+                   cu_q, cu_k, int(max_q), int(max_k), causal, scale, window, scores)
     return o.view(b, sq, h, d)
 
 
-def _varlen_qk(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window):
+def _varlen_qk(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, scores):
     """Attention within documents whose queries are the last tokens of each
     document's keys ((total_q, H, D), (total_k, Hkv, D); int32 cu_q, cu_k);
-    bottom-right causal inside each document."""
+    bottom-right causal inside each document. ``scores``: softcap and sinks."""
     if torch.equal(cu_q, cu_k):
         return longattn.attention_varlen(q, k, v, cu_q, max_seqlen=max(max_q, 1), causal=causal,
-                                         softmax_scale=scale, window_size=window)
+                                         softmax_scale=scale, window_size=window, **scores)
     # attention_varlen takes one cu_seqlens for queries and keys: one call per document.
     outs = []
     bq, bk = cu_q.tolist(), cu_k.tolist()
     for a, e, c, f in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
         if e > a:
             outs.append(longattn.attention(q[None, a:e], k[None, c:f], v[None, c:f], causal=causal,
-                                           softmax_scale=scale, window_size=window)[0])
+                                           softmax_scale=scale, window_size=window, **scores)[0])
     return torch.cat(outs) if outs else q.new_zeros(q.shape)

@@ -14,26 +14,28 @@ SHARDED_LAYER_KEY = "longattn_sharded_layer"
 CP_KEY = "longattn_cp"
 
 
-def check_call(impl: str, module, query, key, value, dropout, softcap, kwargs):
+def check_call(impl: str, module, query, key, value, dropout, softcap, kwargs, scores: bool = False):
     """Raise on what longattn does not run; return (causal, value, value head
     dim) with value's head dim padded to the query's (exact: zero columns give
-    zero output columns, cropped after)."""
+    zero output columns, cropped after). ``scores``: the implementation runs
+    logit soft-capping and attention sinks (``s_aux``) itself."""
     if dropout:
         raise ValueError(f"attn_implementation={impl!r} has no attention dropout (got dropout={dropout}, used in "
                          f"training): set the model's config.attention_dropout = 0.0, or use "
                          f"attn_implementation='sdpa'")
-    if softcap is not None:
+    if softcap is not None and not scores:
         raise ValueError(f"attn_implementation={impl!r} has no attention logit soft-capping (softcap={softcap}): "
                          f"set the model config's soft-capping (e.g. config.attn_logit_softcapping) to None, or use "
-                         f"attn_implementation='eager'")
+                         f"attn_implementation='eager' or 'longattn'")
     if kwargs.get("output_attentions"):
         raise ValueError(f"attn_implementation={impl!r} does not return attention weights: call the model with "
                          f"output_attentions=False, or use attn_implementation='eager'")
-    for name, what in (("s_aux", "attention sinks"), ("position_bias", "an additive position bias"),
-                       ("cache", "a paged cache (continuous batching)")):
+    refused = (("position_bias", "an additive position bias"), ("cache", "a paged cache (continuous batching)"))
+    for name, what in refused + (() if scores else (("s_aux", "attention sinks"),)):
         if kwargs.get(name) is not None:
+            alt = "'longattn', " if name == "s_aux" else ""
             raise ValueError(f"attn_implementation={impl!r} cannot run {what} ({name}=...): use "
-                             f"attn_implementation='sdpa' or 'eager' for this model")
+                             f"attn_implementation={alt}'sdpa' or 'eager' for this model")
     hq, hk, d, dv = query.shape[1], key.shape[1], query.shape[-1], value.shape[-1]
     if hk == 0 or hq % hk:
         raise ValueError(f"attn_implementation={impl!r}: num_attention_heads ({hq}) must be a multiple of "

@@ -24,6 +24,10 @@ class Pattern:
     window: Optional[int] = None  # causal sliding window: kv > q - window
     bidirectional_window: Optional[int] = None  # |q - kv| <= window
     packed: Optional[torch.Tensor] = None  # (batch, seq) document index of each token
+    # Chunked attention (Llama 4's attention_chunk_size): (chunk_size, left
+    # padding per row); a key is seen only in the query's chunk.
+    chunk: Optional[tuple[int, torch.Tensor]] = None
+    positions: Optional[torch.Tensor] = None  # (batch, seq) position ids the parts read, when packed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,11 @@ def unsupported(impl: str, what: str) -> ValueError:
         f"attn_implementation={impl!r}: this model's attention mask contains {what}, which longattn cannot "
         f"express (it runs causal or bidirectional attention, sliding windows, padding and packed documents); "
         f"use attn_implementation='sdpa' or 'flex_attention' for this model")
+
+
+def chunk_error(impl: str) -> ValueError:
+    return ValueError(f"attn_implementation={impl!r} does not run chunked attention (the model's "
+                      f"attention_chunk_size, Llama 4); use attn_implementation='longattn' (one device) or 'sdpa'")
 
 
 def mask_error(impl: str, mask) -> ValueError:
@@ -92,12 +101,16 @@ def read_pattern(fn, impl: str) -> Pattern:
             found["bidirectional_window"] = int(cells["sliding_window"])
         elif name == "packed_sequence_mask_function.<locals>.inner_mask":
             found["packed"] = cells["packed_sequence_mask"]
+        elif name == "chunked_overlay.<locals>.inner_mask":
+            found["chunk"] = (int(cells["chunk_size"]), cells["left_padding"])
         elif name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
             # Inside a document positions rise by 1, so the wrapped causal/window
-            # function on positions equals itself on indices.
+            # function on positions equals itself on indices; chunks are cut on
+            # the positions.
+            found["positions"] = cells["position_ids"]
             visit(cells["mask_function"])
         else:
-            raise unsupported(impl, f"the part {name!r} (e.g. chunked attention or image-token blocks)")
+            raise unsupported(impl, f"the part {name!r} (e.g. image-token blocks)")
 
     visit(fn if fn is not None else mu.causal_mask_function)
     return Pattern(**found)
@@ -141,8 +154,11 @@ def local_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                **kwargs) -> Optional[Documents]:
     """transformers' mask hook for "longattn" / "longattn_dilated": None when
     every key is a real token of one sequence (dense attention); otherwise the
-    :class:`Documents` of the padding mask or of the packed sequences."""
+    :class:`Documents` of the padding mask or of the packed sequences, cut at
+    the chunk edges under chunked attention."""
     pattern = read_pattern(mask_function, impl)
+    if pattern.chunk is not None and impl != "longattn":
+        raise chunk_error(impl)
     _check_offsets(impl, q_length, kv_length, q_offset, kv_offset)
     if pattern.packed is not None:
         ids, packed = (pattern.packed.expand(batch_size, -1) + 1).to(torch.int32).contiguous(), True
@@ -150,12 +166,34 @@ def local_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         pad = attention_mask[:, kv_offset:kv_offset + kv_length].bool()
         if pad.shape[-1] < kv_length:  # as transformers: keys past the 2-D mask are not keys
             pad = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[-1]))
-        if bool(pad.all()):
-            return None
         ids, packed = pad.to(torch.int32), False
+    elif pattern.chunk is not None:  # one document per row, cut into chunks below
+        ids, packed = torch.ones(batch_size, kv_length, dtype=torch.int32, device=pattern.chunk[1].device), False
     else:
         return None
+    if pattern.chunk is not None:
+        ids = _chunked(ids, pattern, kv_offset)
+    if not packed and bool((ids != 0).all()) and bool((ids == ids[:, :1]).all()):
+        return None  # every key real, one document (one chunk) per row: dense
     return make_documents(ids, q_length, packed, pattern)
+
+
+def _chunked(ids: torch.Tensor, pattern: Pattern, kv_offset: int) -> torch.Tensor:
+    """Document ids cut at chunk edges: chunked attention is causal attention
+    within documents of ``chunk_size`` tokens. The chunk of a token is as
+    transformers' ``chunked_overlay`` computes it: (index - left padding) //
+    chunk_size, on position ids where packed sequences remapped them."""
+    size, left = pattern.chunk
+    b, kv = ids.shape
+    if pattern.positions is not None:
+        pos = pattern.positions.expand(b, -1).to(ids.device).long()
+    else:
+        idx = torch.arange(kv, device=ids.device) + int(kv_offset)
+        pos = idx[None, :] - left.to(ids.device).long().view(-1, 1)
+    chunk = torch.div(pos, size, rounding_mode="floor").clamp_min(0)  # < 0 only on left padding
+    span = int(chunk.max()) + 1
+    # Real tokens: (document, chunk) as one id, increasing along each row as both are.
+    return torch.where(ids > 0, ids.long() * span + chunk, 0)
 
 
 def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -164,7 +202,8 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     documents (CPContext); local position ids jump between zigzag chunks and are
     not documents. A padding mask that reaches the model is returned so that
     the attention call reports it on every rank."""
-    read_pattern(mask_function, "longattn_ring")
+    if read_pattern(mask_function, "longattn_ring").chunk is not None:
+        raise chunk_error("longattn_ring")
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         return attention_mask
     return None

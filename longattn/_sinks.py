@@ -1,0 +1,31 @@
+"""Attention sinks: a learned logit per head in the softmax denominator
+(GPT-OSS's ``s_aux``), added once to an attention result.
+
+A sink ``s_h`` is one more score in every row of head ``h`` whose value
+vector is zero: ``out' = sum_j exp(S_j - L') v_j`` with
+``L' = logaddexp(L, s_h)``. Given the result ``(out, L)`` over the keys,
+that is ``out' = out * exp(L - L')``, so the sink merges once, after every
+block (or ring step) has been merged by lse; the kernels never see it. Rows
+that see no key (``L = -inf``) give ``out' = 0`` and ``L' = s_h``.
+
+Gradients come from autograd through these few elementwise ops (they are
+not kernels): with ``w = exp(L - L')``, ``dout = w dout'``,
+``dL = w dL' + (1 - w) rowsum(dout' * out')`` and
+``ds_h = sum over rows of (1 - w) (dL' - rowsum(dout' * out'))``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varlen: bool = False):
+    """``(out', lse')`` of ``(out, lse)`` with one sink logit per head.
+
+    out ``(B, S, H, D)`` with lse ``(B, H, S)``, or with ``varlen`` out
+    ``(T, H, D)`` with lse ``(H, T)``; sinks ``(H,)`` finite. lse' is float32."""
+    s = sinks.to(torch.promote_types(sinks.dtype, torch.float32))
+    s = s[:, None] if varlen else s[None, :, None]
+    new = torch.logaddexp(lse, s)
+    w = torch.exp(lse - new)  # (B, H, S) / (H, T); 0 where no key was seen
+    w = w.transpose(0, 1) if varlen else w.transpose(1, 2)
+    return out * w[..., None].to(out.dtype), new.float()
