@@ -93,7 +93,8 @@ def _check_torch_cp_plumbing(rank, world):
                                       backward=True, batched=False, label="t")
         assert info["enable_gqa"] and info["kv_heads"] == 2 and info["load_balance"] == causal
         assert info["rotate_method"] == "alltoall" and set(info["rotate_probe_ms"]) == {"allgather", "alltoall"}
-        assert isinstance(info["sdpa_backend"], str)
+        assert isinstance(info["sdpa_backend"], str) and set(info["sdpa_probe_ms"]) == {"cudnn", "flash"}
+        assert info["flash_impl"].startswith("FA2")  # no flash-attn-4 here: SDPA's flash stays FA2
         assert seen[-1][0] == "ALL_TO_ALL" and {lb for _, lb in seen} == {causal}
         assert measured[0] == 1.0
         assert (_cp_options.enable_load_balance, _cp_options.rotate_method) == before

@@ -62,7 +62,7 @@ def test_capability_table():
     assert b.arch_max_headdim == {9: 256, 10: 128}
 
 
-@pytest.mark.parametrize("d", [8, 64, 72, 128, 200, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_accepts_hopper_calls(d):
     b = _Fake()
     q, k = _t(2, 64, 8, d), _t(2, 64, 2, d)
@@ -79,6 +79,8 @@ def test_accepts_hopper_calls(d):
     ("d4", _t(1, 8, 2, 4), (9, 0), SPEC, None, "head dim 4 < 8"),
     ("d264", _t(1, 8, 2, 264), (9, 0), SPEC, None, "head dim 264 > 256"),
     ("sm100_d192", _t(1, 8, 2, 192), (10, 0), SPEC, None, "head dim 192 > 128 on sm_100"),
+    ("sm90_d8", _t(1, 8, 2, 8), (9, 0), SPEC, None, "head dim 8 on sm_90: verified only"),
+    ("sm90_d72", _t(1, 8, 2, 72), (9, 0), SPEC, None, "head dim 72 on sm_90: verified only"),
     ("sm80", _t(1, 8, 2, 64), (8, 0), SPEC, None, "compute capability (8, 0) < (9, 0)"),
     ("sm120", _t(1, 8, 2, 64), (12, 0), SPEC, None, "sm_90 and sm_100 only"),
     # causal with the query rows aligned to the first keys (a ring step's diagonal block with sq != sk)
@@ -369,6 +371,10 @@ def test_dense_against_reference(fa4, causal, window, sq, sk, h, hkv):
 @pytest.mark.parametrize("d", [8, 40, 64, 96, 192, 256])
 def test_head_dims(fa4, d):
     q, k, v, do, _ = _inputs(1, 256, 256, 4, 2, d)
+    if torch.cuda.get_device_capability()[0] == 9 and d not in fa4.sm90_headdims:
+        # wrong gradients at these head dims on sm_90: refused, auto takes the next backend
+        assert bk.explain(q, k, bk.BlockSpec(d ** -0.5))["fa4"] and longattn.attention(q, k, v).shape == q.shape
+        return
     _within_bar(lambda q, k, v: longattn.attention(q, k, v, backend="fa4", return_lse=True),
                 lambda q, k, v: longattn.attention(q, k, v, backend="flash", return_lse=True),
                 lambda q, k, v: attention_ref(q, k, v), [q, k, v], do, None, f"d={d}")

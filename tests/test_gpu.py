@@ -171,14 +171,16 @@ def test_varlen_bf16(backend):
     assert all(x < 1e-2 for x in got), got
 
 
-def test_auto_picks_cudnn_on_hopper():
+def test_auto_picks_fa4_then_cudnn_on_hopper():
     from longattn import backends as bk
 
     q = torch.randn(1, 256, 4, 128, device=DEV, dtype=torch.bfloat16)
+    fa4 = not bk.BACKENDS["fa4"].refusals(bk.BlockSpec(1.0), q, q)  # flash-attn-4 installed
     if torch.cuda.get_device_capability() >= (9, 0):
-        assert bk.select_backend(q, q, bk.BlockSpec(1.0)).name == "cudnn"
-    # a sliding window is refused by cuDNN (with the reason) and goes to flash
-    assert bk.select_backend(q, q, bk.BlockSpec(1.0, True, (64, 0))).name == "flash"
+        assert bk.select_backend(q, q, bk.BlockSpec(1.0)).name == ("fa4" if fa4 else "cudnn")
+        assert bk.select_backend(q, q, bk.BlockSpec(1.0), exclude=("fa4",)).name == "cudnn"
+    # a sliding window is refused by cuDNN (with the reason): FA4 takes it, else flash
+    assert bk.select_backend(q, q, bk.BlockSpec(1.0, True, (64, 0))).name == ("fa4" if fa4 else "flash")
 
 
 def test_peak_memory_reports_known_allocation():

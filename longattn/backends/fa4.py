@@ -31,6 +31,12 @@ class FA4Backend(Backend):
     # both take (flash_attn.cute.interface._validate_head_dims; sm_100's 256 is a
     # separate kernel without an lse gradient, and 192 needs v's head dim 128)
     arch_max_headdim = {9: 256, 10: 128}
+    # sm_90 head dims whose forward and backward were checked against float64
+    # (tests/test_fa4.py::test_head_dims on one H200, flash-attn-4 4.0.0b36):
+    # 64, 96, 128, 192 and 256 within 2x of SDPA's bf16 error; 8 and 40 give
+    # dQ/dK/dV relative errors near 1 (their forward is right). Others are not
+    # verified, so they stay on the next backend.
+    sm90_headdims = (64, 96, 128, 192, 256)
 
     def __init__(self, api=_fa4_api):
         self._api = api
@@ -53,7 +59,11 @@ class FA4Backend(Backend):
         if top is None:  # below min_capability the base class says so
             return [] if cap < self.min_capability else [f"compute capability {cap}: FA4 runs here on sm_90 and "
                                                          "sm_100 only"]
-        return [f"head dim {d} > {top} on sm_{cap[0]}0"] if d > top else []
+        if d > top:
+            return [f"head dim {d} > {top} on sm_{cap[0]}0"]
+        if cap[0] == 9 and d not in self.sm90_headdims:
+            return [f"head dim {d} on sm_90: verified only {self.sm90_headdims} (8 and 40 give wrong gradients)"]
+        return []
 
     def _install_refusals(self, q) -> list[str]:
         # Only a CUDA call imports FA4 (CuTe DSL's import is slow, and pointless elsewhere).

@@ -149,7 +149,7 @@ def _dilated(backend: str):
     def reason(cfg: Config, dev):
         if backend == "triton" and not longattn.kernels_available(dev.type):
             return _NO_TRITON
-        return None
+        return _backend_reason(backend, dev)
     return build, reason
 
 
@@ -175,10 +175,20 @@ def _dense_ours(backend: str):
     def reason(cfg: Config, dev):
         if backend == "triton" and not longattn.kernels_available(dev.type):
             return _NO_TRITON
-        if backend == "cudnn" and dev.type != "cuda":
-            return "cuDNN needs CUDA"
-        return None
+        return _backend_reason(backend, dev)
     return build, reason
+
+
+def _backend_reason(backend: str, dev) -> Optional[str]:
+    """Why a forced local backend cannot run on ``dev`` at all (shape refusals are the run's)."""
+    import importlib.util
+
+    if backend in ("cudnn", "fa4") and dev.type != "cuda":
+        return f"{backend} needs CUDA"
+    if backend == "fa4" and (importlib.util.find_spec("flash_attn") is None
+                             or importlib.util.find_spec("flash_attn.cute") is None):
+        return "flash-attn-4 is not installed (pip install 'longattn[fa4]')"
+    return None
 
 
 def _varlen(backend: str):
@@ -198,7 +208,7 @@ def _varlen(backend: str):
             return "the Triton varlen kernel is timed on CUDA only (the CPU interpreter is for tests)"
         if backend == "flash" and dev.type != "cuda":
             return "flash varlen needs CUDA"
-        return None
+        return _backend_reason(backend, dev)
     return build, reason
 
 
@@ -231,8 +241,8 @@ def varlen_cu_seqlens(cfg: Config, dev) -> torch.Tensor:
 
 
 _b = {n: _sdpa(n) for n in ("cudnn", "flash", "efficient", "math")}
-_d = {n: _dense_ours(n) for n in ("auto", "triton", "cudnn")}
-_g = {n: _dilated(n) for n in ("auto", "triton")}
+_d = {n: _dense_ours(n) for n in ("auto", "triton", "cudnn", "fa4")}
+_g = {n: _dilated(n) for n in ("auto", "triton", "cudnn")}
 
 
 def _gather_build(cfg, dev):
@@ -256,6 +266,8 @@ _HEADSPLIT = "head-split dilated attention (each head in one branch; LongNet put
 IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("longattn", ("dense", "window"), _d["auto"][0], _d["auto"][1], "longattn.attention, backend auto"),
     Impl("longattn-triton", ("dense", "window"), _d["triton"][0], _d["triton"][1], "our Triton kernel"),
+    Impl("longattn-fa4", ("dense", "window"), *_d["fa4"], note="longattn.attention, FlashAttention-4 (CuTe DSL)"),
+    Impl("longattn-cudnn", ("dense",), *_d["cudnn"], note="longattn.attention, cuDNN (auto without flash-attn-4)"),
     Impl("sdpa-cudnn", ("dense",), *_b["cudnn"], note="torch SDPA, cuDNN backend"),
     Impl("sdpa-flash", ("dense",), *_b["flash"], note="torch SDPA, flash backend (FA2)"),
     Impl("sdpa-efficient", ("dense",), *_b["efficient"], note="torch SDPA, mem-efficient backend"),
@@ -264,6 +276,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("longattn-dilated", ("dilated",), *_g["auto"],
          note="longattn.dilated_attention, auto (MHA on Hopper: cuDNN on strided views; else fused Triton)"),
     Impl("longattn-dilated-triton", ("dilated",), *_g["triton"], note="fused Triton dilated kernels"),
+    Impl("longattn-dilated-cudnn", ("dilated",), *_g["cudnn"],
+         note="longattn.dilated_attention on cuDNN (strided views; auto's blocks without flash-attn-4)"),
     Impl("longattn-dilated-graphed", ("dilated",), _dilated_graphed_build,
          lambda c, d: None if d.type == "cuda" else "CUDA graphs need CUDA",
          "longattn-dilated in CUDA graphs (torch.cuda.make_graphed_callables; input copies timed, graph memory "
@@ -291,6 +305,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("longattn-varlen", ("varlen",), *_varlen("auto"), note="longattn.attention_varlen, backend auto"),
     Impl("longattn-varlen-triton", ("varlen",), *_varlen("triton"), note="attention_varlen, our Triton varlen kernel"),
     Impl("longattn-varlen-flash", ("varlen",), *_varlen("flash"), note="attention_varlen, PyTorch's flash varlen"),
+    Impl("longattn-varlen-fa4", ("varlen",), *_varlen("fa4"), note="attention_varlen, FlashAttention-4 varlen (one launch)"),
+    Impl("longattn-varlen-cudnn", ("varlen",), *_varlen("cudnn"), note="attention_varlen, one cuDNN call per document"),
     Impl("sdpa-per-doc", ("varlen",), _sdpa_per_doc_build, lambda c, d: None, "SDPA called once per document"),
 )}
 

@@ -246,6 +246,13 @@ def environment(device: torch.device, command: Optional[str] = None) -> dict:
         env["triton"] = triton.__version__
     except Exception:
         env["triton"] = None
+    # FlashAttention-4 changes what auto runs on Hopper: a result says whether it was there
+    from importlib import metadata
+
+    try:
+        env["flash_attn_4"] = metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        env["flash_attn_4"] = None
     return env
 
 

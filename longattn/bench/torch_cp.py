@@ -4,9 +4,11 @@
 around SDPA with ``enable_gqa`` (K/V keep their own head count; the ring
 rotates the smaller K/V), torch's head-tail load balancer for causal calls
 (it refuses non-causal ones), the rotate method ("allgather" or "alltoall")
-that measures faster in the run (both timed briefly first), SDPA's backends in
-the order cuDNN, flash, efficient (the one SDPA picks is recorded). The row
-records all of it (``torch_cp`` field). ``torch-cp-flex``: its FlexAttention
+that measures faster in the run (both timed briefly first), and the SDPA
+kernel that measures faster: cuDNN, or the flash backend, switched to
+FlashAttention-4 where torch can (``activate_flash_attention_impl("FA4")``,
+flash-attn-4 installed) as a user with FA4 would; the one SDPA runs is
+recorded. The row records all of it (``torch_cp`` field). ``torch-cp-flex``: its FlexAttention
 path (K/V all-gathered, head-tail balanced).
 """
 from __future__ import annotations
@@ -43,12 +45,36 @@ def cp_sdpa_inputs(q, k, v):
     return (qb, kb, vb), kb.shape[1] != qb.shape[1]
 
 
-def sdpa_backends():
-    """SDPA's backends in the order torch's CP is tried with: cuDNN (fastest on
-    Hopper, anchors), flash, efficient; all three are the kernels CP shards."""
+def sdpa_backends(first: str = "cudnn"):
+    """SDPA's backends in the order torch's CP is tried with: ``first``
+    ("cudnn" or "flash"), then the others of the three kernels CP shards."""
     from torch.nn.attention import SDPBackend
 
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return order if first == "cudnn" else [order[1], order[0], order[2]]
+
+
+def fa4_flash() -> Optional[str]:
+    """Switch SDPA's flash backend to FlashAttention-4 where torch and the
+    installed packages allow it; returns None when switched, else why not."""
+    import importlib.util
+
+    act = getattr(torch.nn.attention, "activate_flash_attention_impl", None)
+    if act is None:
+        return f"torch {torch.__version__} cannot switch SDPA's flash backend"
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return "flash-attn-4 is not installed"
+    try:
+        act("FA4")
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on with cuDNN and FA2
+        return f"activate_flash_attention_impl('FA4') failed: {type(e).__name__}: {e}"
+    return None
+
+
+def fa4_flash_off() -> None:
+    restore = getattr(torch.nn.attention, "restore_flash_attention_impl", None)
+    if restore is not None:
+        restore()
 
 
 def sdpa_choice(q, k, v, causal: bool, gqa: bool) -> str:
@@ -91,30 +117,44 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
     old_balance, old_rotate = _cp_options.enable_load_balance, _cp_options.rotate_method
     _cp_options.enable_load_balance = info["load_balance"]  # read by context_parallel on entry
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    try:
-        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
-                sdpa_kernel(sdpa_backends(), set_priority=True):
-            info["sdpa_backend"] = sdpa_choice(qb, kb, vb, cfg.causal, gqa)
-            fwd = lambda: sdpa(qb, kb, vb, is_causal=cfg.causal, enable_gqa=gqa)
-            step = None
-            if backward:
-                qg, kg, vg = (x.detach().requires_grad_() for x in (qb, kb, vb))
-                dout = torch.randn_like(qb)
+    fwd = lambda: sdpa(qb, kb, vb, is_causal=cfg.causal, enable_gqa=gqa)
+    step = None
+    if backward:
+        qg, kg, vg = (x.detach().requires_grad_() for x in (qb, kb, vb))
+        dout = torch.randn_like(qb)
 
-                def step():
-                    sdpa(qg, kg, vg, is_causal=cfg.causal, enable_gqa=gqa).backward(dout)
-                    qg.grad = kg.grad = vg.grad = None
-            probe = {}
-            for method in ROTATE_METHODS:
-                set_rotate_method(method)
-                t = time_pair(fwd, step, dev, 1, probe_iters, batched, f"{label} rotate {method}")
-                probe[method] = allmax(t[1] if step is not None else t[0])
-            info["rotate_probe_ms"] = probe
-            info["rotate_method"] = min(ROTATE_METHODS, key=lambda m: probe[m])
-            set_rotate_method(info["rotate_method"])
+        def step():
+            sdpa(qg, kg, vg, is_causal=cfg.causal, enable_gqa=gqa).backward(dout)
+            qg.grad = kg.grad = vg.grad = None
+
+    def probe_ms(first: str, method: str, what: str) -> float:
+        set_rotate_method(method)
+        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
+                sdpa_kernel(sdpa_backends(first), set_priority=True):
+            t = time_pair(fwd, step, dev, 1, probe_iters, batched, f"{label} {what}")
+        return allmax(t[1] if step is not None else t[0])
+
+    why_no_fa4 = fa4_flash()
+    info["flash_impl"] = "FA4" if why_no_fa4 is None else f"FA2 ({why_no_fa4})"
+    try:
+        kernels = {first: probe_ms(first, ROTATE_METHODS[0], f"sdpa {first}") for first in ("cudnn", "flash")}
+        info["sdpa_probe_ms"] = kernels
+        first = min(kernels, key=kernels.get)
+        probe = {ROTATE_METHODS[0]: kernels[first]}
+        probe.update({m: probe_ms(first, m, f"rotate {m}") for m in ROTATE_METHODS[1:]})
+        info["rotate_probe_ms"] = probe
+        info["rotate_method"] = min(ROTATE_METHODS, key=lambda m: probe[m])
+        set_rotate_method(info["rotate_method"])
+        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
+                sdpa_kernel(sdpa_backends(first), set_priority=True):
+            info["sdpa_backend"] = sdpa_choice(qb, kb, vb, cfg.causal, gqa)
+            if info["sdpa_backend"] == "flash_attention" and why_no_fa4 is None:
+                info["sdpa_backend"] = "flash_attention (FA4)"
             return time_pair(fwd, step, dev, warmup, iters, batched, label), info
     finally:
         _cp_options.enable_load_balance, _cp_options.rotate_method = old_balance, old_rotate
+        if why_no_fa4 is None:
+            fa4_flash_off()
 
 
 FLEX_DIST_IMPLS = ("flex-ring", "flex-ring-contiguous", "torch-cp-flex")
