@@ -102,6 +102,8 @@ for _c in (
     Config("mqa", 2, 16384, 32, 128, kv_heads=1, causal=True),
     Config("dense_32k", 1, 32768, 16, 128, note="anchor shape"),
     Config("dense_32k_causal", 1, 32768, 16, 128, causal=True),
+    Config("dense_32k_d64", 1, 32768, 16, 64, note="head dim 64"),
+    Config("dense_32k_d64_causal", 1, 32768, 16, 64, causal=True, note="head dim 64"),
     Config("dense_128k", 1, 131072, 16, 128),
     Config("dense_128k_causal", 1, 131072, 16, 128, causal=True),
     Config("gqa_32q8kv_32k", 1, 32768, 32, 128, kv_heads=8, note="context-parallel GQA shape"),

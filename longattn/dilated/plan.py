@@ -118,10 +118,11 @@ def _engine(pass_: str, q, k, segs, rates, causal: bool, backend: str, views_ok:
         return "fused"
     if backend != "auto" or q.device.type != "cuda":
         return local
-    cudnn_views = views_ok and not bk.BACKENDS["cudnn"].refusals(bk.BlockSpec(1.0), q, k)
+    # The views pay where a flash-class kernel (FA4, else cuDNN) takes their blocks: the thresholds were measured so.
+    fast_views = views_ok and any(not bk.BACKENDS[n].refusals(bk.BlockSpec(1.0), q, k) for n in ("fa4", "cudnn"))
     grouped_bwd = (pass_ == "bwd" and not causal and tuning.grouped_backward_noncausal
                    and grouped_runs(q.shape[1], segs, rates, tuning))
-    if q.shape[0] * q.shape[1] >= tuning.views_min_tokens and cudnn_views and not grouped_bwd:
+    if q.shape[0] * q.shape[1] >= tuning.views_min_tokens and fast_views and not grouped_bwd:
         return "views"
     return local if fused_refusals(q) else "fused"
 
