@@ -117,40 +117,41 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
     old_balance, old_rotate = _cp_options.enable_load_balance, _cp_options.rotate_method
     _cp_options.enable_load_balance = info["load_balance"]  # read by context_parallel on entry
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    fwd = lambda: sdpa(qb, kb, vb, is_causal=cfg.causal, enable_gqa=gqa)
-    step = None
-    if backward:
-        qg, kg, vg = (x.detach().requires_grad_() for x in (qb, kb, vb))
-        dout = torch.randn_like(qb)
-
-        def step():
-            sdpa(qg, kg, vg, is_causal=cfg.causal, enable_gqa=gqa).backward(dout)
-            qg.grad = kg.grad = vg.grad = None
-
-    def probe_ms(first: str, method: str, what: str) -> float:
-        set_rotate_method(method)
-        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
-                sdpa_kernel(sdpa_backends(first), set_priority=True):
-            t = time_pair(fwd, step, dev, 1, probe_iters, batched, f"{label} {what}")
-        return allmax(t[1] if step is not None else t[0])
-
     why_no_fa4 = fa4_flash()
     info["flash_impl"] = "FA4" if why_no_fa4 is None else f"FA2 ({why_no_fa4})"
     try:
-        kernels = {first: probe_ms(first, ROTATE_METHODS[0], f"sdpa {first}") for first in ("cudnn", "flash")}
-        info["sdpa_probe_ms"] = kernels
-        first = min(kernels, key=kernels.get)
-        probe = {ROTATE_METHODS[0]: kernels[first]}
-        probe.update({m: probe_ms(first, m, f"rotate {m}") for m in ROTATE_METHODS[1:]})
-        info["rotate_probe_ms"] = probe
-        info["rotate_method"] = min(ROTATE_METHODS, key=lambda m: probe[m])
-        set_rotate_method(info["rotate_method"])
-        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]), \
-                sdpa_kernel(sdpa_backends(first), set_priority=True):
-            info["sdpa_backend"] = sdpa_choice(qb, kb, vb, cfg.causal, gqa)
-            if info["sdpa_backend"] == "flash_attention" and why_no_fa4 is None:
-                info["sdpa_backend"] = "flash_attention (FA4)"
-            return time_pair(fwd, step, dev, warmup, iters, batched, label), info
+        # One context for every probe and the timed calls: it shards the buffers in place on entry, so the
+        # tensors the calls read (the grad-requiring copies too) must be made inside it.
+        with context_parallel(mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2]):
+            fwd = lambda: sdpa(qb, kb, vb, is_causal=cfg.causal, enable_gqa=gqa)
+            step = None
+            if backward:
+                qg, kg, vg = (x.detach().requires_grad_() for x in (qb, kb, vb))
+                dout = torch.randn_like(qb)
+
+                def step():
+                    sdpa(qg, kg, vg, is_causal=cfg.causal, enable_gqa=gqa).backward(dout)
+                    qg.grad = kg.grad = vg.grad = None
+
+            def probe_ms(first: str, method: str, what: str) -> float:
+                set_rotate_method(method)
+                with sdpa_kernel(sdpa_backends(first), set_priority=True):
+                    t = time_pair(fwd, step, dev, 1, probe_iters, batched, f"{label} {what}")
+                return allmax(t[1] if step is not None else t[0])
+
+            kernels = {first: probe_ms(first, ROTATE_METHODS[0], f"sdpa {first}") for first in ("cudnn", "flash")}
+            info["sdpa_probe_ms"] = kernels
+            first = min(kernels, key=kernels.get)
+            probe = {ROTATE_METHODS[0]: kernels[first]}
+            probe.update({m: probe_ms(first, m, f"rotate {m}") for m in ROTATE_METHODS[1:]})
+            info["rotate_probe_ms"] = probe
+            info["rotate_method"] = min(ROTATE_METHODS, key=lambda m: probe[m])
+            set_rotate_method(info["rotate_method"])
+            with sdpa_kernel(sdpa_backends(first), set_priority=True):
+                info["sdpa_backend"] = sdpa_choice(qb, kb, vb, cfg.causal, gqa)
+                if info["sdpa_backend"] == "flash_attention" and why_no_fa4 is None:
+                    info["sdpa_backend"] = "flash_attention (FA4)"
+                return time_pair(fwd, step, dev, warmup, iters, batched, label), info
     finally:
         _cp_options.enable_load_balance, _cp_options.rotate_method = old_balance, old_rotate
         if why_no_fa4 is None:
