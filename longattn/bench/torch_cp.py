@@ -116,7 +116,9 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
     info = dict(enable_gqa=gqa, kv_heads=kb.shape[1], load_balance=load_balanced(cfg, seqlen, world))
     old_balance, old_rotate = _cp_options.enable_load_balance, _cp_options.rotate_method
     _cp_options.enable_load_balance = info["load_balance"]  # read by context_parallel on entry
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # Looked up at each call: context_parallel swaps the function in torch.nn.functional while it is active, so a
+    # reference taken before the context would call plain SDPA on the local shard.
+    sdpa = lambda *a, **kw: torch.nn.functional.scaled_dot_product_attention(*a, **kw)
     why_no_fa4 = fa4_flash()
     info["flash_impl"] = "FA4" if why_no_fa4 is None else f"FA2 ({why_no_fa4})"
     try:
