@@ -100,7 +100,7 @@ def _check_transport_choice(rank, world):
 
 @pytest.mark.dist
 def test_ring_transport_choice():
-    run_world(_check_transport_choice, 2)
+    run_world(_check_transport_choice, 2, backend="gloo")  # what gloo refuses and picks
 
 
 def _check_compiled(rank, world):
@@ -318,7 +318,7 @@ def _check_backward_follows_forward(rank, world):
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_backward_runs_the_forwards_backend(world):
-    run_world(_check_backward_follows_forward, world)
+    run_world(_check_backward_follows_forward, world, backend="gloo")  # counts CPU float32's backends
 
 
 def _check_plan_refused_on_one_rank(rank, world):
@@ -337,7 +337,7 @@ def _check_plan_refused_on_one_rank(rank, world):
 
 @pytest.mark.dist
 def test_plan_refused_on_one_rank_raises_on_every_rank():
-    run_world(_check_plan_refused_on_one_rank, 2)
+    run_world(_check_plan_refused_on_one_rank, 2, backend="gloo")  # patches the CPU flash backend
 
 
 def test_ring_plan_key_round_trip():
