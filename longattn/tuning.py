@@ -257,7 +257,7 @@ class UlyssesTuning:
            "(varlen_chat_16k at 128K, 4 groups) ran in 21.3 ms against 29.9 with fewer copies as well, the "
            "pipelining's share not measured. Memory: two groups in flight at most cost about one group's "
            "exchange buffers, and the local backward kernel's own workspace shrinks with the group (inferred "
-           "from the peaks of df7b171 and d71baeb against benchmarks/ulysses_memory.py's accounting: ~2 "
+           "from the peaks of df7b171 and d71baeb against longattn.bench.ulysses_memory's accounting: ~2 "
            "shards at 128K MHA, ~8 at GQA 32q/8kv, one shard = a rank's local q at 16 heads): predicted "
            "fwd+bwd peaks 11.0 shards for dense 128K MHA at 1 or 2 groups, 20.1 / 16.6 / 15.8 for GQA at "
            "1 / 2 / 4 (not measured)",
