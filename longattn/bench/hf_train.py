@@ -49,7 +49,6 @@ import argparse
 import contextlib
 import datetime
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -120,8 +119,15 @@ def _setup_dist(args):
 
 def unavailable(attn: str) -> Optional[str]:
     """Why transformers cannot run ``attn`` here (None: it can)."""
-    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        return "not installed here: transformers' flash_attention_2 needs the flash_attn package"
+    if attn == "flash_attention_2":
+        # flash-attn-4 installs a `flash_attn` namespace too (flash_attn.cute), so ask for the flash-attn 2
+        # distribution, as transformers does before it dispatches
+        from importlib import metadata
+
+        try:
+            metadata.version("flash-attn")
+        except metadata.PackageNotFoundError:
+            return "not installed here: transformers' flash_attention_2 needs the flash-attn (2) package"
     return None
 
 
