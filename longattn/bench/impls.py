@@ -146,11 +146,7 @@ def _dilated(backend: str):
                                               dilation_rates=cfg.dilation_rates, causal=cfg.causal, backend=backend)
         return fn
 
-    def reason(cfg: Config, dev):
-        if backend == "triton" and not longattn.kernels_available(dev.type):
-            return _NO_TRITON
-        return _backend_reason(backend, dev)
-    return build, reason
+    return build, _ours_reason(backend)
 
 
 def _dilated_graphed_build(cfg: Config, dev):
@@ -172,11 +168,15 @@ def _dense_ours(backend: str):
             return longattn.attention(q, k, v, causal=cfg.causal, window_size=cfg.window, backend=backend)
         return fn
 
+    return build, _ours_reason(backend)
+
+
+def _ours_reason(backend: str):
     def reason(cfg: Config, dev):
         if backend == "triton" and not longattn.kernels_available(dev.type):
             return _NO_TRITON
         return _backend_reason(backend, dev)
-    return build, reason
+    return reason
 
 
 def _backend_reason(backend: str, dev) -> Optional[str]:
