@@ -39,6 +39,10 @@ from ..distributed.doc_shard import DocumentShard, plan_documents
 
 __all__ = ["packed_attention"]
 
+# torch >= 2.12 names the tensor collectives *_single (the older names warn there)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @functools.lru_cache(maxsize=64)
 def _split_layout(plan: DocumentShard):
@@ -80,6 +84,7 @@ def _key_range(p0: int, n: int, length: int, causal: bool, window: tuple) -> tup
     return lo, hi
 
 
+@functools.lru_cache(maxsize=256)
 def _pieces(plan, causal, window, scale):
     """(local rows a, b; key rows k0, k1 of the gathered documents; the block's spec) per local split piece."""
     s, index, calls = _split_layout(plan)
@@ -99,23 +104,26 @@ def _gather_kv(k, v, plan, s, group):
     send = k.new_zeros((2 * s, *k.shape[1:]))
     send[:n], send[s:s + n] = k[a:a + n], v[a:a + n]
     buf = k.new_empty((plan.world * 2 * s, *k.shape[1:]))
-    return buf, dist.all_gather_into_tensor(buf, send, group=group, async_op=True)
+    return buf, _all_gather(buf, send, group=group, async_op=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _on_device(plan: DocumentShard, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(gathered-buffer index, local cu_seqlens, longest whole document) on ``device``,
+    copied once per plan rather than at every pass."""
+    cu = plan.cu_seqlens_local
+    lens = cu[1:] - cu[:-1]
+    return _split_layout(plan)[1].to(device), cu.to(device), int(lens.max()) if lens.numel() else 0
 
 
 def _setup(cu_seqlens, imbalance, group_name, q, scale, causal, window):
+    """(group, plan, s, buffer index, pieces, (whole rows, their cu_seqlens, longest, spec)) of a pass."""
     g = checks.group_from_name(group_name)
     plan = plan_documents(tuple(int(x) for x in cu_seqlens.tolist()), dist.get_world_size(g), dist.get_rank(g),
                           imbalance)
-    s, index, pieces = _pieces(plan, causal, window, scale)
-    return g, plan, s, index.to(q.device), pieces
-
-
-def _whole(plan, q, scale, causal, window):
-    """(rows, local cu_seqlens on q's device, longest document, spec) of the documents held whole here."""
-    cu = plan.cu_seqlens_local
-    lens = cu[1:] - cu[:-1]
-    return plan.whole_tokens, cu.to(q.device), int(lens.max()) if lens.numel() else 0, \
-        bk.BlockSpec(scale, causal, window)
+    s, _, pieces = _pieces(plan, causal, window, scale)
+    index, cu, longest = _on_device(plan, q.device)
+    return g, plan, s, index, pieces, (plan.whole_tokens, cu, longest, bk.BlockSpec(scale, causal, window))
 
 
 @torch.library.custom_op("longattn::packed_cp_fwd", mutates_args=(), device_types=None)
@@ -123,12 +131,12 @@ def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
                 group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
-    g, plan, s, index, pieces = _setup(cu_seqlens, imbalance, group_name, q, scale, causal, window)
+    g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
+                                                                window)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-    w, cu, longest, spec = _whole(plan, q, scale, causal, window)
     if w:
         out[:w], lse[:, :w] = _varlen.forward(kernel, q[:w], k[:w], v[:w], cu, longest, spec, backend)
     if s:
@@ -147,11 +155,11 @@ def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
                 group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
-    g, plan, s, index, pieces = _setup(cu_seqlens, imbalance, group_name, q, scale, causal, window)
+    g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
+                                                                window)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    w, cu, longest, spec = _whole(plan, q, scale, causal, window)
     if w:
         dq[:w], dk[:w], dv[:w] = _varlen.backward(kernel, dout[:w], q[:w], k[:w], v[:w], out[:w],
                                                   lse[:, :w].contiguous(),
@@ -176,7 +184,7 @@ def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     grads.index_copy_(0, index, gk)
     grads.index_copy_(0, index + s, gv)
     mine = grads.new_empty((2 * s, *k.shape[1:]))
-    dist.reduce_scatter_single(mine, grads, group=g)
+    _reduce_scatter(mine, grads, group=g)
     a, n = plan.whole_tokens, plan.split_tokens[plan.rank]
     dk[a:a + n], dv[a:a + n] = mine[:n].to(dk.dtype), mine[s:s + n].to(dv.dtype)
     return dq, dk, dv
