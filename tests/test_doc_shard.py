@@ -175,3 +175,39 @@ def _shard_batch(rank, world):
 @pytest.mark.dist
 def test_shard_batch_documents():
     run_world(_shard_batch, 2)
+
+
+def _compiled(rank, world):
+    from dist_utils import assert_compiled_matches_eager
+
+    cu, q, k, v, _, _ = varlen_inputs([3, 40, 1, 17, 2], 4, 2, 8, seed=5)
+    plan = longattn.shard_documents(cu)
+    assert plan.split
+    f = lambda q_, k_, v_: longattn.packed_attention(q_, k_, v_, plan, causal=True, return_lse=True)
+    assert_compiled_matches_eager(f, [plan.shard(x) for x in (q, k, v)])
+
+
+@pytest.mark.dist
+def test_packed_attention_compiles():
+    run_world(_compiled, 2)
+
+
+@pytest.mark.dist
+def test_bench_dist_row(tmp_path):
+    """`bench dist --impl packed-balanced` on 2 gloo ranks: a varlen config runs, a dense one is unsupported."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "d.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "longattn.bench", "dist",
+           "--config", "varlen_tiny", "tiny", "--impl", "ring-zigzag", "packed-balanced", "--seqlen", "256",
+           "--heads", "4", "--batch", "1", "--iters", "1", "--warmup", "1", "--json", str(path)]
+    res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {(r["config"], r["impl"]): r for r in json.loads(path.read_text())["results"]}
+    assert rows["varlen_tiny", "packed-balanced"]["status"] == "ok"
+    assert rows["varlen_tiny", "packed-balanced"]["efficiency_fwd_bwd"] > 0
+    assert rows["tiny", "packed-balanced"]["status"] == "unsupported"
+    assert "varlen" in rows["tiny", "packed-balanced"]["reason"]
