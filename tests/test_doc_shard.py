@@ -211,3 +211,36 @@ def test_bench_dist_row(tmp_path):
     assert rows["varlen_tiny", "packed-balanced"]["efficiency_fwd_bwd"] > 0
     assert rows["tiny", "packed-balanced"]["status"] == "unsupported"
     assert "varlen" in rows["tiny", "packed-balanced"]["reason"]
+
+
+def _model_matches(rank, world):
+    """A Llama and a Mistral (sliding window) step on packed documents sharded with
+    layout="documents" against the unsharded float64 model: loss, logits, every gradient."""
+    import test_hf_dist as hf
+    from longattn import context_parallel as cp
+    from reference import rel_err
+
+    torch.manual_seed(1)
+    ids = torch.randint(1, 40, (1, 30))
+    cu = torch.tensor([0, 3, 20, 21, 27, 30], dtype=torch.int32)
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])[None]
+    for kind in ("llama", "mistral"):
+        model, ref = hf._models(kind)
+        want_loss, want_logits, want_grads = hf._reference(ref, dict(input_ids=ids, labels=ids, position_ids=pos))
+        batch = cp.shard_batch(ids, labels=ids, cu_seqlens=cu, layout="documents")
+        assert batch["longattn_cp"].documents.split  # the 17-token document is split, the others whole
+        out = model(**batch)
+        out.loss.backward()
+        cp.all_reduce_grads(model)
+        errs = {"loss": rel_err(cp.reduce_loss(out.loss), want_loss),
+                "logits": rel_err(batch["longattn_cp"].gather(out.logits.detach()), want_logits)}
+        errs.update({n: rel_err(p.grad, want_grads[n]) for n, p in model.named_parameters()})
+        bad = {n: e for n, e in errs.items() if not e < TOL}
+        assert not bad, f"rank {rank}/{world} {kind}: {bad}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_transformers_model_on_documents(world):
+    pytest.importorskip("transformers")
+    run_world(_model_matches, world)
