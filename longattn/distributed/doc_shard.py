@@ -129,7 +129,7 @@ class DocumentShard:
         """int32 boundaries of the documents held whole here, over the first
         ``whole_tokens`` local tokens (``attention_varlen`` of those rows needs no other rank)."""
         lens = [n for d, _, n in self.runs[self.rank] if d not in self.split]
-        return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        return torch.tensor([0] + lens, dtype=torch.int64, device="cpu").cumsum(0).to(torch.int32)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows ``(local_tokens, ...)`` of a packed ``(total_tokens, ...)``
@@ -152,10 +152,10 @@ class DocumentShard:
 
 
 def _index(cu: tuple, runs, length: int, global_pos: bool) -> torch.Tensor:
-    idx = torch.full((length,), -1, dtype=torch.long)
+    idx = torch.full((length,), -1, dtype=torch.long, device="cpu")  # plan tables live on the host
     at = 0
     for d, p0, n in runs:
-        idx[at:at + n] = torch.arange(n) + p0 + (cu[d] if global_pos else 0)
+        idx[at:at + n] = torch.arange(n, device="cpu") + p0 + (cu[d] if global_pos else 0)
         at += n
     return idx
 

@@ -66,13 +66,13 @@ def _split_layout(plan: DocumentShard):
     for d in plan.split:
         doc_start[d] = sum(len(x) for x in index)
         for piece in sorted((x for rr in plan.runs for x in rr if x[0] == d), key=lambda x: x[1]):
-            index.append(torch.arange(piece[2]) + where[piece])
+            index.append(torch.arange(piece[2], device="cpu") + where[piece])
     at = plan.whole_tokens
     for d, p0, n in plan.runs[plan.rank]:
         if d in plan.split:
             calls.append((at, at + n, d, p0, n, doc_start[d]))
             at += n
-    index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
+    index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long, device="cpu")
     return s, index, tuple(calls)
 
 
@@ -133,6 +133,8 @@ def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     window = (window_left, window_right)
     g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
                                                                 window)
+    if not s and w == q.shape[0]:  # every local row in a document held whole: one launch, nothing to copy
+        return _varlen.forward(kernel, q, k, v, cu, longest, spec, backend)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
     out = torch.zeros_like(q)
@@ -157,6 +159,8 @@ def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     window = (window_left, window_right)
     g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
                                                                 window)
+    if not s and w == q.shape[0]:
+        return _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, cu, longest, spec, backend)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -244,6 +248,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
                      dtype=str(q.dtype), causal=causal, window=window, scale=scale, backend=backend)
     elif problem is not None:
         raise problem
-    out, lse = _packed(q, k, v, torch.tensor(plan.cu, dtype=torch.int32), plan.imbalance, scale, causal, window[0],
-                       window[1], backend, kernel, checks.group_name(g))
+    cu = torch.tensor(plan.cu, dtype=torch.int32, device="cpu")
+    out, lse = _packed(q, k, v, cu, plan.imbalance, scale, causal, window[0], window[1], backend, kernel,
+                       checks.group_name(g))
     return (out, lse) if return_lse else out
