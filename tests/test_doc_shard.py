@@ -246,3 +246,29 @@ def _model_matches(rank, world):
 def test_transformers_model_on_documents(world):
     pytest.importorskip("transformers")
     run_world(_model_matches, world)
+
+
+def _gpu_bf16(rank, world):
+    """bf16 on GPUs through the one-launch varlen kernel and the dense backends' pieces."""
+    lens = [700, 90, 300, 1200, 5, 400]  # at world 2 the two longest documents are split, the others whole
+    for causal, window, hkv in ((True, (-1, -1), 2), (True, (128, 0), 2), (False, (-1, -1), 8)):
+        cu, q, k, v, do, dl = varlen_inputs(lens, 8, hkv, 128, seed=11)
+        qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+        ro, rl = varlen_ref(qr, kr, vr, cu, causal, window)
+        ((ro * do.double()).sum() + (rl * dl.double()).sum()).backward()
+        plan = longattn.shard_documents(cu)
+        ql, kl, vl = (plan.shard(x.bfloat16()).requires_grad_() for x in (q, k, v))
+        out, lse = longattn.packed_attention(ql, kl, vl, plan, causal=causal, window_size=window, return_lse=True)
+        lse_ok = torch.where(torch.isfinite(lse), lse, 0)
+        ((out.float() * plan.shard(do)).sum() + (lse_ok * plan.shard(dl.t()).t()).sum()).backward()
+        us = lambda x: plan.unshard(x.detach().float())
+        got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
+        assert_close(got, dict(out=ro, lse=rl, dq=qr.grad, dk=kr.grad, dv=vr.grad), 2e-2,
+                     f"gpu world={world} causal={causal} window={window} split={plan.split}")
+
+
+@pytest.mark.gpu
+def test_packed_attention_on_gpus():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    run_world(_gpu_bf16, 2, backend="nccl")
