@@ -46,15 +46,16 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @functools.lru_cache(maxsize=64)
 def _split_layout(plan: DocumentShard):
-    """Where the split documents' tokens sit in the gathered buffer, and the
-    dense calls of this rank's pieces.
+    """Where the split documents' tokens sit in the gathered buffer, and this
+    rank's pieces of them.
 
     The buffer is every rank's ``(2, s, Hkv, D)`` block of split pieces (K then
     V, padded to ``s`` rows) concatenated: K of rank r's t-th split token is
     row ``r * 2s + t``, its V row ``r * 2s + s + t``. Returns (s, ``index``:
     buffer K rows of the split documents concatenated in document order, the
-    calls: (local query rows [a, b), keys [k0, k1) of that concatenation, q_offset))."""
-    s, p = max(plan.split_tokens), plan.world
+    local pieces: (local rows a, b, document, first position, length, the
+    document's first row in that concatenation))."""
+    s = max(plan.split_tokens)
     where = {}  # a piece (document, first position, length) -> buffer K row of its first token
     for r, runs in enumerate(plan.runs):
         at = 0
