@@ -5,6 +5,8 @@
 * :func:`dilated_attention` — LongNet dilated attention (fused Triton kernel on
   CUDA, gather path elsewhere), optionally sharded over ranks.
 * :func:`ring_attention` — context parallelism over ``torch.distributed``.
+* :func:`shard_documents`, :func:`packed_attention` — packed documents over
+  ranks, held whole where they fit (only split documents' K/V travel).
 * :func:`ulysses_attention` — head parallelism by all-to-all; :func:`context_parallel_attention`
   — the Ulysses x ring hybrid over a 2-D DeviceMesh.
 * :func:`flex_attention`, :func:`ring_flex_attention` — any pattern
@@ -18,6 +20,8 @@ from .backends import BACKENDS, available_backends, use_backend
 from .ops import (attention, attention_varlen, context_parallel_attention, context_parallel_attention_varlen,
                   dilated_attention, flex_attention, ring_attention, ring_attention_varlen, ring_flex_attention,
                   ulysses_attention, ulysses_attention_varlen)
+from .ops import packed_attention
+from .distributed.doc_shard import shard_documents
 from .distributed import shard, shard_positions, shard_varlen, unshard, unshard_varlen
 from .distributed.ulysses import (shard_for_mesh, shard_positions_for_mesh, shard_varlen_for_mesh,
                                   unshard_for_mesh, unshard_varlen_for_mesh)
@@ -55,5 +59,5 @@ __all__ = [
     "shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen", "shard_for_mesh", "unshard_for_mesh",
     "shard_positions_for_mesh", "shard_varlen_for_mesh", "unshard_varlen_for_mesh",
     "masks", "nn", "tuning", "use_backend", "available_backends", "kernels_available", "BACKENDS",
-    "decode_attention", "dilated_decode_attention", "KVCache",
+    "decode_attention", "dilated_decode_attention", "KVCache", "shard_documents", "packed_attention",
 ]

@@ -16,6 +16,9 @@ with everything a model under ``attn_implementation="longattn_ring"`` needs:
   ``2 * world`` become one packed stream of documents sharded per document
   (:func:`longattn.shard_varlen`); the ring runs it with
   :func:`longattn.ring_attention_varlen` on the global ``cu_seqlens``;
+  ``layout="documents"`` shards such a stream by whole documents instead
+  (:func:`longattn.shard_documents`: documents held whole where they fit,
+  only long ones split), run by :func:`longattn.packed_attention`;
 * ``longattn_cp``, a :class:`CPContext` that the model's attention calls
   receive through the model's keyword arguments (the group and layout travel
   with the batch: no global state).
@@ -52,6 +55,7 @@ import torch.distributed as dist
 from . import shard, shard_varlen, unshard, unshard_varlen
 from .distributed import VarlenShard
 from .distributed import checks as _checks
+from .distributed.doc_shard import DocumentShard, plan_documents
 
 __all__ = ["CPContext", "shard_batch", "loss", "reduce_loss", "all_reduce_grads", "resolve_group"]
 
@@ -71,7 +75,9 @@ class CPContext:
     (:func:`longattn.ring_attention`); otherwise the global int32 cumulative
     document lengths of the packed stream (:func:`longattn.ring_attention_varlen`),
     ``varlen`` its :class:`~longattn.distributed.VarlenShard` and
-    ``token_index`` the flat ``batch * seqlen`` index of each packed token."""
+    ``token_index`` the flat ``batch * seqlen`` index of each packed token;
+    with ``layout="documents"``, ``documents`` is the stream's
+    :class:`~longattn.distributed.doc_shard.DocumentShard` instead of ``varlen``."""
 
     group: dist.ProcessGroup
     layout: str
@@ -80,6 +86,7 @@ class CPContext:
     cu_seqlens: Optional[torch.Tensor] = None
     varlen: Optional[VarlenShard] = None
     token_index: Optional[torch.Tensor] = None
+    documents: Optional[DocumentShard] = None
 
     @property
     def world(self) -> int:
@@ -91,10 +98,23 @@ class CPContext:
         positions hold 0. Differentiable; every rank must call it."""
         if self.cu_seqlens is None:
             return unshard(x_local, layout=self.layout, group=self.group, seq_dim=1)
-        packed = unshard_varlen(x_local[0], self.cu_seqlens, layout=self.layout, group=self.group)
+        if self.documents is not None:
+            packed = self.documents.unshard(x_local[0], self.group)
+        else:
+            packed = unshard_varlen(x_local[0], self.cu_seqlens, layout=self.layout, group=self.group)
         full = packed.new_zeros((self.batch_size * self.seqlen, *packed.shape[1:]))
         full = full.index_copy(0, self.token_index.to(packed.device), packed)
         return full.view(self.batch_size, self.seqlen, *packed.shape[1:])
+
+    def attention_varlen(self, q, k, v, **kw):
+        """Attention of this rank's packed tokens ``(local_tokens, heads, dim)``:
+        :func:`longattn.packed_attention` for ``layout="documents"``, else
+        :func:`longattn.ring_attention_varlen`; ``kw`` as those take them."""
+        from . import packed_attention, ring_attention_varlen
+
+        if self.documents is not None:
+            return packed_attention(q, k, v, self.documents, group=self.group, **kw)
+        return ring_attention_varlen(q, k, v, self.cu_seqlens, layout=self.layout, group=self.group, **kw)
 
 
 def _shift(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -141,7 +161,10 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
             unless ``position_ids`` are given.
         group: ProcessGroup or DeviceMesh (``mesh_dim`` names its context-parallel
             dimension); default the whole world.
-        layout: ``"zigzag"`` (default; balanced causal work) or ``"contiguous"``.
+        layout: ``"zigzag"`` (default; balanced causal work), ``"contiguous"``, or
+            ``"documents"``: every row a packed stream sharded by whole documents
+            (:func:`longattn.shard_documents`; only documents too long for one rank
+            are split and exchange K/V).
         check: verify (one small all-gather) that every rank passed the same batch.
 
     Returns:
@@ -178,6 +201,13 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
     doc_starts = torch.nonzero(starts.flatten()[token_index]).flatten()
     cu = torch.cat([doc_starts, torch.tensor([token_index.numel()], device=dev)]).to(torch.int32).cpu()
     flat = lambda x: x.reshape(-1)[token_index]
+    if layout == "documents":
+        plan = plan_documents(tuple(cu.tolist()), dist.get_world_size(g), dist.get_rank(g))
+        ids_l, pos_l, lab_l = (plan.shard(flat(x)) for x in (input_ids, position_ids, shift_labels))
+        lab_l = lab_l.masked_fill(~plan.valid.to(dev), ignore_index)
+        ctx = CPContext(g, layout, b, s, cu, None, token_index, plan)
+        return dict(input_ids=ids_l[None], position_ids=pos_l[None], labels=lab_l[None], shift_labels=lab_l[None],
+                    longattn_cp=ctx, **common)
     ids_l, meta = shard_varlen(flat(input_ids), cu, layout=layout, group=g)
     pos_l, _ = shard_varlen(flat(position_ids), cu, layout=layout, group=g)
     lab_l, _ = shard_varlen(flat(shift_labels), cu, layout=layout, group=g)
@@ -190,8 +220,8 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
 def _check_batch(input_ids, labels, attention_mask, position_ids, cu_seqlens, layout):
     """Shapes and boundaries of a batch (ValueError naming the argument); returns
     (position_ids expanded to (batch, seqlen) or None, cu_seqlens as a list or None)."""
-    if layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"layout={layout!r}: choose 'zigzag' or 'contiguous'")
+    if layout not in ("zigzag", "contiguous", "documents"):
+        raise ValueError(f"layout={layout!r}: choose 'zigzag', 'contiguous' or 'documents'")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a (batch, seqlen) tensor, got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
@@ -266,7 +296,7 @@ def _document_starts(valid, position_ids, cu_list, has_mask: bool, world: int, l
         brk[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
         if bool(brk[:, 1:].any()):
             starts = brk
-    if starts is None and s % (2 * world if layout == "zigzag" else world):
+    if starts is None and (layout == "documents" or s % (2 * world if layout == "zigzag" else world)):
         starts = torch.zeros(b, s, dtype=torch.bool, device=dev)
         starts[:, 0] = True  # one document per row: the packed layout pads each document itself
     return starts

@@ -1,5 +1,7 @@
-"""`dist` rows of Ulysses and the Ulysses x ring hybrid: the mesh option
-(``hybrid:UxR``), why a mesh cannot run a config, the call and its shards."""
+"""`dist` rows of Ulysses, the Ulysses x ring hybrid and document-aware
+sharding (``packed-balanced``: :func:`longattn.packed_attention` on the plan
+of :func:`longattn.shard_documents`, varlen configs): the mesh option
+(``hybrid:UxR``), why a row cannot run a config, the call and its shards."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +14,7 @@ import longattn
 from .configs import Config
 from .impls import varlen_cu_seqlens
 
-CP_IMPLS = ("ulysses", "hybrid", "hybrid-contiguous")
+CP_IMPLS = ("ulysses", "hybrid", "hybrid-contiguous", "packed-balanced")
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -36,6 +38,8 @@ def _cp_reason(cfg: Config, impl: str) -> Optional[str]:
     """Why ``ulysses`` / ``hybrid[-contiguous]:UxR`` cannot run ``cfg`` on this world (None: it can)."""
     world = dist.get_world_size()
     name, _, mesh = impl.partition("+")[0].partition(":")
+    if name == "packed-balanced":
+        return None if cfg.kind == "varlen" else "packed-balanced runs packed documents (varlen configs) only"
     if name == "ulysses":
         u, r = world, 1
     elif not mesh:
@@ -65,6 +69,10 @@ def _cp_call(cfg, impl, q, k, v, dev):
     name, _, shape = impl.partition(":")
     kw = dict(causal=cfg.causal, window_size=cfg.window)
     cu = varlen_cu_seqlens(cfg.with_overrides(seqlen=q.shape[1]), dev) if cfg.kind == "varlen" else None
+    if name == "packed-balanced":
+        plan = longattn.shard_documents(cu)
+        fn = lambda q_, k_, v_: longattn.packed_attention(q_, k_, v_, plan, **kw)
+        return fn, [plan.shard(x.flatten(0, 1)) for x in (q, k, v)]
     if name == "ulysses":
         if cu is None:
             fn = lambda q_, k_, v_: longattn.ulysses_attention(q_, k_, v_, **kw)

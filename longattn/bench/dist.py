@@ -9,7 +9,8 @@ for dilated configs our dilated attention over ranks; for varlen configs
 on one device; Ulysses (``ulysses``: all-to-all head parallelism over every
 rank) and the Ulysses x ring hybrid (``hybrid:UxR`` zigzag, ``hybrid-contiguous:UxR``:
 U consecutive ulysses ranks per ring position, R ring positions; ``--mesh UxR``
-names the mesh of a bare ``hybrid``), dense and packed documents; for flex
+names the mesh of a bare ``hybrid``), dense and packed documents; for varlen configs
+``packed-balanced`` (documents held whole where they fit, ``longattn.packed_attention``); for flex
 configs (a ``longattn.masks`` pattern) ``ring_flex_attention`` in both layouts
 (``flex-ring``: zigzag, ``flex-ring-contiguous``) and torch's context_parallel
 running FlexAttention (``torch-cp-flex``, CUDA only). T_single is

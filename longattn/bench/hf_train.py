@@ -73,6 +73,8 @@ def parse(argv=None):
     p.add_argument("--seqlen", type=int, default=None, help="tokens per sequence (default 32768; --tiny 256)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--docs", type=int, default=1, help="packed documents per sequence (position_ids restarting)")
+    p.add_argument("--layout", choices=["zigzag", "contiguous", "documents"], default="zigzag",
+                   help="longattn_ring's sharding (shard_batch layout; documents: held whole where they fit)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
     p.add_argument("--layers", type=int, default=16)
@@ -281,7 +283,7 @@ def run(args, world, dev, attn: Optional[str] = None):
 
     attn = attn or args.attn[0]
     dtype = torch.bfloat16 if (args.dtype or ("bf16" if dev.type == "cuda" else "fp32")) == "bf16" else torch.float32
-    head = dict(attn=attn, seqlen=args.seqlen, batch=args.batch, docs=args.docs, world=world,
+    head = dict(attn=attn, seqlen=args.seqlen, batch=args.batch, docs=args.docs, layout=args.layout, world=world,
                 grad_ckpt=args.grad_ckpt, dtype=str(dtype).replace("torch.", ""))
     why = unavailable(attn)
     if why:
@@ -299,7 +301,7 @@ def run(args, world, dev, attn: Optional[str] = None):
     if attn == "longattn_ring":
         # shard_batch shifts the labels itself: unshifted labels whose shift is `shift`
         batch = cp.shard_batch(ids, labels=torch.cat([ids[:, :1], shift[:, :-1]], dim=1), position_ids=pos,
-                               group=group)
+                               group=group, layout=args.layout)
         model_in = {k: v for k, v in batch.items()
                     if k not in ("labels", "shift_labels", "num_items_in_batch", "use_cache")}
         local_shift, local_items = batch["shift_labels"], batch["num_items_in_batch"]
@@ -405,9 +407,9 @@ def main(argv=None):
         if out:
             write_json(out, payload)
         for row in rows:
-            print(json.dumps({k: row[k] for k in ("attn", "seqlen", "docs", "world", "step_ms_median",
-                                                  "tokens_per_s_per_gpu", "peak_mem_gib", "peak_extra_gib",
-                                                  "error")}), flush=True)
+            print(json.dumps({k: row.get(k) for k in ("attn", "seqlen", "docs", "layout", "world", "step_ms_median",
+                                                      "tokens_per_s_per_gpu", "peak_mem_gib", "peak_extra_gib",
+                                                      "error")}), flush=True)
         if out:
             print(f"wrote {out}", flush=True)
     if dist.is_initialized() and owned:

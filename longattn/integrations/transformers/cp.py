@@ -55,12 +55,12 @@ def agree(module, group, impl: str, problem, **facts) -> None:
 
 def ring_forward(ctx: _cp.CPContext, q, k, v, causal: bool, scaling, sliding_window):
     """Ring attention of this rank's shard, (batch, seq, heads, dim): dense rows,
-    or the packed stream on the global document boundaries."""
+    or the packed stream on the global document boundaries (documents held whole
+    under ``layout="documents"``: :func:`longattn.packed_attention`)."""
     if ctx.cu_seqlens is None:
         return longattn.ring_attention(q, k, v, causal=causal, softmax_scale=scaling,
                                        window_size=checks.window(sliding_window, causal, ctx.seqlen),
                                        layout=ctx.layout, group=ctx.group)
     lens = ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1]
     window = checks.window(sliding_window, causal, int(lens.max()))
-    return longattn.ring_attention_varlen(q[0], k[0], v[0], ctx.cu_seqlens, layout=ctx.layout, causal=causal,
-                                          softmax_scale=scaling, window_size=window, group=ctx.group)[None]
+    return ctx.attention_varlen(q[0], k[0], v[0], causal=causal, softmax_scale=scaling, window_size=window)[None]
