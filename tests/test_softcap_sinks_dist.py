@@ -29,6 +29,7 @@ VARLEN = [
     ([12, 7, 13], "contiguous", True, (-1, -1), 6, 1.5, False, 5),
     ([6, 9, 16], "contiguous", False, (4, 0), 1, 2.0, True, None),
     ([20, 3], "zigzag", False, (-1, -1), 2, 0.0, True, 3),
+    ([5, 3, 4, 7, 5], "zigzag", True, (3, 0), 2, 0.0, True, None),
 ]
 
 
