@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_group_usable, dense_inputs, run_world, varlen_inputs
+from dist_utils import (assert_compiled_matches_eager, assert_group_usable, dense_inputs, run_world,
+                        varlen_inputs)
 from reference import assert_close, attention_ref, grads_of, varlen_ref
 
 TOL = 1e-4
@@ -131,6 +132,15 @@ def _bad_inputs(rank, world):
         assert_group_usable(world)
 
 
+def _compiled(world):
+    """torch.compile (fullgraph) of ring_attention with softcap and sinks gives the eager values and gradients."""
+    q, k, v, _, _, s = _dense_case(world, 2, 17)
+    sh = lambda x: longattn.shard(x, layout="zigzag")
+    assert_compiled_matches_eager(lambda q, k, v, s: longattn.ring_attention(
+        q, k, v, causal=True, layout="zigzag", return_lse=True, softcap=1.5, sinks=s, backend="math"),
+        [sh(q), sh(k), sh(v), s])
+
+
 def _run(rank, world):
     _check_dense(longattn.ring_attention, "ring", world, DENSE)
     _check_varlen(longattn.ring_attention_varlen, "ring_varlen", world, VARLEN)
@@ -138,6 +148,8 @@ def _run(rank, world):
     _check_varlen(longattn.ulysses_attention_varlen, "ulysses_varlen", world,
                   [c for c in VARLEN if c[-1] is None])
     _bad_inputs(rank, world)
+    if world == 2:
+        _compiled(world)
 
 
 @pytest.mark.dist
