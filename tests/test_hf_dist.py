@@ -66,14 +66,14 @@ def _reference(ref, case):
     return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in ref.named_parameters()}
 
 
-def _compare_sharded(model, ref, case, tag):
+def _compare_sharded(model, ref, case, tag, **shard_kw):
     """The model on the case sharded by shard_batch against the reference
     unsharded: loss, logits of real tokens, every parameter gradient (summed
     over the group). Returns (batch, output, reference loss)."""
     from longattn import context_parallel as cp
 
     want_loss, want_logits, want_grads = _reference(ref, case)
-    batch = cp.shard_batch(**{k: v for k, v in case.items() if k != "ref_labels"})
+    batch = cp.shard_batch(**{k: v for k, v in case.items() if k != "ref_labels"}, **shard_kw)
     model.zero_grad(set_to_none=True)
     out = model(**batch)
     out.loss.backward()
@@ -195,6 +195,9 @@ def _check_families(rank, world):
             if kind == "gpt_oss" and name == "packed documents":
                 continue  # transformers' GPT-OSS builds its masks without position_ids: a packed row is one sequence
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name}")
+        if kind == "llama4":  # dense rows in the contiguous layout: one ring call per row
+            name, case = next(iter(_cases()))
+            _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name} contiguous", layout="contiguous")
         if kind == "gpt_oss":
             assert model.model.layers[0].self_attn.sinks.grad.abs().sum() > 0
 

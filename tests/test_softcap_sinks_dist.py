@@ -125,6 +125,9 @@ def _bad_inputs(rank, world):
         ("a forced backend without soft-capping",
          lambda: longattn.ring_attention(q, k, v, softcap=2.0, backend="flash"), "soft-capping"),
         ("chunk_size 0", lambda: longattn.ring_attention_varlen(qv, qv, qv, cu, chunk_size=0), "chunk_size"),
+        ("ulysses chunk_size not an int on rank 0",
+         lambda: longattn.ulysses_attention_varlen(qv, qv, qv, cu, chunk_size=2.5 if rank == 0 else 2),
+         "chunk_size" if rank == 0 else "rank"),
     ]
     for tag, call, needle in calls:
         with pytest.raises((ValueError, TypeError), match=needle):
@@ -145,8 +148,7 @@ def _run(rank, world):
     _check_dense(longattn.ring_attention, "ring", world, DENSE)
     _check_varlen(longattn.ring_attention_varlen, "ring_varlen", world, VARLEN)
     _check_dense(longattn.ulysses_attention, "ulysses", world, DENSE[:3])
-    _check_varlen(longattn.ulysses_attention_varlen, "ulysses_varlen", world,
-                  [c for c in VARLEN if c[-1] is None])
+    _check_varlen(longattn.ulysses_attention_varlen, "ulysses_varlen", world, VARLEN)
     _bad_inputs(rank, world)
     if world == 2:
         _compiled(world)

@@ -16,7 +16,7 @@ from .._validation import check_attention_call, check_cu_seqlens, check_softcap_
 from ..distributed import checks
 from ..distributed.fused_varlen import fusable, fused_call
 from ..distributed.layout import check_layout
-from ..distributed.plan import local_length, num_steps_varlen, plan_varlen
+from ..distributed.plan import check_chunk_size, local_length, num_steps_varlen, plan_varlen
 from ..distributed.ring import BackendOp, RingSchedule, ring_backward, ring_forward
 from ..distributed import ring_plan
 from ..distributed.ring_plan import RingPlan, block_backends, cached, meta
@@ -144,12 +144,3 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         out, lse = apply_sinks(out, lse, sinks, varlen=True)
     return (out, lse) if return_lse else out
 
-
-def check_chunk_size(chunk_size) -> int:
-    """``chunk_size`` (None or an int >= 1) as the plan's chunk (0: none)."""
-    if chunk_size is None:
-        return 0
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be None (whole documents) or an int >= 1 (Llama 4's "
-                         f"attention_chunk_size), got {chunk_size!r}")
-    return int(chunk_size)

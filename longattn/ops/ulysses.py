@@ -26,7 +26,7 @@ from ..distributed import checks
 from ..distributed import ulysses as U
 from ..distributed.local import LocalOp
 from ..distributed.layout import check_layout
-from ..distributed.plan import local_length
+from ..distributed.plan import check_chunk_size, chunk_cu, local_length
 from .attention import _attention_bwd, _attention_fwd, attention
 from .varlen import _kernel, _varlen_bwd, _varlen_fwd, attention_varlen
 
@@ -226,7 +226,8 @@ def _host_cu(cu_seqlens) -> tuple[torch.Tensor, tuple]:
 def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                              layout: str = "contiguous", causal: bool = False, softmax_scale: Optional[float] = None,
                              window_size: tuple[int, int] = (-1, -1), return_lse: bool = False,
-                             softcap: float = 0.0, sinks: Optional[torch.Tensor] = None, backend: str = "auto",
+                             softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                             chunk_size: Optional[int] = None, backend: str = "auto",
                              tuning: _tuning.UlyssesTuning = _tuning.ULYSSES, group=None):
     """Packed documents over a token stream sharded across ranks, by head
     parallelism: after the all-to-all every rank holds every token for
@@ -246,6 +247,8 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         causal, softmax_scale, window_size, return_lse, backend: as
             :func:`longattn.attention_varlen`.
         softcap, sinks: as :func:`ulysses_attention`.
+        chunk_size: chunked attention, as :func:`longattn.ring_attention_varlen`
+            (the local attention runs on the documents cut at the chunk edges).
         tuning: as :func:`ulysses_attention` (per-document kernel calls stay in
             one group of heads).
         group: a ProcessGroup, a 1-D DeviceMesh or None (WORLD).
@@ -264,8 +267,9 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                                           layout, backend, softcap, sinks, ndim=3)
     g = checks.resolve_group(group)
     world = dist.get_world_size(g)
-    cu = None
+    cu, chunk = None, None
     try:
+        chunk = check_chunk_size(chunk_size)
         U.check_heads(q.shape[1], world, "the group")
         host, cu = _host_cu(cu_seqlens)
         want = local_length(cu, layout, world)
@@ -282,21 +286,24 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         checks.agree(g, "ulysses_attention_varlen", problem, q=tuple(q.shape), k=tuple(k.shape),
                      dtype=str(q.dtype), cu=cu, causal=causal, window=window, layout=layout, scale=scale,
                      backend=backend, tuning=tuning,  # the tuning sets the head groups: their collectives
-                     softcap=softcap, sinks=sinks_meta(sinks))
+                     softcap=softcap, sinks=sinks_meta(sinks), chunk=chunk)
+    docs = chunk_cu(cu, chunk)  # the attention's documents; the tokens lie as cu_seqlens sharded them
+    if docs != cu:
+        host = cu_seqlens = torch.tensor(docs, dtype=torch.int32)
     if world == 1:
         return attention_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale, window_size=window,
                                 return_lse=return_lse, softcap=softcap, sinks=sinks, backend=backend)
     heads = U.HeadPlan(q.shape[1], k.shape[1], world)
-    total, ndocs, d = cu[-1], len(cu) - 1, q.shape[-1]
+    total, ndocs, d = cu[-1], len(docs) - 1, q.shape[-1]
     a, e = heads.q_heads(dist.get_rank(g))
     kernel = _kernel(q[:1, :e - a].expand(total, -1, d), backend, ndocs, softcap)
     chunks = tuning.chunks(heads, total // max(ndocs, 1) if kernel == "loop" else total)
     ex = U.Exchange.of(g, heads, "contiguous", chunks)
     dev_cu = cu_seqlens
     if cu_seqlens.device != q.device:  # a fresh pageable tensor: staged at once, no wait for the device
-        dev_cu = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
+        dev_cu = torch.tensor(docs, dtype=torch.int32).to(q.device, non_blocking=True)
     rows = None if layout == "contiguous" else U.packed_rows(cu, layout, world, q.device)
-    max_seqlen = max((y - x for x, y in zip(cu, cu[1:])), default=0)
+    max_seqlen = max((y - x for x, y in zip(docs, docs[1:])), default=0)
     local = _Varlen(host, dev_cu, cu, max_seqlen, kernel, scale, causal, window, softcap, backend, layout, rows, world,
                     ex.rank, q.shape[0])
     res = U.ulysses(q[None], k[None], v[None], ex, local, return_lse or sinks is not None)
