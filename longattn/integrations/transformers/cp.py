@@ -24,8 +24,13 @@ def context(kwargs, impl: str) -> _cp.CPContext:
     return ctx
 
 
-def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs) -> None:
-    """What a sharded batch cannot carry (ValueError)."""
+def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs, scores: bool) -> None:
+    """What a sharded batch cannot carry (ValueError). ``scores``: the layer
+    soft-caps, has sinks or chunks (which the ring layouts run)."""
+    if scores and ctx.layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"attn_implementation={impl!r}: a batch sharded with layout={ctx.layout!r} runs no logit "
+                         f"soft-capping, attention sinks or chunked attention; shard it with layout='zigzag' or "
+                         f"'contiguous' (longattn.context_parallel.shard_batch)")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
         raise mask_error(impl, attention_mask)
     if attention_mask is not None:
