@@ -12,6 +12,12 @@ Gradients come from autograd through these few elementwise ops (they are
 not kernels): with ``w = exp(L - L')``, ``dout = w dout'``,
 ``dL = w dL' + (1 - w) rowsum(dout' * out')`` and
 ``ds_h = sum over rows of (1 - w) (dL' - rowsum(dout' * out'))``.
+
+Across ranks (ring, Ulysses, the hybrid) the sink merges on each rank's
+shard of the rows, after the distributed attention: each rank's gradient of
+``sinks`` is then the sum over its own rows, a partial gradient of a
+replicated parameter that the group sums like every other
+(:func:`longattn.context_parallel.all_reduce_grads`).
 """
 from __future__ import annotations
 
@@ -29,3 +35,11 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varle
     w = torch.exp(lse - new)  # (B, H, S) / (H, T); 0 where no key was seen
     w = w.transpose(0, 1) if varlen else w.transpose(1, 2)
     return out * w[..., None].to(out.dtype), new.float()
+
+
+def sinks_meta(sinks) -> tuple | None:
+    """What must match across ranks about ``sinks`` (its values are a
+    replicated parameter's, not checked): (shape, dtype), or None."""
+    if not isinstance(sinks, torch.Tensor):
+        return None if sinks is None else type(sinks).__name__
+    return tuple(sinks.shape), str(sinks.dtype)

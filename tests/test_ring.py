@@ -347,7 +347,7 @@ def test_ring_plan_key_round_trip():
 
     spec = longattn.backends.BlockSpec(0.5, True, (-1, -1), 3)
     q, k = torch.empty(1, 4, 2, 8), torch.empty(1, 7, 1, 8)
-    plan = RingPlan("auto", (((0.5, True, -1, -1, 3, 4, 7, 2, 1), "math"),), True, "copy", "barrier")
+    plan = RingPlan("auto", (((0.5, True, -1, -1, 3, 0.0, 4, 7, 2, 1), "math"),), True, "copy", "barrier")
     assert RingPlan.from_key(plan.key()) == plan and plan.backend_of(spec, q, k) == "math"
     with pytest.raises(RuntimeError, match="not in the call's plan"):
         plan.backend_of(spec, q, k[:, :6])

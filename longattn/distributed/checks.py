@@ -149,6 +149,28 @@ def check_consistent(group, what: str, **fields) -> None:
     handshake(group, what, once=True, **fields)
 
 
+def local_problem(check, *args):
+    """``(check(*args), None)``, or ``(None, error)`` where the check raised
+    ValueError/TypeError: a per-rank problem for :func:`consistent_call`,
+    so that a bad argument on one rank raises on all of them."""
+    try:
+        return check(*args), None
+    except (ValueError, TypeError) as e:
+        return None, e
+
+
+def consistent_call(group, what: str, problem: Optional[Exception] = None, **fields) -> None:
+    """:func:`check_consistent` with this rank's ``problem`` (from
+    :func:`local_problem`): every rank raises where one has a problem or the
+    fields differ. Under torch.compile (no handshake is traced) the problem
+    raises here alone."""
+    if torch.compiler.is_compiling():
+        if problem is not None:
+            raise problem
+        return
+    handshake(group, what, problem, once=True, **fields)
+
+
 def check_consistent_mesh(ulysses_group, ring_group, what: str, **fields) -> None:
     """:func:`check_consistent` over a mesh's (ulysses, ring) groups."""
     check_consistent((ulysses_group, ring_group), what, **fields)

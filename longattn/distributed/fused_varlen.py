@@ -84,10 +84,10 @@ class FusedVarlenStep:
 
 @functools.lru_cache(maxsize=256)
 def fused_call(cu: tuple, layout: str, world: int, rank: int, src: int, causal: bool, window: tuple, scale: float,
-               device: str, heads_x_dim: int, kernel=None) -> Optional[tuple]:
+               device: str, heads_x_dim: int, kernel=None, chunk: int = 0) -> Optional[tuple]:
     """The step's calls as one :class:`FusedVarlenStep` call, or None where
     fusing does not pay (:func:`worth_fusing`) or a block's mask does not fit."""
-    calls = plan_varlen(cu, layout, world, rank, src, causal, window, scale)
+    calls = plan_varlen(cu, layout, world, rank, src, causal, window, scale, 0.0, chunk)
     if len(calls) < 2 or not worth_fusing(calls, heads_x_dim):
         return None
     segs = fuse_segments(calls)
@@ -98,9 +98,10 @@ def fused_call(cu: tuple, layout: str, world: int, rank: int, src: int, causal: 
     return (Call(0, length, 0, length, bk.BlockSpec(scale), run=step),)
 
 
-def fusable(q: torch.Tensor, window: tuple, backend: str) -> bool:
+def fusable(q: torch.Tensor, window: tuple, backend: str, softcap: float = 0.0) -> bool:
     """Steps fuse into one flash-varlen launch where that kernel runs (its
     capabilities: CUDA sm80+, fp16/bf16, head dim % 8 == 0 and <= 256), with no
-    window and the backend left to ``auto`` (or ``flash``)."""
-    return (window == (-1, -1) and backend in ("auto", "flash")
+    window, no soft-capping (the kernel has none) and the backend left to
+    ``auto`` (or ``flash``)."""
+    return (window == (-1, -1) and not softcap and backend in ("auto", "flash")
             and not bk.BACKENDS["flash"].varlen_refusals(q))

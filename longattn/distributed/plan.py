@@ -8,7 +8,10 @@ or partial (a masked call with the right position offset). Causal on the
 contiguous layout skips the blocks above the diagonal; zigzag gives every rank
 the same work at every step; sliding windows skip blocks outside the window
 and stop the ring after the last step any rank needs; packed documents pair
-only pieces of the same document.
+only pieces of the same document (or, with a chunk size, of the same chunk
+of a document: Llama 4's chunked attention). Logit soft-capping is a field
+of every call's :class:`longattn.backends.BlockSpec` (elementwise on the
+scores, so each block's lse still merges with the others').
 """
 from __future__ import annotations
 
@@ -62,17 +65,17 @@ class Call:
 
 
 @functools.lru_cache(maxsize=4096)  # pure function of its arguments, called every step of every call
-def plan(layout: str, rank: int, src: int, world: int, local_len: int, causal: bool, window, scale: float
-         ) -> tuple[Call, ...]:
+def plan(layout: str, rank: int, src: int, world: int, local_len: int, causal: bool, window, scale: float,
+         softcap: float = 0.0) -> tuple[Call, ...]:
     """Dense calls rank ``rank`` makes on the K/V block of rank ``src``."""
-    return tuple(_plan(layout, rank, src, world, local_len, causal, tuple(window), scale))
+    return tuple(_plan(layout, rank, src, world, local_len, causal, tuple(window), scale, softcap))
 
 
-def _plan(layout, rank, src, world, local_len, causal, window, scale) -> list[Call]:
+def _plan(layout, rank, src, world, local_len, causal, window, scale, softcap) -> list[Call]:
     qc = chunks(layout, rank, world, local_len)
     kc = chunks(layout, src, world, local_len)
     kinds = [[classify(qg, ql, kg, kl, causal, window) for kg, _, kl in kc] for qg, _, ql in qc]
-    dense = bk.BlockSpec(scale)
+    dense = bk.BlockSpec(scale, softcap=softcap)
     flat = [x for row in kinds for x in row]
     if all(x == FULL for x in flat):
         return [Call(0, local_len, 0, local_len, dense)]
@@ -83,7 +86,7 @@ def _plan(layout, rank, src, world, local_len, causal, window, scale) -> list[Ca
     if (causal and window == (-1, -1) and rank == src and n > 1
             and all(kinds[i][j] == (FULL if i > j else NONE if i < j else PARTIAL)
                     for i in range(n) for j in range(n))):
-        return [Call(0, local_len, 0, local_len, bk.BlockSpec(scale, causal=True))]
+        return [Call(0, local_len, 0, local_len, bk.BlockSpec(scale, causal=True, softcap=softcap))]
     # One key chunk seen fully by every query chunk, the others by none.
     for j in range(len(kc)):
         if all(kinds[i][j] == FULL for i in range(n)) and all(
@@ -98,7 +101,7 @@ def _plan(layout, rank, src, world, local_len, causal, window, scale) -> list[Ca
         for j, (kg, k0, kl) in enumerate(kc):
             if row[j] == NONE:
                 continue
-            spec = dense if row[j] == FULL else bk.BlockSpec(scale, causal, tuple(window), qg - kg)
+            spec = dense if row[j] == FULL else bk.BlockSpec(scale, causal, tuple(window), qg - kg, softcap)
             calls.append(Call(q0, q0 + ql, k0, k0 + kl, spec))
     return calls
 
@@ -146,12 +149,55 @@ def local_length(cu, layout: str, world: int) -> int:
     return pieces(tuple(int(x) for x in cu), layout, world, 0)[1]
 
 
+def check_chunk_size(chunk_size) -> int:
+    """``chunk_size`` (None or an int >= 1) as the planners' chunk (0: none)."""
+    if chunk_size is None:
+        return 0
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be None (whole documents) or an int >= 1 (Llama 4's "
+                         f"attention_chunk_size), got {chunk_size!r}")
+    return int(chunk_size)
+
+
+def chunk_cu(cu: tuple, chunk: int) -> tuple:
+    """Document boundaries ``cu`` cut at every multiple of ``chunk`` positions
+    inside each document (chunked attention's documents); ``chunk`` 0: ``cu``."""
+    if not chunk:
+        return cu
+    out = [0]
+    for a, b in zip(cu[:-1], cu[1:]):
+        out += list(range(a + chunk, b, chunk)) + ([b] if b > a else [])
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_pieces(cu: tuple, layout: str, world: int, rank: int, chunk: int) -> tuple:
+    """:func:`pieces` of the attention's documents: with ``chunk`` > 0 each
+    document is cut at every multiple of ``chunk`` of its positions (chunked
+    attention), so a piece that spans a chunk edge becomes one piece per
+    chunk, whose document is ``(doc, chunk index)``; the tokens stay where
+    the layout of ``cu`` put them. ``chunk`` 0: :func:`pieces`."""
+    parts, _ = pieces(cu, layout, world, rank)
+    if not chunk:
+        return parts
+    out = []
+    for d, g, l0, _, n in parts:
+        at = g
+        while at < g + n:
+            c = at // chunk
+            end = min(g + n, (c + 1) * chunk)
+            out.append(((d, c), at - c * chunk, l0 + at - g, end - at, end - at))
+            at = end
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=256)
 def plan_varlen(cu: tuple, layout: str, world: int, rank: int, src: int, causal: bool, window: tuple,
-                scale: float) -> tuple:
-    """Dense calls of ``rank`` on the K/V block of ``src``: same-document pairs only."""
-    qp, _ = pieces(cu, layout, world, rank)
-    kp, _ = pieces(cu, layout, world, src)
+                scale: float, softcap: float = 0.0, chunk: int = 0) -> tuple:
+    """Dense calls of ``rank`` on the K/V block of ``src``: same-document pairs
+    only (same chunk of a document with ``chunk``, see :func:`chunk_pieces`)."""
+    qp = chunk_pieces(cu, layout, world, rank, chunk)
+    kp = chunk_pieces(cu, layout, world, src, chunk)
     by_doc = {}
     for piece in kp:
         by_doc.setdefault(piece[0], []).append(piece)
@@ -165,14 +211,15 @@ def plan_varlen(cu: tuple, layout: str, world: int, rank: int, src: int, causal:
             kind = classify(qg, qn, kg, kn, causal, window)
             if kind == NONE:
                 continue
-            spec = bk.BlockSpec(scale) if kind == FULL else bk.BlockSpec(scale, causal, tuple(window), qg - kg)
+            spec = (bk.BlockSpec(scale, softcap=softcap) if kind == FULL
+                    else bk.BlockSpec(scale, causal, tuple(window), qg - kg, softcap))
             calls.append(Call(q0, q0 + qn, k0, k0 + kn, spec))
     return tuple(calls)
 
 
 @functools.lru_cache(maxsize=64)
-def num_steps_varlen(cu: tuple, layout: str, world: int, causal: bool, window: tuple) -> int:
-    return _steps(world, lambda r, src: plan_varlen(cu, layout, world, r, src, causal, window, 1.0))
+def num_steps_varlen(cu: tuple, layout: str, world: int, causal: bool, window: tuple, chunk: int = 0) -> int:
+    return _steps(world, lambda r, src: plan_varlen(cu, layout, world, r, src, causal, window, 1.0, 0.0, chunk))
 
 
 def fuse_segments(calls) -> Optional[list]:

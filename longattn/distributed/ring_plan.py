@@ -33,7 +33,7 @@ class RingPlan:
 
     ``backend``: the resolved name the call was made with. ``blocks``: the
     backend of every block kind the call's schedule holds, as ``((scale,
-    causal, left, right, q_offset, seqlen_q, seqlen_k, nheads, nheads_kv),
+    causal, left, right, q_offset, softcap, seqlen_q, seqlen_k, nheads, nheads_kv),
     backend name)``; None in the plan of a call traced by torch.compile, which
     cannot run the planning: its forward and backward ops complete it from
     the same arguments, the same plan for both (:meth:`complete`). ``fuse``:
@@ -80,7 +80,8 @@ class RingPlan:
 
 
 def _kind(spec: bk.BlockSpec, q, k) -> tuple:
-    return (spec.scale, spec.causal, *spec.window, spec.q_offset, q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+    return (spec.scale, spec.causal, *spec.window, spec.q_offset, spec.softcap, q.shape[1], k.shape[1], q.shape[2],
+            k.shape[2])
 
 
 @functools.lru_cache(maxsize=256)

@@ -38,7 +38,8 @@ class P2P:
         """``fresh``: the received tensors must not share memory with anything
         (they are returned to the caller); NCCL receives are always fresh."""
         assert self._reqs is None, "previous exchange not waited"
-        bufs = [torch.empty_like(t) for t in tensors]
+        # contiguous receive buffers: a P2P receive needs one (empty_like keeps a permuted input's strides)
+        bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         dst, src = self.global_rank(send_to), self.global_rank(recv_from)
         ops = []
         for t, b in zip(tensors, bufs):

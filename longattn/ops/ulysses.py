@@ -19,24 +19,37 @@ import torch.distributed as dist
 from .. import backends as bk
 from .. import tuning as _tuning
 from .._autograd import direct
-from .._validation import check_attention_call, check_cu_seqlens
+from .._sinks import apply_sinks, sinks_meta
+from .._validation import check_attention_call, check_cu_seqlens, check_softcap_sinks
 from ..backends import varlen as _varlen
 from ..distributed import checks
 from ..distributed import ulysses as U
 from ..distributed.local import LocalOp
 from ..distributed.layout import check_layout
-from ..distributed.plan import local_length
+from ..distributed.plan import check_chunk_size, chunk_cu, local_length
 from .attention import _attention_bwd, _attention_fwd, attention
-from .varlen import _varlen_bwd, _varlen_fwd, attention_varlen
+from .varlen import _kernel, _varlen_bwd, _varlen_fwd, attention_varlen
 
 __all__ = ["ulysses_attention", "ulysses_attention_varlen"]
 
 
-def check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=4):
-    """The argument checks every Ulysses / hybrid entry point shares; returns (window, scale, backend resolved)."""
+def check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, softcap, sinks, ndim=4):
+    """The argument checks every Ulysses / hybrid entry point shares; returns
+    (window, scale, backend resolved, softcap as a float, this rank's
+    problem with softcap or sinks for the call's handshake)."""
     window = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True, ndim=ndim)
+    softcap, problem = checks.local_problem(check_softcap_sinks, softcap, sinks, q)
     check_layout(layout)
-    return window, bk.default_scale(q.shape[-1], softmax_scale), bk.resolve(backend)
+    return window, bk.default_scale(q.shape[-1], softmax_scale), bk.resolve(backend), softcap, problem
+
+
+def with_sinks(res, sinks, return_lse: bool, varlen: bool = False):
+    """A call's result ``(out, lse)`` with the sinks merged on this rank's
+    rows (every head): ``out`` alone unless ``return_lse``."""
+    out, lse = res
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks, varlen=varlen)
+    return (out, lse) if return_lse else out
 
 
 def _run(op, tensors, *args):
@@ -48,8 +61,8 @@ def _run(op, tensors, *args):
 class _Dense(LocalOp):
     """``attention``'s kernels on one group of heads over the whole sequence."""
 
-    def __init__(self, scale, causal, window, backend):
-        self.args = (scale, causal, window[0], window[1], 0, backend)
+    def __init__(self, scale, causal, window, backend, softcap):
+        self.args = (scale, causal, window[0], window[1], 0, backend, softcap)
 
     def forward(self, call, q, k, v):
         return _run(_attention_fwd, (q, k, v), q, k, v, *self.args)
@@ -68,13 +81,13 @@ class _Varlen(LocalOp):
     The per-document loop gets the bounds as a host tensor, so no call reads
     them back from the device."""
 
-    def __init__(self, host_cu, dev_cu, cu, max_seqlen, kernel, scale, causal, window, backend, layout, rows,
+    def __init__(self, host_cu, dev_cu, cu, max_seqlen, kernel, scale, causal, window, softcap, backend, layout, rows,
                  world, rank, local_rows):
         self.total, self.layout, self.rows, self.padded = cu[-1], layout, rows, world * local_rows
-        self.spec = bk.BlockSpec(scale, causal, window)
+        self.spec = bk.BlockSpec(scale, causal, window, 0, softcap)
         self.kernel, self.backend, self.max_seqlen = kernel, backend, max_seqlen
         self.host_cu, self.dev_cu = host_cu, dev_cu
-        self.op_args = (max_seqlen, scale, causal, window[0], window[1], backend, kernel)
+        self.op_args = (max_seqlen, scale, causal, window[0], window[1], backend, kernel, softcap)
         if layout == "contiguous":
             self.send_rows = [max(0, min(local_rows, self.total - j * local_rows)) for j in range(world)]
             self.recv_rows = self.send_rows[rank]
@@ -125,7 +138,8 @@ class _Varlen(LocalOp):
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
-                      layout: str = "contiguous", return_lse: bool = False, backend: str = "auto",
+                      layout: str = "contiguous", return_lse: bool = False, softcap: float = 0.0,
+                      sinks: Optional[torch.Tensor] = None, backend: str = "auto",
                       tuning: _tuning.UlyssesTuning = _tuning.ULYSSES, group=None):
     """Exact attention over a sequence sharded across the ranks of ``group``,
     by head parallelism: an all-to-all gives each rank the whole sequence for
@@ -149,6 +163,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
             batch 1 do not).
         return_lse: also return lse ``(batch, nheads, seqlen_local)`` float32, in
             the shard's row order.
+        softcap: logit soft-capping, as :func:`longattn.attention` (the local
+            attention's backend must apply it).
+        sinks: ``(nheads,)``, as :func:`longattn.attention`: merged on this
+            rank's shard after the exchange back (the lse travels with the
+            output); each rank's gradient of ``sinks`` sums its rows, a partial
+            gradient the group sums like any replicated parameter's
+            (:func:`longattn.context_parallel.all_reduce_grads`).
         backend: local kernel (see :mod:`longattn.backends`).
         tuning: :class:`longattn.tuning.UlyssesTuning`: how many
             groups of heads the exchanges are pipelined over.
@@ -163,7 +184,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         full = lambda x: longattn.unshard(x, layout=layout)
         out = longattn.shard(longattn.attention(full(q), full(k), full(v), causal=causal), layout=layout)
     """
-    window, scale, backend = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend)
+    window, scale, backend, softcap, problem = check_call(q, k, v, causal, return_lse, softmax_scale, window_size,
+                                                          layout, backend, softcap, sinks)
     g = checks.resolve_group(group)
     world = dist.get_world_size(g)
     U.check_heads(q.shape[2], world, "the group")
@@ -172,13 +194,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     heads = U.HeadPlan(q.shape[2], k.shape[2], world)
     b, s, _, d = q.shape
     chunks = tuning.chunks(heads, b * world * s)
-    if not torch.compiler.is_compiling():
-        checks.check_consistent(g, "ulysses_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
-                               causal=causal, window=window, layout=layout, scale=scale, backend=backend,
-                               chunks=chunks)
+    checks.consistent_call(g, "ulysses_attention", problem, q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
+                           causal=causal, window=window, layout=layout, scale=scale, backend=backend,
+                           chunks=chunks, softcap=softcap, sinks=sinks_meta(sinks))
     if world == 1:
         return attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window, return_lse=return_lse,
-                         backend=backend)
+                         softcap=softcap, sinks=sinks, backend=backend)
     ex = U.Exchange.of(g, heads, layout, chunks)
     if not torch.compiler.is_compiling():  # a forced backend that cannot run raises before any exchange
         a, e = heads.q_heads(ex.rank)
@@ -186,8 +207,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         lo, hi = heads.kv_heads(ex.rank)
         wk = (hi - lo if idx is None else len(idx)) // chunks
         bk.select_backend(q[:, :1, :(e - a) // chunks].expand(b, world * s, -1, d),
-                          k[:, :1, :wk].expand(b, world * s, -1, d), bk.BlockSpec(scale, causal, window), backend)
-    return U.ulysses(q, k, v, ex, _Dense(scale, causal, window, backend), return_lse)
+                          k[:, :1, :wk].expand(b, world * s, -1, d), bk.BlockSpec(scale, causal, window, 0, softcap),
+                          backend)
+    res = U.ulysses(q, k, v, ex, _Dense(scale, causal, window, backend, softcap), return_lse or sinks is not None)
+    return with_sinks(res, sinks, return_lse) if sinks is not None else res
 
 
 def _host_cu(cu_seqlens) -> tuple[torch.Tensor, tuple]:
@@ -203,7 +226,9 @@ def _host_cu(cu_seqlens) -> tuple[torch.Tensor, tuple]:
 def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                              layout: str = "contiguous", causal: bool = False, softmax_scale: Optional[float] = None,
                              window_size: tuple[int, int] = (-1, -1), return_lse: bool = False,
-                             backend: str = "auto", tuning: _tuning.UlyssesTuning = _tuning.ULYSSES, group=None):
+                             softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                             chunk_size: Optional[int] = None, backend: str = "auto",
+                             tuning: _tuning.UlyssesTuning = _tuning.ULYSSES, group=None):
     """Packed documents over a token stream sharded across ranks, by head
     parallelism: after the all-to-all every rank holds every token for
     nheads/p heads and runs :func:`longattn.attention_varlen`'s kernel with the
@@ -221,6 +246,9 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             to a multiple of 2p; the ring's packed layout, so its shards can be reused).
         causal, softmax_scale, window_size, return_lse, backend: as
             :func:`longattn.attention_varlen`.
+        softcap, sinks: as :func:`ulysses_attention`.
+        chunk_size: chunked attention, as :func:`longattn.ring_attention_varlen`
+            (the local attention runs on the documents cut at the chunk edges).
         tuning: as :func:`ulysses_attention` (per-document kernel calls stay in
             one group of heads).
         group: a ProcessGroup, a 1-D DeviceMesh or None (WORLD).
@@ -235,11 +263,13 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         ``unshard_varlen(out, cu_seqlens, layout=layout)`` equals ``attention_varlen``
         of the packed input.
     """
-    window, scale, backend = check_call(q, k, v, causal, return_lse, softmax_scale, window_size, layout, backend, ndim=3)
+    window, scale, backend, softcap, problem = check_call(q, k, v, causal, return_lse, softmax_scale, window_size,
+                                                          layout, backend, softcap, sinks, ndim=3)
     g = checks.resolve_group(group)
     world = dist.get_world_size(g)
-    problem, cu = None, None
+    cu, chunk = None, None
     try:
+        chunk = check_chunk_size(chunk_size)
         U.check_heads(q.shape[1], world, "the group")
         host, cu = _host_cu(cu_seqlens)
         want = local_length(cu, layout, world)
@@ -248,30 +278,36 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              f"ranks gives {want}; shard with longattn.shard_varlen(x, cu_seqlens, "
                              f"layout={layout!r})")
     except (ValueError, TypeError) as e:
-        problem = e
+        problem = problem or e
     if torch.compiler.is_compiling():
         if problem is not None:
             raise problem
     else:  # every call: the lengths are values, a cache keyed by them could let one rank skip the check
         checks.agree(g, "ulysses_attention_varlen", problem, q=tuple(q.shape), k=tuple(k.shape),
                      dtype=str(q.dtype), cu=cu, causal=causal, window=window, layout=layout, scale=scale,
-                     backend=backend, tuning=tuning)  # the tuning sets the head groups: their collectives
+                     backend=backend, tuning=tuning,  # the tuning sets the head groups: their collectives
+                     softcap=softcap, sinks=sinks_meta(sinks), chunk=chunk)
+    docs = chunk_cu(cu, chunk)  # the attention's documents; the tokens lie as cu_seqlens sharded them
+    if docs != cu:
+        host = cu_seqlens = torch.tensor(docs, dtype=torch.int32)
     if world == 1:
         return attention_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale, window_size=window,
-                                return_lse=return_lse, backend=backend)
+                                return_lse=return_lse, softcap=softcap, sinks=sinks, backend=backend)
     heads = U.HeadPlan(q.shape[1], k.shape[1], world)
-    total, ndocs, d = cu[-1], len(cu) - 1, q.shape[-1]
+    total, ndocs, d = cu[-1], len(docs) - 1, q.shape[-1]
     a, e = heads.q_heads(dist.get_rank(g))
-    kernel = _varlen.choose(q[:1, :e - a].expand(total, -1, d), backend, ndocs)
+    kernel = _kernel(q[:1, :e - a].expand(total, -1, d), backend, ndocs, softcap)
     chunks = tuning.chunks(heads, total // max(ndocs, 1) if kernel == "loop" else total)
     ex = U.Exchange.of(g, heads, "contiguous", chunks)
     dev_cu = cu_seqlens
     if cu_seqlens.device != q.device:  # a fresh pageable tensor: staged at once, no wait for the device
-        dev_cu = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
+        dev_cu = torch.tensor(docs, dtype=torch.int32).to(q.device, non_blocking=True)
     rows = None if layout == "contiguous" else U.packed_rows(cu, layout, world, q.device)
-    max_seqlen = max((y - x for x, y in zip(cu, cu[1:])), default=0)
-    local = _Varlen(host, dev_cu, cu, max_seqlen, kernel, scale, causal, window, backend, layout, rows, world,
+    max_seqlen = max((y - x for x, y in zip(docs, docs[1:])), default=0)
+    local = _Varlen(host, dev_cu, cu, max_seqlen, kernel, scale, causal, window, softcap, backend, layout, rows, world,
                     ex.rank, q.shape[0])
-    res = U.ulysses(q[None], k[None], v[None], ex, local, return_lse)
+    res = U.ulysses(q[None], k[None], v[None], ex, local, return_lse or sinks is not None)
     # squeeze, not [0]: select's backward would zero-fill a buffer and copy the gradient in
+    if sinks is not None:
+        return with_sinks((res[0].squeeze(0), res[1].squeeze(0)), sinks, return_lse, varlen=True)
     return (res[0].squeeze(0), res[1].squeeze(0)) if return_lse else res.squeeze(0)

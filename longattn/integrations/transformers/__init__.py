@@ -40,7 +40,11 @@ attention call instead of being dropped):
 ``"longattn_ring"`` — the sequence sharded over a process group (context
 parallelism), :func:`longattn.ring_attention` (zigzag layout by default) or, for
 padding and packed documents, :func:`longattn.ring_attention_varlen` on the global
-document boundaries. The batch comes from
+document boundaries. Logit soft-capping and attention sinks as under
+``"longattn"`` (a sink's gradient on each rank sums its rows, summed over the
+group with the other parameters' by ``context_parallel.all_reduce_grads``);
+chunked attention by ``ring_attention_varlen``'s ``chunk_size``: the sharded
+documents (or dense rows) cut at the chunk edges where the tokens lie. The batch comes from
 :func:`longattn.context_parallel.shard_batch`, whose ``longattn_cp`` entry
 carries the group and layout to every attention call through the model's
 keyword arguments: ``model(**batch)``. Problems are raised on every rank of the
@@ -62,7 +66,8 @@ the prompt but its last token as a sharded batch first:
 attention; each rank keeps its shard's K/V), then
 ``model.generate(input_ids, past_key_values=cache, ...)``. Prompts of one
 length (no padding mask), no sliding window, greedy or sampled with the same
-seed on every rank; no beam search. Every rank returns the same tokens.
+seed on every rank; no beam search; no soft-capping, sinks or chunked
+attention. Every rank returns the same tokens.
 
 ``"longattn_dilated"`` — LongNet dilated attention
 (:func:`longattn.dilated_attention`) with the branches read from the model
@@ -80,8 +85,8 @@ dropout in training (``config.attention_dropout``), ``output_attentions=True``,
 position biases, paged caches, a static cache, 4-D or other custom masks
 (or-masks, bidirectional image-token blocks: use ``"sdpa"`` or
 ``"flex_attention"`` there), head counts that GQA cannot pair; logit
-soft-capping, attention sinks and chunked attention under ``"longattn_ring"``
-and ``"longattn_dilated"``.
+soft-capping, attention sinks and chunked attention under
+``"longattn_dilated"`` and with a :class:`ShardedCache`.
 
 Modules: ``attention`` (the three attention calls), ``masks`` (the mask hooks
 and the ``Documents`` they return, which transformers hands each attention

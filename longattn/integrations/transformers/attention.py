@@ -13,7 +13,7 @@ import torch
 import longattn
 
 from . import checks, cp
-from .masks import Documents, causal_and_window, documents_of
+from .masks import Documents, RingChunks, causal_and_window, documents_of
 
 SEGMENT_LENGTHS_KEY = "longattn_segment_lengths"
 DILATION_RATES_KEY = "longattn_dilation_rates"
@@ -69,16 +69,22 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         return sharded_layer_forward(impl, layer, module, query, key, value, attention_mask, scaling, dropout,
                                      sliding_window, softcap, kwargs)
     ctx = cp.context(kwargs, impl)
+    chunk = attention_mask.size if isinstance(attention_mask, RingChunks) else None
+    attention_mask = None if chunk is not None else attention_mask
     problem, causal, dv = None, True, value.shape[-1]
     try:
-        causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs)
-        cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs)
+        causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs, scores=True)
+        cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs,
+                              bool(softcap) or kwargs.get("s_aux") is not None or chunk is not None)
     except ValueError as e:
         problem = e
     cp.agree(module, ctx.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
-             causal=causal, window=sliding_window, layout=ctx.layout)
+             causal=causal, window=sliding_window, layout=ctx.layout, softcap=softcap, chunk=chunk,
+             sinks=kwargs.get("s_aux") is not None)
     q, k, v = checks.to_bshd(query, key, value)
-    return checks.crop(cp.ring_forward(ctx, q, k, v, causal, scaling, sliding_window), dv)
+    # Gemma 2's logit soft-capping, GPT-OSS's sinks, Llama 4's chunks, as in the one-device call
+    scores = dict(softcap=float(softcap or 0.0), sinks=kwargs.get("s_aux"))
+    return checks.crop(cp.ring_forward(ctx, q, k, v, causal, scaling, sliding_window, scores, chunk), dv)
 
 
 def dilated_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

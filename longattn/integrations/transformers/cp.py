@@ -24,8 +24,13 @@ def context(kwargs, impl: str) -> _cp.CPContext:
     return ctx
 
 
-def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs) -> None:
-    """What a sharded batch cannot carry (ValueError)."""
+def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs, scores: bool) -> None:
+    """What a sharded batch cannot carry (ValueError). ``scores``: the layer
+    soft-caps, has sinks or chunks (which the ring layouts run)."""
+    if scores and ctx.layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"attn_implementation={impl!r}: a batch sharded with layout={ctx.layout!r} runs no logit "
+                         f"soft-capping, attention sinks or chunked attention; shard it with layout='zigzag' or "
+                         f"'contiguous' (longattn.context_parallel.shard_batch)")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
         raise mask_error(impl, attention_mask)
     if attention_mask is not None:
@@ -53,14 +58,37 @@ def agree(module, group, impl: str, problem, **facts) -> None:
         raise problem
 
 
-def ring_forward(ctx: _cp.CPContext, q, k, v, causal: bool, scaling, sliding_window):
+def ring_forward(ctx: _cp.CPContext, q, k, v, causal: bool, scaling, sliding_window, scores: dict, chunk=None):
     """Ring attention of this rank's shard, (batch, seq, heads, dim): dense rows,
     or the packed stream on the global document boundaries (documents held whole
-    under ``layout="documents"``: :func:`longattn.packed_attention`)."""
-    if ctx.cu_seqlens is None:
+    under ``layout="documents"``: :func:`longattn.packed_attention`). ``scores``:
+    softcap and sinks; ``chunk``: chunked attention's chunk size (or None)."""
+    if ctx.cu_seqlens is None and (chunk is None or chunk >= ctx.seqlen):
         return longattn.ring_attention(q, k, v, causal=causal, softmax_scale=scaling,
                                        window_size=checks.window(sliding_window, causal, ctx.seqlen),
-                                       layout=ctx.layout, group=ctx.group)
+                                       layout=ctx.layout, group=ctx.group, **scores)
+    if ctx.cu_seqlens is None:  # chunks of dense rows: the rows as documents (each row's shard in the varlen layout)
+        return _dense_chunks(ctx, q, k, v, causal, scaling, sliding_window, scores, chunk)
     lens = ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1]
     window = checks.window(sliding_window, causal, int(lens.max()))
-    return ctx.attention_varlen(q[0], k[0], v[0], causal=causal, softmax_scale=scaling, window_size=window)[None]
+    extra = dict(scores, chunk_size=chunk) if ctx.documents is None else {}  # "documents" refuses them earlier
+    return ctx.attention_varlen(q[0], k[0], v[0], causal=causal, softmax_scale=scaling, window_size=window,
+                                **extra)[None]
+
+
+def _dense_chunks(ctx: _cp.CPContext, q, k, v, causal, scaling, sliding_window, scores, chunk):
+    """Chunked attention over dense rows of ``ctx.seqlen`` (divisible by the
+    layout's parts, as shard_batch made them): the zigzag shards of b rows
+    are those of b documents of that length packed (one call); a contiguous
+    shard is a one-document stream's (one call per row)."""
+    b, l = q.shape[:2]
+    window = checks.window(sliding_window, causal, ctx.seqlen)
+    rows = b if ctx.layout == "zigzag" else 1
+    cu = torch.arange(rows + 1, dtype=torch.int32) * ctx.seqlen
+    run = lambda x, y, z: longattn.ring_attention_varlen(x.reshape(-1, *x.shape[2:]), y.reshape(-1, *y.shape[2:]),
+                                                         z.reshape(-1, *z.shape[2:]), cu, layout=ctx.layout,
+                                                         causal=causal, softmax_scale=scaling, window_size=window,
+                                                         chunk_size=chunk, group=ctx.group, **scores)
+    if rows == b:
+        return run(q, k, v).view(b, l, *q.shape[2:])
+    return torch.stack([run(q[i:i + 1], k[i:i + 1], v[i:i + 1]) for i in range(b)])

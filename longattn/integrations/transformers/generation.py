@@ -23,6 +23,7 @@ from longattn.distributed.layout import check_layout
 
 from . import checks
 from .cp import agree
+from .masks import RingChunks
 
 __all__ = ["ShardedCache", "ShardedLayer", "sharded_layer_forward"]
 
@@ -136,6 +137,10 @@ def sharded_layer_forward(impl: str, layer: ShardedLayer, module, query, key, va
 
 
 def _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_window, causal, branches) -> None:
+    if isinstance(attention_mask, RingChunks):
+        raise ValueError(f"attn_implementation={impl!r} with a ShardedCache does not run chunked attention (the "
+                         f"model's attention_chunk_size, Llama 4); generate with the default cache under "
+                         f"'longattn' (one device)")
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={impl!r} with a ShardedCache: got a padding mask; generate from "
                          f"prompts of one length (no padding), or one prompt per call")

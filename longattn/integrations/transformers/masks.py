@@ -196,17 +196,28 @@ def _chunked(ids: torch.Tensor, pattern: Pattern, kv_offset: int) -> torch.Tenso
     return torch.where(ids > 0, ids.long() * span + chunk, 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class RingChunks:
+    """What ``"longattn_ring"``'s mask hook hands a chunked-attention layer
+    (Llama 4's local layers): the chunk size. The ring cuts the sharded
+    batch's documents (or dense rows) at every multiple of it of their
+    positions, as transformers' ``chunked_overlay`` does unsharded (the
+    sharded batch has no padding inside a document)."""
+
+    size: int
+
+
 def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
               mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
     """transformers' mask hook for "longattn_ring": the sharded batch carries the
     documents (CPContext); local position ids jump between zigzag chunks and are
     not documents. A padding mask that reaches the model is returned so that
-    the attention call reports it on every rank."""
-    if read_pattern(mask_function, "longattn_ring").chunk is not None:
-        raise chunk_error("longattn_ring")
+    the attention call reports it on every rank; a chunked layer gets
+    :class:`RingChunks`."""
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         return attention_mask
-    return None
+    chunk = read_pattern(mask_function, "longattn_ring").chunk
+    return None if chunk is None else RingChunks(chunk[0])
 
 
 def documents_of(mask, q_len: int, impl: str) -> Documents:
