@@ -119,15 +119,21 @@ def _span_setup(q, k, w, r, world, rank, causal, scale, group, ring_plan: RingPl
 # The local branches' results stay in float32 only when spanning branches
 # merge into them afterwards; with none, they are final and kept in the input
 # dtype (at 2M tokens per GPU the float32 copies were 50 GiB of the peak).
+def _split(ring_plan: RingPlan, q, k, segs, rates, causal, scale, group):
+    """What both passes start from: (world, rank, local branches, spanning
+    branches, the local segments and rates, the ring plan completed)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local, span = split_branches(q.shape[1], world, segs, rates)
+    ring_plan = ring_plan.complete(lambda bk_, tr: _ring_plan(q, k, segs, rates, causal, scale, group, bk_, tr))
+    return world, rank, local, span, [w for w, _ in local], [r for _, r in local], ring_plan
+
+
 def forward(plan: Optional[DilatedPlan], ring_plan: RingPlan, q, k, v, segs, rates, scale, causal, group, backend):
     """(out, lse) of this rank's shard; ``plan`` runs the local branches (see
     :func:`split_branches`; None when there are none), ``ring_plan`` the
     spanning ones (:func:`make_ring_plan`)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank, local, span, lsegs, lrates, ring_plan = _split(ring_plan, q, k, segs, rates, causal, scale, group)
     b, l, h, d = q.shape
-    local, span = split_branches(l, world, segs, rates)
-    lsegs, lrates = [w for w, _ in local], [r for _, r in local]
-    ring_plan = ring_plan.complete(lambda bk_, tr: _ring_plan(q, k, segs, rates, causal, scale, group, bk_, tr))
     if not span:
         return _dil.forward(plan, q, k, v, lsegs, lrates, causal, scale, backend, out_dtype=q.dtype)
     if local:
@@ -152,11 +158,8 @@ def forward(plan: Optional[DilatedPlan], ring_plan: RingPlan, q, k, v, segs, rat
 
 def backward(plan: Optional[DilatedPlan], ring_plan: RingPlan, dout, q, k, v, out, lse, dlse, segs, rates, scale,
              causal, group, backend):
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank, local, span, lsegs, lrates, ring_plan = _split(ring_plan, q, k, segs, rates, causal, scale, group)
     b, l, h, d = q.shape
-    local, span = split_branches(l, world, segs, rates)
-    lsegs, lrates = [w for w, _ in local], [r for _, r in local]
-    ring_plan = ring_plan.complete(lambda bk_, tr: _ring_plan(q, k, segs, rates, causal, scale, group, bk_, tr))
     if not span:
         return _dil.backward(plan, dout, q, k, v, out, lse, dlse, lsegs, lrates, causal, scale, backend)
     if local:
