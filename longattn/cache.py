@@ -10,10 +10,12 @@ import torch.distributed as dist
 
 from . import backends as bk
 from . import tuning as _tuning
-from ._validation import check_dilation, check_flag, check_qkv, check_scale
+from ._sinks import apply_sinks, sinks_meta
+from ._validation import check_dilation, check_flag, check_qkv, check_scale, check_softcap_sinks
 from .distributed import checks
 from .distributed.cache import CacheLayout, prefill_pieces
 from .distributed.layout import check_layout
+from .decode.bounded import bounded_part, check_bounds
 from .decode.checks import check_cache_tensors, describe, no_capture
 from .decode.dilated import dilated_part
 from .decode.engine import dense_engine, dense_part
@@ -260,7 +262,8 @@ class KVCache:
     @torch.no_grad()
     def attend(self, q: torch.Tensor, *, segment_lengths: Optional[Sequence[int]] = None,
                dilation_rates: Optional[Sequence[int]] = None, softmax_scale: Optional[float] = None,
-               return_lse: bool = False, backend: str = "auto"):
+               return_lse: bool = False, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+               chunk_size: Optional[int] = None, window_size: tuple[int, int] = (-1, -1), backend: str = "auto"):
         """Attention of the queries ``(batch, q_len, nheads, headdim)`` of the
         tokens appended last (``q_len`` at most the last :meth:`append`'s ``n``)
         over the whole cache, causal: query i of row b sits at position
@@ -271,18 +274,27 @@ class KVCache:
         with the same q and gets the same result, through one all-gather per
         call (the partial results with each rank's check of the call and of its
         cache's placement; a call whose shape differs from the last agreed one
-        agrees on it first)."""
+        agrees on it first).
+
+        Dense only: ``softcap`` and ``sinks`` as :func:`longattn.attention`
+        (the sinks merge once, after every rank's part); ``chunk_size``:
+        chunked attention (Llama 4), a query at position p sees the keys from
+        ``p - p % chunk_size`` on; ``window_size`` ``(left, right)``: from
+        ``p - left`` on (right has no effect: causal)
+        (:mod:`longattn.decode.bounded`)."""
         dilated = segment_lengths is not None or dilation_rates is not None
         backend = bk.resolve(backend) if backend == "auto" else backend  # a bad name is raised by the checks below
         sig = None
-        if self.group is None and not dilated and isinstance(q, torch.Tensor):
+        if self.group is None and not dilated and isinstance(q, torch.Tensor) and chunk_size is None:
             sig = (q.shape, q.dtype, q.device, type(softmax_scale), softmax_scale, type(return_lse), return_lse,
-                   backend)
-            if sig == self._checked.get("attend"):
+                   backend, type(softcap), softcap, sinks_meta(sinks), getattr(sinks, "device", None), window_size)
+            if sig == self._checked.get("attend") and window_size == (-1, -1):
                 self._check_q_len(q.shape[1])
-                return self._attend_dense(q, bk.default_scale(q.shape[-1], softmax_scale), return_lse, backend)
+                out, lse = self._attend_dense(q, bk.default_scale(q.shape[-1], softmax_scale), backend, softcap)
+                return _returned(q, out, lse, return_lse, sinks)
         problem = None
-        segs = rates = None
+        segs = rates = chunk = None
+        left = -1
         try:
             check_cache_tensors(q, self.k, self.v)
             if dilated:
@@ -290,23 +302,29 @@ class KVCache:
             check_flag(return_lse, "return_lse")
             check_scale(softmax_scale)
             bk.check_backend_name(backend)
+            softcap = check_softcap_sinks(softcap, sinks, q)
+            chunk, left = check_bounds(chunk_size, window_size)
+            if dilated and (softcap or sinks is not None or chunk is not None or left >= 0):
+                raise ValueError("KVCache.attend: dilated decoding (segment_lengths) takes no softcap, sinks, "
+                                 "chunk_size or window_size; pass them to dense decoding only")
             self._check_q_len(q.shape[1])
         except (TypeError, ValueError) as e:
             problem = e
         scale = bk.default_scale(q.shape[-1], softmax_scale) if problem is None else None
+        part = lambda: self._part(q, segs, rates, scale, backend, softcap, chunk, left)
         if self.group is not None:
             if isinstance(q, torch.Tensor):  # under capture on every rank alike: raised before any collective
                 no_capture(q, "KVCache.attend (sharded)")
             fields = dict(q=describe(q), segs=segs, rates=rates, scale=softmax_scale, lse=return_lse,
-                          backend=backend)
-            return _returned(q, *self._attend_sharded(q, fields, problem,
-                                                      lambda: self._part(q, segs, rates, scale, backend)), return_lse)
+                          backend=backend, softcap=softcap, sinks=sinks_meta(sinks), chunk=chunk_size,
+                          window=window_size)
+            return _returned(q, *self._attend_sharded(q, fields, problem, part), return_lse, sinks)
         if problem is not None:
             raise problem
-        if not dilated:
-            self._checked["attend"] = sig
-            return self._attend_dense(q, scale, return_lse, backend)
-        return _returned(q, *self._part(q, segs, rates, scale, backend), return_lse)
+        if dilated or chunk is not None or left >= 0:
+            return _returned(q, *part(), return_lse, sinks)
+        self._checked["attend"] = sig
+        return _returned(q, *self._attend_dense(q, scale, backend, softcap), return_lse, sinks)
 
     def _check_q_len(self, lq: int) -> None:
         if lq > self.layout.last_count:
@@ -314,26 +332,29 @@ class KVCache:
                              f"append ({self.layout.last_count} tokens); append their keys and values in one call "
                              f"first")
 
-    def _part(self, q, segs, rates, scale: float, backend: str):
-        """This rank's (out, lse) of the call: dense, or dilated with ``segs``."""
+    def _part(self, q, segs, rates, scale: float, backend: str, softcap: float, chunk: Optional[int], left: int):
+        """This rank's (out, lse) of the call: dense (each query from its
+        first seen key with ``chunk``/``left``), or dilated with ``segs``."""
         lay, me, lq = self.layout, self.rank, q.shape[1]
+        if segs is None and (chunk is not None or left >= 0):
+            return bounded_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], chunk, left, scale,
+                                softcap, backend, self.tuning)
         if segs is None:
             lens = lay.local[me]
             return dense_part(q, self.k, self.v, lens, me == lay.last_owner, scale, backend, tuning=self.tuning,
-                              ragged=len(set(lens)) > 1)
+                              ragged=len(set(lens)) > 1, softcap=softcap)
         return dilated_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], segs, rates, scale,
                             backend)
 
-    def _attend_dense(self, q, scale: float, return_lse: bool, backend: str):
+    def _attend_dense(self, q, scale: float, backend: str, softcap: float):
         """One device: a step replayed from a CUDA graph where the engine allows."""
         lens = self.layout.local[0]
-        engine = dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True)
+        engine = dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True,
+                              softcap=softcap)
         if engine == "graphs":
-            out, lse = self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
-        else:
-            out, lse = dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning, engine=engine,
-                                  ragged=len(set(lens)) > 1)
-        return _returned(q, out, lse, return_lse)
+            return self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
+        return dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning, engine=engine,
+                          ragged=len(set(lens)) > 1, softcap=softcap)
 
     def _attend_sharded(self, q, fields: dict, problem: Optional[Exception], part):
         """The merged (out, lse) of every rank's ``part()``: one all-gather that
@@ -381,7 +402,9 @@ class KVCache:
 _MASK = (1 << 28) - 1  # a 56-bit digest travels as two int32 halves
 
 
-def _returned(q, out, lse, return_lse: bool):
+def _returned(q, out, lse, return_lse: bool, sinks=None):
+    if sinks is not None:  # once, after every part merged
+        out, lse = apply_sinks(out, lse, sinks)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
 

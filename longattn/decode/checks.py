@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from .. import backends as bk
-from .._validation import check_flag, check_qkv, check_scale
+from .._validation import check_flag, check_qkv, check_scale, check_softcap_sinks
 
 
 def check_cache_tensors(q, k_cache, v_cache) -> None:
@@ -36,15 +36,18 @@ def check_lengths(lens: Sequence[int], capacity: int, q_len: int, need_queries: 
 
 
 @torch.no_grad()
-def check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend) -> None:
+def check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend,
+                      softcap=0.0, sinks=None) -> float:
     """The arguments of :func:`longattn.decode_attention` (not the lengths'
-    values: those are read on the host, or not at all under capture)."""
+    values: those are read on the host, or not at all under capture); returns
+    softcap as a float."""
     check_cache_tensors(q, k_cache, v_cache)
     check_seqlens_tensor(cache_seqlens, q.shape[0])
     check_flag(causal, "causal")
     check_flag(return_lse, "return_lse")
     check_scale(softmax_scale)
     bk.check_backend_name(backend)
+    return check_softcap_sinks(softcap, sinks, q)
 
 
 def no_capture(q: torch.Tensor, what: str) -> None:

@@ -11,21 +11,25 @@ import torch
 from .. import backends as bk
 from .. import tuning as _tuning
 from .._merge import empty_state
+from .._sinks import apply_sinks
 from ..dilated import graphs
 from ..kernels import decode as _kdec
 from .checks import check_decode_args, check_lengths
 
 
-def split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning) -> list[str]:
+def split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning, softcap: float = 0.0
+                      ) -> list[str]:
     """Why the split-KV kernel cannot run this call under ``backend`` (resolved
-    at the public call)."""
+    at the public call); it applies no logit soft-capping."""
     why = [] if backend in ("auto", "triton") else [f"backend {backend!r} (use 'auto' or 'triton')"]
+    if softcap:
+        why.append(f"softcap={softcap} (the split-KV kernel does not soft-cap)")
     return why + bk.BACKENDS["triton"].kernel_refusals(q) + _kdec.refusals(q, k_cache, v_cache,
                                                                            tuning.split_kv_max_rows)
 
 
 def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
-                 tuning: _tuning.DecodeTuning = _tuning.DECODE, graph_steps: bool = False) -> str:
+                 tuning: _tuning.DecodeTuning = _tuning.DECODE, graph_steps: bool = False, softcap: float = 0.0) -> str:
     """The engine of a dense decode call, decided once per call: the one
     place that picks it (``backend`` as resolved at the public call).
 
@@ -41,7 +45,9 @@ def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
       ``tuning.split_kv_equal_rows``, if the kernel takes the shapes;
       ``triton``: wherever the kernel runs (the CPU interpreter included).
     * ``"backend"``: a backend on views of the cache; always for any other
-      backend name.
+      backend name, and for a call with ``softcap`` (logit soft-capping,
+      which the split-KV kernel, and so the graphs, do not apply: the backend
+      chosen then is one that soft-caps, e.g. math).
 
     (Under CUDA graph capture the kernel is the only engine.)"""
     if backend not in ("auto", "triton"):
@@ -49,7 +55,7 @@ def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     graphed = graph_steps and tuning.graph_steps and graphs.usable(q)
     if not graphed and backend == "auto" and not (q.device.type == "cuda" and (ragged or tuning.split_kv_equal_rows)):
         return "backend"
-    if split_kv_refusals(q, k_cache, v_cache, backend, tuning):
+    if split_kv_refusals(q, k_cache, v_cache, backend, tuning, softcap):
         return "backend"
     return "graphs" if graphed else "split_kv"
 
@@ -57,7 +63,7 @@ def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
                scale: float, backend: str, lens_tensor: Optional[torch.Tensor] = None,
                tuning: _tuning.DecodeTuning = _tuning.DECODE, *, engine: Optional[str] = None,
-               ragged: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               ragged: Optional[bool] = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each
     row; ``causal``: bottom-right (query i sees ``lens[b] - Lq + i + 1`` keys).
     Returns out in q's dtype and lse ``(B, H, Lq)`` float32; a row with no key
@@ -66,37 +72,39 @@ def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
     otherwise one backend call when the rows have equal lengths, else one per
     row (views of the cache, never copies). ``engine`` (``"split_kv"`` or
     ``"backend"``) and ``ragged`` (rows of different lengths), when the caller
-    has decided them (:func:`dense_engine`); else decided here."""
+    has decided them (:func:`dense_engine`); else decided here. ``softcap``:
+    logit soft-capping (in the block spec: only backends that apply it run)."""
     b, lq, h, _ = q.shape
     masked = causal and lq > 1  # one query sees every cached key
     if ragged is None:
         ragged = len(set(lens)) > 1
     if engine is None:
-        engine = dense_engine(q, k_cache, v_cache, backend, ragged or lens_tensor is not None, tuning)
+        engine = dense_engine(q, k_cache, v_cache, backend, ragged or lens_tensor is not None, tuning,
+                              softcap=softcap)
     if engine == "split_kv":
         return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor, ragged=ragged,
                             **tuning.kernel_args(q.device.type == "cpu"))
     if not ragged:
-        return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning)
+        return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning, softcap)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     for i, n in enumerate(lens):
         out[i:i + 1], lse[i:i + 1] = _dense_rows(q[i:i + 1], k_cache[i:i + 1], v_cache[i:i + 1], n, masked, scale,
-                                                 backend, tuning)
+                                                 backend, tuning, softcap)
     return out, lse
 
 
 def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend: str,
-                tuning: _tuning.DecodeTuning):
+                tuning: _tuning.DecodeTuning, softcap: float):
     b, lq, h, _ = q.shape
     if n == 0:
         return empty_state(q, q.dtype)
     k, v = k_cache[:, :n], v_cache[:, :n]
     if masked:
-        spec = bk.BlockSpec(scale, True, (-1, -1), n - lq)
+        spec = bk.BlockSpec(scale, True, (-1, -1), n - lq, softcap)
         be = bk.select_backend(q, k, spec, backend, exclude=tuning.auto_excludes)
     else:
-        spec = bk.BlockSpec(scale)
+        spec = bk.BlockSpec(scale, softcap=softcap)
         be = unmasked_backend(q, k, spec, backend, tuning)
     return be.forward(q, k, v, spec)
 
@@ -108,12 +116,12 @@ def unmasked_backend(q, k, spec, backend: str, tuning: _tuning.DecodeTuning = _t
     return bk.select_backend(q, k[:, :1], spec, backend, exclude=tuning.auto_excludes)
 
 
-def captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, backend: str):
+def captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, backend: str, softcap: float = 0.0):
     """Inside CUDA graph capture: the lengths stay on the device (a host read
     cannot be captured, and a replay sees the lengths of its own step), so
     only the split-KV kernel, whose launch does not depend on them, can run;
     keeping them within [q_len, capacity] is the caller's part."""
-    why = split_kv_refusals(q, k_cache, v_cache, backend, _tuning.DECODE)
+    why = split_kv_refusals(q, k_cache, v_cache, backend, _tuning.DECODE, softcap)
     if cache_seqlens.device != q.device:
         why.append(f"cache_seqlens is on {cache_seqlens.device} (put it on {q.device})")
     if why:
@@ -128,14 +136,18 @@ def on_device(lens: torch.Tensor, q: torch.Tensor) -> Optional[torch.Tensor]:
     return lens if lens.device == q.device else None
 
 
-def decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend: str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend: str,
+                softcap=0.0, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`longattn.decode_attention` on one device: checked, then captured
-    or eager; (out in q's dtype, lse)."""
-    check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend)
+    or eager, the sinks merged last; (out in q's dtype, lse)."""
+    softcap = check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend,
+                                softcap, sinks)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return captured(q, k_cache, v_cache, cache_seqlens, causal, scale, backend)
-    lens = cache_seqlens.tolist()
-    check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
-    return dense_part(q, k_cache, v_cache, lens, causal, scale, backend, on_device(cache_seqlens, q))
+        out, lse = captured(q, k_cache, v_cache, cache_seqlens, causal, scale, backend, softcap)
+    else:
+        lens = cache_seqlens.tolist()
+        check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
+        out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, on_device(cache_seqlens, q),
+                              softcap=softcap)
+    return (out, lse) if sinks is None else apply_sinks(out, lse, sinks)

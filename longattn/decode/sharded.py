@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .._merge import empty_state, merge_
+from .._sinks import apply_sinks, sinks_meta
 from ..distributed import checks as dist_checks
 from .checks import check_decode_args, check_lengths, describe, no_capture
 from .engine import dense_part, on_device
@@ -75,30 +76,34 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optio
     return merge()
 
 
-def decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend: str, group
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend: str, group,
+                softcap=0.0, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`longattn.decode_attention` with ``group``: the call agreed on
     every rank (the capacity and the lengths may differ; everything else may
     not), each rank's part, merged; (out in q's dtype, lse), the same on every
     rank. A rank whose lengths are out of range joins the merge with zeros and
-    every rank raises."""
+    every rank raises. The sinks merge once, after the ranks' parts."""
     no_capture(q, "decode_attention(..., group=...)")
     g = dist_checks.resolve_group(group)
     problem = None
     try:
-        check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend)
+        softcap = check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend,
+                                    softcap, sinks)
     except (TypeError, ValueError) as e:
         problem = e
     dist_checks.agree(g, "decode_attention", problem, q=describe(q), k=describe(k_cache, capacity=False),
                       v=describe(v_cache, capacity=False), seqlens=describe(cache_seqlens), scale=softmax_scale,
-                      lse=return_lse, backend=backend)
+                      lse=return_lse, backend=backend, softcap=softcap, sinks=sinks_meta(sinks))
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     lens = cache_seqlens.tolist()
     try:
         check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
-        out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, on_device(cache_seqlens, q))
+        out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, on_device(cache_seqlens, q),
+                              softcap=softcap)
     except ValueError as e:
         problem = e
         out, lse = empty_state(q, q.dtype)
     out, lse = merge_over_ranks(out, lse, g, problem, check=True)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return out.to(q.dtype), lse

@@ -22,7 +22,7 @@ __all__ = ["decode_attention", "dilated_decode_attention"]
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cache_seqlens: torch.Tensor,
                      causal: bool = True, softmax_scale: Optional[float] = None, return_lse: bool = False,
-                     backend: str = "auto", group=None):
+                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None, backend: str = "auto", group=None):
     """Attention of the newest tokens' queries over a KV cache (decoding).
 
     Args:
@@ -41,6 +41,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             ``cache_seqlens >= q_len``). False: every valid key (e.g. a cache of
             another sequence). With one query both are the same.
         softmax_scale, return_lse, backend: as :func:`longattn.attention`.
+        softcap: logit soft-capping as :func:`longattn.attention` (run by a
+            backend that applies it on views of the cache, never the split-KV
+            kernel: so not under CUDA graph capture).
+        sinks: ``(nheads,)`` one logit per query head in every row's softmax
+            denominator, as :func:`longattn.attention`; with ``group``, merged
+            once after the ranks' parts.
         group: a ProcessGroup: the cache is sharded, ``k_cache``/``v_cache``/
             ``cache_seqlens`` are this rank's part and q is the same on every
             rank. Each rank attends to its part (``causal`` applies to the part:
@@ -55,11 +61,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Returns:
         ``out`` ``(batch, q_len, nheads, headdim)`` in q's dtype, and lse
         ``(batch, nheads, q_len)`` float32 when asked. Rows that see no key: 0
-        and -inf.
+        and -inf (with sinks: 0 and the head's sink).
 
     Equivalent PyTorch (one row ``b``, ``n = cache_seqlens[b]``)::
 
-        longattn.attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], causal=causal)
+        longattn.attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], causal=causal,
+                           softcap=softcap, sinks=sinks)
+
+    Chunked attention and sliding windows over a cache: :meth:`longattn.KVCache.attend`
+    (``chunk_size``, ``window_size``), which knows every slot's position.
 
     Notes:
         Engines (``backend="auto"``,
@@ -81,10 +91,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     backend = bk.resolve(backend) if backend == "auto" else backend  # a bad name is raised by the checks below
     if group is None:
-        out, lse = engine.decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend)
+        out, lse = engine.decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend,
+                                      softcap, sinks)
     else:
         out, lse = sharded.decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse,
-                                       backend, group)
+                                       backend, group, softcap, sinks)
     return (out, lse) if return_lse else out
 
 
