@@ -295,6 +295,42 @@ def test_generate_from_sharded_cache(world):
     run_world(_check_generate, world)
 
 
+def _check_generate_families(rank, world):
+    """Gemma 2 (soft-capping, a window of 4), GPT-OSS (sinks, a window of 4)
+    and Llama 4 text (chunks of 4) generate from a ShardedCache the greedy
+    tokens of "eager" on one device: the prompt given whole (pieces cut at
+    the chunk edges), and a prefill sharded end to end through shard_batch
+    (ring attention); decoding crosses window and chunk edges."""
+    import longattn.integrations.transformers as lt
+    from longattn import context_parallel as cp
+    from test_hf import _pair
+
+    kw = dict(max_new_tokens=7, do_sample=False, pad_token_id=0)
+    ids = torch.randint(1, 50, (2, 13), generator=generator(5))
+    for kind in ("gemma2", "gpt_oss", "llama4"):
+        model, ref = _pair(kind, impl="longattn_ring", ref_impl="eager")
+        ref = ref.float()
+        if kind == "gpt_oss":
+            with torch.no_grad():  # sinks comparable to the scores, so that they change the tokens
+                for m in (model, ref):
+                    for layer in m.model.layers:
+                        layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+        want = ref.generate(ids, **kw)
+        for layout in ("zigzag", "contiguous"):
+            got = model.generate(ids, past_key_values=lt.ShardedCache(layout=layout, block=1), **kw)
+            assert torch.equal(got, want), (rank, kind, layout, got, want)
+        cache = lt.ShardedCache(block=2)
+        model(**cp.shard_batch(ids[:, :-1]), past_key_values=cache)  # 12 tokens: dense zigzag rows for world 2 and 3
+        got = model.generate(ids, past_key_values=cache, **kw)
+        assert torch.equal(got, want), (rank, kind, "sharded prefill", got, want)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_generate_softcap_sinks_chunked_from_sharded_cache(world):
+    run_world(_check_generate_families, world)
+
+
 def test_ring_mask_hook_hands_chunks():
     """A chunked layer's mask under "longattn_ring" is its chunk size (the
     ring cuts the sharded documents there); other layers get no mask."""

@@ -21,7 +21,7 @@ from longattn.distributed import checks as rank_checks
 from longattn.distributed.cache import prefill_pieces
 from longattn.distributed.layout import check_layout
 
-from . import checks
+from . import checks, cp
 from .cp import agree
 from .masks import RingChunks
 
@@ -107,23 +107,34 @@ def sharded_layer_forward(impl: str, layer: ShardedLayer, module, query, key, va
                           dropout, sliding_window, softcap, kwargs, branches=None):
     """The attention call of a layer whose cache is ``layer``: ``key``/``value``
     are the tokens of this forward (``update`` already appended them when
-    decoding). ``branches``: the dilated segment lengths and rates, or None."""
+    decoding). ``branches``: the dilated segment lengths and rates, or None.
+    Dense layers run soft-capping, sinks (``s_aux``), sliding windows and
+    chunks (:class:`~.masks.RingChunks`) in the prefill and every step."""
     cache = layer.owner
     ctx = kwargs.get(checks.CP_KEY)
+    chunk = attention_mask.size if isinstance(attention_mask, RingChunks) else None
+    attention_mask = None if chunk is not None else attention_mask
+    sinks = kwargs.get("s_aux")
     problem, causal, dv = None, True, value.shape[-1]
     try:
-        causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs)
+        causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs,
+                                              scores=branches is None)
         _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_window, causal, branches)
     except ValueError as e:
         problem = e
     agree(module, cache.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
-          prefill=layer.kv is None, sharded_batch=ctx is not None)
+          prefill=layer.kv is None, sharded_batch=ctx is not None, softcap=softcap, sinks=sinks is not None,
+          chunk=chunk, window=sliding_window)
     q, k, v = checks.to_bshd(query, key, value)
+    # Gemma 2's soft-capping, GPT-OSS's sinks, as in the calls without a cache
+    scores = dict(softcap=float(softcap or 0.0), sinks=sinks)
+    window = (-1, -1) if sliding_window is None else (int(sliding_window) - 1, 0)  # transformers': q - k < window
     if layer.kv is not None:
-        out = layer.kv.attend(q, softmax_scale=scaling, **(branches or {}))
+        if branches is not None:
+            return checks.crop(layer.kv.attend(q, softmax_scale=scaling, **branches), dv)
+        out = layer.kv.attend(q, softmax_scale=scaling, chunk_size=chunk, window_size=window, **scores)
     elif ctx is not None:  # this rank's shard of the prompt: ring attention, then keep the shard's K/V
-        out = longattn.ring_attention(q, k, v, causal=True, softmax_scale=scaling, layout=ctx.layout,
-                                      group=cache.group)
+        out = cp.ring_forward(ctx, q, k, v, True, scaling, sliding_window, scores, chunk)
         layer.kv = longattn.KVCache.from_prefill(k, v, layout=ctx.layout, group=cache.group, reserve=cache.reserve,
                                                  block=cache.block)
     else:  # the whole prompt on every rank: keep this rank's pieces
@@ -132,19 +143,15 @@ def sharded_layer_forward(impl: str, layer: ShardedLayer, module, query, key, va
         if branches is not None:
             out = longattn.dilated_attention(q, k, v, causal=True, softmax_scale=scaling, **branches)
         else:
-            out = _pieces_attention(q, k, v, scaling, cache.layout, cache.group)
+            out = _pieces_attention(q, k, v, scaling, cache.layout, cache.group, window, chunk, scores)
     return checks.crop(out, dv)
 
 
 def _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_window, causal, branches) -> None:
-    if isinstance(attention_mask, RingChunks):
-        raise ValueError(f"attn_implementation={impl!r} with a ShardedCache does not run chunked attention (the "
-                         f"model's attention_chunk_size, Llama 4); generate with the default cache under "
-                         f"'longattn' (one device)")
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={impl!r} with a ShardedCache: got a padding mask; generate from "
                          f"prompts of one length (no padding), or one prompt per call")
-    if sliding_window is not None:
+    if sliding_window is not None and branches is not None:
         raise ValueError(f"attn_implementation={impl!r} with a ShardedCache has no sliding window (this layer has "
                          f"{sliding_window}); set config.sliding_window = None or use the default cache")
     if not causal:
@@ -162,15 +169,21 @@ def _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_win
                          f"{query.shape[2]} queries")
 
 
-def _pieces_attention(q, k, v, scale, layout: str, group) -> torch.Tensor:
+def _pieces_attention(q, k, v, scale, layout: str, group, window, chunk, scores: dict) -> torch.Tensor:
     """Causal attention of the whole prompt when every rank holds all of q, k,
     v: each rank computes the queries of its pieces (their keys are all at or
-    before them: no communication) and one all-reduce assembles the output."""
+    before them: no communication; cut at chunk edges under chunked
+    attention, each part over its chunk's keys) and one all-reduce assembles
+    the output."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for g0, n in prefill_pieces(layout, rank, world, q.shape[1]):
-        if n:
-            out[:, g0:g0 + n] = longattn.attention(q[:, g0:g0 + n], k[:, :g0 + n], v[:, :g0 + n], causal=True,
-                                                   softmax_scale=scale)
+        a = g0
+        while a < g0 + n:
+            lo = 0 if chunk is None else a - a % chunk
+            e = g0 + n if chunk is None else min(g0 + n, lo + chunk)
+            out[:, a:e] = longattn.attention(q[:, a:e], k[:, lo:e], v[:, lo:e], causal=True, softmax_scale=scale,
+                                             window_size=window, **scores)
+            a = e
     dist.all_reduce(out, group=group)  # the other ranks add zeros: exact
     return out
