@@ -1,6 +1,7 @@
 """Decoding with a KV cache on one device against float64 references over the
 whole context: decode_attention (dense, GQA, rows of different lengths, one
-and several queries), dilated_decode_attention (the last rows of causal
+and several queries, soft-capping and sinks), KVCache.attend with chunks and
+sliding windows, dilated_decode_attention (the last rows of causal
 dilated attention), KVCache step by step, the placement bookkeeping, what a
 dilated cache must keep, LongNetLM.generate against recomputing the forward,
 and bad inputs."""
@@ -10,7 +11,7 @@ import torch
 import longattn
 from longattn.distributed.cache import CacheLayout, prefill_pieces
 from longattn.decode import dilated_read_start
-from reference import assert_close, attention_ref, dilated_ref
+from reference import assert_close, attention_ref, dilated_ref, masked_attention
 
 TOL = 1e-4
 I32 = torch.int32
@@ -58,6 +59,81 @@ def test_decode_attention_matches_reference(h, hkv):
     out = longattn.decode_attention(q, k, v, cache_seqlens=torch.full((b,), 13, dtype=I32), softmax_scale=0.3)
     ref, _ = attention_ref(q, k[:, :13], v[:, :13], causal=True, scale=0.3)
     assert_close(dict(out=out), dict(out=ref), TOL, "equal lengths")
+
+
+def bounded_ref(q, k, v, n, chunk=None, left=-1, softcap=0.0, sinks=None, scale=None):
+    """One row: the last Lq queries of n tokens, causal, each query at p seeing
+    keys from its chunk's start ``p - p % chunk`` and ``p - left`` on."""
+    lq = q.shape[1]
+    pos_q, pos_k = torch.arange(n - lq, n)[:, None], torch.arange(n)[None, :]
+    m = pos_k <= pos_q
+    if chunk is not None:
+        m &= pos_k >= pos_q - pos_q % chunk
+    if left >= 0:
+        m &= pos_k >= pos_q - left
+    return masked_attention(q, k[:, :n], v[:, :n], m, q.shape[-1] ** -0.5 if scale is None else scale, softcap,
+                            sinks)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_decode_softcap_sinks_match_reference(backend):
+    """decode_attention with soft-capping and sinks (GQA, ragged rows, one and
+    several queries, a row with no key: 0 and the sink's lse)."""
+    torch.manual_seed(11)
+    b, cap, h, hkv, d = 3, 20, 4, 2, 8
+    k, v = torch.randn(b, cap, hkv, d) * 2, torch.randn(b, cap, hkv, d)
+    sinks = torch.linspace(-1.0, 2.0, h)
+    for lq, causal, lens, softcap, sk in ((1, True, [17, 5, 20], 1.5, sinks), (3, True, [3, 20, 9], 2.0, None),
+                                          (2, False, [0, 11, 11], 0.0, sinks), (2, False, [0, 7, 4], 1.0, sinks)):
+        q = torch.randn(b, lq, h, d) * 2
+        got = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), causal=causal,
+                                        return_lse=True, softcap=softcap, sinks=sk, backend=backend)
+        _rows(got, lambda i, n: attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal,
+                                              softcap=softcap, sinks=sk), lens, f"lq={lq} softcap={softcap}")
+        if lens[0] == 0 and sk is not None:  # no key: 0 and the sink
+            assert torch.equal(got[0][0], torch.zeros_like(got[0][0])) and torch.equal(got[1][0, :, 0], sk)
+    # the soft-cap bites: without it the result differs
+    q = torch.randn(b, 1, h, d) * 2
+    lens = torch.full((b,), 13, dtype=I32)
+    a = longattn.decode_attention(q, k, v, cache_seqlens=lens, softcap=1.0)
+    assert not torch.allclose(a, longattn.decode_attention(q, k, v, cache_seqlens=lens), atol=1e-3)
+
+
+def test_kv_cache_chunks_windows_softcap_sinks():
+    """KVCache.attend with chunk_size and window_size (Llama 4's chunks, a
+    sliding window), soft-capping and sinks, on a right-padded cache, step by
+    step with one and several queries (across chunk edges): against the
+    float64 reference over each row's whole context."""
+    torch.manual_seed(12)
+    b, s, h, hkv, d = 2, 12, 4, 2, 8
+    lens = [12, 7]
+    k, v = torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
+    cache = longattn.KVCache.from_prefill(k, v, seqlens=lens)
+    full = [[k[i:i + 1, :n], v[i:i + 1, :n]] for i, n in enumerate(lens)]
+    sinks = torch.linspace(-1.0, 2.0, h)
+    for step, n_new in enumerate((1, 3, 1, 2, 5)):
+        kn, vn, q = torch.randn(b, n_new, hkv, d), torch.randn(b, n_new, hkv, d), torch.randn(b, n_new, h, d)
+        cache.append(kn, vn)
+        for i in range(b):
+            full[i] = [torch.cat([full[i][0], kn[i:i + 1]], 1), torch.cat([full[i][1], vn[i:i + 1]], 1)]
+        now = cache.seqlens.tolist()
+        for kw in (dict(chunk_size=4), dict(chunk_size=3, softcap=1.0, sinks=sinks), dict(window_size=(3, 0)),
+                   dict(window_size=(2, -1), chunk_size=5, sinks=sinks), dict(softcap=1.5, sinks=sinks)):
+            chunk, left = kw.get("chunk_size"), kw.get("window_size", (-1, -1))[0]
+            _rows(cache.attend(q, return_lse=True, **kw),
+                  lambda i, n: bounded_ref(q[i:i + 1], *full[i], n, chunk, left, kw.get("softcap", 0.0),
+                                           kw.get("sinks")), now, f"step {step} {kw}")
+
+
+def test_bounded_calls_group_queries():
+    """Consecutive queries become one block call: the same keys, causal, or
+    causal with a window; an empty range stands alone."""
+    from longattn.decode.bounded import _calls
+
+    assert _calls([(0, 5), (0, 5)]) == [(0, 2, 0, 5, "all")]
+    assert _calls([(0, 5), (0, 6), (0, 7), (7, 8)]) == [(0, 3, 0, 7, "causal"), (3, 4, 7, 8, "all")]
+    assert _calls([(2, 5), (3, 6), (4, 7)]) == [(0, 3, 2, 7, "window")]
+    assert _calls([(3, 3), (3, 4)]) == [(0, 1, 3, 3, "all"), (1, 2, 3, 4, "all")]
 
 
 triton_ok = pytest.mark.skipif(not longattn.kernels_available(),
@@ -251,6 +327,24 @@ def test_bad_inputs_raise():
     cache.attend(q, return_lse=True)
     with pytest.raises(TypeError):  # a step like the last skips its checks, but 1 is not True
         cache.attend(q, return_lse=1)
+    # soft-capping, sinks, chunks and windows
+    with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
+        call(softcap=-1.0)
+    with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, shape \(4,\)"):
+        call(sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="does not soft-cap|softcap"):
+        call(softcap=1.0, backend="triton")  # the split-KV kernel and triton's dense kernel do not soft-cap
+    with pytest.raises(ValueError, match="sinks must hold one logit"):
+        cache.attend(q, sinks=torch.zeros(4, 1))
+    cache.attend(q, sinks=torch.zeros(4))  # a step like the last but for its sinks is checked again
+    with pytest.raises(ValueError, match="softcap must be"):
+        cache.attend(q, softcap=float("inf"))
+    with pytest.raises(ValueError, match="chunk_size must be None or a positive int"):
+        cache.attend(q, chunk_size=0)
+    with pytest.raises(ValueError, match="window_size must be"):
+        cache.attend(q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="dilated decoding .* takes no softcap"):
+        cache.attend(q, segment_lengths=[4], dilation_rates=[1], chunk_size=4)
 
 
 def test_bench_decode_tiny(tmp_path):
