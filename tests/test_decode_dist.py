@@ -133,6 +133,57 @@ def _check_generate(rank, world):
     assert torch.equal(got, want), (rank, got, want)
 
 
+def _check_scores(rank, world):
+    """Sharded caches with chunks, sliding windows, soft-capping and sinks
+    (the sinks merged once after the ranks' parts), step by step with one and
+    several queries across chunk edges; decode_attention(group=) with
+    soft-capping and sinks, a part with no key included."""
+    from test_decode import bounded_ref
+
+    g = dist.group.WORLD
+    b, h, hkv, d = 2, 4, 2, 8
+    sinks = torch.linspace(-1.0, 2.0, h)
+    for layout in ("contiguous", "zigzag"):
+        s = 4 * world
+        lens = [s, s - 5]
+        gen = generator(13)
+        k, v = torch.randn(b, s, hkv, d, generator=gen), torch.randn(b, s, hkv, d, generator=gen)
+        caches = [longattn.KVCache.from_prefill(longattn.shard(k, layout=layout), longattn.shard(v, layout=layout),
+                                                seqlens=lens, layout=layout, group=g, block=2),
+                  longattn.KVCache.from_sequence(k, v, seqlens=lens, layout=layout, group=g, block=1)]
+        full = [[k[i:i + 1, :n], v[i:i + 1, :n]] for i, n in enumerate(lens)]
+        for step, n_new in enumerate((1, 3, 1, 2)):
+            kn, vn = torch.randn(b, n_new, hkv, d, generator=gen), torch.randn(b, n_new, hkv, d, generator=gen)
+            q = torch.randn(b, n_new, h, d, generator=gen)
+            full = [[torch.cat([x, kn[i:i + 1]], 1), torch.cat([y, vn[i:i + 1]], 1)] for i, (x, y) in enumerate(full)]
+            for c in caches:
+                c.append(kn, vn)
+                for kw in (dict(chunk_size=4, softcap=1.0, sinks=sinks), dict(window_size=(3, 0)),
+                           dict(softcap=1.5, sinks=sinks)):
+                    chunk, left = kw.get("chunk_size"), kw.get("window_size", (-1, -1))[0]
+                    refs = [bounded_ref(q[i:i + 1], x, y, x.shape[1], chunk, left, kw.get("softcap", 0.0),
+                                        kw.get("sinks")) for i, (x, y) in enumerate(full)]
+                    _compare(f"world={world} {layout} step {step} {kw}", c.attend(q, return_lse=True, **kw), refs)
+    # the raw op: rank r holds keys [4r, 4r + 4) of row 0, the last rank none of row 1's
+    gen = generator(14)
+    k, v = torch.randn(2, 4 * world, 2, 8, generator=gen), torch.randn(2, 4 * world, 2, 8, generator=gen)
+    q = torch.randn(2, 1, 4, 8, generator=gen)
+    part = slice(4 * rank, 4 * rank + 4)
+    lens = torch.tensor([4, 0 if rank == world - 1 else 4], dtype=torch.int32)
+    got = longattn.decode_attention(q, k[:, part], v[:, part], cache_seqlens=lens, causal=False, return_lse=True,
+                                    softcap=1.0, sinks=sinks, group=g)
+    n1 = 4 * (world - 1)
+    refs = [attention_ref(q[:1], k[:1], v[:1], softcap=1.0, sinks=sinks),
+            attention_ref(q[1:], k[1:, :n1], v[1:, :n1], softcap=1.0, sinks=sinks)]
+    _compare(f"world={world} decode_attention softcap sinks", got, refs)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_decode_chunks_windows_softcap_sinks(world):
+    run_world(_check_scores, world)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_decode_matches_full_context(world):
@@ -191,6 +242,17 @@ def _check_errors(rank, world):
     other = torch.randn(1, 1, 2 if rank == 1 else 4, 8)
     _raises_everywhere(world, "differ across ranks", lambda: cache.attend(other))
     assert cache.attend(q).shape == q.shape
+    # soft-capping, sinks, chunks: bad on one rank, or differing across ranks
+    sinks = torch.zeros(4 if rank != 1 else 3)
+    _raises_everywhere(world, "sinks must hold" if rank == 1 else "differ across ranks",
+                       lambda: cache.attend(q, sinks=sinks))
+    _raises_everywhere(world, "softcap must be" if rank == 1 else "differ across ranks",
+                       lambda: cache.attend(q, softcap=-1.0 if rank == 1 else 1.0))
+    _raises_everywhere(world, "differ across ranks", lambda: cache.attend(q, chunk_size=4 + rank))
+    _raises_everywhere(world, "differ across ranks", lambda: cache.attend(q, softcap=1.0 + rank))
+    _raises_everywhere(world, "sinks must hold" if rank == 1 else "differ across ranks",
+                       lambda: call(sinks=sinks))
+    assert cache.attend(q, chunk_size=4, softcap=1.0, sinks=torch.zeros(4)).shape == q.shape
 
 
 def _check_errors_and_bench(rank, world):
