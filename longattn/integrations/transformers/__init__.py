@@ -65,9 +65,11 @@ the prompt but its last token as a sharded batch first:
 ``model(**cp.shard_batch(input_ids[:, :-1]), past_key_values=cache)`` (ring
 attention; each rank keeps its shard's K/V), then
 ``model.generate(input_ids, past_key_values=cache, ...)``. Prompts of one
-length (no padding mask), no sliding window, greedy or sampled with the same
-seed on every rank; no beam search; no soft-capping, sinks or chunked
-attention. Every rank returns the same tokens.
+length (no padding mask), greedy or sampled with the same seed on every rank;
+no beam search. Soft-capping, sinks, sliding windows and chunked attention
+run in the prefill (the pieces cut at chunk edges) and in every decoding step
+(:meth:`longattn.KVCache.attend`'s ``softcap``, ``sinks``, ``window_size``,
+``chunk_size``: Gemma 2, GPT-OSS, Llama 4). Every rank returns the same tokens.
 
 ``"longattn_dilated"`` — LongNet dilated attention
 (:func:`longattn.dilated_attention`) with the branches read from the model
@@ -86,7 +88,7 @@ position biases, paged caches, a static cache, 4-D or other custom masks
 (or-masks, bidirectional image-token blocks: use ``"sdpa"`` or
 ``"flex_attention"`` there), head counts that GQA cannot pair; logit
 soft-capping, attention sinks and chunked attention under
-``"longattn_dilated"`` and with a :class:`ShardedCache`.
+``"longattn_dilated"`` (with a :class:`ShardedCache` too).
 
 Modules: ``attention`` (the three attention calls), ``masks`` (the mask hooks
 and the ``Documents`` they return, which transformers hands each attention
