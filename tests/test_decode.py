@@ -467,3 +467,38 @@ def test_kv_cache_steps_replayed_from_cuda_graphs():
     q = mk(b, 1, h, d)
     want = longattn.decode_attention(q, cache.k, cache.v, cache_seqlens=cache.local_seqlens, backend="flash")
     assert (cache.attend(q).float() - want.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_kv_cache_softcap_sinks_chunks_on_cuda():
+    """On one GPU in bf16: KVCache steps with soft-capping (not the split-KV
+    kernel nor its graphs: a backend that soft-caps on views), sinks and chunks
+    (rows of different lengths) against float64; decode_attention with
+    soft-capping under capture names the split-KV kernel's refusal."""
+    from reference import rel_err
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    b, n, h, hkv, d = 2, 700, 8, 2, 64
+    k, v = mk(b, n, hkv, d), mk(b, n, hkv, d)
+    lens = [700, 513]
+    cache = longattn.KVCache.from_prefill(k, v, seqlens=lens, reserve=8)
+    full = [[k[i:i + 1, :m].cpu(), v[i:i + 1, :m].cpu()] for i, m in enumerate(lens)]
+    sinks = torch.linspace(-1.0, 2.0, h, device="cuda")
+    for step in range(4):
+        kn, vn, q = mk(b, 1, hkv, d), mk(b, 1, hkv, d), mk(b, 1, h, d)
+        cache.append(kn, vn)
+        full = [[torch.cat([x, kn[i:i + 1].cpu()], 1), torch.cat([y, vn[i:i + 1].cpu()], 1)]
+                for i, (x, y) in enumerate(full)]
+        for kw in (dict(softcap=30.0, sinks=sinks), dict(chunk_size=128, sinks=sinks), dict(window_size=(99, 0))):
+            out = cache.attend(q, **kw)
+            chunk, left = kw.get("chunk_size"), kw.get("window_size", (-1, -1))[0]
+            for i, (x, y) in enumerate(full):
+                ref, _ = bounded_ref(q[i:i + 1].cpu(), x, y, x.shape[1], chunk, left, kw.get("softcap", 0.0),
+                                     None if "sinks" not in kw else sinks.cpu())
+                assert rel_err(out[i:i + 1].cpu(), ref) < 2e-2, (step, kw, i)
+    assert not cache._steps.replays.graphs  # soft-capped steps never ran the split-KV kernel
+    lens_dev = torch.tensor(lens, dtype=I32, device="cuda")
+    with pytest.raises(ValueError, match="soft-cap"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            longattn.decode_attention(mk(b, 1, h, d), k, v, cache_seqlens=lens_dev, softcap=30.0)
