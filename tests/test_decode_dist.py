@@ -176,6 +176,10 @@ def _check_scores(rank, world):
     refs = [attention_ref(q[:1], k[:1], v[:1], softcap=1.0, sinks=sinks),
             attention_ref(q[1:], k[1:, :n1], v[1:, :n1], softcap=1.0, sinks=sinks)]
     _compare(f"world={world} decode_attention softcap sinks", got, refs)
+    # a row with no key on any rank: 0, and the sink as its lse
+    out, lse = longattn.decode_attention(q, k[:, part], v[:, part], cache_seqlens=torch.zeros(2, dtype=torch.int32),
+                                         causal=False, return_lse=True, sinks=sinks, group=g)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sinks[None, :, None].expand(2, 4, 1))
 
 
 @pytest.mark.dist
