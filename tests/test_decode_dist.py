@@ -1,6 +1,7 @@
 """Decoding from a KV cache sharded over ranks (gloo, world 2 and 3) against
 the float64 reference over the whole context: every step's output and lse,
-dense and dilated, GQA, right-padded rows of different lengths, caches built
+dense (with chunks, sliding windows, soft-capping and sinks) and dilated,
+GQA, right-padded rows of different lengths, caches built
 from a contiguous or zigzag prefill shard or from the whole prompt, and the
 raw decode_attention over parts; LongNetLM greedy generation from a sharded
 cache gives the one-device tokens; a step is one collective; bad inputs

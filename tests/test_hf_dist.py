@@ -3,7 +3,9 @@ sharded by longattn.context_parallel (gloo, world 2 and 3), against the same
 weights unsharded under "sdpa" in float64: the loss, every parameter gradient
 (summed over the group) and the gathered logits; dense rows, packed documents,
 right and left padding, a length the zigzag layout cannot split evenly, a
-sliding window; and bad inputs that raise on every rank without a hang."""
+sliding window; greedy generation from a ShardedCache (Llama, dilated, and
+Gemma 2, GPT-OSS and Llama 4 against eager); and bad inputs that raise on
+every rank without a hang."""
 import pytest
 import torch
 

@@ -119,7 +119,7 @@ def sharded_layer_forward(impl: str, layer: ShardedLayer, module, query, key, va
     try:
         causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs,
                                               scores=branches is None)
-        _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_window, causal, branches)
+        _check_cached_call(impl, layer, ctx, query, key, attention_mask, causal, branches)
     except ValueError as e:
         problem = e
     agree(module, cache.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
@@ -147,13 +147,11 @@ def sharded_layer_forward(impl: str, layer: ShardedLayer, module, query, key, va
     return checks.crop(out, dv)
 
 
-def _check_cached_call(impl, layer, ctx, query, key, attention_mask, sliding_window, causal, branches) -> None:
+def _check_cached_call(impl, layer, ctx, query, key, attention_mask, causal, branches) -> None:
+    # (a dilated layer's sliding window is refused before: dilated attention replaces it)
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={impl!r} with a ShardedCache: got a padding mask; generate from "
                          f"prompts of one length (no padding), or one prompt per call")
-    if sliding_window is not None and branches is not None:
-        raise ValueError(f"attn_implementation={impl!r} with a ShardedCache has no sliding window (this layer has "
-                         f"{sliding_window}); set config.sliding_window = None or use the default cache")
     if not causal:
         raise ValueError(f"attn_implementation={impl!r}: decoding from a ShardedCache needs a causal layer")
     if ctx is not None:
