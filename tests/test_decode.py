@@ -159,6 +159,8 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
     # a KVCache step on CPU is never replayed from a graph; a backend other than auto/triton never takes the kernel
     assert dense_engine(q, k, v, "triton", False, graph_steps=True) == "split_kv"
     assert dense_engine(q, k, v, "flash", True) == dense_engine(q, k, v, "auto", True, graph_steps=True) == "backend"
+    # the kernel does not soft-cap: such a call runs a backend that does, on views of the cache
+    assert dense_engine(q, k, v, "triton", False, graph_steps=True, softcap=1.0) == "backend"
     for causal, lens in ((True, [77, lq, 40]), (False, [0, 33, 80]), (True, [50, 50, 50])):
         got = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), causal=causal,
                                         return_lse=True, backend="triton")
