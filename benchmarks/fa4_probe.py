@@ -1,7 +1,7 @@
 """FA4 beside cuDNN through ``longattn.attention``: forward and backward TFLOP/s
 at 32K tokens, H=16, D=128, bf16, causal and not (one GPU, same run).
 
-    python benchmarks/fa4_probe.py [--seqlen 32768] [--heads 16] [--kv-heads 16] [--dim 128] [--json PATH]
+    python benchmarks/fa4_probe.py [--seqlen 32768] [--heads 16] [--kv-heads 16] [--dim 128 64] [--json PATH]
 
 FLOPs as flash-attn counts them: 4*B*H*S^2*D forward (half for causal), 2.5x
 that backward. Times are medians of CUDA-event timings after warm-up (the first
@@ -54,28 +54,29 @@ def main():
     p.add_argument("--seqlen", type=int, default=32768)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=16)
-    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dim", type=int, nargs="+", default=[128], help="head dims, one after the other in this process")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None, help="write the rows here ({commit} becomes the commit that ran)")
     a = p.parse_args()
     rows = []
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuDNN {torch.backends.cudnn.version()}  "
-          f"S={a.seqlen} H={a.heads}/{a.kv_heads} D={a.dim} bf16")
-    probe = torch.empty(1, a.seqlen, a.heads, a.dim, device="cuda", dtype=torch.bfloat16)
-    kprobe = probe[:, :, :a.kv_heads]
-    for causal in (False, True):
-        spec = bk.BlockSpec(a.dim ** -0.5, causal)
-        print(f"auto picks {bk.select_backend(probe, kprobe, spec).name} (causal={causal}); "
-              f"fa4 refusals: {bk.explain(probe, kprobe, spec)['fa4']}")
-        for backend in ("cudnn", "fa4"):
-            if bk.BACKENDS[backend].refusals(spec, probe, kprobe):
-                print(f"  {backend:6s} refuses: {bk.BACKENDS[backend].refusals(spec, probe, kprobe)}")
-                continue
-            t_f, t_b, tf_f, tf_b = measure(backend, a.seqlen, a.heads, a.kv_heads, a.dim, causal, a.iters)
-            print(f"  {'causal' if causal else 'full':6s} {backend:6s} fwd {t_f:7.2f} ms {tf_f:6.0f} TF/s   "
-                  f"bwd {t_b:7.2f} ms {tf_b:6.0f} TF/s")
-            rows.append(dict(backend=backend, causal=causal, seqlen=a.seqlen, heads=a.heads, kv_heads=a.kv_heads,
-                             dim=a.dim, fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=tf_f, bwd_tflops=tf_b))
+    for dim in a.dim:
+        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  cuDNN {torch.backends.cudnn.version()}  "
+              f"S={a.seqlen} H={a.heads}/{a.kv_heads} D={dim} bf16")
+        probe = torch.empty(1, a.seqlen, a.heads, dim, device="cuda", dtype=torch.bfloat16)
+        kprobe = probe[:, :, :a.kv_heads]
+        for causal in (False, True):
+            spec = bk.BlockSpec(dim ** -0.5, causal)
+            print(f"auto picks {bk.select_backend(probe, kprobe, spec).name} (causal={causal}); "
+                  f"fa4 refusals: {bk.explain(probe, kprobe, spec)['fa4']}")
+            for backend in ("cudnn", "fa4"):
+                if bk.BACKENDS[backend].refusals(spec, probe, kprobe):
+                    print(f"  {backend:6s} refuses: {bk.BACKENDS[backend].refusals(spec, probe, kprobe)}")
+                    continue
+                t_f, t_b, tf_f, tf_b = measure(backend, a.seqlen, a.heads, a.kv_heads, dim, causal, a.iters)
+                print(f"  {'causal' if causal else 'full':6s} {backend:6s} fwd {t_f:7.2f} ms {tf_f:6.0f} TF/s   "
+                      f"bwd {t_b:7.2f} ms {tf_b:6.0f} TF/s")
+                rows.append(dict(backend=backend, causal=causal, seqlen=a.seqlen, heads=a.heads, kv_heads=a.kv_heads,
+                                 dim=dim, fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=tf_f, bwd_tflops=tf_b))
     if a.json:
         env = M.environment(torch.device("cuda"), command="python " + " ".join(__import__("sys").argv))
         path = a.json.replace("{commit}", str(env.get("commit")))

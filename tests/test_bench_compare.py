@@ -80,6 +80,14 @@ def _check_torch_cp_plumbing(rank, world):
     seen = []
 
     def time_pair(fwd, step, dev, warmup, iters, batched, label):
+        # the timed call must look SDPA up when it runs: context_parallel swaps it in torch.nn.functional while active
+        F, real, calls = torch.nn.functional, torch.nn.functional.scaled_dot_product_attention, []
+        F.scaled_dot_product_attention = lambda *a, **kw: calls.append(kw) or a[0]
+        try:
+            fwd()
+        finally:
+            F.scaled_dot_product_attention = real
+        assert calls and calls[0]["enable_gqa"], "the timed call bound SDPA before context_parallel could swap it"
         seen.append((_cp_options.rotate_method.name, _cp_options.enable_load_balance))
         slow = 2.0 if _cp_options.rotate_method.name == "ALL_GATHER" else 1.0
         return (slow, slow * 3 if step else None, 1, 2, 0.1, 0.2)

@@ -300,7 +300,7 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
         q, k, v, causal=c.causal)), lambda c, d: ("dense attention above 256K tokens takes minutes per call (its cost grows"
                                            " as S^2: see the 128K row; LONGATTN_BENCH_DENSE_MAX_TOKENS raises the limit)"
                                            if c.seqlen * c.batch > _dense_max_tokens() else None),
-        "dense attention at the same length (auto: cuDNN on CUDA)",
+        "dense attention at the same length (auto: FA4 where installed, else cuDNN, on CUDA)",
         comparable=False, computes="dense attention at the same length (a cost reference)"),
     Impl("longattn-varlen", ("varlen",), *_varlen("auto"), note="longattn.attention_varlen, backend auto"),
     Impl("longattn-varlen-triton", ("varlen",), *_varlen("triton"), note="attention_varlen, our Triton varlen kernel"),

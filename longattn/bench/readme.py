@@ -4,7 +4,7 @@ from its file: ``python -m longattn.bench report --readme README.md FILES``.
 Each row comes from one file and one config (or one context, one training
 shape): every figure in a row was measured in the same run. The table sits
 between two marker lines; the first names the files, so the table can be
-checked against them (tests/test_bench_readme.py) and regenerated.
+checked against them (tests/test_bench_compare.py) and regenerated.
 """
 from __future__ import annotations
 
