@@ -363,15 +363,21 @@ class KVCache:
         call = checks.digest(fields)
         shape = tuple(q.shape) if problem is None else None
         same = problem is None and self._pending is None and self._agreed == (call, shape)
+        result = None
+        if same:  # a part that raises (a forced backend refusing this rank's keys) is this rank's problem
+            result, problem = checks.local_problem(part)
+            same = problem is None
         placed = self.layout.digest()
         header = [call & _MASK, call >> 28, placed & _MASK, placed >> 28, int(problem is not None),
                   int(self._pending is not None), int(not same)]
         agreed_shape = None if self._agreed is None else self._agreed[1]
-        heads, merge = gather_partials(part() if same else None, agreed_shape, header, self.group, self.k.device)
+        heads, merge = gather_partials(result, agreed_shape, header, self.group, self.k.device)
         self._judge(heads, problem, fields)
         if any(h[6] for h in heads):  # every rank made this same call, another than the one agreed before
             self._agreed = (call, shape)
-            heads, merge = gather_partials(part(), shape, [], self.group, self.k.device)
+            result, problem = checks.local_problem(part)
+            heads, merge = gather_partials(result, shape, [int(problem is not None)], self.group, self.k.device)
+            checks.raise_flagged("KVCache.attend", problem, [r for r, h in enumerate(heads) if h[0]])
         self._since_attend = None
         return merge()
 

@@ -258,6 +258,11 @@ def _check_errors(rank, world):
     _raises_everywhere(world, "sinks must hold" if rank == 1 else "differ across ranks",
                        lambda: call(sinks=sinks))
     assert cache.attend(q, chunk_size=4, softcap=1.0, sinks=torch.zeros(4)).shape == q.shape
+    # a forced backend that refuses the call where a rank has keys in range (flash: no soft-capping); a window of
+    # one key leaves the other ranks with none: every rank raises, on a new call and on one agreed before
+    for _ in range(2):
+        _raises_everywhere(world, r"flash|rank\(s\)",
+                           lambda: cache.attend(q, window_size=(0, -1), softcap=5.0, backend="flash"))
 
 
 def _check_errors_and_bench(rank, world):

@@ -340,6 +340,23 @@ def test_plan_refused_on_one_rank_raises_on_every_rank():
     run_world(_check_plan_refused_on_one_rank, 2, backend="gloo")  # patches the CPU flash backend
 
 
+def _check_plan_per_group(rank, world):
+    """Rank 0 holds the same rank and size in two groups: its plan of the
+    first call is not reused for the second, whose peer plans (and agrees)."""
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 2])
+    q = torch.randn(1, 8, 2, 8)
+    if rank in (0, 1):
+        longattn.ring_attention(q, q, q, group=a)
+    if rank in (0, 2):
+        longattn.ring_attention(q, q, q, group=b)
+    assert_group_usable(world)
+
+
+@pytest.mark.dist
+def test_ring_plan_per_group():
+    run_world(_check_plan_per_group, 3, backend="gloo")
+
+
 def test_ring_plan_key_round_trip():
     """A plan travels through the custom ops as its key and comes back equal;
     one made at a traced call (no blocks yet) is completed by the planner."""

@@ -155,7 +155,9 @@ def cached(key: tuple, build, group, what: str) -> RingPlan:
     A plan is made on every rank of ``group`` at the same call (the same
     calls miss alike): where a rank cannot plan (a forced backend that refuses
     one of its blocks), every rank raises (:func:`longattn.distributed.checks.agree`),
-    before any ring step."""
+    before any ring step. The group is part of the key: a process in two
+    groups of one size, at one rank, makes a plan (and its agreement) in each."""
+    key = (checks.group_name(group), *key)
     plan = _made.get(key)
     if plan is None:
         problem = None
