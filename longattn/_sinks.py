@@ -28,11 +28,15 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varle
     """``(out', lse')`` of ``(out, lse)`` with one sink logit per head.
 
     out ``(B, S, H, D)`` with lse ``(B, H, S)``, or with ``varlen`` out
-    ``(T, H, D)`` with lse ``(H, T)``; sinks ``(H,)`` finite. lse' is float32."""
+    ``(T, H, D)`` with lse ``(H, T)``; sinks ``(H,)`` (-inf: that head has none). lse' is float32."""
     s = sinks.to(torch.promote_types(sinks.dtype, torch.float32))
     s = s[:, None] if varlen else s[None, :, None]
-    new = torch.logaddexp(lse, s)
-    w = torch.exp(lse - new)  # (B, H, S) / (H, T); 0 where no key was seen
+    # A sink of -inf is no sink: that head keeps (out, lse). Both branches stay finite where they are not taken,
+    # so no NaN reaches a gradient through the where (a row with no key and no sink would give -inf - -inf).
+    none = torch.isneginf(s)
+    merged = torch.logaddexp(lse, torch.where(none, 0.0, s))
+    new = torch.where(none, lse, merged)
+    w = torch.where(none, 1.0, torch.exp(lse - merged))  # (B, H, S) / (H, T); 0 where no key was seen
     w = w.transpose(0, 1) if varlen else w.transpose(1, 2)
     return out * w[..., None].to(out.dtype), new.float()
 

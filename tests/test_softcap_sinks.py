@@ -177,3 +177,18 @@ def test_bf16_on_cuda(backend):
                                                    backend=backend)
         ref = lambda q, k, v, s: attention_ref(q, k, v, causal=True, softcap=softcap, sinks=s)
         check_op(fn, ref, [q, k, v, sinks], do, dl, tol=3e-2, tag=f"{backend} softcap={softcap}")
+
+
+def test_sink_of_minus_inf_is_no_sink():
+    """A head whose sink is -inf gives what no sink gives, also on rows that
+    see no key (0 / -inf, gradients finite: no NaN through the merge)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.tensor([float("-inf"), 0.5], dtype=torch.float64, requires_grad=True)
+    # fewer keys than queries, causal bottom-right: row 0 sits before the first key and sees none
+    kk, vv = k[:, :5], v[:, :5]
+    out, lse = longattn.attention(q, kk, vv, causal=True, window_size=(0, 0), return_lse=True, sinks=sinks)
+    ref, ref_lse = longattn.attention(q, kk, vv, causal=True, window_size=(0, 0), return_lse=True)
+    assert torch.equal(out[:, :, 0], ref[:, :, 0]) and torch.equal(lse[:, 0], ref_lse[:, 0])
+    (out.sum() + lse.nan_to_num(neginf=0.0).sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v, sinks))

@@ -171,11 +171,6 @@ def consistent_call(group, what: str, problem: Optional[Exception] = None, **fie
     handshake(group, what, problem, once=True, **fields)
 
 
-def check_consistent_mesh(ulysses_group, ring_group, what: str, **fields) -> None:
-    """:func:`check_consistent` over a mesh's (ulysses, ring) groups."""
-    check_consistent((ulysses_group, ring_group), what, **fields)
-
-
 def digest(fields: dict) -> int:
     """56 bits of a hash of ``fields`` (their repr, sorted): equal on every rank for equal fields."""
     return int.from_bytes(hashlib.sha1(repr(sorted(fields.items())).encode()).digest()[:7], "little")

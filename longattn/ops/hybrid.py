@@ -118,7 +118,8 @@ def context_parallel_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch
     """
     window, scale, backend, softcap, problem = check_call(q, k, v, causal, return_lse, softmax_scale, window_size,
                                                           layout, backend, softcap, sinks, ndim=3)
-    chunk = check_chunk_size(chunk_size)
+    chunk, chunk_problem = checks.local_problem(check_chunk_size, chunk_size)
+    problem = problem or chunk_problem  # raised on every rank by the cross-rank check below
     ug, rg, u, r = _mesh(mesh, q.shape[1])
     check_cu_seqlens(cu_seqlens, int(cu_seqlens[-1]))
     cu = tuple(int(x) for x in cu_seqlens.tolist())

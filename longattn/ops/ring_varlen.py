@@ -121,7 +121,8 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     """
     window = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True, ndim=3)
     softcap, problem = checks.local_problem(check_softcap_sinks, softcap, sinks, q)
-    chunk = check_chunk_size(chunk_size)
+    chunk, chunk_problem = checks.local_problem(check_chunk_size, chunk_size)
+    problem = problem or chunk_problem  # raised on every rank by the cross-rank check below
     check_layout(layout)
     backend = bk.resolve(backend)
     g = checks.resolve_group(group)
