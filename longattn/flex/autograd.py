@@ -8,6 +8,7 @@ import torch
 from .._merge import empty_state
 from ..distributed.plan import Call
 from ..distributed.ring import BackendOp, ring_backward, ring_forward
+from ..distributed.ring_plan import choose_transport
 from ..distributed.transport import ring_transport
 
 
@@ -54,15 +55,17 @@ class RingFlex(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         op = _RecordingOp() if grad else _OP
         # keep_last: the block the backward starts on, kept only where a backward will run
-        out, lse, kv_last = ring_forward(q, k, v, schedule, op, ring_transport(group), keep_last=grad)
+        # the transport is chosen once, here (ring_plan.choose_transport), and the backward exchanges the same way
+        transport = ring_transport(group, None, *choose_transport(group))
+        out, lse, kv_last = ring_forward(q, k, v, schedule, op, transport, keep_last=grad)
         ctx.save_for_backward(q, k, v, out, lse, *(kv_last or ()))
-        ctx.schedule, ctx.group, ctx.op = schedule, group, op
+        ctx.schedule, ctx.transport, ctx.op = schedule, transport, op
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *last = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, dlse, ctx.schedule, ctx.op, ring_transport(ctx.group),
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, dlse, ctx.schedule, ctx.op, ctx.transport,
                                    tuple(last) or None)
         return dq, dk, dv, None, None, None

@@ -242,6 +242,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
             raise ValueError(f"q has {q.shape[0]} local tokens but the plan gives {plan.local_tokens}: shard q, k "
                              f"and v with plan.shard")
         kernel = _varlen.choose(q[:max(plan.whole_tokens, 1)], backend, plan.cu_seqlens_local.numel() - 1)
+        # each split piece is one dense block: a backend that refuses one raises here, on every rank, not inside
+        # the op after the K/V all-gather (the backward selects alike: the choice is a function of these shapes)
+        dense = _varlen._dense_name(backend)
+        for a, b, k0, k1, sp in _pieces(plan, causal, window, scale)[2]:
+            kv = k.new_empty((1, 1, *k.shape[1:])).expand(1, k1 - k0, *k.shape[1:])
+            bk.select_backend(q[None, a:b], kv, sp, dense)
     except ValueError as e:
         problem = e
     if not torch.compiler.is_compiling():
