@@ -146,3 +146,13 @@ def check_softcap_sinks(softcap, sinks, q: torch.Tensor) -> float:
         if sinks.device != q.device:
             raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
     return float(softcap)
+
+
+def check_chunk_size(chunk_size) -> int:
+    """``chunk_size`` (None or an int >= 1) as the planners' chunk (0: none)."""
+    if chunk_size is None:
+        return 0
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be None (whole documents) or an int >= 1 (Llama 4's "
+                         f"attention_chunk_size), got {chunk_size!r}")
+    return int(chunk_size)

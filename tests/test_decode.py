@@ -341,9 +341,9 @@ def test_bad_inputs_raise():
     cache.attend(q, sinks=torch.zeros(4))  # a step like the last but for its sinks is checked again
     with pytest.raises(ValueError, match="softcap must be"):
         cache.attend(q, softcap=float("inf"))
-    with pytest.raises(ValueError, match="chunk_size must be None or a positive int"):
+    with pytest.raises(ValueError, match="chunk_size must be None"):
         cache.attend(q, chunk_size=0)
-    with pytest.raises(ValueError, match="window_size must be"):
+    with pytest.raises(ValueError, match="window_size"):
         cache.attend(q, window_size=(-2, 0))
     with pytest.raises(ValueError, match="dilated decoding .* takes no softcap"):
         cache.attend(q, segment_lengths=[4], dilation_rates=[1], chunk_size=4)

@@ -19,20 +19,15 @@ import torch
 from .. import backends as bk
 from .. import tuning as _tuning
 from .._merge import empty_state
+from .._validation import check_chunk_size, check_window
 
 
 def check_bounds(chunk_size, window_size) -> tuple[Optional[int], int]:
     """``chunk_size`` (None or a positive int) and ``window_size`` ((left,
     right): left -1 or >= 0; right has no effect on a causal query); returns
     (chunk, left)."""
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
-                                   or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or a positive int (Llama 4's attention_chunk_size), got "
-                         f"{chunk_size!r}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(not isinstance(x, int) or isinstance(x, bool) or x < -1 for x in window_size)):
-        raise ValueError(f"window_size must be (left, right) ints >= -1 (-1: unbounded), got {window_size!r}")
-    return chunk_size, int(window_size[0])
+    chunk = check_chunk_size(chunk_size)
+    return chunk or None, check_window(window_size)[0]
 
 
 def first_seen(p: int, chunk: Optional[int], left: int) -> int:

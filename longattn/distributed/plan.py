@@ -149,16 +149,6 @@ def local_length(cu, layout: str, world: int) -> int:
     return pieces(tuple(int(x) for x in cu), layout, world, 0)[1]
 
 
-def check_chunk_size(chunk_size) -> int:
-    """``chunk_size`` (None or an int >= 1) as the planners' chunk (0: none)."""
-    if chunk_size is None:
-        return 0
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be None (whole documents) or an int >= 1 (Llama 4's "
-                         f"attention_chunk_size), got {chunk_size!r}")
-    return int(chunk_size)
-
-
 def chunk_cu(cu: tuple, chunk: int) -> tuple:
     """Document boundaries ``cu`` cut at every multiple of ``chunk`` positions
     inside each document (chunked attention's documents); ``chunk`` 0: ``cu``."""

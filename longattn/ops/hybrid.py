@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from .._sinks import sinks_meta
-from .._validation import check_cu_seqlens
+from .._validation import check_chunk_size, check_cu_seqlens
 from ..distributed import checks
 from ..distributed import ulysses as U
-from ..distributed.plan import check_chunk_size, local_length
+from ..distributed.plan import local_length
 from .ring import ring_attention
 from .ring_varlen import ring_attention_varlen
 from .ulysses import check_call, with_sinks

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._sinks import apply_sinks, sinks_meta
-from .._validation import check_attention_call, check_cu_seqlens, check_softcap_sinks
+from .._validation import check_chunk_size, check_attention_call, check_cu_seqlens, check_softcap_sinks
 from ..distributed import checks
 from ..distributed.fused_varlen import fusable, fused_call
 from ..distributed.layout import check_layout
-from ..distributed.plan import check_chunk_size, local_length, num_steps_varlen, plan_varlen
+from ..distributed.plan import local_length, num_steps_varlen, plan_varlen
 from ..distributed.ring import BackendOp, RingSchedule, ring_backward, ring_forward
 from ..distributed import ring_plan
 from ..distributed.ring_plan import RingPlan, block_backends, cached, meta

@@ -20,13 +20,13 @@ from .. import backends as bk
 from .. import tuning as _tuning
 from .._autograd import direct
 from .._sinks import apply_sinks, sinks_meta
-from .._validation import check_attention_call, check_cu_seqlens, check_softcap_sinks
+from .._validation import check_chunk_size, check_attention_call, check_cu_seqlens, check_softcap_sinks
 from ..backends import varlen as _varlen
 from ..distributed import checks
 from ..distributed import ulysses as U
 from ..distributed.local import LocalOp
 from ..distributed.layout import check_layout
-from ..distributed.plan import check_chunk_size, chunk_cu, local_length
+from ..distributed.plan import chunk_cu, local_length
 from .attention import _attention_bwd, _attention_fwd, attention
 from .varlen import _kernel, _varlen_bwd, _varlen_fwd, attention_varlen
 
