@@ -162,8 +162,13 @@ def local_problem(check, *args):
 def consistent_call(group, what: str, problem: Optional[Exception] = None, **fields) -> None:
     """:func:`check_consistent` with this rank's ``problem`` (from
     :func:`local_problem`): every rank raises where one has a problem or the
-    fields differ. Under torch.compile (no handshake is traced) the problem
-    raises here alone."""
+    fields differ, at the first call of a signature. Checked once per
+    signature (a ring call per layer and step pays no collective for it), so
+    a later call where one rank alone changes an argument is not caught here:
+    that rank checks again while the others, whose signature was agreed,
+    do not (the limitation :func:`check_consistent` states). Calls whose
+    problems can depend on values use :func:`agree`, every call. Under
+    torch.compile (no handshake is traced) the problem raises here alone."""
     if torch.compiler.is_compiling():
         if problem is not None:
             raise problem
