@@ -136,12 +136,28 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
                     qg.grad = kg.grad = vg.grad = None
 
             def probe_ms(first: str, method: str, what: str) -> float:
+                """Median ms over every rank; inf where torch's CP fails with this kernel (every rank
+                fails alike, and the inf still goes through ``allmax``, so no rank waits alone)."""
                 set_rotate_method(method)
-                with sdpa_kernel(sdpa_backends(first), set_priority=True):
-                    t = time_pair(fwd, step, dev, 1, probe_iters, batched, f"{label} {what}")
-                return allmax(t[1] if step is not None else t[0])
+                try:
+                    with sdpa_kernel(sdpa_backends(first), set_priority=True):
+                        t = time_pair(fwd, step, dev, 1, probe_iters, batched, f"{label} {what}")
+                    ms = t[1] if step is not None else t[0]
+                except Exception as e:  # noqa: BLE001 - recorded in the row, the faster working kernel is kept
+                    info.setdefault("probe_errors", {})[what] = f"{type(e).__name__}: {e}"[:200]
+                    ms = float("inf")
+                return allmax(ms)
 
             kernels = {first: probe_ms(first, ROTATE_METHODS[0], f"sdpa {first}") for first in ("cudnn", "flash")}
+            if why_no_fa4 is None and kernels["flash"] == float("inf"):
+                # torch's CP ring unpacks the flash op's outputs itself; where FA4 behind that op breaks it,
+                # a user keeps SDPA's own flash kernel
+                fa4_flash_off()
+                why_no_fa4 = "torch's context_parallel failed with SDPA's flash switched to FA4"
+                info["flash_impl"] = f"FA2 ({why_no_fa4})"
+                kernels["flash"] = probe_ms("flash", ROTATE_METHODS[0], "sdpa flash (FA2)")
+            if min(kernels.values()) == float("inf"):
+                raise RuntimeError(f"torch's context_parallel failed with every SDPA kernel: {info['probe_errors']}")
             info["sdpa_probe_ms"] = kernels
             first = min(kernels, key=kernels.get)
             probe = {ROTATE_METHODS[0]: kernels[first]}

@@ -134,14 +134,17 @@ def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     window = (window_left, window_right)
     g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
                                                                 window)
-    if not s and w == q.shape[0]:  # every local row in a document held whole: one launch, nothing to copy
-        return _varlen.forward(kernel, q, k, v, cu, longest, spec, backend)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
-    out = torch.zeros_like(q)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    # one launch over every local row: the whole documents end at row w (cu's last entry), so the kernel leaves
+    # the split pieces' and the padding's rows alone; writing those afterwards costs their rows only, where
+    # running on q[:w] and copying into a zeroed output cost two passes over all of them
     if w:
-        out[:w], lse[:, :w] = _varlen.forward(kernel, q[:w], k[:w], v[:w], cu, longest, spec, backend)
+        out, lse = _varlen.forward(kernel, q, k, v, cu, longest, spec, backend)
+    else:  # no document held whole here: no launch
+        out, lse = torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    out[w:].zero_()
+    lse[:, w:] = float("-inf")
     if s:
         work.wait()
         kf, vf = buf.index_select(0, index), buf.index_select(0, index + s)
@@ -160,16 +163,15 @@ def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     window = (window_left, window_right)
     g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
                                                                 window)
-    if not s and w == q.shape[0]:
-        return _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, cu, longest, spec, backend)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # as the forward: one launch over every row, the rows past the whole documents written afterwards
     if w:
-        dq[:w], dk[:w], dv[:w] = _varlen.backward(kernel, dout[:w], q[:w], k[:w], v[:w], out[:w],
-                                                  lse[:, :w].contiguous(),
-                                                  None if dlse is None else dlse[:, :w].contiguous(), cu, longest,
-                                                  spec, backend)
+        dq, dk, dv = _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, cu, longest, spec, backend)
+    else:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for t in (dq, dk, dv):
+        t[w:].zero_()
     if not s:
         return dq, dk, dv
     work.wait()
