@@ -173,7 +173,10 @@ class VarlenTuning:
 @dataclasses.dataclass(frozen=True)
 class RingVarlenTuning:
     """Cost model that decides whether a packed-document ring step runs its
-    document blocks as one FlashAttention-2 varlen launch or one backend call each."""
+    document blocks as one varlen launch or one backend call each. Measured
+    with FlashAttention-2's varlen launch against cuDNN calls; where FA4 runs,
+    both sides are FA4's (varlen and dense) and the model is pending
+    measurement there (``python -m longattn.bench dist`` varlen rows)."""
 
     call_seconds: float = measured(
         2e-4, "host time of one backend call with its merge", "dist_varlen_2xh200_7284f9f.json")

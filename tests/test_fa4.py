@@ -16,6 +16,8 @@ from longattn import backends as bk
 from longattn.backends import _fa4_api
 from longattn.backends import varlen as _varlen
 from longattn.backends.fa4 import FA4Backend
+from longattn.distributed.fused_varlen import FA4Varlen, fused_call, step_kernel
+from longattn.distributed.plan import local_length
 from reference import assert_close, attention_ref, rel_err, results
 from test_varlen import varlen_ref
 
@@ -572,3 +574,141 @@ def test_softcap_varlen_one_launch(fa4, causal):
     errs = {n: rel_err(got[n], want[n]) for n in tol}
     assert all(errs[n] <= tol[n] for n in tol), (errs, tol)
     assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, "varlen softcap")
+
+
+# ------------------------------------------------------------- the fused ring step of packed documents
+FUSE_DOCS = (3, 40, 1, 17, 2, 5, 9, 30, 12, 6, 4)
+
+
+def _step_ref(calls, q, k, v, dout, dlse):
+    """A fused step's plain calls one by one through the math backend, merged
+    by lse: (out, lse) and the gradients from the merged out and lse (the ring's
+    own per-call path)."""
+    h, t = q.shape[2], q.shape[1]
+    lse = torch.full((1, h, t), float("-inf"), dtype=torch.float32)
+    parts = []
+    for c in calls:
+        o, l = bk.block_forward(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.spec, "math")
+        parts.append((c, o, l))
+        lse[:, :, c.q0:c.q1] = torch.logaddexp(lse[:, :, c.q0:c.q1], l)
+    out = torch.zeros_like(q)
+    for c, o, l in parts:
+        w = torch.exp(l - lse[:, :, c.q0:c.q1]).nan_to_num(0.0).transpose(1, 2)[..., None]
+        out[:, c.q0:c.q1] += o * w.to(o.dtype)
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for c, _, _ in parts:
+        qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+        g = bk.block_backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs].contiguous(),
+                              c.spec, "math", dlse=None if dlse is None else dlse[:, :, qs].contiguous())
+        grads[0][:, qs] += g[0]
+        grads[1][:, ks] += g[1]
+        grads[2][:, ks] += g[2]
+    return dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+
+
+def _fused_step(layout, world, rank, src, causal, q, hkv, kernel):
+    cu = tuple(torch.tensor((0,) + FUSE_DOCS).cumsum(0).tolist())
+    step = fused_call(cu, layout, world, rank, src, causal, (-1, -1), q.shape[-1] ** -0.5, str(q.device),
+                      q.shape[2] * q.shape[3], kernel)
+    assert step is not None, "the step did not fuse"
+    return step[0].run
+
+
+def test_step_kernel_choice(monkeypatch):
+    """FA4's varlen kernel where it runs (auto or forced fa4), else FlashAttention-2's
+    (auto or flash), never with a window or soft-capping; none on CPU."""
+    fa4 = bk.BACKENDS["fa4"]
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
+    q = _t(4096, 8, 128)
+    monkeypatch.setattr(fa4, "_api", _Api())
+    assert [step_kernel(q, (-1, -1), b) for b in ("auto", "fa4", "flash", "cudnn")] == ["fa4", "fa4", "flash", ""]
+    assert step_kernel(q, (8, 0), "auto") == "" and step_kernel(q, (-1, -1), "auto", softcap=5.0) == ""
+    monkeypatch.setattr(fa4, "_api", _Api("flash-attn-4 not installed"))
+    assert [step_kernel(q, (-1, -1), b) for b in ("auto", "fa4", "flash")] == ["flash", "", "flash"]
+    assert step_kernel(_t(4096, 8, 128, dtype=torch.float32), (-1, -1), "auto") == ""
+    assert step_kernel(torch.randn(64, 2, 16), (-1, -1), "auto") == ""
+
+
+@pytest.mark.parametrize("layout,world,rank,src", [("zigzag", 2, 0, 0), ("zigzag", 3, 2, 1), ("contiguous", 3, 1, 1)])
+@pytest.mark.parametrize("causal,hkv,with_dlse", [(True, 2, True), (False, 4, True), (True, 4, False)])
+def test_fused_step_on_fa4(fake_interface, layout, world, rank, src, causal, hkv, with_dlse):
+    """The fused step's launches through _fa4_api (separate query and key
+    documents, the lse's gradient taken in the launch, not one call per
+    document) against its plain calls merged by lse."""
+    torch.manual_seed(5)
+    total = sum(FUSE_DOCS)
+    t = local_length(tuple(torch.tensor((0,) + FUSE_DOCS).cumsum(0).tolist()), layout, world)
+    q, do = (torch.randn(1, t, 4, 16, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, t, hkv, 16, dtype=torch.float64) for _ in range(2))
+    dl = torch.randn(1, 4, t, dtype=torch.float64) if with_dlse else None
+    step = _fused_step(layout, world, rank, src, causal, q, hkv, "fa4")
+    assert isinstance(step.kernel, FA4Varlen) and total > t
+    out, lse = step.forward(q, k, v)
+    assert fake_interface.calls and all(c["varlen"] for c in fake_interface.calls)
+    g = step.backward(do, q, k, v, out, lse, dl)
+    assert g is not None  # FA4 takes the lse gradient: no fallback to the plain calls
+    want = _step_ref(step.calls, q, k, v, do, dl)
+    assert_close(dict(out=out, lse=lse, dq=g[0], dk=g[1], dv=g[2]), want, 1e-6, f"{layout} {rank}<-{src} {causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,hkv", [(True, 2), (False, 8)])
+def test_fused_step_gpu(fa4, causal, hkv):
+    """One fused ring step on FA4's varlen kernel (bf16, the lse's gradient in
+    the launch) against its plain calls in float64."""
+    t = local_length(tuple(torch.tensor((0,) + FUSE_DOCS).cumsum(0).tolist()), "zigzag", 2)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, do = (_randn(1, t, 8, 128, gen=g) for _ in range(2))
+    k, v = (_randn(1, t, hkv, 128, gen=g) for _ in range(2))
+    dl = _randn(1, 8, t, gen=g, scale=0.3).float()
+    step = _fused_step("zigzag", 2, 0, 0, causal, q, hkv, step_kernel(q[0], (-1, -1), "auto"))
+    assert isinstance(step.kernel, FA4Varlen)
+    out, lse = step.forward(q, k, v)
+    grads = step.backward(do, q, k, v, out, lse, dl)
+    assert grads is not None
+    want = _step_ref(step.calls, *(x.double().cpu() for x in (q, k, v, do, dl)))
+    got = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    assert_close(dict(lse=lse.cpu()), dict(lse=want["lse"]), 1e-3, "lse")
+    assert_close({n: x.cpu() for n, x in got.items() if n != "lse"}, {n: want[n] for n in ("out", "dq", "dk", "dv")},
+                 2e-2, f"fused step causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_varlen_on_fa4(fa4, monkeypatch, tmp_path, causal):
+    """ring_attention_varlen on one rank (NCCL): its many-document step fuses
+    into FA4's varlen launches (counted), output, lse and gradients within 2x
+    FA4's own one-launch attention_varlen error against float64. The
+    multi-rank runs are the NCCL tests of test_ring_varlen.py."""
+    import torch.distributed as dist
+
+    launches = []
+    real = FA4Varlen.forward
+    monkeypatch.setattr(FA4Varlen, "forward", staticmethod(lambda *a: launches.append(1) or real(*a)))
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        pytest.skip("a process group of several ranks is already up")
+    try:
+        lens = list(FUSE_DOCS) * 8
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        total, h = int(cu[-1]), 8
+        g = torch.Generator(device="cuda").manual_seed(6)
+        q, k, v, do = (_randn(total, n, 128, gen=g) for n in (h, 2, 2, h))
+        dl = _randn(h, total, gen=g, scale=0.3).float()
+        sh = lambda x: longattn.shard_varlen(x, cu)[0]
+        us = lambda x: longattn.unshard_varlen(x, cu)
+
+        def ring(q, k, v):
+            out, lse = longattn.ring_attention_varlen(sh(q), sh(k), sh(v), cu, causal=causal, return_lse=True)
+            return us(out), us(lse.t()).t()
+
+        _within_bar(ring, lambda q, k, v: longattn.attention_varlen(q, k, v, cu.cuda(), causal=causal,
+                                                                    return_lse=True, backend="fa4"),
+                    lambda q, k, v: varlen_ref(q, k, v, cu, causal=causal), [q, k, v], do, dl,
+                    f"ring varlen causal={causal}")
+        assert launches, "no ring step fused into FA4's varlen kernel"
+    finally:
+        if own:
+            dist.destroy_process_group()
