@@ -13,6 +13,7 @@ from longattn import backends as bk
 from longattn.distributed.cache import CacheLayout, prefill_pieces
 from longattn.decode import dilated_read_start
 from reference import assert_close, attention_ref, dilated_ref, masked_attention
+from test_fa4 import _Api, _MathInterface, fa4  # noqa: F401 - fa4: the FA4 GPU tests' fixture
 
 TOL = 1e-4
 I32 = torch.int32
@@ -510,8 +511,6 @@ def test_kv_cache_softcap_sinks_chunks_on_cuda():
 # ---------------------------------------------------------- FA4's split-KV forward as a decode engine
 def _fa4_usable(monkeypatch, usable=True):
     """FA4's refusals faked: installed on a Hopper GPU (or not installed)."""
-    from test_fa4 import _Api
-
     monkeypatch.setattr(bk.BACKENDS["fa4"], "_api", _Api(None if usable else "flash-attn-4 not installed"))
     monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
 
@@ -562,7 +561,6 @@ def test_fa4_engine_plumbing(monkeypatch, lq, causal, softcap):
     one), FA4's split heuristic asked for, bottom-right causal rows."""
     from longattn.backends import _fa4_api
     from longattn.decode import engine
-    from test_fa4 import _MathInterface
 
     fake = _MathInterface()
     monkeypatch.setattr(_fa4_api, "_interface", lambda: fake)
@@ -598,23 +596,10 @@ def test_fa4_engine_plumbing(monkeypatch, lq, causal, softcap):
         assert_close(dict(out=got[i:i + 1]), dict(out=ro), TOL, f"cache row {i}")
 
 
-@pytest.fixture
-def fa4_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("flash_attn.cute")
-    from longattn.backends import _fa4_api
-
-    b = bk.BACKENDS["fa4"]
-    if b.capability(torch.device("cuda", 0))[0] not in b.arch_max_headdim:
-        pytest.skip("FA4 runs on sm_90 / sm_100")
-    assert _fa4_api.problem() is None, _fa4_api.problem()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("lq,softcap", [(1, 0.0), (1, 30.0), (4, 0.0)])
 @pytest.mark.parametrize("h,hkv", [(32, 8), (8, 8)])
-def test_decode_fa4_on_cuda(fa4_gpu, lq, softcap, h, hkv):
+def test_decode_fa4_on_cuda(fa4, lq, softcap, h, hkv):
     """FA4's split-KV forward (backend="fa4"): bf16, rows of different lengths
     over a 64K cache, GQA packed, several queries causal, soft-capping; error
     against float64 at most twice SDPA's (or the flash backend's) on the same
@@ -645,7 +630,7 @@ def test_decode_fa4_on_cuda(fa4_gpu, lq, softcap, h, hkv):
 
 
 @pytest.mark.gpu
-def test_decode_fa4_empty_row(fa4_gpu):
+def test_decode_fa4_empty_row(fa4):
     """A row of length 0 in FA4's one launch gives output 0 and lse -inf, as every engine does."""
     g = torch.Generator(device="cuda").manual_seed(1)
     mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
