@@ -10,8 +10,9 @@ from .base import Backend, is_bottom_right
 
 class FA4Backend(Backend):
     """FlashAttention-4 on Hopper (sm_90) and Blackwell (sm_100): native GQA,
-    sliding windows, bottom-right aligned masks, the lse's gradient folded in by
-    the kernel, packed documents in one launch (:meth:`varlen_refusals`).
+    sliding windows, bottom-right aligned masks, logit soft-capping, the lse's
+    gradient folded in by the kernel, packed documents in one launch
+    (:meth:`varlen_refusals`).
     Faster than cuDNN in both passes on every shape measured on one H200
     (32K/128K, causal and not, GQA, D=64 and 128; 32K causal D=128 fwd / bwd
     673 / 604 TFLOP/s against cuDNN's 610 / 532). Strided views (the dilated
