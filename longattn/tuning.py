@@ -15,7 +15,7 @@ reads thresholds from globals or the environment.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DecodeTuning", "DILATED", "VARLEN", "RING_VARLEN",
            "DECODE", "describe"]
@@ -173,7 +173,10 @@ class VarlenTuning:
 @dataclasses.dataclass(frozen=True)
 class RingVarlenTuning:
     """Cost model that decides whether a packed-document ring step runs its
-    document blocks as one FlashAttention-2 varlen launch or one backend call each."""
+    document blocks as one varlen launch or one backend call each. Measured
+    with FlashAttention-2's varlen launch against cuDNN calls; where FA4 runs,
+    both sides are FA4's (varlen and dense) and the model is pending
+    measurement there (``python -m longattn.bench dist`` varlen rows)."""
 
     call_seconds: float = measured(
         2e-4, "host time of one backend call with its merge", "dist_varlen_2xh200_7284f9f.json")
@@ -187,20 +190,30 @@ class RingVarlenTuning:
 @dataclasses.dataclass(frozen=True)
 class DecodeTuning:
     """How ``decode_attention`` (and :class:`longattn.KVCache`) runs under
-    ``backend="auto"`` on CUDA: the split-KV Triton kernel
-    (:mod:`longattn.kernels.decode`) for decode-sized calls over rows of
-    different lengths (one launch for the batch) and under CUDA graph capture;
-    rows of one length as ``split_kv_equal_rows`` says; else a dense backend
-    on views of the cache. And the split kernel's tiles."""
+    ``backend="auto"`` on CUDA: FA4's split-KV forward from ``fa4_min_keys``
+    keys on; the split-KV Triton kernel (:mod:`longattn.kernels.decode`) for
+    decode-sized calls over rows of different lengths (one launch for the
+    batch) and under CUDA graph capture; rows of one length as
+    ``split_kv_equal_rows`` says; else a dense backend on views of the cache.
+    And the split kernel's tiles."""
 
     auto_excludes: tuple = measured(
         ("cudnn", "fa4"), "a decode step's key length changes every call, and our cuDNN call on (B, S, H, D) views "
                     "of the cache paid for it: one query over 128K cached tokens took 39.3 ms through cuDNN against "
                     "0.30 ms through flash (one H100); SDPA's cuDNN call on (B, H, S, D) views of a growing "
-                    "cache did not (0.189 ms, one H200, not profiled why). fa4: not measured on decode steps (its "
-                    "calls here run one KV split per (batch, kv head)), so decoding keeps the kernels it was "
-                    "measured with",
+                    "cache did not (0.189 ms, one H200, not profiled why). fa4: as a dense backend its calls run "
+                    "one KV split per (batch, kv head), a few programs over the whole cache; FA4 with splits is "
+                    "the fa4 engine (fa4_min_keys)",
         "decode_1xh100_38fed5d.json")
+    fa4_min_keys: Optional[int] = measured(
+        None, "pending measurement: FA4's split-KV forward (one launch for the batch, its own split count from the "
+              "SM count, the query heads of a kv head in one tile; longattn.decode.engine's \"fa4\" engine) against "
+              "the split-KV Triton kernel and SDPA's cuDNN, per token at 128K and 1M (python -m longattn.bench "
+              "decode: the fa4, triton and sdpa-cudnn rows). None: auto never takes it; a key count: auto takes it "
+              "from that many keys on", "")
+    fa4_num_splits: int = measured(
+        0, "KV splits per (batch, kv head) of the fa4 engine; 0: FA4's heuristic (SMs / (batch x kv heads), at "
+           "most 128 and the key tiles), not varied yet: pending measurement", "")
     split_kv_equal_rows: bool = measured(
         False, "rows of one length: the flash kernel on views is one aten launch, the split-KV kernel two Triton "
                "launches whose host time an eager step pays; one H100, one cold step (append + attend) at 128K: "

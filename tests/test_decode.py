@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import longattn
+from longattn import backends as bk
 from longattn.distributed.cache import CacheLayout, prefill_pieces
 from longattn.decode import dilated_read_start
 from reference import assert_close, attention_ref, dilated_ref, masked_attention
+from test_fa4 import _Api, _MathInterface, fa4  # noqa: F401 - fa4: the FA4 GPU tests' fixture
 
 TOL = 1e-4
 I32 = torch.int32
@@ -504,3 +506,139 @@ def test_kv_cache_softcap_sinks_chunks_on_cuda():
     with pytest.raises(ValueError, match="soft-cap"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             longattn.decode_attention(mk(b, 1, h, d), k, v, cache_seqlens=lens_dev, softcap=30.0)
+
+
+# ---------------------------------------------------------- FA4's split-KV forward as a decode engine
+def _fa4_usable(monkeypatch, usable=True):
+    """FA4's refusals faked: installed on a Hopper GPU (or not installed)."""
+    monkeypatch.setattr(bk.BACKENDS["fa4"], "_api", _Api(None if usable else "flash-attn-4 not installed"))
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
+
+
+def _cuda_like(*shape, dtype=torch.bfloat16):
+    """Only what the engine choice reads of a tensor."""
+    import types
+
+    return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=tuple(shape))
+
+
+def test_fa4_engine_choice(monkeypatch):
+    """backend="fa4" takes FA4's split-KV forward wherever FA4 runs (ragged rows,
+    soft-capping, KVCache steps alike), else the backend path, whose choice
+    then says why; auto takes it only from ``fa4_min_keys`` keys on (None
+    today: pending measurement)."""
+    from longattn.decode.engine import dense_engine, fa4_refusals
+    from longattn.tuning import DECODE, DecodeTuning
+
+    _fa4_usable(monkeypatch)
+    q, k = _cuda_like(2, 1, 8, 128), _cuda_like(2, 4096, 2, 128)
+    assert fa4_refusals(q, k) == []
+    for ragged, softcap, graphed in ((False, 0.0, False), (True, 30.0, False), (True, 0.0, True)):
+        assert dense_engine(q, k, k, "fa4", ragged, softcap=softcap, graph_steps=graphed) == "fa4"
+    assert DECODE.fa4_min_keys is None and "pending measurement" in DecodeTuning.__dataclass_fields__[
+        "fa4_min_keys"].metadata["reason"]
+    assert dense_engine(q, k, k, "auto", False) == "backend"
+    assert "fa4" in DECODE.auto_excludes
+    soon = DecodeTuning(fa4_min_keys=1024)
+    assert dense_engine(q, k, k, "auto", False, soon, keys=4000) == "fa4"
+    assert dense_engine(q, k, k, "auto", False, soon, keys=1000) == "backend"
+    assert dense_engine(q, k, k, "auto", False, soon) == "fa4"  # keys: the capacity
+    assert any("dtype" in r for r in fa4_refusals(q, _cuda_like(2, 64, 2, 128, dtype=torch.float16)))
+    _fa4_usable(monkeypatch, usable=False)
+    assert fa4_refusals(q, k) == ["flash-attn-4 not installed"]
+    assert dense_engine(q, k, k, "fa4", True) == dense_engine(q, k, k, "auto", False, soon, keys=4000) == "backend"
+    cpu = torch.randn(1, 1, 4, 16)
+    assert any("CUDA" in r for r in fa4_refusals(cpu, cpu))
+    with pytest.raises(ValueError, match="backend='fa4' cannot run this call"):
+        longattn.decode_attention(cpu, cpu, cpu, cache_seqlens=torch.tensor([1], dtype=I32), backend="fa4")
+
+
+@pytest.mark.parametrize("lq,causal,softcap", [(1, True, 0.0), (3, True, 0.0), (2, False, 5.0)])
+def test_fa4_engine_plumbing(monkeypatch, lq, causal, softcap):
+    """decode_attention and KVCache steps through the fa4 engine on CPU, FA4
+    faked at the _fa4_api boundary by the math backend: one call for the whole
+    batch with the lengths as seqused_k (rows of different lengths, an empty
+    one), FA4's split heuristic asked for, bottom-right causal rows."""
+    from longattn.backends import _fa4_api
+    from longattn.decode import engine
+
+    fake = _MathInterface()
+    monkeypatch.setattr(_fa4_api, "_interface", lambda: fake)
+    monkeypatch.setattr(engine, "fa4_refusals", lambda q, k_cache: [])
+    torch.manual_seed(4)
+    b, cap, h, hkv, d = 3, 40, 4, 2, 16
+    q, k, v = (torch.randn(b, n, hh, d, dtype=torch.float64) for n, hh in ((lq, h), (cap, hkv), (cap, hkv)))
+    lens = [37, 0, 20] if not causal else [37, lq, 20]
+    out, lse = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), causal=causal,
+                                         softcap=softcap, return_lse=True, backend="fa4")
+    assert fake.calls == [dict(varlen=False, seqused_k=True, num_splits=0, softcap=softcap, max_seqlen_k=37)]
+    from longattn.tuning import DecodeTuning
+
+    again = engine.dense_part(q, k, v, lens, causal, d ** -0.5, "fa4", tuning=DecodeTuning(fa4_num_splits=7),
+                              softcap=softcap)
+    assert fake.calls[-1]["num_splits"] == 7 and torch.equal(again[0], out)
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert (out[i] == 0).all() and (lse[i] == float("-inf")).all()
+            continue
+        ro, rl = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal and lq > 1,
+                               softcap=softcap)
+        assert_close(dict(out=out[i:i + 1], lse=lse[i:i + 1]), dict(out=ro, lse=rl), TOL, f"row {i} n={n}")
+    cache = longattn.KVCache.from_prefill(k[:, :30], v[:, :30], seqlens=[30, 12, 25], reserve=4)
+    kn, vn = torch.randn(b, 1, hkv, d, dtype=torch.float64), torch.randn(b, 1, hkv, d, dtype=torch.float64)
+    cache.append(kn, vn)
+    q1 = q[:, :1]
+    got = cache.attend(q1, softcap=softcap, backend="fa4")
+    assert fake.calls[-1]["seqused_k"] and fake.calls[-1]["max_seqlen_k"] == 31
+    for i, n in enumerate([30, 12, 25]):
+        kk, vv = torch.cat([k[i:i + 1, :n], kn[i:i + 1]], 1), torch.cat([v[i:i + 1, :n], vn[i:i + 1]], 1)
+        ro, _ = attention_ref(q1[i:i + 1], kk, vv, softcap=softcap)
+        assert_close(dict(out=got[i:i + 1]), dict(out=ro), TOL, f"cache row {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lq,softcap", [(1, 0.0), (1, 30.0), (4, 0.0)])
+@pytest.mark.parametrize("h,hkv", [(32, 8), (8, 8)])
+def test_decode_fa4_on_cuda(fa4, lq, softcap, h, hkv):
+    """FA4's split-KV forward (backend="fa4"): bf16, rows of different lengths
+    over a 64K cache, GQA packed, several queries causal, soft-capping; error
+    against float64 at most twice SDPA's (or the flash backend's) on the same
+    inputs without soft-capping; a KVCache step through it too."""
+    from reference import rel_err
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    b, cap, d = 3, 65536, 128
+    q, k, v = mk(b, lq, h, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+    lens = [65536, 1000, 40000]
+    out, lse = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), softcap=softcap,
+                                         return_lse=True, backend="fa4")
+    for i, n in enumerate(lens):
+        qi, ki, vi = q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n]
+        ref, ref_lse = attention_ref(qi.double(), ki.double(), vi.double(), causal=lq > 1, softcap=softcap)
+        plain, _ = attention_ref(qi.double(), ki.double(), vi.double(), causal=lq > 1)
+        bar = longattn.decode_attention(qi, ki, vi, cache_seqlens=torch.tensor([n], dtype=I32), backend="flash")
+        assert rel_err(out[i:i + 1], ref) <= 2 * max(rel_err(bar, plain), 1e-3), (i, n)
+        assert (lse[i:i + 1].double() - ref_lse).abs().max().item() < 1e-3, (i, n)
+    cache = longattn.KVCache.from_prefill(k[:, :5000], v[:, :5000], seqlens=[5000, 300, 4000], reserve=8)
+    kn, vn, q1 = mk(b, 1, hkv, d), mk(b, 1, hkv, d), mk(b, 1, h, d)
+    cache.append(kn, vn)
+    got = cache.attend(q1, softcap=softcap, backend="fa4")
+    want = longattn.decode_attention(q1, cache.k, cache.v, cache_seqlens=cache.local_seqlens, softcap=softcap,
+                                     backend="math")
+    assert rel_err(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+def test_decode_fa4_empty_row(fa4):
+    """A row of length 0 in FA4's one launch gives output 0 and lse -inf, as every engine does."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    q, k, v = mk(2, 1, 8, 128), mk(2, 512, 2, 128), mk(2, 512, 2, 128)
+    out, lse = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor([0, 300], dtype=I32), return_lse=True,
+                                         backend="fa4")
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    want, want_lse = longattn.decode_attention(q[1:], k[1:], v[1:], cache_seqlens=torch.tensor([300], dtype=I32),
+                                               return_lse=True, backend="flash")
+    assert (out[1:].float() - want.float()).abs().max().item() < 2e-2
+    assert (lse[1:] - want_lse).abs().max().item() < 1e-3

@@ -16,6 +16,8 @@ from longattn import backends as bk
 from longattn.backends import _fa4_api
 from longattn.backends import varlen as _varlen
 from longattn.backends.fa4 import FA4Backend
+from longattn.distributed.fused_varlen import FA4Varlen, fused_call, step_kernel
+from longattn.distributed.plan import local_length
 from reference import assert_close, attention_ref, rel_err, results
 from test_varlen import varlen_ref
 
@@ -58,7 +60,7 @@ def test_capability_table():
     assert isinstance(b, FA4Backend) and bk.AUTO_ORDER[0] == "fa4"
     assert b.devices == ("cuda",) and set(b.dtypes) == {torch.float16, torch.bfloat16}
     assert (b.min_headdim, b.max_headdim, b.headdim_multiple) == (8, 256, 8)
-    assert b.supports_window and b.supports_gqa_native and b.min_capability == (9, 0)
+    assert b.supports_window and b.supports_gqa_native and b.supports_softcap and b.min_capability == (9, 0)
     assert b.arch_max_headdim == {9: 256, 10: 128}
 
 
@@ -154,19 +156,43 @@ def test_cpu_calls_never_pick_fa4():
         longattn.attention(q, q, q, backend="fa4")
 
 
+def test_softcap_is_a_capability(monkeypatch):
+    """FA4 soft-caps in both passes: with it installed on Hopper, auto sends a
+    soft-capped call (dense, and packed documents in one launch) to FA4;
+    without it the dense call goes to a backend that soft-caps (math), packed
+    documents loop over them, and the flash and Triton varlen kernels refuse."""
+    fa4 = bk.BACKENDS["fa4"]
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
+    q, k = _t(1, 128, 8, 128), _t(1, 128, 2, 128)
+    spec = bk.BlockSpec(0.1, True, softcap=30.0)
+    monkeypatch.setattr(fa4, "_api", _Api())
+    assert bk.explain(q, k, spec)["fa4"] == [] and bk._select(q, k, spec, "auto", ()).name == "fa4"
+    assert _varlen.choose(_t(4096, 8, 128), "auto", ndocs=40, softcap=30.0) == "fa4"
+    assert _varlen.choose(_t(4096, 8, 128), "fa4", ndocs=40, softcap=30.0) == "fa4"
+    monkeypatch.setattr(fa4, "_api", _Api("flash-attn-4 not installed"))
+    assert bk._select(q, k, spec, "auto", ()).name == "math"
+    for ndocs in (1, 64):
+        assert _varlen.choose(_t(4096, 8, 128), "auto", ndocs, softcap=30.0) == "loop"
+    for name in ("flash", "triton"):
+        with pytest.raises(ValueError, match=f"backend='{name}' cannot run this varlen call: logit soft-capping"):
+            _varlen.choose(_t(4096, 8, 128), name, 4, softcap=30.0)
+
+
 def test_import_longattn_does_not_import_fa4():
     code = "import sys, longattn; bad = {'flash_attn', 'cutlass'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 # ---------------------------------------------------------------------- the private-API module (CPU)
-def _fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
-         causal=False, window_size_left=None, window_size_right=None, return_lse=False, **more):
+def _fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
+         softmax_scale=None, causal=False, softcap=None, window_size_left=None, window_size_right=None, num_splits=1,
+         return_lse=False, **more):
     pass
 
 
-def _bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
-         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dlse=None):
+def _bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None,
+         window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+         deterministic=False, dlse=None):
     pass
 
 
@@ -189,55 +215,83 @@ def test_window_bounds():
 
 class _MathInterface:
     """Stands in for ``flash_attn.cute.interface`` on CPU: FA4's conventions
-    (bottom-right masks, None an unbounded window side and a negative one a
-    real bound, varlen lse (H, T), the 5-tuple the forward returns) over the
-    math backend, so the path from the backend and the varlen kinds to FA4 runs
-    without a GPU."""
+    (bottom-right masks, per document in varlen calls whose query and key
+    documents may differ, and per row of a cache read to ``seqused_k``; None an
+    unbounded window side and a negative one a real bound; softcap None or 0
+    for none; varlen lse (H, T); the 5-tuple the forward returns) over the
+    math backend, so the paths from the backend, the varlen kinds, the fused
+    ring step and the decode engine to FA4 run without a GPU."""
+
+    def __init__(self):
+        self.calls = []
 
     @staticmethod
-    def _spec(q, k, scale, causal, left, right):
+    def _spec(q, k, scale, causal, left, right, softcap):
         assert all(w is None or w >= 0 for w in (left, right)), (left, right)
         return bk.BlockSpec(scale, causal, (-1 if left is None else left, -1 if right is None else right),
-                            k.shape[1] - q.shape[1])
+                            k.shape[1] - q.shape[1], softcap or 0.0)
 
-    def _flash_attn_fwd(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                        softmax_scale=None, causal=False, window_size_left=None, window_size_right=None,
-                        return_lse=False):
+    def _flash_attn_fwd(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, softmax_scale=None, causal=False, softcap=None, window_size_left=None,
+                        window_size_right=None, num_splits=1, return_lse=False):
         assert return_lse and (cu_seqlens_q is None) == (max_seqlen_q is None)
-        if cu_seqlens_q is None:
-            return (*bk.MATH.forward(q, k, v, self._spec(q, k, softmax_scale, causal, window_size_left,
-                                                          window_size_right)), None, None, None)
-        out, lse = torch.zeros_like(q), torch.full(q.shape[1::-1], float("-inf"))
-        for a, e in _varlen._docs(cu_seqlens_q):
-            qd, kd, vd = q[None, a:e], k[None, a:e], v[None, a:e]
-            o, l = bk.MATH.forward(qd, kd, vd, self._spec(qd, kd, softmax_scale, causal, window_size_left,
-                                                          window_size_right))
-            out[a:e], lse[:, a:e] = o[0], l[0]
+        assert (cu_seqlens_q is None) == (cu_seqlens_k is None)
+        self.calls.append(dict(varlen=cu_seqlens_q is not None, seqused_k=seqused_k is not None,
+                               num_splits=num_splits, softcap=softcap, max_seqlen_k=max_seqlen_k))
+        win = (softmax_scale, causal, window_size_left, window_size_right, softcap)
+        run = lambda qd, kd, vd: bk.MATH.forward(qd, kd, vd, self._spec(qd, kd, *win))
+        if cu_seqlens_q is None and seqused_k is None:
+            return (*run(q, k, v), None, None, None)
+        out = torch.zeros_like(q)
+        if seqused_k is not None:  # one cache row at a time, read to its length
+            lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"))
+            for b, n in enumerate(seqused_k.tolist()):
+                if n:
+                    out[b:b + 1], lse[b:b + 1] = run(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
+            return out, lse, None, None, None
+        lse = torch.full(q.shape[1::-1], float("-inf"))
+        for (a, e), (c, f) in zip(_pairs(cu_seqlens_q), _pairs(cu_seqlens_k)):
+            if e > a and f > c:
+                o, l = run(q[None, a:e], k[None, c:f], v[None, c:f])
+                out[a:e], lse[:, a:e] = o[0], l[0]
         return out, lse, None, None, None
 
-    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, window_size_left=None,
-                        window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                        max_seqlen_k=None, dlse=None):
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+                        window_size_left=None, window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                        max_seqlen_q=None, max_seqlen_k=None, dlse=None):
         assert lse.dtype == torch.float32 and (dlse is None or dlse.shape == lse.shape)
+        win = (softmax_scale, causal, window_size_left, window_size_right, softcap)
         if cu_seqlens_q is None:
-            return bk.MATH.backward(dout, q, k, v, out, lse, self._spec(q, k, softmax_scale, causal, window_size_left,
-                                                                      window_size_right), dlse)
+            return bk.MATH.backward(dout, q, k, v, out, lse, self._spec(q, k, *win), dlse)
         grads = [torch.zeros_like(x) for x in (q, k, v)]
-        for a, e in _varlen._docs(cu_seqlens_q):
-            qd, kd = q[None, a:e], k[None, a:e]
-            g = bk.MATH.backward(dout[None, a:e], qd, kd, v[None, a:e], out[None, a:e], lse[None, :, a:e],
-                                 self._spec(qd, kd, softmax_scale, causal, window_size_left, window_size_right),
-                                 None if dlse is None else dlse[None, :, a:e])
-            for acc, x in zip(grads, g):
-                acc[a:e] = x[0]
+        for (a, e), (c, f) in zip(_pairs(cu_seqlens_q), _pairs(cu_seqlens_k)):
+            qd, kd = q[None, a:e], k[None, c:f]
+            if e == a or f == c:
+                continue
+            g = bk.MATH.backward(dout[None, a:e], qd, kd, v[None, c:f], out[None, a:e], lse[None, :, a:e],
+                                 self._spec(qd, kd, *win), None if dlse is None else dlse[None, :, a:e])
+            grads[0][a:e] += g[0][0]
+            grads[1][c:f] += g[1][0]
+            grads[2][c:f] += g[2][0]
         return tuple(grads)
 
 
+def _pairs(cu):
+    b = cu.tolist()
+    return list(zip(b[:-1], b[1:]))
+
+
 @pytest.fixture
-def math_fa4(monkeypatch):
+def fake_interface(monkeypatch):
+    """_fa4_api's calls land on a :class:`_MathInterface` (returned: it records them)."""
     fake = _MathInterface()
     assert _fa4_api.signature_problem(fake, _fa4_api.WRITTEN_FOR) is None
     monkeypatch.setattr(_fa4_api, "_interface", lambda: fake)
+    return fake
+
+
+@pytest.fixture
+def math_fa4(fake_interface):
     return bk.BACKENDS["fa4"]
 
 
@@ -249,15 +303,16 @@ def _cpu_inputs(b, sq, sk, h, hkv, d=16):
 @pytest.mark.parametrize("causal,window,sq,sk", [(False, (-1, -1), 24, 24), (True, (-1, -1), 30, 20),
                                                  (False, (5, -1), 16, 24), (True, (6, -1), 24, 24),
                                                  (False, (-1, 3), 24, 24)])
-def test_plumbing_to_fa4(math_fa4, causal, window, sq, sk):
+@pytest.mark.parametrize("softcap", [0.0, 1.5])
+def test_plumbing_to_fa4(math_fa4, causal, window, sq, sk, softcap):
     """forward and backward (with the lse's gradient) through _fa4_api's calls."""
     q, k, v, do, dl = _cpu_inputs(2, sq, sk, 4, 2)
-    spec = bk.BlockSpec(0.25, causal, window, sk - sq)
+    spec = bk.BlockSpec(0.25, causal, window, sk - sq, softcap)
     out, lse = math_fa4.forward(q, k, v, spec)
     dq, dk, dv = math_fa4.backward(do, q, k, v, out, lse, spec, dlse=dl)
-    want = results(lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window, scale=0.25), [q, k, v], do,
-                   dl)
-    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"{causal} {window}")
+    want = results(lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window, scale=0.25, softcap=softcap),
+                   [q, k, v], do, dl)
+    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"{causal} {window} softcap={softcap}")
 
 
 def test_plumbing_merged_backward(math_fa4):
@@ -274,18 +329,20 @@ def test_plumbing_merged_backward(math_fa4):
     assert_close(got, want, 1e-6, "merged")
 
 
-@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 2)), (True, (4, 0))])
-def test_plumbing_varlen(math_fa4, causal, window):
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (3, 2), 0.0),
+                                                   (True, (4, 0), 0.0), (True, (-1, -1), 1.5)])
+def test_plumbing_varlen(math_fa4, causal, window, softcap):
     lens = [5, 17, 1, 0, 9]
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     total = int(cu[-1])
     q, k, v, do = (torch.randn(total, n, 16, dtype=torch.float64) for n in (4, 2, 2, 4))
     dl = torch.randn(4, total, dtype=torch.float64)
-    spec = bk.BlockSpec(16 ** -0.5, causal, window)
+    spec = bk.BlockSpec(16 ** -0.5, causal, window, softcap=softcap)
     out, lse = _varlen.forward("fa4", q, k, v, cu, max(lens), spec, "auto")
     dq, dk, dv = _varlen.backward("fa4", do, q, k, v, out, lse, dl, cu, max(lens), spec, "auto")
-    want = results(lambda q, k, v: varlen_ref(q, k, v, cu, causal=causal, window=window), [q, k, v], do, dl)
-    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"varlen {causal} {window}")
+    want = results(lambda q, k, v: varlen_ref(q, k, v, cu, causal=causal, window=window, softcap=softcap), [q, k, v],
+                   do, dl)
+    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"varlen {causal} {window} {softcap}")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="a flash_attn package is installed")
@@ -462,3 +519,196 @@ def test_varlen_one_launch(fa4, lens, causal, window, hkv):
                 lambda q, k, v: longattn.attention_varlen(q, k, v, cu, backend="flash", **kw),
                 lambda q, k, v: varlen_ref(q, k, v, cu.cpu(), causal=causal, window=window), [q, k, v], do, dl,
                 f"varlen {lens} causal={causal} window={window}", bar_dlse=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [2.0, 30.0])
+@pytest.mark.parametrize("causal,sq,sk,hkv", [(True, 512, 512, 2), (False, 384, 640, 8), (True, 300, 200, 1)])
+def test_softcap(fa4, softcap, causal, sq, sk, hkv):
+    """Soft-capping in FA4's kernels (auto picks it), with the lse's gradient
+    and sinks merged after: within 2x the error the flash backend makes on the
+    same call without soft-capping (flash has none; its bf16 error is the bar
+    of every FA4 test here), against float64."""
+    q, k, v, do, dl = _inputs(2, sq, sk, 8, hkv, 128, seed=3)
+    spec = bk.BlockSpec(128 ** -0.5, causal, q_offset=sk - sq, softcap=softcap)
+    assert bk.select_backend(q, k, spec).name == "fa4"
+    sinks = torch.randn(8, device="cuda")
+    ref = lambda q, k, v, s=None: attention_ref(q, k, v, causal=causal, softcap=softcap, sinks=s)
+    plain = lambda q, k, v: attention_ref(q, k, v, causal=causal)
+    bar_got = results(lambda q, k, v: longattn.attention(q, k, v, causal=causal, return_lse=True, backend="flash"),
+                      [q, k, v], do, dl)
+    bar_want = results(plain, [x.double() for x in (q, k, v)], do, dl)
+    tol = {n: 2 * rel_err(bar_got[n], bar_want[n]) for n in ("out", "dq", "dk", "dv")}
+    for with_sinks in (False, True):
+        xs = [q, k, v] + ([sinks] if with_sinks else [])
+        fn = lambda *a: longattn.attention(*a[:3], causal=causal, softcap=softcap, sinks=a[3] if with_sinks else None,
+                                           return_lse=True, backend="fa4")
+        got = results(fn, xs, do, dl)
+        want = results(ref, [x.double() for x in xs], do, dl)
+        errs = {n: rel_err(got[n], want[n]) for n in tol}
+        assert all(errs[n] <= tol[n] for n in tol), (softcap, with_sinks, errs, tol)
+        assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, f"softcap={softcap} sinks={with_sinks}")
+        if with_sinks:
+            assert_close(dict(dsinks=got["dsinks"]), dict(dsinks=want["dsinks"]), 2e-2, "dsinks")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap_varlen_one_launch(fa4, causal):
+    lens = [500, 17, 1, 900, 0, 130]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
+    total, h = int(cu[-1]), 8
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v, do = (_randn(total, n, 128, gen=g) for n in (h, 2, 2, h))
+    dl = _randn(h, total, gen=g, scale=0.3).float()
+    assert _varlen.choose(q, "auto", len(lens), softcap=5.0) == "fa4"
+    got = results(lambda q, k, v: longattn.attention_varlen(q, k, v, cu, causal=causal, softcap=5.0, return_lse=True),
+                  [q, k, v], do, dl)
+    want = results(lambda q, k, v: varlen_ref(q, k, v, cu.cpu(), causal=causal, softcap=5.0),
+                   [x.double() for x in (q, k, v)], do, dl)
+    bar_got = results(lambda q, k, v: longattn.attention_varlen(q, k, v, cu, causal=causal, return_lse=True,
+                                                                backend="flash"), [q, k, v], do)
+    bar_want = results(lambda q, k, v: varlen_ref(q, k, v, cu.cpu(), causal=causal), [x.double() for x in (q, k, v)],
+                       do)
+    tol = {n: 2 * rel_err(bar_got[n], bar_want[n]) for n in ("out", "dq", "dk", "dv")}
+    errs = {n: rel_err(got[n], want[n]) for n in tol}
+    assert all(errs[n] <= tol[n] for n in tol), (errs, tol)
+    assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, "varlen softcap")
+
+
+# ------------------------------------------------------------- the fused ring step of packed documents
+FUSE_DOCS = (3, 40, 1, 17, 2, 5, 9, 30, 12, 6, 4)
+
+
+def _step_ref(calls, q, k, v, dout, dlse):
+    """A fused step's plain calls one by one through the math backend, merged
+    by lse: (out, lse) and the gradients from the merged out and lse (the ring's
+    own per-call path)."""
+    h, t = q.shape[2], q.shape[1]
+    lse = torch.full((1, h, t), float("-inf"), dtype=torch.float32)
+    parts = []
+    for c in calls:
+        o, l = bk.block_forward(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.spec, "math")
+        parts.append((c, o, l))
+        lse[:, :, c.q0:c.q1] = torch.logaddexp(lse[:, :, c.q0:c.q1], l)
+    out = torch.zeros_like(q)
+    for c, o, l in parts:
+        w = torch.exp(l - lse[:, :, c.q0:c.q1]).nan_to_num(0.0).transpose(1, 2)[..., None]
+        out[:, c.q0:c.q1] += o * w.to(o.dtype)
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for c, _, _ in parts:
+        qs, ks = slice(c.q0, c.q1), slice(c.k0, c.k1)
+        g = bk.block_backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, :, qs].contiguous(),
+                              c.spec, "math", dlse=None if dlse is None else dlse[:, :, qs].contiguous())
+        grads[0][:, qs] += g[0]
+        grads[1][:, ks] += g[1]
+        grads[2][:, ks] += g[2]
+    return dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+
+
+def _fused_step(layout, world, rank, src, causal, q, hkv, kernel):
+    cu = tuple(torch.tensor((0,) + FUSE_DOCS).cumsum(0).tolist())
+    step = fused_call(cu, layout, world, rank, src, causal, (-1, -1), q.shape[-1] ** -0.5, str(q.device),
+                      q.shape[2] * q.shape[3], kernel)
+    assert step is not None, "the step did not fuse"
+    return step[0].run
+
+
+def test_step_kernel_choice(monkeypatch):
+    """FA4's varlen kernel where it runs (auto or forced fa4), else FlashAttention-2's
+    (auto or flash), never with a window or soft-capping; none on CPU."""
+    fa4 = bk.BACKENDS["fa4"]
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
+    q = _t(4096, 8, 128)
+    monkeypatch.setattr(fa4, "_api", _Api())
+    assert [step_kernel(q, (-1, -1), b) for b in ("auto", "fa4", "flash", "cudnn")] == ["fa4", "fa4", "flash", ""]
+    assert step_kernel(q, (8, 0), "auto") == "" and step_kernel(q, (-1, -1), "auto", softcap=5.0) == ""
+    monkeypatch.setattr(fa4, "_api", _Api("flash-attn-4 not installed"))
+    assert [step_kernel(q, (-1, -1), b) for b in ("auto", "fa4", "flash")] == ["flash", "", "flash"]
+    assert step_kernel(_t(4096, 8, 128, dtype=torch.float32), (-1, -1), "auto") == ""
+    assert step_kernel(torch.randn(64, 2, 16), (-1, -1), "auto") == ""
+
+
+@pytest.mark.parametrize("layout,world,rank,src", [("zigzag", 2, 0, 0), ("zigzag", 3, 2, 1), ("contiguous", 3, 1, 1)])
+@pytest.mark.parametrize("causal,hkv,with_dlse", [(True, 2, True), (False, 4, True), (True, 4, False)])
+def test_fused_step_on_fa4(fake_interface, layout, world, rank, src, causal, hkv, with_dlse):
+    """The fused step's launches through _fa4_api (separate query and key
+    documents, the lse's gradient taken in the launch, not one call per
+    document) against its plain calls merged by lse."""
+    torch.manual_seed(5)
+    total = sum(FUSE_DOCS)
+    t = local_length(tuple(torch.tensor((0,) + FUSE_DOCS).cumsum(0).tolist()), layout, world)
+    q, do = (torch.randn(1, t, 4, 16, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, t, hkv, 16, dtype=torch.float64) for _ in range(2))
+    dl = torch.randn(1, 4, t, dtype=torch.float64) if with_dlse else None
+    step = _fused_step(layout, world, rank, src, causal, q, hkv, "fa4")
+    assert isinstance(step.kernel, FA4Varlen) and total > t
+    out, lse = step.forward(q, k, v)
+    assert fake_interface.calls and all(c["varlen"] for c in fake_interface.calls)
+    g = step.backward(do, q, k, v, out, lse, dl)
+    assert g is not None  # FA4 takes the lse gradient: no fallback to the plain calls
+    want = _step_ref(step.calls, q, k, v, do, dl)
+    assert_close(dict(out=out, lse=lse, dq=g[0], dk=g[1], dv=g[2]), want, 1e-6, f"{layout} {rank}<-{src} {causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,hkv", [(True, 2), (False, 8)])
+def test_fused_step_gpu(fa4, causal, hkv):
+    """One fused ring step on FA4's varlen kernel (bf16, the lse's gradient in
+    the launch) against its plain calls in float64."""
+    t = local_length(tuple(torch.tensor((0,) + FUSE_DOCS).cumsum(0).tolist()), "zigzag", 2)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, do = (_randn(1, t, 8, 128, gen=g) for _ in range(2))
+    k, v = (_randn(1, t, hkv, 128, gen=g) for _ in range(2))
+    dl = _randn(1, 8, t, gen=g, scale=0.3).float()
+    step = _fused_step("zigzag", 2, 0, 0, causal, q, hkv, step_kernel(q[0], (-1, -1), "auto"))
+    assert isinstance(step.kernel, FA4Varlen)
+    out, lse = step.forward(q, k, v)
+    grads = step.backward(do, q, k, v, out, lse, dl)
+    assert grads is not None
+    want = _step_ref(step.calls, *(x.double().cpu() for x in (q, k, v, do, dl)))
+    got = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    assert_close(dict(lse=lse.cpu()), dict(lse=want["lse"]), 1e-3, "lse")
+    assert_close({n: x.cpu() for n, x in got.items() if n != "lse"}, {n: want[n] for n in ("out", "dq", "dk", "dv")},
+                 2e-2, f"fused step causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_varlen_on_fa4(fa4, monkeypatch, tmp_path, causal):
+    """ring_attention_varlen on one rank (NCCL): its many-document step fuses
+    into FA4's varlen launches (counted), output, lse and gradients within 2x
+    FA4's own one-launch attention_varlen error against float64. The
+    multi-rank runs are the NCCL tests of test_ring_varlen.py."""
+    import torch.distributed as dist
+
+    launches = []
+    real = FA4Varlen.forward
+    monkeypatch.setattr(FA4Varlen, "forward", staticmethod(lambda *a: launches.append(1) or real(*a)))
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        pytest.skip("a process group of several ranks is already up")
+    try:
+        lens = list(FUSE_DOCS) * 8
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        total, h = int(cu[-1]), 8
+        g = torch.Generator(device="cuda").manual_seed(6)
+        q, k, v, do = (_randn(total, n, 128, gen=g) for n in (h, 2, 2, h))
+        dl = _randn(h, total, gen=g, scale=0.3).float()
+        sh = lambda x: longattn.shard_varlen(x, cu)[0]
+        us = lambda x: longattn.unshard_varlen(x, cu)
+
+        def ring(q, k, v):
+            out, lse = longattn.ring_attention_varlen(sh(q), sh(k), sh(v), cu, causal=causal, return_lse=True)
+            return us(out), us(lse.t()).t()
+
+        _within_bar(ring, lambda q, k, v: longattn.attention_varlen(q, k, v, cu.cuda(), causal=causal,
+                                                                    return_lse=True, backend="fa4"),
+                    lambda q, k, v: varlen_ref(q, k, v, cu, causal=causal), [q, k, v], do, dl,
+                    f"ring varlen causal={causal}")
+        assert launches, "no ring step fused into FA4's varlen kernel"
+    finally:
+        if own:
+            dist.destroy_process_group()

@@ -28,8 +28,8 @@ INSTALL_HINT = f"pip install 'longattn[fa4]' (pins {DIST}=={WRITTEN_FOR})"
 
 # The keyword arguments passed below, per private function.
 FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-            "causal", "window_size_left", "window_size_right", "return_lse")
-BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "window_size_left",
+            "causal", "softcap", "window_size_left", "window_size_right", "return_lse", "seqused_k", "num_splits")
+BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap", "window_size_left",
             "window_size_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dlse")
 
 
@@ -91,24 +91,44 @@ def _window(window: tuple[int, int]) -> tuple[Optional[int], Optional[int]]:
     return tuple(None if w < 0 else int(w) for w in window)
 
 
-def forward(q, k, v, scale: float, causal: bool, window: tuple[int, int], cu=None, max_seqlen: int = 0):
-    """out in q.dtype and lse float32; ``cu`` (int32 cu_seqlens, shared by q and k) makes it varlen."""
+def forward(q, k, v, scale: float, causal: bool, window: tuple[int, int], cu=None, max_seqlen: int = 0, *,
+            softcap: float = 0.0, cu_k=None, max_seqlen_k: int = 0):
+    """out in q.dtype and lse float32. ``cu`` (int32 cu_seqlens) makes it varlen,
+    shared by q and k unless ``cu_k`` (with ``max_seqlen_k``) gives the key
+    documents (causal then bottom-right aligned per document). ``softcap``:
+    FA4's own soft-capping (a score_mod in both passes on sm_90 and sm_100)."""
     left, right = _window(window)
+    cu_k, max_k = (cu, max_seqlen) if cu_k is None else (cu_k, max_seqlen_k)
     res = _interface()._flash_attn_fwd(
-        q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen if cu is not None else None,
-        max_seqlen_k=max_seqlen if cu is not None else None, softmax_scale=scale, causal=causal,
-        window_size_left=left, window_size_right=right, return_lse=True)
+        q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen if cu is not None else None,
+        max_seqlen_k=max_k if cu is not None else None, softmax_scale=scale, causal=causal,
+        softcap=float(softcap), window_size_left=left, window_size_right=right, return_lse=True)
     return res[0], res[1]
 
 
 def backward(dout, q, k, v, out, lse, scale: float, causal: bool, window: tuple[int, int], dlse=None, cu=None,
-             max_seqlen: int = 0):
+             max_seqlen: int = 0, *, softcap: float = 0.0, cu_k=None, max_seqlen_k: int = 0):
     """(dq, dk, dv) from the given out and lse; ``dlse`` (lse's shape) enters FA4's
-    preprocessing as delta - dlse, its own handling of a used lse."""
+    preprocessing as delta - dlse, its own handling of a used lse. The rest as :func:`forward`."""
     left, right = _window(window)
+    cu_k, max_k = (cu, max_seqlen) if cu_k is None else (cu_k, max_seqlen_k)
     res = _interface()._flash_attn_bwd(
         q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float(), softmax_scale=scale,
-        causal=causal, window_size_left=left, window_size_right=right, cu_seqlens_q=cu, cu_seqlens_k=cu,
-        max_seqlen_q=max_seqlen if cu is not None else None, max_seqlen_k=max_seqlen if cu is not None else None,
-        dlse=None if dlse is None else dlse.float())
+        causal=causal, softcap=float(softcap), window_size_left=left, window_size_right=right, cu_seqlens_q=cu,
+        cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen if cu is not None else None,
+        max_seqlen_k=max_k if cu is not None else None, dlse=None if dlse is None else dlse.float())
     return res[0], res[1], res[2]
+
+
+def decode(q, k_cache, v_cache, lens, max_len: Optional[int], scale: float, causal: bool, softcap: float = 0.0,
+           num_splits: int = 0):
+    """Attention of q (B, Lq, H, D) over the first ``lens[b]`` (int32 (B,) on
+    q's device) slots of each row of the caches (B, capacity, Hkv, D), in one
+    launch: FA4's split-KV forward (``num_splits`` 0: its own heuristic from the
+    SM count and ``max_len``, the longest row, None: the capacity), query heads
+    of a kv head packed into one tile (its default for GQA). ``causal``:
+    bottom-right per row. Returns out in q.dtype and lse (B, H, Lq) float32."""
+    res = _interface()._flash_attn_fwd(
+        q=q, k=k_cache, v=v_cache, seqused_k=lens, max_seqlen_k=max_len, softmax_scale=scale, causal=causal,
+        softcap=float(softcap), num_splits=num_splits, return_lse=True)
+    return res[0], res[1]

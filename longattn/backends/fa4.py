@@ -10,8 +10,9 @@ from .base import Backend, is_bottom_right
 
 class FA4Backend(Backend):
     """FlashAttention-4 on Hopper (sm_90) and Blackwell (sm_100): native GQA,
-    sliding windows, bottom-right aligned masks, the lse's gradient folded in by
-    the kernel, packed documents in one launch (:meth:`varlen_refusals`).
+    sliding windows, bottom-right aligned masks, logit soft-capping, the lse's
+    gradient folded in by the kernel, packed documents in one launch
+    (:meth:`varlen_refusals`).
     Faster than cuDNN in both passes on every shape measured on one H200
     (32K/128K, causal and not, GQA, D=64 and 128; 32K causal D=128 fwd / bwd
     673 / 604 TFLOP/s against cuDNN's 610 / 532). Strided views (the dilated
@@ -26,6 +27,14 @@ class FA4Backend(Backend):
     min_headdim = 8
     supports_window = True
     supports_gqa_native = True
+    # FA4 soft-caps in its kernels: softcap * tanh(scale * S / softcap) as a
+    # score_mod in the sm_90 and sm_100 forwards and, with its derivative, both
+    # backwards (flash_attn/cute/interface.py, 4.0.0b36; only sm_100's separate
+    # head-dim-256 backward refuses it, and arch_max_headdim keeps that one out).
+    # Checked against float64 on sm_90: tests/test_fa4.py::test_softcap.
+    # Attention sinks never reach a kernel (longattn._sinks merges them after the
+    # blocks), so FA4's learnable_sink is not used.
+    supports_softcap = True
     min_capability = (9, 0)
     # compute capability major -> the largest head dim its forward and backward
     # both take (flash_attn.cute.interface._validate_head_dims; sm_100's 256 is a
@@ -84,7 +93,8 @@ class FA4Backend(Backend):
         return (r + self._kernel_refusals(q)) or self._install_refusals(q)
 
     def forward(self, q, k, v, spec):
-        return self._api.forward(q, k, v, spec.scale, spec.causal, spec.flash_window())
+        return self._api.forward(q, k, v, spec.scale, spec.causal, spec.flash_window(), softcap=spec.softcap)
 
     def backward(self, dout, q, k, v, out, lse, spec, dlse=None):
-        return self._api.backward(dout, q, k, v, out, lse, spec.scale, spec.causal, spec.flash_window(), dlse)
+        return self._api.backward(dout, q, k, v, out, lse, spec.scale, spec.causal, spec.flash_window(), dlse,
+                                  softcap=spec.softcap)

@@ -18,27 +18,32 @@ KINDS = ("loop", "fa4", "flash", "triton")
 _ONE_LAUNCH = ("fa4", "flash", "triton")
 
 
-def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuning = _tuning.VARLEN) -> str:
+def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuning = _tuning.VARLEN,
+           softcap: float = 0.0) -> str:
     """The kernel for a call on ``q`` (T, H, D) with ``ndocs`` documents:
     ``backend="fa4"`` / ``"triton"`` / ``"flash"`` their varlen kernels
     (ValueError when they cannot run it), another backend name a loop over
     documents through it; ``"auto"`` on CUDA takes FA4's varlen kernel where
     it can run, else loops over long documents (one cuDNN call each), else
-    flash varlen, else Triton; elsewhere the loop. ``backend`` is already
-    resolved (:func:`longattn.backends.resolve`): a name forced with
+    flash varlen, else Triton; elsewhere the loop. ``softcap`` (logit
+    soft-capping) is a capability like the others: a varlen kernel without it
+    refuses, and the loop's dense backend is chosen from capabilities that
+    include it. ``backend`` is already resolved
+    (:func:`longattn.backends.resolve`): a name forced with
     :func:`longattn.use_backend` arrives as that name."""
     if backend in _ONE_LAUNCH:
-        why = refusals(backend, q)
+        why = refusals(backend, q, softcap)
         if why:
-            raise ValueError(f"backend={backend!r} cannot run this varlen call: {'; '.join(why)}")
+            raise ValueError(f"backend={backend!r} cannot run this varlen call: {'; '.join(why)}; use "
+                             "backend='auto' or a dense backend's name (one call per document)")
         return backend
     if backend != "auto":
         return "loop"
     # FA4 in one launch beat the cuDNN loop on long documents too (one H200, 128K
     # tokens, causal, fwd+bwd: 33 documents 42.8 -> 34.6 ms, 114 documents 26.7 -> 16.1)
-    if not refusals("fa4", q):
+    if not refusals("fa4", q, softcap):
         return "fa4"
-    triton_why, flash_why = refusals("triton", q), refusals("flash", q)
+    triton_why, flash_why = refusals("triton", q, softcap), refusals("flash", q, softcap)
     long_docs = q.shape[0] >= tuning.loop_min_mean_tokens * max(ndocs, 1)
     if long_docs and q.device.type == "cuda":
         return "loop"
@@ -49,10 +54,11 @@ def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuni
     return "loop"
 
 
-def refusals(kind: str, q: torch.Tensor) -> list[str]:
+def refusals(kind: str, q: torch.Tensor, softcap: float = 0.0) -> list[str]:
     """Why the one-launch kernel ``kind`` cannot take packed documents ``q`` (T, H, D)."""
     b = BACKENDS[kind]
-    return b.kernel_refusals(q) if kind == "triton" else b.varlen_refusals(q)
+    why = [] if not softcap or b.supports_softcap else ["logit soft-capping (softcap) not supported"]
+    return why + (b.kernel_refusals(q) if kind == "triton" else b.varlen_refusals(q))
 
 
 def _dense_name(backend: str) -> str:
@@ -67,7 +73,8 @@ def forward(kind: str, q, k, v, cu: torch.Tensor, max_seqlen: int, spec: BlockSp
 
         return launch.varlen_forward(q, k, v, cu, max_seqlen, spec)
     if kind == "fa4":
-        return _fa4_api.forward(q, k, v, spec.scale, spec.causal, spec.flash_window(), cu, max_seqlen)
+        return _fa4_api.forward(q, k, v, spec.scale, spec.causal, spec.flash_window(), cu, max_seqlen,
+                                softcap=spec.softcap)
     if kind == "flash":
         return aten.flash_forward(q, k, v, spec.scale, spec.causal, spec.flash_window(), cu, cu, max_seqlen,
                                   max_seqlen)
@@ -88,7 +95,7 @@ def backward(kind: str, dout, q, k, v, out, lse, dlse, cu: torch.Tensor, max_seq
         return launch.varlen_backward(dout, q, k, v, out, lse, cu, max_seqlen, spec, dlse)
     if kind == "fa4":
         return _fa4_api.backward(dout, q, k, v, out, lse, spec.scale, spec.causal, spec.flash_window(), dlse, cu,
-                                 max_seqlen)
+                                 max_seqlen, softcap=spec.softcap)
     if kind == "flash" and dlse is None:  # FlashAttention-2 takes no lse gradient: the loop does
         return aten.flash_backward(dout, q, k, v, out, lse, spec.scale, spec.causal, spec.flash_window(), cu, cu,
                                    max_seqlen, max_seqlen)[:3]

@@ -15,7 +15,11 @@ where it fits; the same over a context that grows by one token per step
 (``*-growing`` rows: SDPA's default choice, and cuDNN, which builds a plan
 for every new length); and one step of each captured in a CUDA graph and replayed
 (``*-graphed`` rows: the GPU's time, as a serving loop that captures its
-steps sees it).
+steps sees it; ``fa4-graphed``: FA4's split-KV forward itself, where it is
+installed). The default backends on CUDA put our decode engines side by side:
+``triton`` (the split-KV kernel, replayed from graphs by the cache), ``fa4``
+(FA4's split-KV forward, :func:`longattn.decode.engine.dense_engine`),
+``flash`` and ``cudnn`` on views, and ``auto``.
 
 Rows: ``impl`` (``longattn`` with ``backend``, ``longattn-dilated``,
 ``sdpa-flash`` / ``sdpa-cudnn`` / ``sdpa-efficient``), ``prefill_ms`` (one
@@ -42,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
+from longattn.backends import _fa4_api
 
 from . import measure
 from .configs import DTYPES
@@ -61,8 +66,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--layers", type=int, default=1, help="attention layers whose caches are held and decoded "
                                                           "each step (model-sized memory; default 1)")
-    p.add_argument("--backend", nargs="+", help="our local backends to time (default: auto flash cudnn on "
-                                                "CUDA, auto on CPU)")
+    p.add_argument("--backend", nargs="+", help="our local backends to time (default: auto triton fa4 flash "
+                                                "cudnn on CUDA, auto on CPU)")
     p.add_argument("--segment-lengths", type=int, nargs="+", help="also time dilated decoding with these branches")
     p.add_argument("--dilation-rates", type=int, nargs="+", help="the branches' rates (with --segment-lengths)")
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA rows")
@@ -218,7 +223,7 @@ def bench_graphed(a, n: int, dev, dt) -> list[dict]:
     that captures its steps runs it (no host time): the new token's K/V into a
     preallocated ``(batch, n + 1, ...)`` cache, then attention over it, ours
     (``decode_attention``, lengths on the device) and SDPA's (flash, cuDNN;
-    ``(batch, kv_heads, n + 1, head_dim)``)."""
+    ``(batch, kv_heads, n + 1, head_dim)``) and FA4's split-KV forward where it is installed."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -239,9 +244,16 @@ def bench_graphed(a, n: int, dev, dt) -> list[dict]:
         with sdpa_kernel(which):
             return sdpa(qn.transpose(1, 2), kc, vc, enable_gqa=hkv != h)
 
+    def fa4(kc, vc):  # the kernel itself, as dense_part's "fa4" engine calls it (lengths on the device)
+        kc[:, n:] = kn
+        vc[:, n:] = vn
+        return _fa4_api.decode(qn, kc, vc, lens, n + 1, d ** -0.5, False)
+
     variants = [("longattn-graphed", "auto", (b, n + 1, hkv, d), ours)]
     variants += [(f"sdpa-{k}-graphed", k, (b, hkv, n + 1, d), lambda kc, vc, w=w: theirs(kc, vc, w))
                  for k, w in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))]
+    if _fa4_api.problem() is None:
+        variants.append(("fa4-graphed", "fa4", (b, n + 1, hkv, d), fa4))
     rows = []
     for impl, backend, shape, fn in variants:
         row = _head(a, n, dt, impl, backend)
@@ -285,7 +297,7 @@ def run(a) -> dict:
     dt = DTYPES[a.dtype or ("bf16" if cuda else "fp32")]
     if not cuda and dt != torch.float32:
         dt = torch.float32  # CPU kernels have no fast half path
-    backends = a.backend or (["auto", "flash", "cudnn"] if cuda else ["auto"])
+    backends = a.backend or (["auto", "triton", "fa4", "flash", "cudnn"] if cuda else ["auto"])
     branches = None if a.segment_lengths is None else dict(segment_lengths=a.segment_lengths,
                                                             dilation_rates=a.dilation_rates)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
@@ -307,7 +319,7 @@ def run(a) -> dict:
             for kernel in ("default", "cudnn"):
                 log(f"decode: context {n}, sdpa-{kernel}-growing")
                 rows.append(bench_sdpa(a, n, dev, dt, kernel, growing=True))
-            log(f"decode: context {n}, steps captured in CUDA graphs (ours, sdpa-flash, sdpa-cudnn)")
+            log(f"decode: context {n}, steps captured in CUDA graphs (ours, sdpa-flash, sdpa-cudnn, fa4)")
             rows += bench_graphed(a, n, dev, dt)
     return dict(kind="decode", env=measure.environment(dev), world=world, timing=a.timing, results=rows)
 

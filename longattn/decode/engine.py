@@ -11,6 +11,7 @@ import torch
 from .. import backends as bk
 from .. import tuning as _tuning
 from .._merge import empty_state
+from ..backends import _fa4_api
 from .._sinks import apply_sinks
 from ..dilated import graphs
 from ..kernels import decode as _kdec
@@ -28,11 +29,26 @@ def split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeT
                                                                            tuning.split_kv_max_rows)
 
 
-def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
-                 tuning: _tuning.DecodeTuning = _tuning.DECODE, graph_steps: bool = False, softcap: float = 0.0) -> str:
-    """The engine of a dense decode call, decided once per call: the one
-    place that picks it (``backend`` as resolved at the public call).
+def fa4_refusals(q, k_cache) -> list[str]:
+    """Why FA4's split-KV forward (:func:`longattn.backends._fa4_api.decode`)
+    cannot run this call: the capabilities of FA4's kernels (it soft-caps)."""
+    why = bk.BACKENDS["fa4"].varlen_refusals(q)
+    if k_cache.dtype != q.dtype:
+        why.append(f"cache dtype {k_cache.dtype} != query dtype {q.dtype}")
+    return why
 
+
+def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str, ragged: bool,
+                 tuning: _tuning.DecodeTuning = _tuning.DECODE, graph_steps: bool = False, softcap: float = 0.0,
+                 keys: Optional[int] = None) -> str:
+    """The engine of a dense decode call, decided once per call: the one
+    place that picks it (``backend`` as resolved at the public call; ``keys``:
+    the longest row's length, None: the cache's capacity).
+
+    * ``"fa4"``: FlashAttention-4's split-KV forward, one launch for the batch
+      (rows of any lengths, soft-capping included): always for
+      ``backend="fa4"`` where FA4 runs; under ``auto`` on calls of at least
+      ``tuning.fa4_min_keys`` keys (None: never).
     * ``"graphs"`` (only with ``graph_steps``, a :class:`longattn.KVCache`
       step on one device): replayed from a CUDA graph
       (:class:`longattn.decode.graph_steps.StepGraphs`) where
@@ -45,11 +61,17 @@ def dense_engine(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
       ``tuning.split_kv_equal_rows``, if the kernel takes the shapes;
       ``triton``: wherever the kernel runs (the CPU interpreter included).
     * ``"backend"``: a backend on views of the cache; always for any other
-      backend name, and for a call with ``softcap`` (logit soft-capping,
+      backend name (and for ``fa4`` where FA4 cannot run: the backend then
+      says why), and for a call with ``softcap`` (logit soft-capping,
       which the split-KV kernel, and so the graphs, do not apply: the backend
       chosen then is one that soft-caps, e.g. math).
 
     (Under CUDA graph capture the kernel is the only engine.)"""
+    keys = k_cache.shape[1] if keys is None else keys
+    fa4_wanted = backend == "fa4" or (backend == "auto" and tuning.fa4_min_keys is not None
+                                      and keys >= tuning.fa4_min_keys)
+    if fa4_wanted and not fa4_refusals(q, k_cache):
+        return "fa4"
     if backend not in ("auto", "triton"):
         return "backend"
     graphed = graph_steps and tuning.graph_steps and graphs.usable(q)
@@ -67,11 +89,11 @@ def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
     """Attention of q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each
     row; ``causal``: bottom-right (query i sees ``lens[b] - Lq + i + 1`` keys).
     Returns out in q's dtype and lse ``(B, H, Lq)`` float32; a row with no key
-    gives 0 and -inf. The split-KV kernel takes the whole batch in one call
-    (``lens_tensor``: the lengths on q's device, if the caller has them);
+    gives 0 and -inf. The split-KV kernel and FA4 take the whole batch in one
+    call (``lens_tensor``: the lengths on q's device, if the caller has them);
     otherwise one backend call when the rows have equal lengths, else one per
-    row (views of the cache, never copies). ``engine`` (``"split_kv"`` or
-    ``"backend"``) and ``ragged`` (rows of different lengths), when the caller
+    row (views of the cache, never copies). ``engine`` (``"fa4"``,
+    ``"split_kv"`` or ``"backend"``) and ``ragged`` (rows of different lengths), when the caller
     has decided them (:func:`dense_engine`); else decided here. ``softcap``:
     logit soft-capping (in the block spec: only backends that apply it run)."""
     b, lq, h, _ = q.shape
@@ -80,7 +102,12 @@ def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
         ragged = len(set(lens)) > 1
     if engine is None:
         engine = dense_engine(q, k_cache, v_cache, backend, ragged or lens_tensor is not None, tuning,
-                              softcap=softcap)
+                              softcap=softcap, keys=max(lens, default=0))
+    if engine == "fa4":
+        dev_lens = (torch.tensor(lens, dtype=torch.int32, device=q.device) if lens_tensor is None
+                    else lens_tensor.to(torch.int32).contiguous())
+        return _fa4_api.decode(q, k_cache, v_cache, dev_lens, max(lens, default=0), scale, masked, softcap,
+                               tuning.fa4_num_splits)
     if engine == "split_kv":
         return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor, ragged=ragged,
                             **tuning.kernel_args(q.device.type == "cpu"))

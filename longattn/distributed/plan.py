@@ -241,8 +241,7 @@ def fuse_segments(calls) -> Optional[list]:
 
 
 def worth_fusing(calls, heads_x_dim: int, tuning: _tuning.RingVarlenTuning = _tuning.RING_VARLEN) -> bool:
-    """Whether a step's document blocks run faster as one FlashAttention-2
-    varlen launch than as one backend call each (cost model in ``tuning``:
+    """Whether a step's document blocks run faster as one varlen launch than as one backend call each (cost model in ``tuning``:
     many short documents fuse, a few long ones run one cuDNN call each)."""
     flops = [4.0 * heads_x_dim * (c.q1 - c.q0) * (c.k1 - c.k0) * (0.5 if c.spec.causal else 1.0) for c in calls]
     t_calls = sum(max(tuning.call_seconds, f / tuning.call_flops) for f in flops)

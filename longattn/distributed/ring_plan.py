@@ -37,15 +37,17 @@ class RingPlan:
     backend name)``; None in the plan of a call traced by torch.compile, which
     cannot run the planning: its forward and backward ops complete it from
     the same arguments, the same plan for both (:meth:`complete`). ``fuse``:
-    packed-document steps run as one FlashAttention-2 varlen launch where
-    that pays (:func:`longattn.distributed.fused_varlen.fused_call`).
+    the varlen kernel (``"fa4"``, ``"flash"``) in which a packed-document
+    step runs as one launch, where that pays
+    (:func:`longattn.distributed.fused_varlen.step_kernel`, ``fused_call``);
+    False or "" where steps never fuse.
     ``transport``: ``"copy"`` or ``"nccl"`` (:func:`longattn.distributed.transport.resolve`;
     in a traced call the requested name, resolved for the group alike by both
     passes); ``copy_sync``: how copy exchanges are ordered."""
 
     backend: str = "auto"
     blocks: Optional[tuple] = None
-    fuse: bool = False
+    fuse: "str | bool" = False
     transport: str = "nccl"
     copy_sync: str = "memops"
 

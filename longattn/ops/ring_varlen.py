@@ -14,7 +14,7 @@ from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._sinks import apply_sinks, sinks_meta
 from .._validation import check_chunk_size, check_attention_call, check_cu_seqlens, check_softcap_sinks
 from ..distributed import checks
-from ..distributed.fused_varlen import fusable, fused_call
+from ..distributed.fused_varlen import fused_call, step_kernel
 from ..distributed.layout import check_layout
 from ..distributed.plan import local_length, num_steps_varlen, plan_varlen
 from ..distributed.ring import BackendOp, RingSchedule, ring_backward, ring_forward
@@ -25,14 +25,15 @@ __all__ = ["ring_attention_varlen"]
 
 
 def _schedule(cu: tuple, layout, causal, window, scale, mask: tuple, world: int, rank: int, device,
-              heads_x_dim: int, fuse: bool) -> RingSchedule:
-    """A pure function of the call's arguments and the plan's ``fuse``: both
-    passes rebuild the same one. ``mask``: (softcap, chunk size)."""
+              heads_x_dim: int, fuse) -> RingSchedule:
+    """A pure function of the call's arguments and the plan's ``fuse`` (the
+    fused steps' varlen kernel, falsy for none): both passes rebuild the same
+    one. ``mask``: (softcap, chunk size)."""
     softcap, chunk = mask
 
     def calls(src):
         one = fuse and fused_call(cu, layout, world, rank, src, causal, window, scale, str(device), heads_x_dim,
-                                  chunk=chunk)
+                                  fuse, chunk)
         return one or plan_varlen(cu, layout, world, rank, src, causal, window, scale, softcap, chunk)
     return RingSchedule(num_steps_varlen(cu, layout, world, causal, window, chunk), calls)
 
@@ -43,7 +44,7 @@ def _plan(q, k, cu: tuple, scale, causal, window, layout, mask, group, backend: 
 
     def build():
         qs = q_meta[0]
-        fuse = fusable(q, window, backend, mask[0])
+        fuse = step_kernel(q, window, backend, mask[0])
         sched = _schedule(cu, layout, causal, window, scale, mask, world, rank, q_meta[2], qs[1] * qs[2], fuse)
         steps = (sched.calls((rank - s) % world) for s in range(sched.steps))
         batched = lambda m: ((1, *m[0]), *m[1:])  # the ring runs on (1, T, H, D)

@@ -58,10 +58,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         causal, softmax_scale, window_size: as :func:`longattn.attention`, in
             positions inside each document.
         return_lse: also return lse ``(nheads, total_tokens)`` float32 (flash-attn's varlen layout).
-        softcap, sinks: as :func:`longattn.attention`. Soft-capping runs one
-            document at a time through a dense backend that applies it (the
-            one-launch varlen kernels do not: forcing them raises).
-        backend: ``"auto"``, ``"triton"``, ``"flash"`` or a dense backend name used per document.
+        softcap, sinks: as :func:`longattn.attention`. Soft-capping runs in
+            FA4's varlen kernel where it runs, else one document at a time
+            through a dense backend that applies it (the Triton and flash
+            varlen kernels do not: forcing them raises).
+        backend: ``"auto"``, ``"fa4"``, ``"triton"``, ``"flash"`` or a dense backend name used per document.
 
     Equivalent PyTorch::
 
@@ -89,12 +90,6 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 def _kernel(q, backend: str, ndocs: int, softcap: float) -> str:
-    """:func:`longattn.backends.varlen.choose`, less the varlen kernels where
-    the call soft-caps (they have no softcap): the document loop, whose dense
-    backend is chosen from capabilities that include it."""
-    if not softcap:
-        return _varlen.choose(q, backend, ndocs)
-    if backend in _varlen.KINDS:  # a one-launch varlen kernel forced by name
-        raise ValueError(f"backend={backend!r} cannot run this varlen call: logit soft-capping (softcap) not "
-                         f"supported; use backend='auto' or 'math'")
-    return "loop"
+    """The varlen kernel of a call (also Ulysses' per-rank one):
+    :func:`longattn.backends.varlen.choose`, softcap among the capabilities."""
+    return _varlen.choose(q, backend, ndocs, softcap=softcap)
