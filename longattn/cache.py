@@ -350,7 +350,7 @@ class KVCache:
         """One device: a step replayed from a CUDA graph where the engine allows."""
         lens = self.layout.local[0]
         engine = dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True,
-                              softcap=softcap)
+                              softcap=softcap, keys=max(lens, default=0))
         if engine == "graphs":
             return self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
         return dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning, engine=engine,
