@@ -495,3 +495,28 @@ def test_hf_train_benchmark_tiny(tmp_path):
         if "flex_attention" in rows:
             flex = rows["flex_attention"]
             assert (flex["error"] and "CPU" in flex["error"]) or flex["losses"] == pytest.approx(b, rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4"])
+def test_hf_train_benchmark_families_tiny(family):
+    """`bench hf-train --family`: a tiny Gemma 2 (soft-capping, a window of 32),
+    GPT-OSS (sinks, a window of 32, experts) and Llama 4 text (chunks of 32,
+    a NoPE layer, experts) on 128 tokens: the initial loss under "longattn"
+    equals eager's to 4 digits, the rows say the family and its config, and
+    sdpa, which transformers refuses for soft-capping and sinks, is a row
+    with the reason."""
+    from longattn.bench import hf_train as bench
+
+    attns = ["longattn", "eager"] + (["sdpa"] if family != "llama4" else [])
+    payload = bench.main(["--tiny", "--family", family, "--attn", *attns, "--seqlen", "128", "--steps", "1",
+                          "--warmup", "0"])
+    rows = {r["attn"]: r for r in payload["results"]}
+    assert all(r["family"] == family for r in rows.values())
+    config = payload["model_config"]
+    assert config[dict(gemma2="attn_logit_softcapping", gpt_oss="num_local_experts",
+                       llama4="attention_chunk_size")[family]]
+    got, want = rows["longattn"]["initial_loss"], rows["eager"]["initial_loss"]
+    assert rows["longattn"]["error"] is None and abs(got - want) <= 1e-4 * abs(want), (got, want)
+    assert payload["loss_check"]["eager"]["agree_4_digits"]
+    if "sdpa" in rows:
+        assert "transformers runs" in rows["sdpa"]["error"] and rows["sdpa"]["losses"] == []
