@@ -184,6 +184,36 @@ def test_softcap_sinks_chunked_are_used(kind):
     assert rel_err(model(ids).logits.detach(), ref(ids).logits.detach()) > 1e-3
 
 
+def test_gpt_oss_documents_as_flash_kwargs():
+    """transformers' GPT-OSS builds its masks without position_ids, so that
+    restarting positions leave a packed row one sequence under eager and
+    "longattn" alike (test_softcap_sinks_chunked_match_eager); its documents
+    given as cu_seq_lens_q/k (as transformers' flash-attention path takes them)
+    reach "longattn" as documents: eager's result with the masks built on the
+    position ids (passed ready, as the model allows), which differs from the
+    one-sequence run."""
+    from transformers import masking_utils as mu
+
+    model, ref = _pair("gpt_oss", ref_impl="eager")
+    with torch.no_grad():
+        for m in (model, ref):
+            for layer in m.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+    ids, kw, real = _inputs("flash_kwargs")
+    built = dict(config=ref.config, inputs_embeds=torch.zeros(1, S, 1, dtype=torch.float64), attention_mask=None,
+                 cache=None, position_ids=kw["position_ids"])
+    masks = {"full_attention": mu.create_causal_mask(**built),
+             "sliding_attention": mu.create_sliding_window_causal_mask(**built)}
+    torch.manual_seed(2)
+    w = torch.randn(int(real.sum()), model.config.vocab_size)
+    got, g_got = _run(model, ids, kw, real, w)
+    want, g_want = _run(ref, ids, dict(position_ids=kw["position_ids"], use_cache=False, attention_mask=masks), real, w)
+    errs = {"logits": rel_err(got, want), **{n: rel_err(g_got[n], g_want[n]) for n in g_want}}
+    assert not {n: e for n, e in errs.items() if not e < TOL}, errs
+    one_sequence, _ = _run(ref, ids, dict(position_ids=kw["position_ids"], use_cache=False), real, w)
+    assert rel_err(one_sequence, want) > 1e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "llama4"])
 def test_training_steps_on_cuda(kind):

@@ -16,7 +16,10 @@ downloaded), about 1.1B parameters with the default vocabulary of 32000:
 
 ``--tiny``: the same family at hidden 64, windows and chunks of 32 (so that
 they cut 256 tokens). An explicit --layers/--hidden/--heads/--kv-heads/
---intermediate/--vocab overrides the family's value.
+--intermediate/--vocab overrides the family's value. Packed documents
+(--docs) of GPT-OSS: transformers builds its masks without position_ids, so
+its packed row is one sequence under eager, flex_attention and longattn alike,
+and longattn_ring (documents) is a row with that reason.
 """
 from __future__ import annotations
 
@@ -89,8 +92,13 @@ def make_config(args):
     return cls(**config_kwargs(args))
 
 
-def unavailable(family: str, attn: str) -> Optional[str]:
+def unavailable(family: str, attn: str, docs: int = 1) -> Optional[str]:
     """Why the family cannot run under ``attn`` as transformers defines it (None: it can)."""
+    if family == "gpt_oss" and docs > 1 and attn == "longattn_ring":
+        # unsharded, restarting positions leave GPT-OSS's packed row one sequence
+        return ("transformers' GPT-OSS builds its masks without position_ids: a packed row is one sequence "
+                "unsharded, which longattn_ring's documents cannot run (longattn.context_parallel.shard_batch "
+                "with cu_seqlens runs documents)")
     if attn in OURS or attn in NATIVE[family]:
         return None
     return (f"transformers runs {family} under {', '.join(NATIVE[family][:3])} (its soft-capping, sinks or "

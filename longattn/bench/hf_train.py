@@ -122,9 +122,9 @@ def _setup_dist(args):
     return world, dev
 
 
-def unavailable(attn: str, family: str = "llama") -> Optional[str]:
+def unavailable(attn: str, family: str = "llama", docs: int = 1) -> Optional[str]:
     """Why transformers cannot run ``attn`` here (None: it can)."""
-    why = hf_models.unavailable(family, attn)
+    why = hf_models.unavailable(family, attn, docs)
     if why:
         return why
     if attn == "flash_attention_2":
@@ -293,7 +293,7 @@ def run(args, world, dev, attn: Optional[str] = None):
     dtype = torch.bfloat16 if (args.dtype or ("bf16" if dev.type == "cuda" else "fp32")) == "bf16" else torch.float32
     head = dict(attn=attn, family=args.family, seqlen=args.seqlen, batch=args.batch, docs=args.docs, layout=args.layout, world=world,
                 grad_ckpt=args.grad_ckpt, dtype=str(dtype).replace("torch.", ""))
-    why = unavailable(attn, args.family)
+    why = unavailable(attn, args.family, args.docs)
     if why:
         return dict(head, step_ms_median=None, step_ms=[], tokens_per_s_per_gpu=None, peak_mem_gib=None,
                     peak_extra_gib=None, base_mem_gib=None, losses=[], initial_loss=None, error=why,
