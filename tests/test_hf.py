@@ -550,3 +550,6 @@ def test_hf_train_benchmark_families_tiny(family):
     assert payload["loss_check"]["eager"]["agree_4_digits"]
     if "sdpa" in rows:
         assert "transformers runs" in rows["sdpa"]["error"] and rows["sdpa"]["losses"] == []
+    # GPT-OSS's packed row is one sequence unsharded: no longattn_ring row of packed documents
+    packed_ring = bench.unavailable("longattn_ring", family, docs=4)
+    assert (packed_ring is not None) == (family == "gpt_oss") and bench.unavailable("longattn_ring", family) is None
