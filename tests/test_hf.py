@@ -553,3 +553,19 @@ def test_hf_train_benchmark_families_tiny(family):
     # GPT-OSS's packed row is one sequence unsharded: no longattn_ring row of packed documents
     packed_ring = bench.unavailable("longattn_ring", family, docs=4)
     assert (packed_ring is not None) == (family == "gpt_oss") and bench.unavailable("longattn_ring", family) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4"])
+def test_hf_train_benchmark_families_on_cuda(family, tmp_path):
+    """`bench hf-train --family` on CUDA in bf16, 4 layers of the ~1B
+    family at 4096 tokens (windows, chunks and soft-capping as the family
+    has them): "longattn" runs and its initial loss equals transformers' own
+    attention's (eager) to 4 digits."""
+    from longattn.bench import hf_train as bench
+
+    payload = bench.main(["--family", family, "--attn", "longattn", "eager", "--layers", "4", "--seqlen", "4096",
+                          "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "hf.json")])
+    rows = {r["attn"]: r for r in payload["results"]}
+    assert rows["longattn"]["error"] is None and rows["longattn"]["step_ms_median"] > 0
+    assert payload["loss_check"]["eager"]["agree_4_digits"], payload["loss_check"]

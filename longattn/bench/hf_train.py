@@ -291,8 +291,8 @@ def run(args, world, dev, attn: Optional[str] = None):
 
     attn = attn or args.attn[0]
     dtype = torch.bfloat16 if (args.dtype or ("bf16" if dev.type == "cuda" else "fp32")) == "bf16" else torch.float32
-    head = dict(attn=attn, family=args.family, seqlen=args.seqlen, batch=args.batch, docs=args.docs, layout=args.layout, world=world,
-                grad_ckpt=args.grad_ckpt, dtype=str(dtype).replace("torch.", ""))
+    head = dict(attn=attn, family=args.family, seqlen=args.seqlen, batch=args.batch, docs=args.docs,
+                layout=args.layout, world=world, grad_ckpt=args.grad_ckpt, dtype=str(dtype).replace("torch.", ""))
     why = unavailable(attn, args.family, args.docs)
     if why:
         return dict(head, step_ms_median=None, step_ms=[], tokens_per_s_per_gpu=None, peak_mem_gib=None,

@@ -33,11 +33,12 @@ def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask
         raise ValueError(
             f"attn_implementation={impl!r}: the sharded batch's documents come from position_ids that restart, "
             f"but this model ({type(module).__name__}) builds its attention masks without position_ids "
-            f"(transformers' GPT-OSS: huggingface/transformers#39997), so unsharded ('eager', 'flex_attention', "
-            f"'longattn') a packed row is one causal sequence whose documents see each other, which the sharded "
-            f"batch cannot run. For documents, pass their boundaries as longattn.context_parallel.shard_batch("
-            f"cu_seqlens=...) (unsharded: the cu_seq_lens_q/k keywords with 'longattn', as transformers' "
-            f"flash-attention path); for one sequence, give position_ids that do not restart")
+            f"(as transformers' GPT-OSS does: huggingface/transformers#39997), so unsharded ('eager', "
+            f"'flex_attention', 'longattn') a packed row is one causal sequence whose documents see each other, "
+            f"which the sharded batch cannot run. For documents, pass their boundaries as "
+            f"longattn.context_parallel.shard_batch(cu_seqlens=...) (unsharded: the cu_seq_lens_q/k keywords with "
+            f"'longattn', as transformers' flash-attention path); for one sequence, give position_ids that do not "
+            f"restart")
     if scores and ctx.layout not in ("zigzag", "contiguous"):
         raise ValueError(f"attn_implementation={impl!r}: a batch sharded with layout={ctx.layout!r} runs no logit "
                          f"soft-capping, attention sinks or chunked attention; shard it with layout='zigzag' or "
