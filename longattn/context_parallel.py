@@ -77,7 +77,10 @@ class CPContext:
     ``varlen`` its :class:`~longattn.distributed.VarlenShard` and
     ``token_index`` the flat ``batch * seqlen`` index of each packed token;
     with ``layout="documents"``, ``documents`` is the stream's
-    :class:`~longattn.distributed.doc_shard.DocumentShard` instead of ``varlen``."""
+    :class:`~longattn.distributed.doc_shard.DocumentShard` instead of ``varlen``.
+    ``from_positions``: the documents were found where ``position_ids``
+    restart (not given as ``cu_seqlens`` or padding), which a model means only
+    where its mask builder reads position_ids (the integration checks)."""
 
     group: dist.ProcessGroup
     layout: str
@@ -87,6 +90,7 @@ class CPContext:
     varlen: Optional[VarlenShard] = None
     token_index: Optional[torch.Tensor] = None
     documents: Optional[DocumentShard] = None
+    from_positions: bool = False
 
     @property
     def world(self) -> int:
@@ -189,8 +193,8 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
         position_ids = _default_positions(b, s, cu_list, dev)
     shift_labels = _shift_labels(input_ids, labels, valid, ignore_index)
     common = dict(use_cache=False, num_items_in_batch=(shift_labels != ignore_index).sum())
-    starts = _document_starts(valid, position_ids, cu_list, attention_mask is not None, dist.get_world_size(g),
-                              layout)
+    starts, from_positions = _document_starts(valid, position_ids, cu_list, attention_mask is not None,
+                                              dist.get_world_size(g), layout)
     if starts is None:
         ctx = CPContext(g, layout, b, s)
         sh = lambda x: shard(x, layout=layout, group=g, seq_dim=1)
@@ -205,14 +209,14 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
         plan = plan_documents(tuple(cu.tolist()), dist.get_world_size(g), dist.get_rank(g))
         ids_l, pos_l, lab_l = (plan.shard(flat(x)) for x in (input_ids, position_ids, shift_labels))
         lab_l = lab_l.masked_fill(~plan.valid.to(dev), ignore_index)
-        ctx = CPContext(g, layout, b, s, cu, None, token_index, plan)
+        ctx = CPContext(g, layout, b, s, cu, None, token_index, plan, from_positions=from_positions)
         return dict(input_ids=ids_l[None], position_ids=pos_l[None], labels=lab_l[None], shift_labels=lab_l[None],
                     longattn_cp=ctx, **common)
     ids_l, meta = shard_varlen(flat(input_ids), cu, layout=layout, group=g)
     pos_l, _ = shard_varlen(flat(position_ids), cu, layout=layout, group=g)
     lab_l, _ = shard_varlen(flat(shift_labels), cu, layout=layout, group=g)
     lab_l = lab_l.masked_fill(~meta.valid.to(dev), ignore_index)
-    ctx = CPContext(g, layout, b, s, cu, meta, token_index)
+    ctx = CPContext(g, layout, b, s, cu, meta, token_index, from_positions=from_positions)
     return dict(input_ids=ids_l[None], position_ids=pos_l[None], labels=lab_l[None], shift_labels=lab_l[None],
                 longattn_cp=ctx, **common)
 
@@ -273,11 +277,11 @@ def _shift_labels(input_ids, labels, valid, ignore_index: int) -> torch.Tensor:
 
 
 def _document_starts(valid, position_ids, cu_list, has_mask: bool, world: int, layout: str):
-    """(batch, seqlen) bool marking where packed documents start, or None for
-    dense rows that shard as they are."""
+    """((batch, seqlen) bool marking where packed documents start, or None for
+    dense rows that shard as they are; whether they came from restarting positions)."""
     b, s = valid.shape
     dev = valid.device
-    starts = None
+    starts, from_positions = None, False
     if has_mask and not bool(valid.all()):
         n_valid = valid.sum(1)
         first = valid.float().argmax(1)
@@ -295,11 +299,11 @@ def _document_starts(valid, position_ids, cu_list, has_mask: bool, world: int, l
         brk = torch.ones(b, s, dtype=torch.bool, device=dev)
         brk[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
         if bool(brk[:, 1:].any()):
-            starts = brk
+            starts, from_positions = brk, True
     if starts is None and (layout == "documents" or s % (2 * world if layout == "zigzag" else world)):
         starts = torch.zeros(b, s, dtype=torch.bool, device=dev)
         starts[:, 0] = True  # one document per row: the packed layout pads each document itself
-    return starts
+    return starts, from_positions
 
 
 def loss(logits: torch.Tensor, batch: dict, ignore_index: int = -100) -> torch.Tensor:

@@ -184,6 +184,36 @@ def test_softcap_sinks_chunked_are_used(kind):
     assert rel_err(model(ids).logits.detach(), ref(ids).logits.detach()) > 1e-3
 
 
+def test_gpt_oss_documents_as_flash_kwargs():
+    """transformers' GPT-OSS builds its masks without position_ids, so that
+    restarting positions leave a packed row one sequence under eager and
+    "longattn" alike (test_softcap_sinks_chunked_match_eager); its documents
+    given as cu_seq_lens_q/k (as transformers' flash-attention path takes them)
+    reach "longattn" as documents: eager's result with the masks built on the
+    position ids (passed ready, as the model allows), which differs from the
+    one-sequence run."""
+    from transformers import masking_utils as mu
+
+    model, ref = _pair("gpt_oss", ref_impl="eager")
+    with torch.no_grad():
+        for m in (model, ref):
+            for layer in m.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+    ids, kw, real = _inputs("flash_kwargs")
+    built = dict(config=ref.config, inputs_embeds=torch.zeros(1, S, 1, dtype=torch.float64), attention_mask=None,
+                 cache=None, position_ids=kw["position_ids"])
+    masks = {"full_attention": mu.create_causal_mask(**built),
+             "sliding_attention": mu.create_sliding_window_causal_mask(**built)}
+    torch.manual_seed(2)
+    w = torch.randn(int(real.sum()), model.config.vocab_size)
+    got, g_got = _run(model, ids, kw, real, w)
+    want, g_want = _run(ref, ids, dict(position_ids=kw["position_ids"], use_cache=False, attention_mask=masks), real, w)
+    errs = {"logits": rel_err(got, want), **{n: rel_err(g_got[n], g_want[n]) for n in g_want}}
+    assert not {n: e for n, e in errs.items() if not e < TOL}, errs
+    one_sequence, _ = _run(ref, ids, dict(position_ids=kw["position_ids"], use_cache=False), real, w)
+    assert rel_err(one_sequence, want) > 1e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "llama4"])
 def test_training_steps_on_cuda(kind):
@@ -495,3 +525,47 @@ def test_hf_train_benchmark_tiny(tmp_path):
         if "flex_attention" in rows:
             flex = rows["flex_attention"]
             assert (flex["error"] and "CPU" in flex["error"]) or flex["losses"] == pytest.approx(b, rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4"])
+def test_hf_train_benchmark_families_tiny(family):
+    """`bench hf-train --family`: a tiny Gemma 2 (soft-capping, a window of 32),
+    GPT-OSS (sinks, a window of 32, experts) and Llama 4 text (chunks of 32,
+    a NoPE layer, experts) on 128 tokens: the initial loss under "longattn"
+    equals eager's to 4 digits, the rows say the family and its config, and
+    sdpa, which transformers refuses for soft-capping and sinks, is a row
+    with the reason."""
+    from longattn.bench import hf_train as bench
+
+    attns = ["longattn", "eager"] + (["sdpa"] if family != "llama4" else [])
+    payload = bench.main(["--tiny", "--family", family, "--attn", *attns, "--seqlen", "128", "--steps", "1",
+                          "--warmup", "0"])
+    rows = {r["attn"]: r for r in payload["results"]}
+    assert all(r["family"] == family for r in rows.values())
+    config = payload["model_config"]
+    assert config[dict(gemma2="attn_logit_softcapping", gpt_oss="num_local_experts",
+                       llama4="attention_chunk_size")[family]]
+    got, want = rows["longattn"]["initial_loss"], rows["eager"]["initial_loss"]
+    assert rows["longattn"]["error"] is None and abs(got - want) <= 1e-4 * abs(want), (got, want)
+    assert payload["loss_check"]["eager"]["agree_4_digits"]
+    if "sdpa" in rows:
+        assert "transformers runs" in rows["sdpa"]["error"] and rows["sdpa"]["losses"] == []
+    # GPT-OSS's packed row is one sequence unsharded: no longattn_ring row of packed documents
+    packed_ring = bench.unavailable("longattn_ring", family, docs=4)
+    assert (packed_ring is not None) == (family == "gpt_oss") and bench.unavailable("longattn_ring", family) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4"])
+def test_hf_train_benchmark_families_on_cuda(family, tmp_path):
+    """`bench hf-train --family` on CUDA in bf16, 4 layers of the ~1B
+    family at 4096 tokens (windows, chunks and soft-capping as the family
+    has them): "longattn" runs and its initial loss equals transformers' own
+    attention's (eager) to 4 digits."""
+    from longattn.bench import hf_train as bench
+
+    payload = bench.main(["--family", family, "--attn", "longattn", "eager", "--layers", "4", "--seqlen", "4096",
+                          "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "hf.json")])
+    rows = {r["attn"]: r for r in payload["results"]}
+    assert rows["longattn"]["error"] is None and rows["longattn"]["step_ms_median"] > 0
+    assert payload["loss_check"]["eager"]["agree_4_digits"], payload["loss_check"]

@@ -59,9 +59,10 @@ def _cases():
 
 
 def _reference(ref, case):
-    kw = {k: v for k, v in case.items() if k not in ("input_ids", "ref_labels")}
-    if "ref_labels" in case:
-        kw["labels"] = case["ref_labels"]
+    """The unsharded model on the case; ``ref_*`` entries replace the
+    argument they name, ``cu_seqlens`` is for shard_batch only."""
+    kw = {k: v for k, v in case.items() if k not in ("input_ids", "cu_seqlens") and not k.startswith("ref_")}
+    kw.update({k[4:]: v for k, v in case.items() if k.startswith("ref_")})
     ref.zero_grad(set_to_none=True)
     out = ref(case["input_ids"], use_cache=False, **kw)
     out.loss.backward()
@@ -75,7 +76,7 @@ def _compare_sharded(model, ref, case, tag, **shard_kw):
     from longattn import context_parallel as cp
 
     want_loss, want_logits, want_grads = _reference(ref, case)
-    batch = cp.shard_batch(**{k: v for k, v in case.items() if k != "ref_labels"}, **shard_kw)
+    batch = cp.shard_batch(**{k: v for k, v in case.items() if not k.startswith("ref_")}, **shard_kw)
     model.zero_grad(set_to_none=True)
     out = model(**batch)
     out.loss.backward()
@@ -195,13 +196,38 @@ def _check_families(rank, world):
             if kind == "gemma2" and "attention_mask" in case:
                 continue  # eager Gemma 2 in float64 turns rows of padding that see no key into NaN (test_hf)
             if kind == "gpt_oss" and name == "packed documents":
-                continue  # transformers' GPT-OSS builds its masks without position_ids: a packed row is one sequence
+                _check_gpt_oss_documents(model, ref, case, f"rank {rank}/{world} {kind}", world)
+                continue
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name}")
         if kind == "llama4":  # dense rows in the contiguous layout: one ring call per row
             name, case = next(iter(_cases()))
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name} contiguous", layout="contiguous")
         if kind == "gpt_oss":
             assert model.model.layers[0].self_attn.sinks.grad.abs().sum() > 0
+
+
+def _check_gpt_oss_documents(model, ref, case, tag, world):
+    """transformers' GPT-OSS builds its masks without position_ids: unsharded,
+    restarting positions leave a packed row one causal sequence, which a batch
+    sharded by documents cannot run: it raises on every rank, naming
+    cu_seqlens. Documents given as cu_seqlens match GPT-OSS with the masks
+    built on the position ids (transformers' packed-document masks, passed
+    ready as the model allows), which differs from the one-sequence run."""
+    from longattn import context_parallel as cp
+    from transformers import masking_utils as mu
+
+    _raises_everywhere(world, "masks without position_ids.*cu_seqlens", lambda: model(**cp.shard_batch(**case)))
+    row = {k: v[:1] for k, v in case.items()}  # cu_seqlens describe one packed row
+    pos = row["position_ids"]
+    emb = torch.zeros(1, pos.shape[1], 1, dtype=torch.float64)
+    built = dict(config=ref.config, inputs_embeds=emb, attention_mask=None, cache=None, position_ids=pos)
+    masks = {"full_attention": mu.create_causal_mask(**built),
+             "sliding_attention": mu.create_sliding_window_causal_mask(**built)}
+    starts = torch.nonzero(pos[0] == 0).flatten().tolist() + [pos.shape[1]]
+    docs = dict(row, cu_seqlens=torch.tensor(starts, dtype=torch.int32), ref_attention_mask=masks)
+    _, _, want = _compare_sharded(model, ref, docs, f"{tag} documents as cu_seqlens")
+    one_sequence, _, _ = _reference(ref, row)
+    assert rel_err(one_sequence, want) > 1e-3  # the documents do change the result
 
 
 @pytest.mark.dist
@@ -333,15 +359,22 @@ def test_generate_softcap_sinks_chunked_from_sharded_cache(world):
     run_world(_check_generate_families, world)
 
 
-def test_ring_mask_hook_hands_chunks():
+def test_ring_mask_hook_hands_chunks_and_missing_positions():
     """A chunked layer's mask under "longattn_ring" is its chunk size (the
-    ring cuts the sharded documents there); other layers get no mask."""
+    ring cuts the sharded documents there); a mask that transformers built
+    without position_ids (as GPT-OSS builds its masks) says so; other layers
+    get no mask."""
     import longattn.integrations.transformers as lt
-    from longattn.integrations.transformers.masks import RingChunks
+    from longattn.integrations.transformers.masks import RingMask
     from transformers import masking_utils as mu
 
     lt.register()
     hook = mu.ALL_MASK_ATTENTION_FUNCTIONS["longattn_ring"]
     chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
-    assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=chunked) == RingChunks(4)
+    assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=chunked) == RingMask(4)
     assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=mu.causal_mask_function) is None
+    config = _config()
+    config._attn_implementation = "longattn_ring"
+    built = dict(config=config, inputs_embeds=torch.zeros(1, 8, 4), attention_mask=None, cache=None)
+    assert mu.create_causal_mask(**built) == RingMask(positions=False)
+    assert mu.create_causal_mask(**built, position_ids=torch.arange(8)[None]) is None

@@ -1,28 +1,31 @@
-"""python -m longattn.bench hf-train: the training step of a Llama-shaped
-transformers model (forward + backward + optimizer step) under each attention
-implementation, several in one run (one JSON, rows side by side).
+"""python -m longattn.bench hf-train: the training step of a transformers model
+(forward + backward + optimizer step) of one family (``--family``: Llama, Gemma 2,
+GPT-OSS, Llama 4 text) under each attention implementation, several in one run
+(one JSON, rows side by side, the same weights and batch for each).
 
     # one GPU: ours, transformers' SDPA and FlexAttention on 16 packed documents, one run
     python -m longattn.bench hf-train --attn longattn sdpa flex_attention --seqlen 32768 --docs 16
     python -m longattn.bench hf-train --attn longattn sdpa --seqlen 131072 --grad-ckpt
     # two GPUs (context parallelism)
     torchrun --nproc_per_node=2 -m longattn.bench hf-train --attn longattn_ring torch_cp --seqlen 131072 --grad-ckpt
+    # Gemma 2 (soft-capping), GPT-OSS (sinks), Llama 4 (chunks) against transformers' own attention
+    python -m longattn.bench hf-train --family gemma2 --attn longattn eager flex_attention --seqlen 16384 --grad-ckpt
     # CPU smoke run (also under torchrun, gloo)
     python -m longattn.bench hf-train --tiny --attn longattn sdpa
 
-Model (default ~1.1B parameters with --vocab 32000): 16 layers, hidden 2048,
-16 query / 4 KV heads (head dim 128), MLP 8192, RoPE, random weights, bf16 on
-CUDA (fp32 on CPU), AdamW (fused on CUDA). Data: random tokens, batch 1 by
-default, the same on every run. The loss is the token-weighted cross
-entropy computed in chunks of --loss-chunk tokens (each chunk's logits are
-recomputed in the backward), so that the vocabulary projection does not
-dominate memory at long lengths; it is the same code for every attention.
+Model: ~1.1B parameters of the family (longattn.bench.hf_models), random weights,
+bf16 on CUDA (fp32 on CPU), AdamW (fused on CUDA). Data: random tokens, batch 1
+by default, the same on every run. Loss: token-weighted cross entropy in chunks
+of --loss-chunk tokens (each chunk's logits recomputed in the backward), the same
+code for every attention; each row's initial loss (before any optimizer step) is
+compared with the first row's (``loss_check``: equal to 4 digits within 5e-4).
 Packed documents (--docs N): position_ids restart at each document and no
 attention mask is passed, from which transformers builds each implementation's
 packed-document mask (a 4-D mask for sdpa, a block mask for flex_attention).
 
 Attention (``--attn``, one or more; one device or torchrun, not mixed):
   sdpa               transformers' own SDPA attention (torch picks the kernel)
+  eager              transformers' eager attention (the reference of Gemma 2 and GPT-OSS)
   flex_attention     transformers' own FlexAttention (compiled, its block mask)
   flash_attention_2  transformers' flash-attn 2 path (where flash_attn is installed)
   longattn           attn_implementation="longattn" (cuDNN on Hopper through longattn.attention)
@@ -60,8 +63,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import hf_models
+from .hf_models import FAMILIES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ONE_DEVICE = ("sdpa", "flex_attention", "flash_attention_2", "longattn")
+ONE_DEVICE = ("sdpa", "eager", "flex_attention", "flash_attention_2", "longattn")
 ATTN = ONE_DEVICE + ("longattn_ring", "torch_cp")
 
 
@@ -77,23 +83,20 @@ def parse(argv=None):
                    help="longattn_ring's sharding (shard_batch layout; documents: held whole where they fit)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=8192)
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--family", choices=FAMILIES, default="llama", help="model family (longattn.bench.hf_models)")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab"):
+        p.add_argument(f"--{flag}", type=int, default=None, help="overrides the family's value")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of every decoder layer")
     p.add_argument("--loss-chunk", type=int, default=8192)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, 4/2 heads, vocab 256, 256 tokens")
+    p.add_argument("--tiny", action="store_true", help="the family at hidden 64, vocab 256, 256 tokens")
     p.add_argument("--profile", action="store_true", help="also record the top kernels of one step")
     p.add_argument("--out", default=None, help="JSON path, {commit} filled in (default benchmarks/results/"
                                                 "hf_train_..._COMMIT.json on CUDA; none with --tiny)")
     p.add_argument("--timeout-s", type=int, default=900, help="process-group timeout (a stuck collective dies)")
     a = p.parse_args(argv)
+    hf_models.fill_shape(a)
     if a.tiny:
-        a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.vocab = 2, 64, 4, 2, 128, 256
         a.loss_chunk = min(a.loss_chunk, 128)
     a.seqlen = a.seqlen or (256 if a.tiny else 32768)
     a.steps = a.steps or (3 if a.tiny else 10)
@@ -119,8 +122,11 @@ def _setup_dist(args):
     return world, dev
 
 
-def unavailable(attn: str) -> Optional[str]:
+def unavailable(attn: str, family: str = "llama", docs: int = 1) -> Optional[str]:
     """Why transformers cannot run ``attn`` here (None: it can)."""
+    why = hf_models.unavailable(family, attn, docs)
+    if why:
+        return why
     if attn == "flash_attention_2":
         # flash-attn-4 installs a `flash_attn` namespace too (flash_attn.cute), so ask for the flash-attn 2
         # distribution, as transformers does before it dispatches
@@ -150,16 +156,13 @@ def _register_torch_cp():
 
 
 def build_model(args, attn, dev, dtype):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     import longattn.integrations.transformers as lt
 
     lt.register()
     impl = _register_torch_cp() if attn == "torch_cp" else attn
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seqlen, 8192),
-                         rope_theta=500000.0, tie_word_embeddings=False, use_cache=False)
+    config = hf_models.make_config(args)
     torch.manual_seed(0)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=dtype)
@@ -186,15 +189,20 @@ def make_batch(args, dev):
 
 def chunked_loss(model, hidden, shift_labels, num_items, chunk: int):
     """sum(cross entropy over target tokens) / num_items; each chunk's logits
-    (float32) live only inside its checkpointed call."""
+    (float32, soft-capped where the model caps them: Gemma 2) live only inside
+    its checkpointed call."""
     from torch.utils.checkpoint import checkpoint
 
     w = model.lm_head.weight
     h = hidden.reshape(-1, hidden.shape[-1])
     t = shift_labels.reshape(-1)
 
+    cap = hf_models.final_softcap(model)
+
     def part(hc, tc):
         logits = (hc @ w.t()).float()
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return torch.nn.functional.cross_entropy(logits, tc, ignore_index=-100, reduction="sum")
 
     total = sum(checkpoint(part, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
@@ -283,12 +291,13 @@ def run(args, world, dev, attn: Optional[str] = None):
 
     attn = attn or args.attn[0]
     dtype = torch.bfloat16 if (args.dtype or ("bf16" if dev.type == "cuda" else "fp32")) == "bf16" else torch.float32
-    head = dict(attn=attn, seqlen=args.seqlen, batch=args.batch, docs=args.docs, layout=args.layout, world=world,
-                grad_ckpt=args.grad_ckpt, dtype=str(dtype).replace("torch.", ""))
-    why = unavailable(attn)
+    head = dict(attn=attn, family=args.family, seqlen=args.seqlen, batch=args.batch, docs=args.docs,
+                layout=args.layout, world=world, grad_ckpt=args.grad_ckpt, dtype=str(dtype).replace("torch.", ""))
+    why = unavailable(attn, args.family, args.docs)
     if why:
         return dict(head, step_ms_median=None, step_ms=[], tokens_per_s_per_gpu=None, peak_mem_gib=None,
-                    peak_extra_gib=None, base_mem_gib=None, losses=[], error=why, top_kernels=None)
+                    peak_extra_gib=None, base_mem_gib=None, losses=[], initial_loss=None, error=why,
+                    top_kernels=None)
     model = build_model(args, attn, dev, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
@@ -367,7 +376,8 @@ def run(args, world, dev, attn: Optional[str] = None):
                 step_ms=[round(x, 3) for x in times],
                 tokens_per_s_per_gpu=None if med is None else round(tokens / (med / 1e3) / world, 1),
                 peak_mem_gib=gib(peak), peak_extra_gib=gib(None if peak is None or base is None else peak - base),
-                base_mem_gib=gib(base), losses=[round(x, 5) for x in loss_vals], error=error, top_kernels=kernels,
+                base_mem_gib=gib(base), losses=[round(x, 5) for x in loss_vals],
+                initial_loss=loss_vals[0] if loss_vals else None, error=error, top_kernels=kernels,
                 **({"torch_cp": info} if info else {}))
 
 
@@ -379,10 +389,25 @@ def _command(world: int, argv) -> str:
 
 
 def default_out(args, world: int, commit: str) -> str:
-    tag = f"_docs{args.docs}" if args.docs > 1 else ""
+    tag = f"_{args.family}" if args.family != "llama" else ""
+    tag += f"_docs{args.docs}" if args.docs > 1 else ""
     tag += "_ckpt" if args.grad_ckpt else ""
     return os.path.join(ROOT, "benchmarks", "results",
                         f"hf_train_{'_'.join(args.attn)}_s{args.seqlen}_w{world}{tag}_{commit}.json")
+
+
+def loss_check(rows) -> dict:
+    """Each row's initial loss against the first row's that has one: the
+    relative difference, and whether they agree to 4 significant digits."""
+    done = [r for r in rows if r.get("initial_loss") is not None]
+    if not done:
+        return {}
+    ref = done[0]["initial_loss"]
+    out = {"reference": done[0]["attn"]}
+    for r in done[1:]:
+        rel = abs(r["initial_loss"] - ref) / max(abs(ref), 1e-30)
+        out[r["attn"]] = dict(rel_diff=float(f"{rel:.3g}"), agree_4_digits=rel <= 5e-4)
+    return out
 
 
 def main(argv=None):
@@ -398,7 +423,8 @@ def main(argv=None):
     env = environment(dev)
     env.update(command=_command(world, argv), transformers=transformers.__version__,
                python=platform.python_version(), world_size=world)
-    payload = dict(benchmark="hf_train", env=env, args=vars(args), results=rows)
+    payload = dict(benchmark="hf_train", env=env, args=vars(args), family=args.family,
+                   model_config=hf_models.config_kwargs(args), loss_check=loss_check(rows), results=rows)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         out = result_path(args.out) if args.out else None
@@ -407,9 +433,10 @@ def main(argv=None):
         if out:
             write_json(out, payload)
         for row in rows:
-            print(json.dumps({k: row.get(k) for k in ("attn", "seqlen", "docs", "layout", "world", "step_ms_median",
-                                                      "tokens_per_s_per_gpu", "peak_mem_gib", "peak_extra_gib",
-                                                      "error")}), flush=True)
+            print(json.dumps({k: row.get(k) for k in ("attn", "family", "seqlen", "docs", "layout", "world",
+                                                      "step_ms_median", "tokens_per_s_per_gpu", "peak_mem_gib",
+                                                      "peak_extra_gib", "initial_loss", "error")}), flush=True)
+        print(json.dumps({"loss_check": payload["loss_check"]}), flush=True)
         if out:
             print(f"wrote {out}", flush=True)
     if dist.is_initialized() and owned:

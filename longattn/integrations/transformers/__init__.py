@@ -25,7 +25,10 @@ attention call instead of being dropped):
       itself treats them as packed — no ``attention_mask`` and no cache, i.e.
       ``use_cache=False`` — or the ``cu_seq_lens_q/k``, ``max_length_q/k``
       keywords of transformers' flash-attention path (``DataCollatorWithFlattening
-      (return_flash_attn_kwargs=True)``), which always count;
+      (return_flash_attn_kwargs=True)``), which always count. transformers'
+      GPT-OSS builds its masks without position_ids (huggingface/transformers#39997):
+      its packed row is one sequence, as under eager; its documents run as
+      ``cu_seq_lens_q/k``;
     * ``sliding_window`` (Mistral, Qwen2, ...): a key is seen when
       ``q - k < sliding_window`` (causal), i.e. ``window_size=(sliding_window - 1, 0)``,
       as transformers' own masks; bidirectional layers ``|q - k| <= sliding_window``;
@@ -40,7 +43,10 @@ attention call instead of being dropped):
 ``"longattn_ring"`` — the sequence sharded over a process group (context
 parallelism), :func:`longattn.ring_attention` (zigzag layout by default) or, for
 padding and packed documents, :func:`longattn.ring_attention_varlen` on the global
-document boundaries. Logit soft-capping and attention sinks as under
+document boundaries (documents from restarting ``position_ids`` raise for a
+model whose masks transformers builds without them, GPT-OSS, since unsharded
+its packed row is one sequence; ``shard_batch(cu_seqlens=...)`` runs its
+documents). Logit soft-capping and attention sinks as under
 ``"longattn"`` (a sink's gradient on each rank sums its rows, summed over the
 group with the other parameters' by ``context_parallel.all_reduce_grads``);
 chunked attention by ``ring_attention_varlen``'s ``chunk_size``: the sharded

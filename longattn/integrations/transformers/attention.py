@@ -13,7 +13,7 @@ import torch
 import longattn
 
 from . import checks, cp
-from .masks import Documents, RingChunks, causal_and_window, documents_of
+from .masks import Documents, RingMask, causal_and_window, documents_of
 
 SEGMENT_LENGTHS_KEY = "longattn_segment_lengths"
 DILATION_RATES_KEY = "longattn_dilation_rates"
@@ -69,13 +69,15 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         return sharded_layer_forward(impl, layer, module, query, key, value, attention_mask, scaling, dropout,
                                      sliding_window, softcap, kwargs)
     ctx = cp.context(kwargs, impl)
-    chunk = attention_mask.size if isinstance(attention_mask, RingChunks) else None
-    attention_mask = None if chunk is not None else attention_mask
+    ring = attention_mask if isinstance(attention_mask, RingMask) else RingMask()
+    chunk = ring.chunk
+    attention_mask = None if isinstance(attention_mask, RingMask) else attention_mask
     problem, causal, dv = None, True, value.shape[-1]
     try:
         causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs, scores=True)
         cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs,
-                              bool(softcap) or kwargs.get("s_aux") is not None or chunk is not None)
+                              bool(softcap) or kwargs.get("s_aux") is not None or chunk is not None, module,
+                              ring.positions)
     except ValueError as e:
         problem = e
     cp.agree(module, ctx.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),

@@ -24,9 +24,21 @@ def context(kwargs, impl: str) -> _cp.CPContext:
     return ctx
 
 
-def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs, scores: bool) -> None:
+def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs, scores: bool,
+                       module=None, positions: bool = True) -> None:
     """What a sharded batch cannot carry (ValueError). ``scores``: the layer
-    soft-caps, has sinks or chunks (which the ring layouts run)."""
+    soft-caps, has sinks or chunks (which the ring layouts run); ``positions``:
+    False when the model built its masks without position_ids (:class:`~.masks.RingMask`)."""
+    if ctx.from_positions and not positions:
+        raise ValueError(
+            f"attn_implementation={impl!r}: the sharded batch's documents come from position_ids that restart, "
+            f"but this model ({type(module).__name__}) builds its attention masks without position_ids "
+            f"(as transformers' GPT-OSS does: huggingface/transformers#39997), so unsharded ('eager', "
+            f"'flex_attention', 'longattn') a packed row is one causal sequence whose documents see each other, "
+            f"which the sharded batch cannot run. For documents, pass their boundaries as "
+            f"longattn.context_parallel.shard_batch(cu_seqlens=...) (unsharded: the cu_seq_lens_q/k keywords with "
+            f"'longattn', as transformers' flash-attention path); for one sequence, give position_ids that do not "
+            f"restart")
     if scores and ctx.layout not in ("zigzag", "contiguous"):
         raise ValueError(f"attn_implementation={impl!r}: a batch sharded with layout={ctx.layout!r} runs no logit "
                          f"soft-capping, attention sinks or chunked attention; shard it with layout='zigzag' or "

@@ -23,7 +23,7 @@ from longattn.distributed.layout import check_layout
 
 from . import checks, cp
 from .cp import agree
-from .masks import RingChunks
+from .masks import RingMask
 
 __all__ = ["ShardedCache", "ShardedLayer", "sharded_layer_forward"]
 
@@ -109,11 +109,11 @@ def sharded_layer_forward(impl: str, layer: ShardedLayer, module, query, key, va
     are the tokens of this forward (``update`` already appended them when
     decoding). ``branches``: the dilated segment lengths and rates, or None.
     Dense layers run soft-capping, sinks (``s_aux``), sliding windows and
-    chunks (:class:`~.masks.RingChunks`) in the prefill and every step."""
+    chunks (:class:`~.masks.RingMask`) in the prefill and every step."""
     cache = layer.owner
     ctx = kwargs.get(checks.CP_KEY)
-    chunk = attention_mask.size if isinstance(attention_mask, RingChunks) else None
-    attention_mask = None if chunk is not None else attention_mask
+    chunk = attention_mask.chunk if isinstance(attention_mask, RingMask) else None
+    attention_mask = None if isinstance(attention_mask, RingMask) else attention_mask
     sinks = kwargs.get("s_aux")
     problem, causal, dv = None, True, value.shape[-1]
     try:

@@ -197,14 +197,40 @@ def _chunked(ids: torch.Tensor, pattern: Pattern, kv_offset: int) -> torch.Tenso
 
 
 @dataclasses.dataclass(frozen=True)
-class RingChunks:
-    """What ``"longattn_ring"``'s mask hook hands a chunked-attention layer
-    (Llama 4's local layers): the chunk size. The ring cuts the sharded
-    batch's documents (or dense rows) at every multiple of it of their
-    positions, as transformers' ``chunked_overlay`` does unsharded (the
-    sharded batch has no padding inside a document)."""
+class RingMask:
+    """What ``"longattn_ring"``'s mask hook hands a layer beyond None (the
+    sharded batch carries the documents). ``chunk``: chunked attention's
+    chunk size (Llama 4's local layers): the ring cuts the sharded documents
+    (or dense rows) at every multiple of it of their positions, as
+    transformers' ``chunked_overlay`` does unsharded. ``positions``: False
+    when transformers built the mask without the model's position_ids, so
+    that unsharded a packed row is one sequence (see :func:`builder_positions`)."""
 
-    size: int
+    chunk: Optional[int] = None
+    positions: bool = True
+
+
+def builder_positions(depth: int = 4) -> Optional[bool]:
+    """Whether the transformers mask builder that called the hook
+    (``create_causal_mask`` and its siblings) was given position_ids; None when
+    the hook was not called from one. transformers treats restarting positions
+    as packed documents only from the builder's position_ids, which it hands
+    the hook only when it finds documents in them; a model that leaves them
+    out of its builder (GPT-OSS, huggingface/transformers#39997) runs a packed
+    row as one sequence, which the hook can tell only from the builder's
+    frame."""
+    import sys
+
+    import transformers.masking_utils as mu
+
+    f = sys._getframe(1)
+    for _ in range(depth):
+        f = f.f_back
+        if f is None:
+            return None
+        if f.f_globals.get("__name__") == mu.__name__ and f.f_code.co_name.startswith("create_"):
+            return f.f_locals["position_ids"] is not None if "position_ids" in f.f_locals else None
+    return None
 
 
 def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -212,12 +238,13 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     """transformers' mask hook for "longattn_ring": the sharded batch carries the
     documents (CPContext); local position ids jump between zigzag chunks and are
     not documents. A padding mask that reaches the model is returned so that
-    the attention call reports it on every rank; a chunked layer gets
-    :class:`RingChunks`."""
+    the attention call reports it on every rank; a chunked layer, or a model
+    whose mask builder had no position_ids, gets :class:`RingMask`."""
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         return attention_mask
     chunk = read_pattern(mask_function, "longattn_ring").chunk
-    return None if chunk is None else RingChunks(chunk[0])
+    mask = RingMask(None if chunk is None else chunk[0], builder_positions() is not False)
+    return None if mask == RingMask() else mask
 
 
 def documents_of(mask, q_len: int, impl: str) -> Documents:
