@@ -211,8 +211,28 @@ def test_bench_dist_row(tmp_path):
     rows = {(r["config"], r["impl"]): r for r in json.loads(path.read_text())["results"]}
     assert rows["varlen_tiny", "packed-balanced"]["status"] == "ok"
     assert rows["varlen_tiny", "packed-balanced"]["efficiency_fwd_bwd"] > 0
+    assert 0 < rows["varlen_tiny", "packed-balanced"]["model"]["predicted_efficiency"] <= 1
     assert rows["tiny", "packed-balanced"]["status"] == "unsupported"
     assert "varlen" in rows["tiny", "packed-balanced"]["reason"]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bench_packed_model_counts(causal):
+    """The bench's cost model of a plan: every pair and token counted once over the ranks, and the bytes of the
+    split documents' K/V (one document too long for a rank here) as the all-gather and reduce-scatter move them."""
+    from longattn.bench.configs import Config
+    from longattn.bench.cp_rows import packed_model
+
+    lens = (700, 100, 60, 40, 100)
+    cfg = Config("t", 1, 1000, 4, 8, kv_heads=2, causal=causal, doc_lengths=lens)
+    m = packed_model(cfg, 1000, 2, 2)
+    assert m["split_documents"] == 1
+    assert sum(m["tokens"]) == 1000 and max(m["tokens"]) <= m["local_tokens"]
+    assert sum(m["work_pairs"]) == sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+    assert m["predicted_efficiency"] == pytest.approx(sum(m["work_pairs"]) / 2 / max(m["work_pairs"]))
+    s = 350  # the split document's tokens per rank: two of its four chunks
+    assert m["recv_bytes_fwd"] == s * 2 * 2 * 8 * 2
+    assert m["recv_bytes_bwd"] == m["recv_bytes_fwd"] + s * 2 * 2 * 8 * 4
 
 
 def _model_matches(rank, world):

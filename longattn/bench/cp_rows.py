@@ -86,3 +86,34 @@ def _cp_call(cfg, impl, q, k, v, dev):
     fn = lambda q_, k_, v_: longattn.context_parallel_attention_varlen(q_, k_, v_, cu, mesh=mesh, layout=layout,
                                                                        **kw)
     return fn, [longattn.shard_varlen_for_mesh(x.flatten(0, 1), cu, mesh, layout=layout)[0] for x in (q, k, v)]
+
+
+def packed_model(cfg: Config, seqlen: int, world: int, elt_bytes: int) -> dict:
+    """What ``packed-balanced`` should cost on each rank, from its plan alone
+    (the row records it beside the measurement): attention work (query-key
+    pairs computed, causal halves included), local tokens, and the bytes a
+    rank receives in the forward (the split documents' K/V all-gather) and
+    the backward (the same gather, then the K/V gradients' reduce-scatter in
+    float32). ``predicted_efficiency`` = mean work / largest work: the
+    efficiency when the kernels' time follows their pairs and nothing else
+    costs; ``token_balance`` = mean tokens / ``local_tokens`` (every rank's
+    padded count): the bound where time follows tokens (short documents,
+    whose rows cost about as much as their pairs)."""
+    cu = varlen_cu_seqlens(cfg.with_overrides(seqlen=seqlen), "cpu")
+    plans = [longattn.shard_documents(cu, world, r) for r in range(world)]
+    lens = {d: plans[0].cu[d + 1] - plans[0].cu[d] for d in range(len(plans[0].cu) - 1)}
+    half = 0.5 if cfg.causal else 1.0
+
+    def pairs(d, p0, n):  # the keys of a run of rows [p0, p0 + n) of document d (no window)
+        return n * p0 + n * (n + 1) // 2 if cfg.causal else n * lens[d]
+
+    work = [sum(pairs(*x) for x in p.runs[p.rank]) for p in plans]
+    s = max(plans[0].split_tokens) if plans[0].split else 0
+    kv_row = 2 * (cfg.kv_heads or cfg.heads) * cfg.head_dim  # K and V elements of one token
+    gather = (world - 1) * s * kv_row * elt_bytes
+    return dict(work_pairs=work, tokens=[p.whole_tokens + p.split_tokens[p.rank] for p in plans],
+                local_tokens=plans[0].local_tokens, split_documents=len(plans[0].split),
+                ideal_pairs=sum(n * n for n in lens.values()) * half / world,
+                predicted_efficiency=sum(work) / world / max(work) if max(work) else 1.0,
+                token_balance=seqlen / world / plans[0].local_tokens,
+                recv_bytes_fwd=gather, recv_bytes_bwd=gather + (world - 1) * s * kv_row * 4)

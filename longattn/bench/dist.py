@@ -41,7 +41,7 @@ from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
 from .impls import fwd_flops, varlen_cu_seqlens
 # parse_mesh, with_mesh: part of dist's interface (the CLI, tests)
-from .cp_rows import CP_IMPLS, _cp_call, _cp_reason, parse_mesh, with_mesh  # noqa: F401
+from .cp_rows import CP_IMPLS, _cp_call, _cp_reason, packed_model, parse_mesh, with_mesh  # noqa: F401
 from .torch_cp import FLEX_DIST_IMPLS, flex_dist_build, flex_dist_reason, run_torch_cp, torch_cp_reason
 from ..distributed import transport as _transport
 
@@ -277,6 +277,8 @@ def _measure(cfg: Config, impl: str, seqlen: int, dt, run: _Run, tag: str):
             info = dict(torch_cp=info)
         else:
             measured = _ours(cfg, impl, *args)
+            if impl == "packed-balanced":
+                info = dict(model=packed_model(cfg, seqlen, run.world, dt.itemsize))
         err = None
     except Exception as e:  # noqa: BLE001 - recorded
         measured, err = (None,) * 6, _failure(e)
