@@ -123,8 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     # their own parsers (`decode --help`, `hf-train --help`); listed here so that --help names them
     sub.add_parser("decode", add_help=False, help="long-context inference: prefill, KVCache, one token per step "
                                                    "(`decode --help`)")
-    sub.add_parser("hf-train", add_help=False, help="a transformers Llama training step under each attention "
-                                                     "implementation (`hf-train --help`)")
+    sub.add_parser("hf-train", add_help=False, help="a transformers training step (Llama, Gemma 2, GPT-OSS, "
+                                                     "Llama 4) under each attention implementation "
+                                                     "(`hf-train --help`)")
     pp = sub.add_parser("report", help="markdown summary and PNG plots from result JSONs; --readme: README's "
                                        "numbers table")
     pp.add_argument("paths", nargs="+", help="result JSON files of run, scale, dist, decode or hf-train")

@@ -72,11 +72,12 @@ def _run_rows(d):
 def _hf_rows(d):
     shapes = OrderedDict()
     for r in d["results"]:
-        key = (r["world"], r["seqlen"], r.get("docs", 1), r.get("grad_ckpt"))
+        key = (r["world"], r["seqlen"], r.get("docs", 1), r.get("grad_ckpt"), r.get("family", "llama"))
         shapes.setdefault(key, []).append(r)
-    for (world, s, docs, ckpt), rows in shapes.items():
+    for (world, s, docs, ckpt, family), rows in shapes.items():
         setup = f"{world}× GPU" if world > 1 else "1 GPU"
-        setup += f", Llama step, {s // 1024}K tokens" + (f", {docs} packed documents" if docs > 1 else "")
+        name = {"llama": "Llama", "gemma2": "Gemma 2", "gpt_oss": "GPT-OSS", "llama4": "Llama 4"}.get(family, family)
+        setup += f", {name} step, {s // 1024}K tokens" + (f", {docs} packed documents" if docs > 1 else "")
         setup += ", activation checkpointing" if ckpt else ""
         parts = [f"{r['attn']} " + (f"{_g(r['step_ms_median'])} ms{_gib((r.get('peak_mem_gib') or 0) * 2**30)}"
                                     if not r.get("error") else r["error"][:60]) for r in rows]

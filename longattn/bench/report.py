@@ -30,12 +30,13 @@ def load(paths):
 
 
 def hf_train_table(rows) -> str:
-    lines = ["| attn | ranks | seqlen | docs | step ms | tokens/s per GPU | peak GiB | peak extra GiB | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | attn | ranks | seqlen | docs | step ms | tokens/s per GPU | peak GiB | peak extra GiB | "
+             "first loss | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['attn']} | {r.get('world')} | {r['seqlen']} | {r.get('docs')} | "
-                     f"{r.get('step_ms_median') or '–'} | {r.get('tokens_per_s_per_gpu') or '–'} | "
-                     f"{r.get('peak_mem_gib') or '–'} | {r.get('peak_extra_gib') or '–'} | {r.get('error') or 'ok'} |")
+        lines.append(f"| {r.get('family', 'llama')} | {r['attn']} | {r.get('world')} | {r['seqlen']} | "
+                     f"{r.get('docs')} | {r.get('step_ms_median') or '–'} | {r.get('tokens_per_s_per_gpu') or '–'} | "
+                     f"{r.get('peak_mem_gib') or '–'} | {r.get('peak_extra_gib') or '–'} | "
+                     f"{r.get('initial_loss') or '–'} | {r.get('error') or 'ok'} |")
     return "\n".join(lines)
 
 
