@@ -510,9 +510,9 @@ def test_kv_cache_softcap_sinks_chunks_on_cuda():
 
 # ---------------------------------------------------------- FA4's split-KV forward as a decode engine
 def _fa4_usable(monkeypatch, usable=True):
-    """FA4's refusals faked: installed on a Hopper GPU (or not installed)."""
+    """FA4's refusals faked: installed on a Blackwell GPU, where its split-KV forward runs (or not installed)."""
     monkeypatch.setattr(bk.BACKENDS["fa4"], "_api", _Api(None if usable else "flash-attn-4 not installed"))
-    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (10, 0))
 
 
 def _cuda_like(*shape, dtype=torch.bfloat16):
@@ -544,6 +544,10 @@ def test_fa4_engine_choice(monkeypatch):
     assert dense_engine(q, k, k, "auto", False, soon, keys=1000) == "backend"
     assert dense_engine(q, k, k, "auto", False, soon) == "fa4"  # keys: the capacity
     assert any("dtype" in r for r in fa4_refusals(q, _cuda_like(2, 64, 2, 128, dtype=torch.float16)))
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (9, 0))
+    assert any("sm_100 only" in r for r in fa4_refusals(q, k))  # Hopper: no split-KV in FA4
+    assert dense_engine(q, k, k, "fa4", True) == "backend"
+    monkeypatch.setattr(bk.base.Backend, "capability", lambda self, device: (10, 0))
     _fa4_usable(monkeypatch, usable=False)
     assert fa4_refusals(q, k) == ["flash-attn-4 not installed"]
     assert dense_engine(q, k, k, "fa4", True) == dense_engine(q, k, k, "auto", False, soon, keys=4000) == "backend"
@@ -600,7 +604,8 @@ def test_fa4_engine_plumbing(monkeypatch, lq, causal, softcap):
 @pytest.mark.parametrize("lq,softcap", [(1, 0.0), (1, 30.0), (4, 0.0)])
 @pytest.mark.parametrize("h,hkv", [(32, 8), (8, 8)])
 def test_decode_fa4_on_cuda(fa4, lq, softcap, h, hkv):
-    """FA4's split-KV forward (backend="fa4"): bf16, rows of different lengths
+    """backend="fa4" (FA4's split-KV forward on sm_100; on sm_90, which has none, the fa4
+    backend on views of the cache): bf16, rows of different lengths
     over a 64K cache, GQA packed, several queries causal, soft-capping; error
     against float64 at most twice SDPA's (or the flash backend's) on the same
     inputs without soft-capping; a KVCache step through it too."""

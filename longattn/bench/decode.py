@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import longattn
 from longattn.backends import _fa4_api
+from longattn.decode.engine import fa4_refusals
 
 from . import measure
 from .configs import DTYPES
@@ -252,7 +253,7 @@ def bench_graphed(a, n: int, dev, dt) -> list[dict]:
     variants = [("longattn-graphed", "auto", (b, n + 1, hkv, d), ours)]
     variants += [(f"sdpa-{k}-graphed", k, (b, hkv, n + 1, d), lambda kc, vc, w=w: theirs(kc, vc, w))
                  for k, w in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))]
-    if _fa4_api.problem() is None:
+    if _fa4_api.problem() is None and not fa4_refusals(qn, qn):  # its split-KV forward (sm_100 only)
         variants.append(("fa4-graphed", "fa4", (b, n + 1, hkv, d), fa4))
     rows = []
     for impl, backend, shape, fn in variants:

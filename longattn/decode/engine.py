@@ -32,7 +32,12 @@ def split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeT
 def fa4_refusals(q, k_cache) -> list[str]:
     """Why FA4's split-KV forward (:func:`longattn.backends._fa4_api.decode`)
     cannot run this call: the capabilities of FA4's kernels (it soft-caps)."""
-    why = bk.BACKENDS["fa4"].varlen_refusals(q)
+    b = bk.BACKENDS["fa4"]
+    why = b.varlen_refusals(q)
+    if not why and q.device.type == "cuda" and b.capability(q.device)[0] == 9:
+        # flash-attn-4 4.0.0b36 asserts "SplitKV not supported on SM 9.0"; unsplit, one query row per (row,
+        # kv head) leaves most of the SMs idle, so the backend path (views of the cache) runs instead
+        why.append("FA4's split-KV forward runs on sm_100 only (4.0.0b36 has none on sm_90)")
     if k_cache.dtype != q.dtype:
         why.append(f"cache dtype {k_cache.dtype} != query dtype {q.dtype}")
     return why
