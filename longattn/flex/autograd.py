@@ -87,9 +87,34 @@ class _Sum:
             self.acc.add_(x)
 
 
-def _home(incoming: torch.Tensor, own: Optional[torch.Tensor], dtype) -> torch.Tensor:
-    """The owner's dK or dV: the sums that came round (a receive buffer, which
-    the result never aliases) plus its own piece, rounded once."""
+def _first_sums(piece: list, like: tuple, wide: bool) -> list:
+    """The dK/dV sums a block's first contributor starts (its pieces, taken out
+    of ``piece``): the pieces themselves, float32 copies (``wide``, made one
+    at a time, each piece dropped after its copy), or zeros where the step
+    was empty."""
+    sums = []
+    for i, x in enumerate(like):
+        p, piece[i] = piece[i], None
+        dtype = torch.promote_types(x.dtype, torch.float32) if wide else x.dtype
+        sums.append(torch.zeros_like(x, dtype=dtype) if p is None else _Sum(wide, p).acc)
+        del p
+    return sums
+
+
+def _added(sums: list, piece: list) -> list:
+    """The float32 dK/dV sums that arrived from rank + 1 with this step's pieces added in place."""
+    for acc, p in zip(sums, piece):
+        if p is not None:
+            acc.add_(p)
+    return sums
+
+
+def _home(sums: list, pieces: list, i: int, dtype) -> torch.Tensor:
+    """The owner's dK (i=0) or dV (i=1), taken out of the lists: the sums that
+    came round (a receive buffer, which the result never aliases) plus its own
+    piece, rounded once."""
+    incoming, own = sums[i], pieces[i]
+    sums[i] = pieces[i] = None
     if own is None:
         return incoming.to(dtype, copy=True)
     if own.dtype == incoming.dtype:
@@ -132,27 +157,21 @@ def ring_grads(dout, q, k, v, out, lse, dlse, schedule: RingSchedule, graphs: di
         kc, vc = comm.wait()
     for t in range(steps - 1):
         more = t + 2 < steps  # the next block is not the own one: it comes from rank + 1
-        if more:
-            comm.start([kc, vc], send_to=rank - 1, recv_from=rank + 1)
-        piece = grads(t, kc, vc)
-        kc = vc = None  # the kept block is dead after its step (a received one stays in its slot)
-        if t == 0:
-            like = (k, v)
-            travel = [_Sum(wide, p).acc if p is not None else
-                      torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32) if wide else x.dtype) for p, x in zip(piece, like)]
-        else:
-            travel = dkv.wait()  # float32 sums from rank + 1, added to in place
-            for s, p in zip(travel, piece):
-                if p is not None:
-                    s.add_(p)
+        if more:  # released: the kept block goes into the send slot now (received ones are there already)
+            comm.start([kc, vc], send_to=rank - 1, recv_from=rank + 1, release=True)
+        piece = list(grads(t, kc, vc))
+        kc = vc = None  # the kept block is dead after its step
+        travel = _first_sums(piece, (k, v), wide) if t == 0 else _added(dkv.wait(), piece)
         del piece
         dkv.start(travel, send_to=rank - 1, recv_from=rank + 1, release=True)
         del travel
         if more:
             kc, vc = comm.wait()
-    dk_own, dv_own = grads(steps - 1, k, v)  # the own block; the other contributors' sums arrive from rank + 1
-    dk_in, dv_in = dkv.wait()
-    return dq_result(), _home(dk_in, dk_own, k.dtype), _home(dv_in, dv_own, v.dtype)
+    own = list(grads(steps - 1, k, v))  # the own block; the other contributors' sums arrive from rank + 1
+    dq_out = dq_result()
+    dq.acc = None
+    sums = list(dkv.wait())
+    return dq_out, _home(sums, own, 0, k.dtype), _home(sums, own, 1, v.dtype)
 
 
 class RingFlex(torch.autograd.Function):
