@@ -24,7 +24,13 @@ Head dim is large and seqlen small so that the dense score matrices of
 FlexAttention's eager CPU path (which the GPU kernels never materialise) stay
 small next to a shard; temporaries made and freed inside calls that are one
 kernel on CUDA (``KERNEL_LIKE``) are left out. lse is (B, H, S) float32,
-small next to a shard at this head dim.
+small next to a shard at this head dim. From 3 ranks on, float32 sums take
+bf16 pieces in place: on CPU each such add makes a float32 copy of the piece
+(counted here), which CUDA's kernels do not.
+
+Not seen here: what FlexAttention's compiled (inductor) kernels allocate on a
+GPU beyond their outputs; ``tests/test_flex_ring.py``'s GPU test measures the
+peak against these numbers.
 """
 from __future__ import annotations
 

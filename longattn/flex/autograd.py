@@ -19,13 +19,15 @@ rank's q) at its peak:
   kernel reuses their memory;
 * a two-step ring's dK/dV share the K/V exchange's slots (they never overlap).
 
-Peak of a forward + backward at 2 ranks (copy transport, the bench's
-measure: allocations above the inputs plus the exchange slots), in shards:
-10 at the backward's first step: 4 in slots (two of K+V), out, the kept K/V
-block (2), the step's dQ/dK/dV (3); its second step holds 9 (out, dQ, the
-step's three, the slots). Over send/recv (no slots) 9: out, dQ, dK/dV sent
-and received (4), the step's three. ``benchmarks/flex_ring_memory.py``
-measures these on CPU.
+Peak of a forward + backward (the bench's measure: allocations above the
+inputs, plus the exchange slots), in shards, as
+:mod:`longattn.bench.flex_ring_memory` counts it (``tests/test_flex_ring.py``
+pins the 2-rank numbers). 2 ranks, copy transport: 10, at the backward's
+first step: the slots (two of K+V: 4), out, the kept K/V block (2), that
+step's dQ/dK/dV (3); the second step holds 9 (slots, out, dQ, its
+dQ/dK/dV). 2 ranks over send/recv: 9, at the second step: out, dQ, dK/dV
+sent and received (4), its dQ/dK/dV. 3 ranks: 20 with the copy transport
+(slots: 4 for K/V, 8 for float32 dK/dV sums), 18 over send/recv.
 """
 from __future__ import annotations
 
