@@ -248,8 +248,10 @@ def _check_gpu_peak(rank, world, name, want):
         peak = (torch.cuda.max_memory_allocated() - base + transport.symmetric_bytes()) / shard
         transport.release_slots()
     print(f"rank {rank} {name}: fwd+bwd peak {peak:.2f} shards (accounting {want})")
-    # FlexAttention's compiled kernels may hold up to one shard more than the CPU accounting sees
-    assert peak <= want + 1.1, (name, peak, want)
+    # allowed on top: lse-sized buffers and up to one shard of what FlexAttention's compiled kernels may hold
+    # beyond their outputs (not seen by the CPU accounting; the bench's one-GPU flex rows hold 5 shards of their
+    # q where out and dQ/dK/dV are 4)
+    assert peak <= want + 1.25, (name, peak, want)
 
 
 @pytest.mark.gpu
