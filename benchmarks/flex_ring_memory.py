@@ -1,28 +1,20 @@
-"""What ``ring_flex_attention`` keeps alive at its peak, in shards, on CPU.
+"""What ``ring_flex_attention`` keeps alive at its peak, in shards, on CPU
+(gloo, spawned ranks; no GPU needed): prints the accounting of
+:mod:`longattn.bench.flex_ring_memory` (how it counts, how it models the
+copy and NCCL transports, and what a shard is, is said there;
+tests/test_flex_ring.py pins its numbers) for rank 0: per transport and
+pattern the peak of one forward and of one forward + backward, and what is
+live then, by where it was made.
 
-Runs one forward + backward per pattern on gloo ranks (spawned processes),
-records every allocation with the profiler (address, bytes, time, Python
-stack), and prints for rank 0: the peak bytes allocated during the call (the
-measure ``longattn.bench`` takes on GPUs, there through the caching
-allocator), the same for the forward alone, and the allocations live at the
-peak grouped by the line of longattn that made them, in units of one shard
-(one local q/k/v/out tensor: batch x seqlen_local x heads x headdim in the
-input dtype).
+    PYTHONPATH=. python benchmarks/flex_ring_memory.py --world 2 [--json FILE]
 
-Head dim is large and seqlen small so that the dense score matrices of
-FlexAttention's eager CPU path (which the GPU kernels never materialise) stay
-small next to a shard; temporaries made and freed inside calls that are one
-kernel on CUDA (``KERNEL_LIKE``) are left out unless ``--eager-temporaries``.
-The ring's P2P exchange on gloo allocates its receive buffers as NCCL's does;
-the copy-engine transport receives into symmetric-memory slots instead (two
-per tag, outside the allocator: ``longattn.bench`` adds them to its peak).
-
-    PYTHONPATH=. python benchmarks/flex_ring_memory.py --world 2 --seqlen 512 --heads 2 --head-dim 4096
+Against a GPU (``longattn.bench dist``'s ``peak_mem_fwd_bwd_bytes``, the
+slots included): shards x the bench's shard (batch x seqlen/p x heads x
+headdim x 2 bytes in bf16; 256 MiB for the 128K flex configs at 2 ranks).
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -32,116 +24,28 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import longattn  # noqa: E402
-from longattn import masks  # noqa: E402
-
-
-def _patterns(s: int):
-    docs = torch.arange(s) * 7 // s
-    return {"local_global": masks.local_global(s // 32, 16),
-            "causal_documents": masks.and_(masks.causal(), masks.document(docs)),
-            "causal": masks.causal()}
-
-
-KERNEL_LIKE = ("_higher_order_ops/flex_attention.py", "merge_into", "_functorch/_aot_autograd")
-"""Calls that are kernels on CUDA: torch's FlexAttention forward and backward (eager on
-CPU: dense scores, upcasts, repeated K/V; the backward reached through AOTAutograd's
-runtime) and the lse merge (one Triton pass, in place)."""
-
-
-def _live_at_peak(trace: str, kernel_like: bool):
-    """(peak bytes, [(bytes, stack)] live at the peak) from a chrome trace. With
-    ``kernel_like``, an allocation made and freed inside one call of a
-    ``KERNEL_LIKE`` function is left out (the GPU kernels keep no such
-    temporaries): what remains is what the ring itself holds."""
-    with open(trace) as f:
-        ev = json.load(f)["traceEvents"]
-    mem = sorted((e for e in ev if e.get("name") == "[memory]"), key=lambda e: (e["ts"], -e["args"]["Bytes"]))
-    py = [e for e in ev if e.get("cat") == "python_function"]
-
-    def frames_at(ts, tid):
-        return sorted((p for p in py if p.get("tid") == tid and p["ts"] <= ts <= p["ts"] + p.get("dur", 0)),
-                      key=lambda p: p["ts"])
-
-    def temporary(frames, t_free):
-        outer = [p for p in frames if any(f in p["name"] for f in KERNEL_LIKE)]
-        # the profiler stamps a frame's end a little before the frees of its locals
-        return bool(outer) and t_free is not None and t_free <= outer[0]["ts"] + outer[0].get("dur", 0) + 50
-
-    allocs, open_at = [], {}
-    for e in mem:
-        a, n = e["args"]["Addr"], e["args"]["Bytes"]
-        if n > 0:
-            open_at[a] = len(allocs)
-            allocs.append([n, e["ts"], e.get("tid"), None])
-        elif a in open_at:
-            allocs[open_at.pop(a)][3] = e["ts"]
-    keep = []
-    for n, ts, tid, tf in allocs:
-        fr = frames_at(ts, tid)
-        if kernel_like and temporary(fr, tf):
-            continue
-        keep.append((n, ts, tf, [p["name"] for p in fr]))
-    events = sorted([(ts, i, n) for i, (n, ts, tf, _) in enumerate(keep)]
-                    + [(tf, i, -n) for i, (n, ts, tf, _) in enumerate(keep) if tf is not None],
-                    key=lambda x: (x[0], x[2]))
-    cur = peak = 0
-    live, at_peak = set(), set()
-    for _, i, n in events:
-        cur += n
-        (live.add if n > 0 else live.discard)(i)
-        if cur > peak:
-            peak, at_peak = cur, set(live)
-    return peak, [(keep[i][0], keep[i][3]) for i in at_peak]
-
-
-def _site(frames) -> str:
-    ours = [f.split("longattn/")[-1] for f in frames if "longattn/" in f and "bench" not in f]
-    return " < ".join(reversed(ours[-3:])) if ours else (frames[-1] if frames else "?")
+from longattn.bench.flex_ring_memory import measure  # noqa: E402
 
 
 def _run(rank, world, args, out_dir):
-    torch.manual_seed(rank)
-    b, l, h, d = 1, args.seqlen // world, args.heads, args.head_dim
-    dt = getattr(torch, args.dtype)
-    shard = b * l * h * d * dt.itemsize
-    pats = _patterns(args.seqlen)
+    torch.set_num_threads(1)
     report = {}
-    for name in args.patterns:
-        mask = pats[name]
-        q, k, v = (torch.randn(b, l, h, d, dtype=dt).requires_grad_() for _ in range(3))
-        dout = torch.randn(b, l, h, d, dtype=dt)
-        call = lambda: longattn.ring_flex_attention(q, k, v, mask_mod=mask, layout=args.layout)
-        for _ in range(2):  # plans and block masks are built and cached by the first call
-            call().backward(dout)
-            q.grad = k.grad = v.grad = None
-        res = {}
-        for phase in ("fwd", "fwd+bwd"):
-            trace = os.path.join(out_dir, f"{name}_{phase}_{rank}.json")
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
-                if phase == "fwd":
-                    with torch.no_grad():
-                        call()
-                else:
-                    call().backward(dout)
-                    q.grad = k.grad = v.grad = None
-            prof.export_chrome_trace(trace)
-            peak, live = _live_at_peak(trace, not args.eager_temporaries)
-            groups = collections.Counter()
-            for n, frames in live:
-                groups[_site(frames)] += n
-            res[phase] = dict(peak_shards=peak / shard,
-                              live=[(site, n / shard) for site, n in groups.most_common() if n / shard >= 0.01])
-        report[name] = res
+    for tname in args.transports:
+        for name in args.patterns:
+            res, shard = measure(name, world, rank, args.seqlen, args.heads, args.head_dim,
+                                 getattr(torch, args.dtype), args.layout, tname, out_dir)
+            report[f"{tname} {name}"] = res
     if rank == 0:
-        print(f"world {world}, {args.layout}, B=1 S={args.seqlen} H={h} D={d} {args.dtype}; "
+        print(f"world {world}, {args.layout}, B=1 S={args.seqlen} H={args.heads} D={args.head_dim} {args.dtype}; "
               f"1 shard = {shard / 2**20:.2f} MiB")
         for name, res in report.items():
             for phase, r in res.items():
-                print(f"\n{name} {phase}: peak {r['peak_shards']:.2f} shards; live at the peak:")
-                for site, s in r["live"]:
+                print(f"\n{name} {phase}: peak {r['peak']:.2f} shards; live at the peak:")
+                for s, site in r["live"]:
                     print(f"  {s:6.2f}  {site}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(world=world, shard_bytes=shard, report=report), f, indent=1)
 
 
 def main():
@@ -152,9 +56,10 @@ def main():
     p.add_argument("--head-dim", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layout", default="zigzag")
-    p.add_argument("--eager-temporaries", action="store_true",
-                   help="count the temporaries of torch's eager FlexAttention too (no GPU kernel has them)")
     p.add_argument("--patterns", nargs="+", default=["local_global", "causal_documents"])
+    p.add_argument("--transports", nargs="+", default=["copy", "nccl"], choices=["copy", "nccl"],
+                   help="the exchange whose memory is modelled (longattn.bench.flex_ring_memory)")
+    p.add_argument("--json", help="also write the report here")
     args = p.parse_args()
     from dist_utils import run_world
 

@@ -73,12 +73,12 @@ def _frames_at(ts, tid, spans):
     return [p for p in spans if p.get("tid") == tid and p["ts"] <= ts <= p["ts"] + p.get("dur", 0)]
 
 
-def live_at_peak(trace: str):
+def live_at_peak(trace: str, kernel_like: tuple = KERNEL_LIKE):
     """From a chrome trace: (peak bytes, [(bytes, where)] live at the peak,
     the most bytes live at the end of a local backward call, what is live
     then, bytes whose free the profiler did not see), leaving out what a
-    ``KERNEL_LIKE`` call made and freed itself; ``where`` names the longattn
-    frames (flex_ring_memory._site) and the op and autograd node that made it.
+    ``kernel_like`` call made and freed itself; ``where`` names the longattn
+    frames (:func:`site`) and the op and autograd node that made it.
     On a GPU the backward kernel's own workspace comes on top of the third
     number while the kernel runs."""
     with open(trace) as f:
@@ -100,7 +100,7 @@ def live_at_peak(trace: str):
     keep = []
     for n, ts, tid, t_free in allocs:
         fr = _frames_at(ts, tid, spans)
-        outer = [p for p in fr if p.get("cat") == "python_function" and any(k in p["name"] for k in KERNEL_LIKE)]
+        outer = [p for p in fr if p.get("cat") == "python_function" and any(k in p["name"] for k in kernel_like)]
         # the profiler stamps a frame's end a little before the frees of its locals
         if outer and t_free is not None and t_free <= outer[0]["ts"] + outer[0].get("dur", 0) + 50:
             continue
@@ -115,9 +115,9 @@ def live_at_peak(trace: str):
                     key=lambda x: (x[0], x[2]))
     # the local backward calls: a GPU kernel's workspace adds to what is live at their end
     bwd_ends = sorted(p["ts"] + p.get("dur", 0) for p in spans if p.get("cat") == "python_function"
-                      and any(k in p["name"] for k in KERNEL_LIKE) and ("bwd" in p["name"] or "backward" in p["name"])
+                      and any(k in p["name"] for k in kernel_like) and ("bwd" in p["name"] or "backward" in p["name"])
                       and not any(k in q["name"] for q in _frames_at(p["ts"], p.get("tid"), spans)
-                                  if q is not p and q.get("cat") == "python_function" for k in KERNEL_LIKE))
+                                  if q is not p and q.get("cat") == "python_function" for k in kernel_like))
     cur = peak = at_bwd = 0
     live, at_peak, at_bwd_live = set(), set(), set()
     for ts, i, n in events:

@@ -34,9 +34,12 @@ class P2P:
     def global_rank(self, index: int) -> int:
         return dist.get_global_rank(self.group, self.peers[index % self.size])
 
-    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, fresh: bool = False) -> None:
+    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, fresh: bool = False,
+              release: bool = False) -> None:
         """``fresh``: the received tensors must not share memory with anything
-        (they are returned to the caller); NCCL receives are always fresh."""
+        (they are returned to the caller); NCCL receives are always fresh.
+        ``release``: the caller drops the sent tensors now (the copy transport
+        then frees them before ``wait``; send/recv holds them until it)."""
         assert self._reqs is None, "previous exchange not waited"
         # contiguous receive buffers: a P2P receive needs one (empty_like keeps a permuted input's strides)
         bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
@@ -102,7 +105,11 @@ class CopyEngineP2P(P2P):
         self._hold = None
         self._stream = side_stream(torch.cuda.current_device(), "ring transport")
 
-    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, fresh: bool = False) -> None:
+    def start(self, tensors: Sequence[torch.Tensor], send_to: int, recv_from: int, fresh: bool = False,
+              release: bool = False) -> None:
+        """``release``: the tensors are copied into the send slot on the calling
+        stream, not the exchange's, so their memory is free for the next kernel
+        once the caller drops them (at the cost of that copy on the calling stream)."""
         assert self._event is None, "previous exchange not waited"
         offsets, total = [], 0
         for t in tensors:
@@ -118,16 +125,13 @@ class CopyEngineP2P(P2P):
         cur = torch.cuda.current_stream()
         # fresh receives are allocated on the compute stream, which waits for the pull before any use
         outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors] if fresh else None
+        if release:
+            self._fill(tensors, buf, send * cap, offsets)
         self._stream.wait_stream(cur)
         views = []
         with torch.cuda.stream(self._stream):
-            for t, off in zip(tensors, offsets):
-                nbytes = t.numel() * t.element_size()
-                mine = _as(buf[send * cap + off: send * cap + off + nbytes], t)
-                if not (t.is_contiguous() and t.data_ptr() == mine.data_ptr()):
-                    mine.copy_(t)
-                self.bytes_sent += nbytes
-                traffic["bytes_sent"] += nbytes
+            if not release:
+                self._fill(tensors, buf, send * cap, offsets)
             if sl.memops:
                 ops, st = _memops(), self._stream
                 ops.write(st, sl.flag(dst_rank, _READY, sl.rank), n + 1)
@@ -146,7 +150,17 @@ class CopyEngineP2P(P2P):
                 _memops().write(self._stream, sl.flag(src_rank, _DONE, sl.rank), n + 1)
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
-        self._hold = (list(tensors), views)
+        self._hold = ([] if release else list(tensors), views)
+
+    def _fill(self, tensors, buf, base: int, offsets) -> None:
+        """The send slot (bytes from ``base``) takes the tensors not already in it."""
+        for t, off in zip(tensors, offsets):
+            nbytes = t.numel() * t.element_size()
+            mine = _as(buf[base + off: base + off + nbytes], t)
+            if not (t.is_contiguous() and t.data_ptr() == mine.data_ptr()):
+                mine.copy_(t)
+            self.bytes_sent += nbytes
+            traffic["bytes_sent"] += nbytes
 
     def wait(self) -> list[torch.Tensor]:
         torch.cuda.current_stream().wait_event(self._event)

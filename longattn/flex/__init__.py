@@ -8,7 +8,7 @@ FlexAttention ``mask_mod`` / ``score_mod`` on global positions.
 * :mod:`.step` — the local op (:class:`~.step.FlexStep`) and its compile cache;
 * :mod:`.schedule` — the executors of a call, cached per (shape, pattern):
   one step on one device, the ring schedule across ranks;
-* :mod:`.autograd` — the ring's autograd, and the call where no query sees a key.
+* :mod:`.autograd` — the ring's autograd (its backward loop), and the call where no query sees a key.
 
 The ring is :mod:`longattn.distributed.ring` with one call per step whose
 executor runs FlexAttention on (local queries x the visiting K/V block) under
@@ -27,7 +27,7 @@ statistics gives the block's exact share of dQ, dK, dV (P = exp(S - L) and
 delta = rowsum(dO * O) - dL over all keys, as a single-device backward uses
 for each key block), so no forward is recomputed and no cotangent pass runs;
 the graph holds only the block mask's tensors and small buffers, and the K/V
-block comes back round the ring as in every ring backward. (Keeping each
-step's graph with its tensors would keep every visiting K/V block: memory
-O(seqlen) instead of O(seqlen / ranks).)
+blocks come back round the ring (:func:`.autograd.ring_grads`, which says
+what it holds at its peak). (Keeping each step's graph with its tensors would
+keep every visiting K/V block: memory O(seqlen) instead of O(seqlen / ranks).)
 """
