@@ -1,0 +1,441 @@
+"""FlashAttention-4 for the patterns of longattn.masks (longattn/flex/blocks.py,
+longattn/flex/fa4.py).
+
+On CPU: every named pattern's FA4 form (its mask body, run on torch tensors
+with the padded aux tensors FA4 receives) against the pattern itself; the
+exact block plans at FA4's sparse blocks against dense masks (ragged
+lengths, GQA, per batch row / head); FA4's block-sparse tensors decoded back;
+the ring step's form at global offsets; the choice between FA4 and
+FlexAttention; the check that FA4's mask arguments are where they were; and
+the whole call (forward, backward with the lse's gradient) through a
+stand-in for FA4's interface that applies the tensors as FA4 reads them.
+
+On a GPU with flash-attn-4: every named pattern through FA4 and through torch's
+FlexAttention against float64, outputs, lse and all gradients within 2x the
+error of SDPA in bf16 with the same mask.
+"""
+import types
+
+import pytest
+import torch
+
+import longattn
+from longattn import masks
+from longattn.backends import _fa4_api
+from longattn.distributed.layout import chunks  # noqa: F401 - the layouts ring steps use
+from longattn.flex import blocks, fa4
+from longattn.flex import plan as fp
+from longattn.ops.flex import explain_flex
+from reference import assert_close, dense_mask, flex_ref, rel_err, results
+
+S = 300  # not a multiple of any tile
+
+
+def patterns(dev="cpu"):
+    """Every named pattern of longattn.masks and combinations of them (their tensors on ``dev``)."""
+    g = torch.Generator().manual_seed(5)
+    docs = torch.repeat_interleave(torch.arange(6), torch.tensor([40, 7, 120, 1, 60, 72]))
+    flags = torch.rand(S, generator=g) < 0.03
+    layout = torch.rand(-(-S // 32), -(-S // 32), generator=g) < 0.3
+    layout[3] = False  # a query block that sees nothing
+    head_layout = torch.rand(4, -(-S // 48), -(-S // 48), generator=g) < 0.4
+    docs, flags, layout, head_layout = (t.to(dev) for t in (docs, flags, layout, head_layout))
+    return {
+        "causal": masks.causal(),
+        "sliding_window": masks.sliding_window(50, 0),
+        "sliding_window_both": masks.sliding_window(30, 17),
+        "sliding_window_right": masks.sliding_window(-1, 9),
+        "document_cu": masks.document(cu_seqlens=torch.tensor([0, 40, 47, 167, 168, 228, 300], device=dev)),
+        "document_rows": masks.document(torch.stack([docs, docs.flip(0)])),
+        "prefix_lm": masks.prefix_lm(70),
+        "prefix_lm_rows": masks.prefix_lm(torch.tensor([10, 200], device=dev)),
+        "local_global": masks.local_global(20, 5),
+        "local_global_flags": masks.local_global(11, flags),
+        "block_sparse": masks.block_sparse(layout, 32),
+        "block_sparse_heads": masks.block_sparse(head_layout, 48),
+        "dilated": masks.dilated([64, 128], [1, 2]),
+        "dilated_causal": masks.dilated([32, 96], [2, 3], causal=True),
+        "and": masks.and_(masks.causal(), masks.sliding_window(90, 0), masks.document(docs)),
+        "or": masks.or_(masks.local_global(8, flags), masks.block_sparse(layout, 32)),
+        "nested": masks.and_(masks.or_(masks.prefix_lm(40), masks.sliding_window(25, 25)), masks.document(docs)),
+    }
+
+
+PATTERNS = patterns()
+DOCS = torch.repeat_interleave(torch.arange(6), torch.tensor([40, 7, 120, 1, 60, 72]))
+DOCS2 = torch.stack([DOCS, DOCS.flip(0)])
+
+
+def _idx(b, h, sq, sk):
+    v = lambda n, d: torch.arange(n, dtype=torch.int32).view([n if i == d else 1 for i in range(4)])
+    return v(b, 0), v(h, 1), v(sq, 2), v(sk, 3)
+
+
+# ------------------------------------------------------------------ the forms (CPU)
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_form_body_is_the_pattern(name):
+    """The body FA4 compiles, run on torch tensors with the padded int32 aux
+    tensors it receives, equals the pattern; reads on the padded rows and
+    columns of a last tile (up to 256 past the end) stay in bounds."""
+    m = PATTERNS[name]
+    assert m.fa4 is not None
+    body, reads = blocks.mask_body(m.fa4, blocks.TorchOps)
+    aux = blocks.aux_tensors(m.fa4, "cpu")
+    assert len(aux) == len(reads) and all(t.dtype == torch.int32 and t.is_contiguous() for t in aux)
+    got = body(*_idx(2, 4, S, S), aux).expand(2, 4, S, S)
+    assert torch.equal(got, dense_mask(m, 2, 4, S))
+    body(*_idx(2, 4, S + 256, S + 256), aux)  # no IndexError
+
+
+def test_user_functions_have_no_form():
+    mine = lambda b, h, q, k: (q - k) % 3 == 0
+    assert getattr(mine, "fa4", None) is None
+    assert masks.and_(masks.causal(), mine).fa4 is None and masks.or_(mine, masks.causal()).fa4 is None
+    assert masks.and_(masks.causal(), masks.prefix_lm(3)).fa4.kind == "and"
+
+
+def test_code_hash_ignores_tensor_contents_only():
+    a, b = masks.document(DOCS), masks.document(DOCS.flip(0))
+    assert a.fa4.code_hash() == b.fa4.code_hash()
+    assert a.fa4.code_hash() != masks.document(DOCS2).fa4.code_hash()  # 2-D ids: other code
+    assert masks.sliding_window(3).fa4.code_hash() != masks.sliding_window(4).fa4.code_hash()
+    assert masks.and_(masks.causal(), a).fa4.code_hash() != masks.or_(masks.causal(), a).fa4.code_hash()
+
+
+# ------------------------------------------------------------------ block plans (CPU)
+def _regions(dense, bq, bk):
+    """(any, all) per (query block, key block) of a (B, H, Sq, Sk) bool mask."""
+    b, h, sq, sk = dense.shape
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    anyv = torch.zeros(b, h, nq, nk, dtype=torch.bool)
+    allv = torch.zeros_like(anyv)
+    for i in range(nq):
+        for j in range(nk):
+            r = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            anyv[:, :, i, j], allv[:, :, i, j] = r.flatten(2).any(-1), r.flatten(2).all(-1)
+    return anyv, allv
+
+
+def _check_table(t, dense, bq, bk):
+    anyv, allv = _regions(dense, bq, bk)
+    full, part = t.full.expand_as(anyv), t.partial.expand_as(anyv)
+    assert torch.equal(full, allv), "full blocks are exactly those entirely visible"
+    assert torch.equal(part, anyv & ~allv), "partial blocks are exactly those partly visible"
+    assert not (full & part).any()
+    assert t.empty == (not dense.any())
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.parametrize("block,sq,sk", [((128, 128), S, S), ((256, 128), S, S), ((16, 24), 100, 90),
+                                         ((128, 128), 260, S)])
+def test_block_plan_against_dense(name, block, sq, sk):
+    """Exact plans at FA4's sparse blocks (sm_90 128 x 128, sm_100 256 x 128)
+    and small ones, lengths not multiples of the block, query and key lengths
+    apart; 4 query heads (GQA: the plan is per query head)."""
+    m = PATTERNS[name]
+    t = fp.block_table(m, 2, 4, torch.arange(sq, dtype=torch.int32), torch.arange(sk, dtype=torch.int32), block)
+    _check_table(t, dense_mask(m, 2, 4, sq, sk), *block)
+
+
+@pytest.mark.parametrize("name", ["causal", "document_rows", "block_sparse_heads", "or"])
+def test_fa4_tensors_list_the_table(name):
+    """FA4's tensors: per query block the key blocks (forward), per key block
+    the query blocks (backward), ascending within each count."""
+    m = PATTERNS[name]
+    pos = torch.arange(S, dtype=torch.int32)
+    t = fp.block_table(m, 2, 4, pos, pos, (16, 24))
+    ts = blocks.sparse_tensors(t)
+    nq, nk = t.full.shape[-2:]
+    for which, n, part, full in (("fwd", nk, t.partial, t.full), ("bwd", nq, t.partial.mT, t.full.mT)):
+        x = ts[which]
+        assert all(v.dtype == torch.int32 and v.is_contiguous() for v in x.values())
+        assert torch.equal(blocks.dense_from_tensors(x["mask_block_cnt"], x["mask_block_idx"], n), part)
+        assert torch.equal(blocks.dense_from_tensors(x["full_block_cnt"], x["full_block_idx"], n), full)
+        for cnt, idx in ((x["mask_block_cnt"], x["mask_block_idx"]), (x["full_block_cnt"], x["full_block_idx"])):
+            listed = torch.arange(idx.shape[-1]) < cnt[..., None]
+            step = idx[..., 1:] - idx[..., :-1]
+            assert (step[listed[..., 1:]] > 0).all()
+
+
+def test_sparse_block_sizes():
+    assert blocks.sparse_block(9, 32768) == (128, 128) and blocks.sparse_block(9, 100) == (128, 128)
+    assert blocks.sparse_block(10, 32768) == (256, 128) and blocks.sparse_block(10, 128) == (128, 128)
+
+
+# ------------------------------------------------------------------ the ring step's form (CPU)
+@pytest.mark.parametrize("name", ["causal", "document_rows", "local_global_flags", "block_sparse_heads", "and"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_step_form_at_offsets(name, layout):
+    """Each (rank, step) of a 3-rank ring: the plan of local queries against
+    the visiting keys at their global positions, and the form FA4 runs on
+    local indices (position tables as aux tensors), against the dense mask."""
+    m, world, local = PATTERNS[name], 3, S // 3
+    full = dense_mask(m, 2, 4, S)
+    for rank in range(world):
+        qpos = fp.global_positions(layout, rank, world, local)
+        for s in range(world):
+            kpos = fp.global_positions(layout, (rank - s) % world, world, local)
+            step = fa4.ring_step(m, qpos, kpos, 2, 4, 9)
+            sub = full[:, :, qpos.long()][:, :, :, kpos.long()]
+            _check_table(step.table, sub, *step.block)
+            body, _ = blocks.mask_body(step.form, blocks.TorchOps)
+            got = body(*_idx(2, 4, local, local), step.aux).expand_as(sub)
+            assert torch.equal(got, sub), (rank, s)
+            body(*_idx(2, 4, local + 256, local + 256), step.aux)  # padded reads in bounds
+
+
+# ------------------------------------------------------------------ the choice (CPU)
+class _Gpu(fa4.Fa4Masks):
+    def __init__(self, cap=(9, 0), why=None):
+        self.cap, self.why = cap, why
+
+    def capability(self, device):
+        return self.cap
+
+    def problem(self):
+        return self.why
+
+
+def _t(*shape, dtype=torch.bfloat16, device="cuda"):
+    return types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=tuple(shape))
+
+
+Q = _t(1, 1024, 8, 128)
+KV = _t(1, 1024, 2, 128)
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0)])
+def test_named_patterns_choose_fa4(cap):
+    for m in (*PATTERNS.values(), None):
+        got = fa4.explain(Q, KV, KV, m, None, "auto", _Gpu(cap))
+        assert got == {"kernel": "fa4", "fa4": [], "flex": []}
+
+
+@pytest.mark.parametrize("case,args,gpu,why", [
+    ("own mask", dict(mask_mod=lambda b, h, q, k: k <= q), _Gpu(), "no FA4 form"),
+    ("and_ with own mask", dict(mask_mod=masks.and_(masks.causal(), lambda b, h, q, k: q >= 0)), _Gpu(),
+     "no FA4 form"),
+    ("score_mod", dict(mask_mod=masks.causal(), score_mod=lambda s, b, h, q, k: s), _Gpu(), "score_mod"),
+    ("sm_80", dict(mask_mod=masks.causal()), _Gpu((8, 0)), "sm_90 and sm_100 only"),
+    ("not installed", dict(mask_mod=masks.causal()), _Gpu(why="flash-attn-4 not installed"), "not installed"),
+    ("head dim 192", dict(mask_mod=masks.causal(), q=_t(1, 1024, 8, 192), kv=_t(1, 1024, 2, 192)), _Gpu(),
+     "head dims 192/192"),
+    ("fp32", dict(mask_mod=masks.causal(), q=_t(1, 64, 8, 128, dtype=torch.float32),
+                  kv=_t(1, 64, 2, 128, dtype=torch.float32)), _Gpu(), "fp16/bf16"),
+    ("cpu", dict(mask_mod=masks.causal(), q=_t(1, 64, 8, 128, device="cpu"), kv=_t(1, 64, 2, 128, device="cpu")),
+     _Gpu(), "needs CUDA"),
+])
+def test_refusals_choose_flex(case, args, gpu, why):
+    q, kv = args.get("q", Q), args.get("kv", KV)
+    got = fa4.explain(q, kv, kv, args.get("mask_mod"), args.get("score_mod"), "auto", gpu)
+    assert got["kernel"] == "flex" and any(why in r for r in got["fa4"]), got
+    with pytest.raises(ValueError, match="kernel='fa4' cannot run this call: .*" + why.split()[0]):
+        fa4.explain(q, kv, kv, args.get("mask_mod"), args.get("score_mod"), "fa4", gpu)
+    assert fa4.explain(q, kv, kv, args.get("mask_mod"), args.get("score_mod"), "flex", gpu)["kernel"] == "flex"
+
+
+def test_cpu_calls_run_flexattention():
+    q = torch.randn(1, 64, 2, 16)
+    got = explain_flex(q, q, q, mask_mod=masks.causal())
+    assert got["kernel"] == "flex" and any("needs CUDA" in r for r in got["fa4"])
+    with pytest.raises(ValueError, match="kernel='fa4' cannot run this call"):
+        longattn.flex_attention(q, q, q, mask_mod=masks.causal(), kernel="fa4")
+    with pytest.raises(ValueError, match="kernel='triton'"):
+        longattn.flex_attention(q, q, q, mask_mod=masks.causal(), kernel="triton")
+    with pytest.raises(TypeError, match="mask_mod must take 4"):
+        explain_flex(q, q, q, mask_mod=lambda q, k: q)
+    out = longattn.flex_attention(q, q, q, mask_mod=masks.causal(), kernel="flex")
+    assert torch.allclose(out, longattn.flex_attention(q, q, q, mask_mod=masks.causal()))
+
+
+# ------------------------------------------------------------------ FA4's mask arguments (CPU)
+def _fwd(q, k, v, softmax_scale=None, causal=False, pack_gqa=None, mask_mod=None, block_sparse_tensors=None,
+         return_lse=False, aux_tensors=None):
+    pass
+
+
+def _bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, mask_mod=None, aux_tensors=None,
+         block_sparse_tensors=None, dlse=None):
+    pass
+
+
+class _Sparse(types.SimpleNamespace):
+    _fields = fa4.SPARSE_FIELDS
+
+
+def test_signature_check_names_the_version_written_for():
+    iface = types.SimpleNamespace(_flash_attn_fwd=_fwd, _flash_attn_bwd=_bwd)
+    sparse = types.SimpleNamespace(BlockSparseTensorsTorch=_Sparse)
+    utils = types.SimpleNamespace(scalar_to_ssa=lambda a, t: a)
+    assert fa4.signature_problem(iface, sparse, utils, _fa4_api.WRITTEN_FOR) is None
+    moved = types.SimpleNamespace(_flash_attn_fwd=lambda q, k, v, mask_mod=None: None, _flash_attn_bwd=_bwd)
+    why = fa4.signature_problem(moved, sparse, types.SimpleNamespace(), "4.1.0")
+    assert "4.1.0" in why and "'block_sparse_tensors'" in why and "scalar_to_ssa" in why
+    assert f"written for flash-attn-4=={_fa4_api.WRITTEN_FOR}" in why
+
+
+# ------------------------------------------------------------------ the whole call through a stand-in (CPU)
+class _MaskInterface:
+    """Stands in for FA4's interface on CPU: builds each call's mask the way
+    FA4 reads its arguments (listed full blocks visible, listed partial
+    blocks through mask_mod, unlisted blocks skipped; the backward from its
+    own per-key-block lists) and runs float64 attention with it."""
+
+    def _mask(self, q, k, mask_mod, aux, sp, by_key: bool):
+        b, sq, h, _ = q.shape
+        sk = k.shape[1]
+        if sp is None:
+            return torch.ones(1, 1, sq, sk, dtype=torch.bool) if mask_mod is None else None
+        bq, bk = sp.block_size
+        n = -(-sq // bq) if by_key else -(-sk // bk)
+        part = blocks.dense_from_tensors(sp.mask_block_cnt, sp.mask_block_idx, n)
+        full = blocks.dense_from_tensors(sp.full_block_cnt, sp.full_block_idx, n)
+        if by_key:
+            part, full = part.mT, full.mT
+        grow = lambda t: t.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :sq, :sk]
+        ms = mask_mod(*_idx(b, h, sq, sk), None, aux)
+        return grow(full) | (grow(part) & ms)
+
+    def _attend(self, q, k, v, scale, mask):
+        from reference import masked_attention
+        return masked_attention(q, k, v, mask, scale)
+
+    def _flash_attn_fwd(self, q, k, v, softmax_scale=None, causal=False, pack_gqa=None, mask_mod=None,
+                        block_sparse_tensors=None, return_lse=False, aux_tensors=None):
+        assert return_lse and not causal and pack_gqa is False
+        out, lse = self._attend(q, k, v, softmax_scale, self._mask(q, k, mask_mod, aux_tensors,
+                                                                    block_sparse_tensors, False))
+        return out.to(q.dtype), lse.float(), None, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, mask_mod=None,
+                        aux_tensors=None, block_sparse_tensors=None, dlse=None):
+        """FA4's backward from the GIVEN out and lse: P = exp(S - lse) on the
+        visible entries, delta = rowsum(dO * O) - dlse."""
+        from reference import expand_kv
+        mask = self._mask(q, k, mask_mod, aux_tensors, block_sparse_tensors, True)
+        h, hkv = q.shape[2], k.shape[2]
+        qd, kd, vd = q.double(), expand_kv(k.double(), h), expand_kv(v.double(), h)
+        s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * softmax_scale
+        p = torch.exp(s - lse.double()[..., None]).masked_fill(~mask, 0).nan_to_num(0)
+        do, o = dout.double(), out.double()
+        delta = (do * o).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse.double())
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, vd)
+        ds = p * (dp - delta[..., None])
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kd) * softmax_scale
+        group = lambda t: t.view(*t.shape[:2], hkv, h // hkv, t.shape[-1]).sum(3)
+        dk = group(torch.einsum("bhqk,bqhd->bkhd", ds, qd) * softmax_scale)
+        dv = group(torch.einsum("bhqk,bqhd->bkhd", p, do))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    ns = types.SimpleNamespace(interface=_MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setattr(fa4, "_fa4", lambda: ns)
+    monkeypatch.setattr(fa4, "cute_mask", lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(
+        f, blocks.TorchOps)[0]: _body(b, h, q, k, aux)))
+    monkeypatch.setattr(fa4.KERNEL, "capability", lambda device: (9, 0))
+    return ns
+
+
+@pytest.mark.parametrize("name", ["causal", "document_rows", "prefix_lm_rows", "block_sparse", "block_sparse_heads",
+                                  "dilated_causal", "nested"])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_call_through_stand_in(stand_in, name, hkv):
+    """fa4.attend (forward, backward with dlse) with the tensors FA4 would
+    get, against the float64 definition of the pattern."""
+    m = PATTERNS[name]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    q, k, v, do, dl = mk(2, S, 4, 16), mk(2, S, hkv, 16), mk(2, S, hkv, 16), mk(2, S, 4, 16), mk(2, 4, S)
+    got = results(lambda q, k, v: fa4.attend(q, k, v, m, 0.25), [q, k, v], do, dl)
+    want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do, dl)
+    assert_close(got, want, 1e-6, name)  # lse float32, as FA4 keeps it
+
+
+def test_ring_step_through_stand_in(stand_in):
+    """Two ring steps' blocks (keys split at global offsets, queries at a
+    zigzag rank's positions), each backward from the merged out and lse: the
+    gradients of the whole (the identity the ring relies on)."""
+    m = PATTERNS["and"]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    qpos = fp.global_positions("zigzag", 1, 3, 100)
+    q, do, dl = mk(2, 100, 4, 16), mk(2, 100, 4, 16), mk(2, 4, 100)
+    k, v = mk(2, S, 2, 16), mk(2, S, 2, 16)
+    kparts = [fp.global_positions("zigzag", r, 3, 100) for r in range(3)]
+    steps = [fa4.ring_step(m, qpos, kp, 2, 4, 9) for kp in kparts]
+    outs = [fa4.step_forward(st, q, k[:, kp.long()], v[:, kp.long()], 0.25) for st, kp in zip(steps, kparts)]
+    lse = torch.logsumexp(torch.stack([l for _, l in outs]), 0)
+    out = sum(o * torch.exp(l - lse).nan_to_num(0).transpose(1, 2)[..., None] for o, l in outs)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for st, kp in zip(steps, kparts):
+        g = fa4.step_backward(st, do, q, k[:, kp.long()], v[:, kp.long()], out, lse, 0.25, dl)
+        dq += g[0]
+        dk[:, kp.long()] += g[1]
+        dv[:, kp.long()] += g[2]
+
+    def whole(q, k, v):
+        qm = lambda b, h, i, j: m(b, h, qpos.long()[i], j)
+        return flex_ref(q, k, v, qm, scale=0.25)
+    want = results(whole, [q, k, v], do, dl)
+    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, "ring steps")
+
+
+# ------------------------------------------------------------------ GPU: FA4 against float64 and SDPA's bar
+@pytest.fixture
+def on_fa4():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability()[0] not in fa4.KERNEL.capabilities:
+        pytest.skip("FA4's masks run on sm_90 / sm_100")
+    why = fa4.KERNEL.problem()
+    if why:
+        pytest.skip(why)
+
+
+def _sdpa_bar(mask):
+    """SDPA in bf16 with the same boolean mask; rows without a key get a dummy
+    key (their outputs zeroed after: no gradient flows from them)."""
+    import torch.nn.functional as F
+
+    def fn(q, k, v):
+        b, sq, h, _ = q.shape
+        mm = mask.expand(b, h, sq, k.shape[1])
+        has = mm.any(-1, keepdim=True)
+        eye = torch.zeros_like(mm)
+        eye[..., 0] = True
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=torch.where(has, mm, eye), enable_gqa=True)
+        return o * has.to(o.dtype)
+    return lambda q, k, v: fn(q, k, v).transpose(1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.parametrize("d,hkv", [(128, 2), (64, 4)])
+def test_patterns_through_fa4_on_gpu(on_fa4, name, d, hkv):
+    """FA4 (and torch's FlexAttention, the other kernel) against float64:
+    out and dq/dk/dv within 2x SDPA's bf16 error with the same mask, lse
+    within 1e-3 with -inf exactly where a row sees no key."""
+    m = PATTERNS[name]
+    dev = torch.device("cuda")
+    mm = patterns(dev)[name]
+    g = torch.Generator(device=dev).manual_seed(0)
+    mk = lambda *s, sc=1.0: (torch.randn(*s, device=dev, generator=g) * sc).bfloat16()
+    q, k, v, do = mk(2, S, 4, d), mk(2, S, hkv, d), mk(2, S, hkv, d), mk(2, S, 4, d)
+    dl = mk(2, 4, S, sc=0.3).float()
+    assert explain_flex(q, k, v, mask_mod=mm)["kernel"] == "fa4"
+    want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=d ** -0.5), [q.double().cpu(), k.double().cpu(),
+                                                                            v.double().cpu()], do.cpu(), dl.cpu())
+    want = {n: (t.to(dev) if t is not None else None) for n, t in want.items()}
+    mask = dense_mask(m, 2, 4, S).to(dev)
+    bar = results(_sdpa_bar(mask), [q, k, v], do)
+    bar_want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=d ** -0.5), [x.double().cpu() for x in (q, k, v)],
+                       do.cpu())
+    tol = {n: 2 * max(rel_err(bar[n], bar_want[n].to(dev)), 1e-3) for n in ("out", "dq", "dk", "dv")}
+    for kernel in ("fa4", "flex"):
+        got = results(lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mm, return_lse=True, kernel=kernel),
+                      [q, k, v], do, dl)
+        errs = {n: rel_err(got[n], want[n]) for n in tol}
+        assert all(errs[n] <= tol[n] for n in tol), (kernel, name, errs, tol)
+        assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, f"{kernel} {name}")
