@@ -439,3 +439,26 @@ def test_patterns_through_fa4_on_gpu(on_fa4, name, d, hkv):
         errs = {n: rel_err(got[n], want[n]) for n in tol}
         assert all(errs[n] <= tol[n] for n in tol), (kernel, name, errs, tol)
         assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, f"{kernel} {name}")
+
+
+# ------------------------------------------------------------------ the bench's rows (CPU)
+@pytest.mark.parametrize("name", ["flex_swg_32k", "flex_doc_32k", "flex_prefix_32k", "flex_bsparse_32k",
+                                  "flex_swg_tiny"])
+def test_bench_rows(monkeypatch, name):
+    """The flex configs list the FA4 row beside longattn's FlexAttention and
+    torch's; it states why it cannot run on CPU, and the 32K configs'
+    patterns (H=16, D=128) all have FA4 forms FA4 takes on sm_90."""
+    from longattn.bench import configs
+    from longattn.bench import impls as I
+
+    cfg = configs.get(name)
+    names = [i.name for i in I.impls_for(cfg)]
+    assert {"longattn-flex", "longattn-flex-fa4", "torch-flex"} <= set(names)
+    assert "needs CUDA" in I.IMPLS["longattn-flex-fa4"].reason(cfg, torch.device("cpu"))
+    monkeypatch.setattr(fa4.KERNEL, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(fa4.KERNEL, "problem", lambda: None)
+    why = I.IMPLS["longattn-flex-fa4"].reason(cfg, torch.device("cuda"))
+    if cfg.head_dim in blocks.HEADDIMS:
+        assert why is None and (cfg.seqlen, cfg.heads) in ((32768, 16), (1024, 4))
+    else:
+        assert "head dims" in why
