@@ -353,23 +353,26 @@ def test_call_through_stand_in(stand_in, name, hkv):
 
 
 def test_ring_step_through_stand_in(stand_in):
-    """Two ring steps' blocks (keys split at global offsets, queries at a
-    zigzag rank's positions), each backward from the merged out and lse: the
-    gradients of the whole (the identity the ring relies on)."""
+    """A zigzag rank's three ring steps through their FA4 executors (the
+    interface of FlexStep that the ring's local ops call), each backward from
+    the merged out and lse: the out, lse and gradients of the whole (the
+    identity the ring relies on)."""
     m = PATTERNS["and"]
     mk = lambda *s: torch.randn(*s, dtype=torch.float64)
     qpos = fp.global_positions("zigzag", 1, 3, 100)
     q, do, dl = mk(2, 100, 4, 16), mk(2, 100, 4, 16), mk(2, 4, 100)
     k, v = mk(2, S, 2, 16), mk(2, S, 2, 16)
     kparts = [fp.global_positions("zigzag", r, 3, 100) for r in range(3)]
-    steps = [fa4.ring_step(m, qpos, kp, 2, 4, 9) for kp in kparts]
-    outs = [fa4.step_forward(st, q, k[:, kp.long()], v[:, kp.long()], 0.25) for st, kp in zip(steps, kparts)]
+    steps = [fa4.ring_executor(m, qpos, kp, 2, 4, 0.25) for kp in kparts]  # Call.run of each step
+    assert all(st.calls[0].q1 == 100 and st.calls[0].k1 == 100 for st in steps)
+    rec = [st.record(q, k[:, kp.long()], v[:, kp.long()]) for st, kp in zip(steps, kparts)]
+    outs = [(o, l) for o, l, _ in rec]
     lse = torch.logsumexp(torch.stack([l for _, l in outs]), 0)
     out = sum(o * torch.exp(l - lse).nan_to_num(0).transpose(1, 2)[..., None] for o, l in outs)
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for st, kp in zip(steps, kparts):
-        g = fa4.step_backward(st, do, q, k[:, kp.long()], v[:, kp.long()], out, lse, 0.25, dl)
+        g = st.backward(do, q, k[:, kp.long()], v[:, kp.long()], out, lse, dl, None)
         dq += g[0]
         dk[:, kp.long()] += g[1]
         dv[:, kp.long()] += g[2]
@@ -404,10 +407,23 @@ def _sdpa_bar(mask):
         has = mm.any(-1, keepdim=True)
         eye = torch.zeros_like(mm)
         eye[..., 0] = True
+        k, v = (x.repeat_interleave(h // x.shape[2], 2) for x in (k, v))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=torch.where(has, mm, eye), enable_gqa=True)
+                                           attn_mask=torch.where(has, mm, eye))
         return o * has.to(o.dtype)
     return lambda q, k, v: fn(q, k, v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("name", ["dilated_causal", "block_sparse"])
+def test_sdpa_bar_is_the_pattern(name):
+    """The GPU tests' bar (SDPA with the mask, rows without a key handled) is
+    the pattern's attention, gradients included (float64 on CPU)."""
+    m = PATTERNS[name]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    q, k, v, do = mk(2, S, 4, 8), mk(2, S, 2, 8), mk(2, S, 2, 8), mk(2, S, 4, 8)
+    got = results(_sdpa_bar(dense_mask(m, 2, 4, S)), [q, k, v], do)
+    want = results(lambda q, k, v: flex_ref(q, k, v, m)[0], [q, k, v], do)
+    assert_close(got, want, 1e-9, name)
 
 
 @pytest.mark.gpu
@@ -439,6 +455,61 @@ def test_patterns_through_fa4_on_gpu(on_fa4, name, d, hkv):
         errs = {n: rel_err(got[n], want[n]) for n in tol}
         assert all(errs[n] <= tol[n] for n in tol), (kernel, name, errs, tol)
         assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, f"{kernel} {name}")
+
+
+def _sub_ref(m, qpos):
+    """flex_ref of queries at global positions ``qpos`` against every key."""
+    return lambda q, k, v: flex_ref(q, k, v, lambda b, h, i, j: m(b, h, qpos.long()[i], j), scale=q.shape[-1] ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["and", "block_sparse_heads", "document_rows", "dilated_causal"])
+def test_ring_steps_through_fa4_on_gpu(on_fa4, name):
+    """A zigzag rank's three ring steps through FA4's ring executors (mask
+    at global offsets from aux position tables), merged by lse, each backward
+    from the merged out and lse: against float64 over all keys, within 2x
+    SDPA's bf16 error."""
+    dev = torch.device("cuda")
+    m, mcpu = patterns(dev)[name], PATTERNS[name]
+    g = torch.Generator(device=dev).manual_seed(1)
+    mk = lambda *s, sc=1.0: (torch.randn(*s, device=dev, generator=g) * sc).bfloat16()
+    qpos = fp.global_positions("zigzag", 1, 3, 100, dev)
+    kparts = [fp.global_positions("zigzag", r, 3, 100, dev) for r in range(3)]
+    q, k, v, do = mk(2, 100, 4, 128), mk(2, S, 2, 128), mk(2, S, 2, 128), mk(2, 100, 4, 128)
+    dl = mk(2, 4, 100, sc=0.3).float()
+    scale = 128 ** -0.5
+    steps = [fa4.ring_executor(m, qpos, kp, 2, 4, scale) for kp in kparts]
+    outs = [st.forward(q, k[:, kp.long()], v[:, kp.long()]) for st, kp in zip(steps, kparts) if st is not None]
+    lse = torch.logsumexp(torch.stack([l for _, l in outs]), 0)
+    out = sum(o.float() * torch.exp(l - lse).nan_to_num(0).transpose(1, 2)[..., None] for o, l in outs).bfloat16()
+    dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32), \
+        torch.zeros_like(v, dtype=torch.float32)
+    for st, kp in zip(steps, kparts):
+        if st is not None:
+            gq, gk, gv = st.backward(do, q, k[:, kp.long()], v[:, kp.long()], out, lse, dl, None)
+            dq += gq.float()
+            dk[:, kp.long()] += gk.float()
+            dv[:, kp.long()] += gv.float()
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    cpu = [x.double().cpu() for x in (q, k, v)]
+    want = {n: t.to(dev) for n, t in results(_sub_ref(mcpu, qpos.cpu()), cpu, do.cpu(), dl.cpu()).items()}
+    mask = dense_mask(mcpu, 2, 4, S)[:, :, qpos.cpu().long()].to(dev)
+    bar = results(_sdpa_bar(mask), [q, k, v], do)
+    bar_want = results(_sub_ref(mcpu, qpos.cpu()), cpu, do.cpu())
+    tol = {n: 2 * max(rel_err(bar[n], bar_want[n].to(dev)), 1e-3) for n in ("out", "dq", "dk", "dv")}
+    errs = {n: rel_err(got[n], want[n]) for n in tol}
+    assert all(errs[n] <= tol[n] for n in tol), (name, errs, tol)
+    assert_close(dict(lse=lse), dict(lse=want["lse"]), 1e-3, name)
+
+
+@pytest.mark.gpu
+def test_choice_on_gpu(on_fa4):
+    q = torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    assert explain_flex(q, q, q, mask_mod=masks.causal()) == {"kernel": "fa4", "fa4": [], "flex": []}
+    own = explain_flex(q, q, q, mask_mod=lambda b, h, i, j: j <= i)
+    assert own["kernel"] == "flex" and "no FA4 form" in own["fa4"][0]
+    out = longattn.flex_attention(q, q, q, mask_mod=lambda b, h, i, j: j <= i)  # FlexAttention runs it
+    assert rel_err(out, longattn.flex_attention(q, q, q, mask_mod=masks.causal())) < 1e-2
 
 
 # ------------------------------------------------------------------ the bench's rows (CPU)

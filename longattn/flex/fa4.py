@@ -31,7 +31,9 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import backends as bk
 from ..backends import _fa4_api
+from ..distributed.plan import Call
 from . import blocks
 from . import plan as fp
 from .schedule import _LRU, pattern_key
@@ -286,3 +288,34 @@ def attend(q, k, v, mask_mod, scale: float):
     """(out, lse) of a one-device flex call through FA4; None where no query sees a key."""
     step = single_step(q, k, mask_mod)
     return None if step.empty else Fa4Flex.apply(q, k, v, step, scale)
+
+
+class RingStep:
+    """A ring step's executor (``Call.run``) through FA4, the counterpart of
+    :class:`longattn.flex.step.FlexStep`: ``forward(q, k, v)`` of the local
+    queries against the visiting block, ``backward`` from the MERGED out and
+    lse of all steps (FA4's backward takes them as given: no graph is kept,
+    ``record`` returns None for it)."""
+
+    def __init__(self, step: Step, scale: float, lq: int, lk: int):
+        self.step, self.scale = step, scale
+        self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)  # the ring sizes its accumulators from these
+
+    def forward(self, q, k, v):
+        with torch.no_grad():
+            return step_forward(self.step, q, k, v, self.scale)
+
+    def record(self, q, k, v):
+        out, lse = self.forward(q, k, v)
+        return out, lse, None
+
+    def backward(self, dout, q, k, v, out, lse, dlse, graph=None):
+        return step_backward(self.step, dout, q, k, v, out, lse, self.scale, dlse)
+
+
+def ring_executor(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, heads: int,
+                  scale: float) -> Optional[RingStep]:
+    """The FA4 executor of one ring step (queries at global ``qpos``, the
+    visiting keys at ``kpos``, on the GPU); None where no query sees a key."""
+    step = ring_step(mask_mod, qpos, kpos, batch, heads, KERNEL.capability(qpos.device)[0])
+    return None if step.empty else RingStep(step, scale, len(qpos), len(kpos))
