@@ -22,7 +22,6 @@ import torch
 import longattn
 from longattn import masks
 from longattn.backends import _fa4_api
-from longattn.distributed.layout import chunks  # noqa: F401 - the layouts ring steps use
 from longattn.flex import blocks, fa4
 from longattn.flex import plan as fp
 from longattn.ops.flex import explain_flex
@@ -426,9 +425,12 @@ def test_sdpa_bar_is_the_pattern(name):
     assert_close(got, want, 1e-9, name)
 
 
+GPU_CASES = [(n, 128, 2) for n in PATTERNS] + [("causal", 64, 4), ("block_sparse_heads", 64, 4),
+                                                ("document_rows", 96, 1)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(PATTERNS))
-@pytest.mark.parametrize("d,hkv", [(128, 2), (64, 4)])
+@pytest.mark.parametrize("name,d,hkv", GPU_CASES)
 def test_patterns_through_fa4_on_gpu(on_fa4, name, d, hkv):
     """FA4 (and torch's FlexAttention, the other kernel) against float64:
     out and dq/dk/dv within 2x SDPA's bf16 error with the same mask, lse

@@ -20,7 +20,9 @@ A user's own mask function has no form: FlexAttention runs it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -54,7 +56,14 @@ class Form:
         return (self.kind, self.consts, tuple(t.dim() for t in self.tensors), tuple(p.code_key() for p in self.parts))
 
     def code_hash(self) -> str:
-        return hashlib.sha256(repr(("longattn.flex.blocks", 1, self.code_key())).encode()).hexdigest()
+        """The code key and the source that turns it into code (FA4 may keep
+        compiled kernels on disk by this hash: an edit of :func:`mask_body` must change it)."""
+        return hashlib.sha256(repr((_body_source(), self.code_key())).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _body_source() -> str:
+    return inspect.getsource(mask_body)
 
 
 KINDS = {"causal": 0, "window": 0, "document": 1, "prefix": 0, "prefix_rows": 1, "local_global": 0,

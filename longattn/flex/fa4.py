@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 from typing import Callable, Optional
 
@@ -170,9 +171,14 @@ that differ only in their tensors' contents share one, and FA4's compile
 cache keys it by the same hash (``__cute_hash__``)."""
 
 
+@functools.lru_cache(maxsize=None)
+def _ops_source() -> str:
+    return inspect.getsource(_CuteOps)
+
+
 def cute_mask(f: blocks.Form) -> Callable:
     """FA4's ``mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors)`` of a form."""
-    h = f.code_hash()
+    h = hashlib.sha256((f.code_hash() + _ops_source()).encode()).hexdigest()
     if h not in _MASKS:
         fa = _fa4()
         body, _ = blocks.mask_body(f, _CuteOps(fa))
@@ -198,6 +204,8 @@ class Step:
     form: Optional[blocks.Form]
     aux: Optional[list]
     tensors: dict
+    mask: Optional[Callable] = None
+    """FA4's mask_mod of ``form``, made on the first call."""
 
     @property
     def empty(self) -> bool:
@@ -239,6 +247,12 @@ def single_step(q, k, mask_mod) -> Step:
     return _STEPS.get_or(key, make)
 
 
+def _mask(step: Step):
+    if step.mask is None and step.form is not None:
+        step.mask = cute_mask(step.form)
+    return step.mask
+
+
 def _sparse(fa, step: Step, which: str):
     t = step.tensors[which]
     return fa.sparse(**t, block_size=step.block)
@@ -247,7 +261,7 @@ def _sparse(fa, step: Step, which: str):
 def step_forward(step: Step, q, k, v, scale: float):
     """(out in q.dtype, lse float32 (B, H, Sq), natural log; -inf where a row sees no key)."""
     fa = _fa4()
-    mask = cute_mask(step.form) if step.form is not None else None
+    mask = _mask(step)
     res = fa.interface._flash_attn_fwd(
         q=q, k=k, v=v, softmax_scale=scale, causal=False, pack_gqa=False, return_lse=True, mask_mod=mask,
         block_sparse_tensors=_sparse(fa, step, "fwd") if step.form is not None else None, aux_tensors=step.aux)
@@ -257,7 +271,7 @@ def step_forward(step: Step, q, k, v, scale: float):
 def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
     """(dq, dk, dv) from the given, possibly merged, out and lse (and lse's gradient)."""
     fa = _fa4()
-    mask = cute_mask(step.form) if step.form is not None else None
+    mask = _mask(step)
     res = fa.interface._flash_attn_bwd(
         q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float(), softmax_scale=scale,
         causal=False, mask_mod=mask, aux_tensors=step.aux,
