@@ -101,6 +101,60 @@ def test_code_hash_ignores_tensor_contents_only():
     assert masks.and_(masks.causal(), a).fa4.code_hash() != masks.or_(masks.causal(), a).fa4.code_hash()
 
 
+def _cute_modules():
+    """cutlass's CuTe DSL (it runs ``cute.jit`` host code on CPU) and
+    ``scalar_to_ssa`` from FA4's utils where flash-attn-4 imports (else the
+    same three lines)."""
+    cutlass = pytest.importorskip("cutlass")
+    cute = pytest.importorskip("cutlass.cute")
+    try:
+        from flash_attn.cute import utils
+    except Exception:  # noqa: BLE001 - the DSL without FA4: its helper, as FA4 writes it
+        def scalar_to_ssa(a, dtype):
+            vec = cute.make_rmem_tensor(1, dtype)
+            vec[0] = a
+            return vec.load()
+        utils = types.SimpleNamespace(scalar_to_ssa=scalar_to_ssa)
+    return types.SimpleNamespace(cutlass=cutlass, cute=cute, utils=utils)
+
+
+def _run_cute_mask(f, batch, heads, n):
+    """The form's CuTe mask_mod (what FA4 compiles) evaluated at every (b, h, q, kv)
+    in [0, n), in a ``cute.jit`` host loop with the padded aux tensors FA4 receives."""
+    fa = _cute_modules()
+    cutlass, cute, ssa, i32 = fa.cutlass, fa.cute, fa.utils.scalar_to_ssa, fa.cutlass.Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    mask_mod = fa4.build_mask(f, fa)
+    aux = blocks.aux_tensors(f, "cpu")
+    used = len(aux)
+
+    @cute.jit
+    def host(out, a0, a1, a2):
+        tensors = [a0, a1, a2][:used]
+        for b in cutlass.range(batch):
+            for h in cutlass.range(heads):
+                for i in cutlass.range(n):
+                    for j in cutlass.range(n):
+                        m = mask_mod(ssa(b, i32), ssa(h, i32), ssa(i, i32), ssa(j, i32), None, tensors)
+                        out[b, h, i, j] = i32(1) if cutlass.Boolean(m[0]) else i32(0)
+
+    out = torch.zeros(batch, heads, n, n, dtype=torch.int32)
+    args = (aux + [torch.zeros(1, dtype=torch.int32)] * 3)[:3]
+    assert used <= 3
+    host(from_dlpack(out), *(from_dlpack(a) for a in args))
+    return out.bool()
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_cute_mask_is_the_pattern(name):
+    """FA4's mask_mod itself (cute.jit, run as host code: needs cutlass's DSL,
+    no GPU) equals the pattern; reads 256 past the end stay in the padding."""
+    m = PATTERNS[name]
+    got = _run_cute_mask(m.fa4, 2, 4, S + 256)[:, :, :S, :S]
+    assert torch.equal(got, dense_mask(m, 2, 4, S))
+
+
 # ------------------------------------------------------------------ block plans (CPU)
 def _regions(dense, bq, bk):
     """(any, all) per (query block, key block) of a (B, H, Sq, Sk) bool mask."""
@@ -181,6 +235,18 @@ def test_ring_step_form_at_offsets(name, layout):
             got = body(*_idx(2, 4, local, local), step.aux).expand_as(sub)
             assert torch.equal(got, sub), (rank, s)
             body(*_idx(2, 4, local + 256, local + 256), step.aux)  # padded reads in bounds
+
+
+@pytest.mark.parametrize("name", ["and", "block_sparse_heads", "document_rows"])
+def test_cute_ring_step_form(name):
+    """The ring step's CuTe mask_mod (local indices through the position
+    tables) equals the pattern at the step's global positions."""
+    m = PATTERNS[name]
+    full = dense_mask(m, 2, 4, S)
+    qpos, kpos = fp.global_positions("zigzag", 1, 3, 100), fp.global_positions("zigzag", 2, 3, 100)
+    step = fa4.ring_step(m, qpos, kpos, 2, 4, 9)
+    got = _run_cute_mask(step.form, 2, 4, 100 + 256)[:, :, :100, :100]
+    assert torch.equal(got, full[:, :, qpos.long()][:, :, :, kpos.long()])
 
 
 # ------------------------------------------------------------------ the choice (CPU)

@@ -180,16 +180,20 @@ def cute_mask(f: blocks.Form) -> Callable:
     """FA4's ``mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors)`` of a form."""
     h = hashlib.sha256((f.code_hash() + _ops_source()).encode()).hexdigest()
     if h not in _MASKS:
-        fa = _fa4()
-        body, _ = blocks.mask_body(f, _CuteOps(fa))
-
-        @fa.cute.jit
-        def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-            return body(batch, head, q_idx, kv_idx, aux_tensors)
-
-        mask_mod.__cute_hash__ = h
-        _MASKS[h] = mask_mod
+        _MASKS[h] = build_mask(f, _fa4())
+        _MASKS[h].__cute_hash__ = h
     return _MASKS[h]
+
+
+def build_mask(f: blocks.Form, fa) -> Callable:
+    """The ``cute.jit`` mask_mod of a form with the modules in ``fa``
+    (``cute``, ``cutlass``, ``utils`` with ``scalar_to_ssa``)."""
+    body, _ = blocks.mask_body(f, _CuteOps(fa))
+
+    @fa.cute.jit
+    def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return body(batch, head, q_idx, kv_idx, aux_tensors)
+    return mask_mod
 
 
 # ---------------------------------------------------------------------------- plans and calls
