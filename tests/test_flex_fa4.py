@@ -339,6 +339,55 @@ def test_signature_check_names_the_version_written_for():
     assert f"written for flash-attn-4=={_fa4_api.WRITTEN_FOR}" in why
 
 
+def _fa4_modules():
+    try:
+        from flash_attn.cute import block_sparsity, interface, utils
+    except Exception as e:  # noqa: BLE001 - not installed, or a CuTe DSL that does not import here
+        pytest.skip(f"flash_attn.cute does not import: {type(e).__name__}: {e}")
+    return interface, block_sparsity, utils
+
+
+def test_installed_fa4_has_the_mask_arguments():
+    """The installed flash-attn-4 (where it imports; no GPU needed) still has
+    every argument and field longattn.flex.fa4 passes."""
+    interface, block_sparsity, utils = _fa4_modules()
+    assert fa4.signature_problem(interface, block_sparsity, utils, _fa4_api.installed_version()) is None
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+@pytest.mark.parametrize("b,h,sq,sk,d", [(1, 16, 32768, 32768, 128), (2, 4, 1000, 700, 64), (2, 4, 300, 300, 96),
+                                         (1, 2, 100, 300, 128)])
+def test_installed_fa4_takes_the_block_tensors(arch, b, h, sq, sk, d):
+    """FA4's own tile choice and block-sparsity checks (forward and backward,
+    run on fake CUDA tensors: no GPU needed) accept the sparse block of
+    blocks.sparse_block and the tensors of blocks.sparse_tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    interface, bs, _ = _fa4_modules()
+    m = masks.and_(masks.causal(), masks.sliding_window(200, 0))
+    block = blocks.sparse_block(arch // 10, sq)
+    t = fp.block_table(m, b, h, torch.arange(sq, dtype=torch.int32), torch.arange(sk, dtype=torch.int32), block)
+    ts = blocks.sparse_tensors(t)
+    with FakeTensorMode():
+        fake = lambda x: bs.BlockSparseTensorsTorch(
+            **{n: torch.empty(v.shape, dtype=v.dtype, device="cuda") for n, v in x.items()}, block_size=block)
+        fwd, bwd = fake(ts["fwd"]), fake(ts["bwd"])
+        cfg = interface._get_fwd_config(
+            arch=arch, head_dim=d, head_dim_v=d, max_seqlen_q=sq, max_seqlen_k=sk, num_head_kv=h, qhead_per_kvhead=1,
+            pack_gqa=False, batch_size=b, causal=False, local=False, window_size_left=None, window_size_right=None,
+            num_splits=1, device=torch.device("cuda"), seqlen_q=sq, block_sparse_tensors=fwd)
+        bs.normalize_block_sparse_config(fwd, batch_size=b, num_head=h, seqlen_q=sq, seqlen_k=sk,
+                                         block_size=(cfg.m_block_size, cfg.n_block_size), q_stage=cfg.q_stage,
+                                         allow_kv_subtile=arch == 100)
+        tile = (128, 128)  # sm_100's backward tile (flash_attn.cute.interface._flash_attn_bwd)
+        if arch == 90:
+            c = interface._tile_size_bwd_sm90(d, d, False, False, sparse_block_size_q=block[0])
+            tile = (c.m_block_size, c.n_block_size)
+        assert block[0] % tile[0] == 0 and block[1] == tile[1]
+        bs.normalize_block_sparse_config_bwd(bwd, batch_size=b, num_head=h, seqlen_q=sq, seqlen_k=sk, block_size=tile,
+                                             q_subtile_factor=block[0] // tile[0])
+
+
 # ------------------------------------------------------------------ the whole call through a stand-in (CPU)
 class _MaskInterface:
     """Stands in for FA4's interface on CPU: builds each call's mask the way
