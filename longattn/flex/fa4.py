@@ -134,20 +134,20 @@ class Fa4Masks:
 KERNEL = Fa4Masks()
 
 
-def explain(q, k, v, mask_mod=None, score_mod=None, kernel: str = "auto", fa4: Fa4Masks = KERNEL) -> dict:
+def explain(q, k, v, mask_mod=None, score_mod=None, kernel: str = "auto", machine: Fa4Masks = KERNEL) -> dict:
     """``{"kernel": what runs, "fa4": [why not FA4], "flex": []}`` for this call."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: choose one of {KERNELS}")
-    why = fa4.refusals(q, k, v, mask_mod, score_mod)
+    why = machine.refusals(q, k, v, mask_mod, score_mod)
     if kernel == "fa4" and why:
         raise ValueError(f"kernel='fa4' cannot run this call: {'; '.join(why)}. Use kernel='auto' or 'flex'")
     run = "fa4" if kernel == "fa4" or (kernel == "auto" and not why) else "flex"
     return {"kernel": run, "fa4": why, "flex": []}
 
 
-def choose(q, k, v, mask_mod, score_mod, kernel: str = "auto", fa4: Fa4Masks = KERNEL) -> str:
+def choose(q, k, v, mask_mod, score_mod, kernel: str = "auto", machine: Fa4Masks = KERNEL) -> str:
     """The kernel a flex call runs: "fa4" or "flex" (the one decision)."""
-    return explain(q, k, v, mask_mod, score_mod, kernel, fa4)["kernel"]
+    return explain(q, k, v, mask_mod, score_mod, kernel, machine)["kernel"]
 
 
 # ---------------------------------------------------------------------------- the CuTe mask
