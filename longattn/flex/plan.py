@@ -4,7 +4,8 @@ Pure functions of positions and the user's mask (no torch.distributed): a
 rank holds queries at known global positions (``layout.chunks``); for the
 K/V block visiting at each ring step, the mask is evaluated on (local
 queries x visiting keys) in global positions and reduced to blocks of
-``block`` x ``block``: a block is empty (skipped), full (no mask evaluation
+``block`` x ``block`` (FlexAttention's) or query rows x keys (FA4's sparse
+block, :mod:`.blocks`): a block is empty (skipped), full (no mask evaluation
 in the kernel) or partial. A step with no visible key is skipped (its
 exchange still runs); the ring needs 1 + the last step at which any rank
 sees a key.
