@@ -37,7 +37,6 @@ from ..backends import _fa4_api
 from ..distributed.plan import Call
 from . import blocks
 from . import plan as fp
-from .schedule import _LRU, pattern_key
 
 KERNELS = ("auto", "fa4", "flex")
 
@@ -237,18 +236,26 @@ def ring_step(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, head
     return make_step(mask_mod, batch, heads, qpos, kpos, cap_major, f)
 
 
-_STEPS = _LRU(32)
+_STEPS: dict = {}
+"""Steps of one-device calls per (pattern, shapes, device): a training loop builds them once."""
+_STEPS_MAX = 32
 
 
 def single_step(q, k, mask_mod) -> Step:
     """The step of a one-device call (cached per shape and pattern)."""
-    def make():
+    from .schedule import pattern_key  # schedule may import this module: imported at the call
+
+    key = (pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device))
+    hit = _STEPS.get(key)
+    if hit is None:
         dev = q.device
         qpos = torch.arange(q.shape[1], dtype=torch.int32, device=dev)
         kpos = torch.arange(k.shape[1], dtype=torch.int32, device=dev)
-        return make_step(mask_mod, q.shape[0], q.shape[2], qpos, kpos, KERNEL.capability(dev)[0])
-    key = (pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device))
-    return _STEPS.get_or(key, make)
+        hit = make_step(mask_mod, q.shape[0], q.shape[2], qpos, kpos, KERNEL.capability(dev)[0])
+        if len(_STEPS) >= _STEPS_MAX:
+            _STEPS.clear()
+        _STEPS[key] = hit
+    return hit
 
 
 def _mask(step: Step):
