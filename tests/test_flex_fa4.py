@@ -498,6 +498,46 @@ def test_ring_step_through_stand_in(stand_in):
     assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, "ring steps")
 
 
+def _ring_worker(rank, world):
+    """Every pattern of test_flex_ring around a gloo ring with FA4's steps
+    (through the stand-in; FlexAttention where a score_mod is given), against float64."""
+    import test_flex_ring as R
+    from dist_utils import assert_unsharded_close, run_sharded
+
+    ns = types.SimpleNamespace(interface=_MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
+    fa4._fa4 = lambda: ns
+    fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
+                               _body(b, h, q, k, aux))
+    fa4.KERNEL.capability = lambda device: (9, 0)
+    fa4.KERNEL.refusals = lambda q, k, v, m, s: [] if s is None and (m is None or m.fa4 is not None) else ["flex"]
+    built, make = [], fa4.ring_executor
+    fa4.ring_executor = lambda *a: built.append(a) or make(*a)
+    s = world * R.L
+    for layout in ("contiguous", "zigzag"):
+        for name, mask, score, hkv in R.patterns(world):
+            torch.manual_seed(7)
+            q, k, v = torch.randn(R.B, s, R.H, R.D), torch.randn(R.B, s, hkv, R.D), torch.randn(R.B, s, hkv, R.D)
+            do, dl = torch.randn(R.B, s, R.H, R.D), torch.randn(R.B, R.H, s)
+            qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+            ro, rl = flex_ref(qr, kr, vr, mask, score)
+            ((ro * do).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl).sum()).backward()
+            res = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask, score_mod=score)
+            assert_unsharded_close(f"{layout} {name}", *res, ro, rl, (qr.grad, kr.grad, vr.grad), 1e-4)
+    assert built, "no ring step ran through FA4's executor"
+
+
+@pytest.mark.dist
+def test_ring_through_fa4_steps():
+    """ring_flex_attention with FA4's ring executors (once schedule.ring_schedule
+    builds them: fa4.ring_executor per non-empty step where fa4.choose says "fa4")."""
+    from longattn.flex import schedule
+    from dist_utils import run_world
+
+    if not hasattr(schedule, "fa4"):
+        pytest.skip("longattn.flex.schedule does not build FA4 ring steps (the hook is not in)")
+    run_world(_ring_worker, 2)
+
+
 # ------------------------------------------------------------------ GPU: FA4 against float64 and SDPA's bar
 @pytest.fixture
 def on_fa4():

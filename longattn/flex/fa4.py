@@ -231,8 +231,7 @@ def ring_step(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, head
     against the visiting keys at ``kpos`` (int32, on q's device); the mask is
     the pattern's at those positions (the position tables are aux tensors, so
     every step of a ring shares one compiled kernel)."""
-    inner = mask_mod.fa4
-    f = blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
+    f = None if mask_mod is None else blocks.form("at_positions", tensors=(qpos, kpos), parts=(mask_mod.fa4,))
     return make_step(mask_mod, batch, heads, qpos, kpos, cap_major, f)
 
 
