@@ -249,6 +249,12 @@ def test_cute_ring_step_form(name):
     assert torch.equal(got, full[:, :, qpos.long()][:, :, :, kpos.long()])
 
 
+def test_ring_step_without_a_mask():
+    qpos, kpos = fp.global_positions("zigzag", 0, 2, 200), fp.global_positions("zigzag", 1, 2, 200)
+    step = fa4.ring_step(None, qpos, kpos, 2, 4, 9)
+    assert step.form is None and step.aux is None and bool(step.table.full.all()) and not step.table.partial.any()
+
+
 # ------------------------------------------------------------------ the choice (CPU)
 class _Gpu(fa4.Fa4Masks):
     def __init__(self, cap=(9, 0), why=None):
