@@ -156,6 +156,14 @@ def test_cute_mask_is_the_pattern(name):
 
 
 # ------------------------------------------------------------------ block plans (CPU)
+def dense_from_tensors(cnt: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """The (B, H, rows, n) bool table a count / index pair lists (how FA4 reads them)."""
+    listed = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None].long()
+    dense = torch.zeros(*idx.shape[:-1], n + 1, dtype=torch.bool, device=idx.device)
+    dense.scatter_(-1, torch.where(listed, idx.long(), n), True)
+    return dense[..., :n]
+
+
 def _regions(dense, bq, bk):
     """(any, all) per (query block, key block) of a (B, H, Sq, Sk) bool mask."""
     b, h, sq, sk = dense.shape
@@ -202,8 +210,8 @@ def test_fa4_tensors_list_the_table(name):
     for which, n, part, full in (("fwd", nk, t.partial, t.full), ("bwd", nq, t.partial.mT, t.full.mT)):
         x = ts[which]
         assert all(v.dtype == torch.int32 and v.is_contiguous() for v in x.values())
-        assert torch.equal(blocks.dense_from_tensors(x["mask_block_cnt"], x["mask_block_idx"], n), part)
-        assert torch.equal(blocks.dense_from_tensors(x["full_block_cnt"], x["full_block_idx"], n), full)
+        assert torch.equal(dense_from_tensors(x["mask_block_cnt"], x["mask_block_idx"], n), part)
+        assert torch.equal(dense_from_tensors(x["full_block_cnt"], x["full_block_idx"], n), full)
         for cnt, idx in ((x["mask_block_cnt"], x["mask_block_idx"]), (x["full_block_cnt"], x["full_block_idx"])):
             listed = torch.arange(idx.shape[-1]) < cnt[..., None]
             step = idx[..., 1:] - idx[..., :-1]
@@ -408,8 +416,8 @@ class _MaskInterface:
             return torch.ones(1, 1, sq, sk, dtype=torch.bool) if mask_mod is None else None
         bq, bk = sp.block_size
         n = -(-sq // bq) if by_key else -(-sk // bk)
-        part = blocks.dense_from_tensors(sp.mask_block_cnt, sp.mask_block_idx, n)
-        full = blocks.dense_from_tensors(sp.full_block_cnt, sp.full_block_idx, n)
+        part = dense_from_tensors(sp.mask_block_cnt, sp.mask_block_idx, n)
+        full = dense_from_tensors(sp.full_block_cnt, sp.full_block_idx, n)
         if by_key:
             part, full = part.mT, full.mT
         grow = lambda t: t.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :sq, :sk]

@@ -192,12 +192,6 @@ def sparse_block(cap_major: int, seqlen_q: int) -> tuple[int, int]:
     return (256, 128) if cap_major == 10 and seqlen_q > 128 else (128, 128)
 
 
-def block_table(mask_mod, batch: int, heads: int, qpos: torch.Tensor, kpos: torch.Tensor,
-                block: tuple[int, int]) -> fp.BlockTable:
-    """The exact full / partial blocks of (queries at qpos) x (keys at kpos)."""
-    return fp.block_table(mask_mod, batch, heads, qpos, kpos, block)
-
-
 def sparse_tensors(table: fp.BlockTable) -> dict:
     """FA4's block-sparse tensors (int32): ``fwd`` per query block
     (mask_block_cnt (B, H, M), mask_block_idx (B, H, M, N), full_block_cnt,
@@ -208,11 +202,3 @@ def sparse_tensors(table: fp.BlockTable) -> dict:
         return dict(mask_block_cnt=pc, mask_block_idx=pi, full_block_cnt=fc, full_block_idx=fi)
     return dict(fwd=lists(table.partial, table.full),
                 bwd=lists(table.partial.transpose(-1, -2), table.full.transpose(-1, -2)))
-
-
-def dense_from_tensors(cnt: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
-    """The (B, H, rows, n) bool table a count / index pair lists (how FA4 reads them)."""
-    listed = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None].long()
-    dense = torch.zeros(*idx.shape[:-1], n + 1, dtype=torch.bool, device=idx.device)
-    dense.scatter_(-1, torch.where(listed, idx.long(), n), True)
-    return dense[..., :n]
