@@ -18,6 +18,13 @@ function of your own is cached by identity: build it once.
 
 Combine with :func:`and_` / :func:`or_`, e.g. a causal sliding window over
 packed documents: ``and_(causal(), sliding_window(1024, 0), document(cu_seqlens=cu))``.
+
+Each mask built here (and every ``and_`` / ``or_`` of them) also carries
+``fa4``, its FlashAttention-4 form (:mod:`longattn.flex.blocks`): with it,
+:func:`longattn.flex_attention` runs FA4's kernels with the pattern compiled
+in and its exact block sparsity where flash-attn-4 runs (see
+:func:`longattn.ops.flex.explain_flex`); a function of your own (``fa4`` None)
+runs on FlexAttention.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .flex import blocks
 from .flex.checks import check_mod
 
 __all__ = ["causal", "sliding_window", "document", "prefix_lm", "local_global", "block_sparse", "dilated_branch",
@@ -34,8 +42,9 @@ __all__ = ["causal", "sliding_window", "document", "prefix_lm", "local_global", 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _keyed(fn, *key) -> MaskMod:
+def _keyed(fn, *key, fa4: Optional[blocks.Form] = None) -> MaskMod:
     fn.pattern_key = key
+    fn.fa4 = fa4
     return fn
 
 
@@ -56,7 +65,7 @@ def causal() -> MaskMod:
     """Key at or before the query: ``kv_idx <= q_idx``."""
     def mask(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
-    return _keyed(mask, "causal")
+    return _keyed(mask, "causal", fa4=blocks.form("causal"))
 
 
 def sliding_window(left: int, right: int = 0) -> MaskMod:
@@ -72,7 +81,7 @@ def sliding_window(left: int, right: int = 0) -> MaskMod:
         if right >= 0:
             ok = ok & (kv_idx - q_idx <= right)
         return ok
-    return _keyed(mask, "sliding_window", left, right)
+    return _keyed(mask, "sliding_window", left, right, fa4=blocks.form("window", left, right))
 
 
 def document(doc_ids: Optional[torch.Tensor] = None, *, cu_seqlens: Optional[torch.Tensor] = None) -> MaskMod:
@@ -101,7 +110,7 @@ def document(doc_ids: Optional[torch.Tensor] = None, *, cu_seqlens: Optional[tor
     else:
         def mask(b, h, q_idx, kv_idx):
             return ids[b, q_idx] == ids[b, kv_idx]
-    return _keyed(mask, "document", _digest(ids))
+    return _keyed(mask, "document", _digest(ids), fa4=blocks.form("document", tensors=(ids,)))
 
 
 def prefix_lm(prefix_len) -> MaskMod:
@@ -115,12 +124,12 @@ def prefix_lm(prefix_len) -> MaskMod:
 
         def mask(b, h, q_idx, kv_idx):
             return (kv_idx < n[b]) | (kv_idx <= q_idx)
-        return _keyed(mask, "prefix_lm", _digest(n))
+        return _keyed(mask, "prefix_lm", _digest(n), fa4=blocks.form("prefix_rows", tensors=(n,)))
     p = _check_int(prefix_len, "prefix_len", 0)
 
     def mask(b, h, q_idx, kv_idx):
         return (kv_idx < p) | (kv_idx <= q_idx)
-    return _keyed(mask, "prefix_lm", p)
+    return _keyed(mask, "prefix_lm", p, fa4=blocks.form("prefix", p))
 
 
 def local_global(window: int, global_tokens) -> MaskMod:
@@ -140,12 +149,12 @@ def local_global(window: int, global_tokens) -> MaskMod:
 
         def mask(b, h, q_idx, kv_idx):
             return ((q_idx - kv_idx).abs() <= w) | g[q_idx] | g[kv_idx]
-        return _keyed(mask, "local_global", w, _digest(g))
+        return _keyed(mask, "local_global", w, _digest(g), fa4=blocks.form("local_global_flags", w, tensors=(g,)))
     n = _check_int(global_tokens, "global_tokens", 0)
 
     def mask(b, h, q_idx, kv_idx):
         return ((q_idx - kv_idx).abs() <= w) | (q_idx < n) | (kv_idx < n)
-    return _keyed(mask, "local_global", w, n)
+    return _keyed(mask, "local_global", w, n, fa4=blocks.form("local_global", w, n))
 
 
 def block_sparse(layout: torch.Tensor, block_size: int) -> MaskMod:
@@ -163,7 +172,7 @@ def block_sparse(layout: torch.Tensor, block_size: int) -> MaskMod:
     else:
         def mask(b, h, q_idx, kv_idx):
             return lay[h, q_idx // bs, kv_idx // bs]
-    return _keyed(mask, "block_sparse", bs, _digest(lay))
+    return _keyed(mask, "block_sparse", bs, _digest(lay), fa4=blocks.form("layout", bs, tensors=(lay,)))
 
 
 def dilated_branch(segment_length: int, dilation_rate: int, *, causal: bool = False) -> MaskMod:
@@ -180,7 +189,7 @@ def dilated_branch(segment_length: int, dilation_rate: int, *, causal: bool = Fa
         if causal:
             ok = ok & (kv_idx <= q_idx)
         return ok
-    return _keyed(mask, "dilated_branch", w, r, bool(causal))
+    return _keyed(mask, "dilated_branch", w, r, bool(causal), fa4=blocks.form("dilated_branch", w, r, bool(causal)))
 
 
 def dilated(segment_lengths: Sequence[int], dilation_rates: Sequence[int], *, causal: bool = False) -> MaskMod:
@@ -217,6 +226,7 @@ def _combine(mods, op: str) -> MaskMod:
             for m in mods[1:]:
                 ok = ok | m(b, h, q_idx, kv_idx)
             return ok
+    mask.fa4 = blocks.combine(op, mods)  # None where a part is a function of your own
     keys = [getattr(m, "pattern_key", None) for m in mods]
     if all(k is not None for k in keys):  # a user function among them: cached by identity
         mask.pattern_key = (op, *keys)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from typing import Callable, Optional
 
 import torch
@@ -340,9 +341,21 @@ def fwd_flops(cfg: Config) -> float:
     return 4.0 * cfg.batch * cfg.heads * cfg.head_dim * useful_pairs(cfg)
 
 
-def _longattn_flex_build(cfg: Config, dev):
-    mask = flex_mask(cfg, dev)
-    return lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask)
+def _longattn_flex(kernel: str):
+    def build(cfg: Config, dev):
+        mask = flex_mask(cfg, dev)
+        return lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask, kernel=kernel)
+    return build
+
+
+def _flex_fa4_reason(cfg: Config, dev) -> Optional[str]:
+    """Why FA4 cannot run the config's pattern here (longattn.flex.fa4's refusals, on the config's shapes)."""
+    from longattn.flex import fa4
+
+    like = lambda h: types.SimpleNamespace(device=dev, dtype=DTYPES[cfg.dtype], shape=(cfg.batch, cfg.seqlen, h,
+                                                                                        cfg.head_dim))
+    why = fa4.explain(like(cfg.heads), like(cfg.hkv), like(cfg.hkv), flex_mask(cfg, "cpu"), None)["fa4"]
+    return "; ".join(why) or None
 
 
 def _torch_flex_build(cfg: Config, dev):
@@ -363,10 +376,13 @@ def _cuda_only(what: str):
 
 
 IMPLS.update({i.name: i for i in (
-    Impl("longattn-flex", ("flex",), _longattn_flex_build,
+    Impl("longattn-flex", ("flex",), _longattn_flex("flex"),
          lambda c, d: None if d.type == "cuda" or c.seqlen * c.batch <= 4096 else
          "on CPU FlexAttention runs eagerly with dense scores (shapes up to 4K tokens)",
-         "longattn.flex_attention (compiled FlexAttention on CUDA, block masks cached per pattern)"),
+         "longattn.flex_attention, kernel='flex' (compiled FlexAttention on CUDA, block masks cached per pattern)"),
+    Impl("longattn-flex-fa4", ("flex",), _longattn_flex("fa4"), _flex_fa4_reason,
+         "longattn.flex_attention, kernel='fa4' (FlashAttention-4 with the pattern's CuTe mask and exact block "
+         "sparsity; what kernel='auto' runs where FA4 is installed)"),
     Impl("torch-flex", ("flex",), _torch_flex_build, _cuda_only("torch's FlexAttention backward (and its compile)"),
          "torch flex_attention, compiled, create_block_mask compiled"),
     Impl("dense-cudnn", ("flex",), _b["cudnn"][0], _cuda_only("SDPA cuDNN"),

@@ -4,7 +4,8 @@ Pure functions of positions and the user's mask (no torch.distributed): a
 rank holds queries at known global positions (``layout.chunks``); for the
 K/V block visiting at each ring step, the mask is evaluated on (local
 queries x visiting keys) in global positions and reduced to blocks of
-``block`` x ``block``: a block is empty (skipped), full (no mask evaluation
+``block`` x ``block`` (FlexAttention's) or query rows x keys (FA4's sparse
+block, :mod:`.blocks`): a block is empty (skipped), full (no mask evaluation
 in the kernel) or partial. A step with no visible key is skipped (its
 exchange still runs); the ring needs 1 + the last step at which any rank
 sees a key.
@@ -144,38 +145,46 @@ def _sizes(n: int, block: int, device) -> torch.Tensor:
     return s
 
 
+def _pair(block) -> tuple[int, int]:
+    """``block`` as (query rows, keys): an int is a square block."""
+    return (block, block) if isinstance(block, int) else (int(block[0]), int(block[1]))
+
+
 def block_table(mask_mod: Optional[Callable], batch: int, heads: int, qpos: torch.Tensor, kpos: torch.Tensor,
-                block: int = BLOCK_SIZE) -> BlockTable:
-    """Which blocks of (queries at ``qpos``) x (keys at ``kpos``) hold visible keys."""
+                block=BLOCK_SIZE) -> BlockTable:
+    """Which blocks of (queries at ``qpos``) x (keys at ``kpos``) hold visible
+    keys; ``block``: an int (square) or (query rows, keys). The last block of
+    each axis holds the remainder (its area, not the block's, makes it full)."""
+    bq, bk = _pair(block)
     lq, lk, dev = len(qpos), len(kpos), qpos.device
-    nqb, nkb = (lq + block - 1) // block, (lk + block - 1) // block
+    nqb, nkb = (lq + bq - 1) // bq, (lk + bk - 1) // bk
     if mask_mod is None:
         full = torch.ones(1, 1, nqb, nkb, dtype=torch.bool, device=dev)
         return BlockTable(torch.zeros_like(full), full)
     dims = mask_dims(mask_mod, batch, heads, qpos, kpos)
     if dims[2]:
         try:
-            return _table(mask_mod, dims, qpos, kpos, block)
+            return _table(mask_mod, dims, qpos, kpos, bq, bk)
         except Exception:  # noqa: BLE001 - ran on the probe, not on larger broadcast shapes: vmap it
             dims = _vmap_dims(mask_mod, batch, heads, qpos, kpos)
-    return _table(mask_mod, dims, qpos, kpos, block)
+    return _table(mask_mod, dims, qpos, kpos, bq, bk)
 
 
-def _table(mask_mod, dims, qpos, kpos, block) -> BlockTable:
+def _table(mask_mod, dims, qpos, kpos, bq, bk) -> BlockTable:
     lq, lk, dev = len(qpos), len(kpos), qpos.device
-    nqb, nkb = (lq + block - 1) // block, (lk + block - 1) // block
+    nqb, nkb = (lq + bq - 1) // bq, (lk + bk - 1) // bk
     bm, hm, _ = dims
     count = torch.empty(bm, hm, nqb, nkb, dtype=torch.int32, device=dev)
-    rows = max(block, _CHUNK // max(1, bm * hm * lk) // block * block)
+    rows = max(bq, _CHUNK // max(1, bm * hm * lk) // bq * bq)
     for r0 in range(0, lq, rows):
         m = evaluate(mask_mod, dims, qpos[r0:r0 + rows], kpos)
         rq = m.shape[2]
-        pad_q, pad_k = -rq % block, -lk % block
+        pad_q, pad_k = -rq % bq, -lk % bk
         if pad_q or pad_k:
             m = torch.nn.functional.pad(m, (0, pad_k, 0, pad_q), value=False)
-        cnt = m.view(bm, hm, (rq + pad_q) // block, block, nkb, block).sum((3, 5), dtype=torch.int32)
-        count[:, :, r0 // block:r0 // block + cnt.shape[2]] = cnt
-    area = _sizes(lq, block, dev)[:, None] * _sizes(lk, block, dev)[None, :]
+        cnt = m.view(bm, hm, (rq + pad_q) // bq, bq, nkb, bk).sum((3, 5), dtype=torch.int32)
+        count[:, :, r0 // bq:r0 // bq + cnt.shape[2]] = cnt
+    area = _sizes(lq, bq, dev)[:, None] * _sizes(lk, bk, dev)[None, :]
     full = count == area
     return BlockTable((count > 0) & ~full, full)
 
@@ -195,7 +204,7 @@ def steps_needed(tables: list[BlockTable]) -> int:
     return 1 + max((s for s, t in enumerate(tables) if not t.empty), default=0)
 
 
-def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention's block format: per query block, the count of listed key
     blocks and their indices first (``torch.nn.attention.flex_attention``'s own
     conversion)."""
@@ -208,7 +217,7 @@ def block_mask(table: BlockTable, mask_mod: Optional[Callable], qmap: tuple, kma
                block: int = BLOCK_SIZE) -> BlockMask:
     """The FlexAttention BlockMask of one step: local indices (``lengths`` =
     (queries, keys)), the mask at global positions (``position_map``)."""
-    pn, pi = _ordered(table.partial)
-    fn, fi = _ordered(table.full)
+    pn, pi = ordered_blocks(table.partial)
+    fn, fi = ordered_blocks(table.full)
     return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=(block, block),
                                     mask_mod=localize_mask(mask_mod, qmap, kmap), seq_lengths=tuple(lengths))

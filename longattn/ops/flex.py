@@ -12,17 +12,18 @@ import torch
 
 from ..distributed import checks as dist_checks
 from ..distributed.layout import check_layout
-from ..flex import checks, schedule
+from ..flex import checks, fa4, schedule
 from ..flex.autograd import NoKeys, RingFlex
 
-__all__ = ["flex_attention", "ring_flex_attention"]
+__all__ = ["flex_attention", "ring_flex_attention", "explain_flex"]
 
 
 @torch.compiler.disable
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod: Optional[Callable] = None,
                    score_mod: Optional[Callable] = None, softmax_scale: Optional[float] = None,
-                   return_lse: bool = False):
-    """Attention with any pattern: PyTorch's FlexAttention in longattn's layout.
+                   return_lse: bool = False, kernel: str = "auto"):
+    """Attention with any pattern: FlashAttention-4 for the patterns of
+    :mod:`longattn.masks`, PyTorch's FlexAttention for any other, in longattn's layout.
 
     Args:
         q: ``(batch, seqlen_q, nheads, headdim)``.
@@ -34,6 +35,10 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mo
             Tensors it captures get no gradient.
         softmax_scale: default ``headdim ** -0.5``.
         return_lse: also return lse ``(batch, nheads, seqlen_q)`` float32 (natural log).
+        kernel: ``"auto"`` (FA4 where the mask has an FA4 form, ``score_mod`` is
+            None and flash-attn-4 runs on this sm_90/sm_100 GPU; else
+            FlexAttention), ``"fa4"`` (raises where it cannot run) or ``"flex"``.
+            :func:`explain_flex` says which runs and why.
 
     Returns:
         out ``(batch, seqlen_q, nheads, headdim)``; rows that see no key hold 0
@@ -45,15 +50,34 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mo
         p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0)
         out = torch.einsum("bhqk,bkhd->bqhd", p, v_expanded)
 
-    On CUDA FlexAttention is compiled (once per shape and pattern; block masks
+    FA4 runs the pattern's mask compiled into its kernels with the exact block
+    sparsity of the pattern (full blocks without the mask, empty ones
+    skipped), in forward and backward. On CUDA FlexAttention is compiled (once per shape and pattern; block masks
     cached per pattern, see :mod:`longattn.masks`); elsewhere torch's eager
     FlexAttention runs (dense scores: small shapes). Runs outside ``torch.compile``
     graphs (a graph break).
     """
     scale = checks.check_call(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seqlen=False)
+    if fa4.choose(q, k, v, mask_mod, score_mod, kernel) == "fa4":
+        res = fa4.attend(q, k, v, mask_mod, scale)
+        out, lse = NoKeys.apply(q, k, v) if res is None else res
+        return (out, lse) if return_lse else out
     step = schedule.single_step(q, k, mask_mod, score_mod, scale)
     out, lse = NoKeys.apply(q, k, v) if step is None else step.attend(q, k, v)  # FlexAttention's autograd
     return (out, lse) if return_lse else out
+
+
+def explain_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod: Optional[Callable] = None,
+                 score_mod: Optional[Callable] = None, kernel: str = "auto") -> dict:
+    """Which kernel :func:`flex_attention` runs for these arguments and why:
+    ``{"kernel": "fa4" or "flex", "fa4": [reasons FA4 cannot run], "flex": []}``
+    (as :func:`longattn.backends.explain` lists each backend's refusals).
+
+    >>> explain_flex(q, k, v, mask_mod=longattn.masks.causal())["kernel"]
+    'fa4'
+    """
+    checks.check_mods(mask_mod, score_mod)
+    return fa4.explain(q, k, v, mask_mod, score_mod, kernel)
 
 
 @torch.compiler.disable

@@ -1,0 +1,345 @@
+"""FlashAttention-4 for the patterns of :mod:`longattn.masks`: the one module
+that reaches FA4's mask machinery (``mask_mod``, ``aux_tensors``,
+``block_sparse_tensors`` of ``flash_attn.cute.interface._flash_attn_fwd`` /
+``_flash_attn_bwd``, ``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``,
+``flash_attn.cute.utils.scalar_to_ssa`` and ``cutlass.cute.jit``). FA4 itself
+is loaded through :mod:`longattn.backends._fa4_api` (written for its pinned
+release); :func:`signature_problem` checks on first use that the mask
+arguments are still where this module passes them, and the kernel is refused
+with that reason when they moved.
+
+A call runs here when the pattern has an FA4 form (``mask_mod.fa4``, see
+:mod:`.blocks`) and FA4 runs on the GPU (:meth:`Fa4Masks.refusals` lists why
+not; :func:`choose` is the one decision, :func:`explain` says it). The block
+table is exact (:func:`longattn.flex.plan.block_table` at FA4's sparse block,
+:func:`.blocks.sparse_block`): full blocks run without the mask, partial ones
+call it, empty ones are skipped; the backward takes the same table per key
+block. FA4's backward on sm_90 and sm_100 takes the mask and the block
+sparsity (flash-attn-4 4.0.0b36), so the choice does not depend on whether a
+gradient is needed.
+
+:func:`step_forward` / :func:`step_backward` run one block of queries at
+global positions against keys at global positions (:func:`ring_step`), the
+backward from given (merged) out and lse: the form of a ring step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+from typing import Callable, Optional
+
+import torch
+
+from .. import backends as bk
+from ..backends import _fa4_api
+from ..distributed.plan import Call
+from . import blocks
+from . import plan as fp
+
+KERNELS = ("auto", "fa4", "flex")
+
+MASK_FWD_ARGS = ("mask_mod", "block_sparse_tensors", "aux_tensors", "return_lse", "pack_gqa", "softmax_scale")
+MASK_BWD_ARGS = ("mask_mod", "block_sparse_tensors", "aux_tensors", "dlse", "softmax_scale")
+SPARSE_FIELDS = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx", "block_size")
+
+
+def signature_problem(interface, block_sparsity, utils, version: str) -> Optional[str]:
+    """Why these modules (``flash_attn.cute.interface``, ``.block_sparsity``,
+    ``.utils``, or stand-ins) lack what this module calls; None if they have it."""
+    missing = []
+    for fn_name, args in (("_flash_attn_fwd", MASK_FWD_ARGS), ("_flash_attn_bwd", MASK_BWD_ARGS)):
+        fn = getattr(interface, fn_name, None)
+        params = inspect.signature(fn).parameters if fn is not None else {}
+        absent = [a for a in args if a not in params]
+        if absent:
+            missing.append(f"{fn_name} lacks {absent}")
+    fields = getattr(getattr(block_sparsity, "BlockSparseTensorsTorch", None), "_fields", ())
+    if any(f not in fields for f in SPARSE_FIELDS):
+        missing.append(f"block_sparsity.BlockSparseTensorsTorch lacks fields of {SPARSE_FIELDS}")
+    if not callable(getattr(utils, "scalar_to_ssa", None)):
+        missing.append("utils has no scalar_to_ssa")
+    if not missing:
+        return None
+    return (f"{_fa4_api.DIST} {version}: {'; '.join(missing)}; longattn's FA4 masks were written for "
+            f"{_fa4_api.DIST}=={_fa4_api.WRITTEN_FOR} ({_fa4_api.INSTALL_HINT})")
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    """(namespace of FA4's mask modules, None) or (None, why not)."""
+    why = _fa4_api.problem()
+    if why:
+        return None, why
+    try:
+        import cutlass
+        import cutlass.cute as cute
+        from flash_attn.cute import block_sparsity, interface, utils
+    except Exception as e:  # noqa: BLE001 - a broken CuTe DSL install raises anything at import
+        return None, f"{_fa4_api.DIST}'s mask modules failed to import ({type(e).__name__}: {e})"
+    why = signature_problem(interface, block_sparsity, utils, _fa4_api.installed_version())
+    if why:
+        return None, why
+    ns = dict(cutlass=cutlass, cute=cute, interface=interface, sparse=block_sparsity.BlockSparseTensorsTorch,
+              utils=utils)
+    return type("FA4", (), ns), None
+
+
+def _fa4():
+    mod, why = _load()
+    if mod is None:
+        raise RuntimeError(why)
+    return mod
+
+
+class Fa4Masks:
+    """What FA4 with a mask needs of a call; :meth:`capability` and
+    :meth:`problem` are the two facts read from the machine (tests substitute them)."""
+
+    dtypes = (torch.float16, torch.bfloat16)
+    capabilities = (9, 10)
+
+    def capability(self, device) -> tuple[int, int]:
+        return torch.cuda.get_device_capability(device)
+
+    def problem(self) -> Optional[str]:
+        return _load()[1]
+
+    def refusals(self, q, k, v, mask_mod, score_mod) -> list[str]:
+        """Why FA4 cannot run this flex call (empty: it can)."""
+        r = []
+        if mask_mod is not None and getattr(mask_mod, "fa4", None) is None:
+            r.append("mask_mod has no FA4 form (a function of your own, or an and_/or_ with one): "
+                     "FlexAttention runs it")
+        if score_mod is not None:
+            r.append("score_mod is a Python function: FlexAttention runs it")
+        if q.device.type != "cuda":
+            return r + [f"FA4 needs CUDA, not {q.device.type}"]
+        if q.dtype not in self.dtypes:
+            r.append(f"FA4 needs fp16/bf16, not {q.dtype}")
+        cap = self.capability(q.device)
+        if cap[0] not in self.capabilities:
+            r.append(f"compute capability {cap}: FA4's masks run here on sm_90 and sm_100 only")
+        d, dv = q.shape[-1], v.shape[-1]
+        if d != dv or d not in blocks.HEADDIMS:
+            r.append(f"head dims {d}/{dv}: FA4's block sparsity takes equal head dims {blocks.HEADDIMS}")
+        if r:
+            return r
+        why = self.problem()
+        return [why] if why else []
+
+
+KERNEL = Fa4Masks()
+
+
+def explain(q, k, v, mask_mod=None, score_mod=None, kernel: str = "auto", machine: Fa4Masks = KERNEL) -> dict:
+    """``{"kernel": what runs, "fa4": [why not FA4], "flex": []}`` for this call."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: choose one of {KERNELS}")
+    why = machine.refusals(q, k, v, mask_mod, score_mod)
+    if kernel == "fa4" and why:
+        raise ValueError(f"kernel='fa4' cannot run this call: {'; '.join(why)}. Use kernel='auto' or 'flex'")
+    run = "fa4" if kernel == "fa4" or (kernel == "auto" and not why) else "flex"
+    return {"kernel": run, "fa4": why, "flex": []}
+
+
+def choose(q, k, v, mask_mod, score_mod, kernel: str = "auto", machine: Fa4Masks = KERNEL) -> str:
+    """The kernel a flex call runs: "fa4" or "flex" (the one decision)."""
+    return explain(q, k, v, mask_mod, score_mod, kernel, machine)["kernel"]
+
+
+# ---------------------------------------------------------------------------- the CuTe mask
+class _CuteOps:
+    """:func:`.blocks.mask_body`'s ops in CuTe DSL: int32 (1,) TensorSSA values."""
+
+    def __init__(self, fa):
+        self._fa = fa
+
+    def const(self, c: int):
+        return self._fa.utils.scalar_to_ssa(c, self._fa.cutlass.Int32)
+
+    def load(self, t, *idx):
+        at = idx[0][0] if len(idx) == 1 else tuple(i[0] for i in idx)
+        return self._fa.utils.scalar_to_ssa(t[at], self._fa.cutlass.Int32)
+
+
+_MASKS: dict = {}
+"""FA4 mask_mods by generated code (:meth:`.blocks.Form.code_hash`): forms
+that differ only in their tensors' contents share one, and FA4's compile
+cache keys it by the same hash (``__cute_hash__``)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _ops_source() -> str:
+    return inspect.getsource(_CuteOps)
+
+
+def cute_mask(f: blocks.Form) -> Callable:
+    """FA4's ``mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors)`` of a form."""
+    h = hashlib.sha256((f.code_hash() + _ops_source()).encode()).hexdigest()
+    if h not in _MASKS:
+        _MASKS[h] = build_mask(f, _fa4())
+        _MASKS[h].__cute_hash__ = h
+    return _MASKS[h]
+
+
+def build_mask(f: blocks.Form, fa) -> Callable:
+    """The ``cute.jit`` mask_mod of a form with the modules in ``fa``
+    (``cute``, ``cutlass``, ``utils`` with ``scalar_to_ssa``)."""
+    body, _ = blocks.mask_body(f, _CuteOps(fa))
+
+    @fa.cute.jit
+    def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return body(batch, head, q_idx, kv_idx, aux_tensors)
+    return mask_mod
+
+
+# ---------------------------------------------------------------------------- plans and calls
+@dataclasses.dataclass
+class Step:
+    """One FA4 call with a mask: the exact block table at ``block`` (query
+    rows, keys), FA4's block-sparse tensors for forward and backward, the form
+    and its aux tensors."""
+
+    table: fp.BlockTable
+    block: tuple[int, int]
+    form: Optional[blocks.Form]
+    aux: Optional[list]
+    tensors: dict
+    mask: Optional[Callable] = None
+    """FA4's mask_mod of ``form``, made on the first call."""
+
+    @property
+    def empty(self) -> bool:
+        return self.table.empty
+
+
+def make_step(mask_mod, batch: int, heads: int, qpos: torch.Tensor, kpos: torch.Tensor, cap_major: int,
+              f: Optional[blocks.Form] = None) -> Step:
+    """The step of (queries at global ``qpos``) x (keys at global ``kpos``);
+    ``f``: the form FA4 evaluates on local indices (default: the mask's own)."""
+    block = blocks.sparse_block(cap_major, len(qpos))
+    table = fp.block_table(mask_mod, batch, heads, qpos, kpos, block)
+    f = getattr(mask_mod, "fa4", None) if f is None else f
+    aux = (blocks.aux_tensors(f, qpos.device) or None) if f is not None else None
+    return Step(table, block, f, aux, blocks.sparse_tensors(table))
+
+
+def ring_step(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, heads: int, cap_major: int) -> Step:
+    """A ring step's FA4 form: local queries at global positions ``qpos``
+    against the visiting keys at ``kpos`` (int32, on q's device); the mask is
+    the pattern's at those positions (the position tables are aux tensors, so
+    every step of a ring shares one compiled kernel)."""
+    f = None if mask_mod is None else blocks.form("at_positions", tensors=(qpos, kpos), parts=(mask_mod.fa4,))
+    return make_step(mask_mod, batch, heads, qpos, kpos, cap_major, f)
+
+
+_STEPS: dict = {}
+"""Steps of one-device calls per (pattern, shapes, device): a training loop builds them once."""
+_STEPS_MAX = 32
+
+
+def single_step(q, k, mask_mod) -> Step:
+    """The step of a one-device call (cached per shape and pattern)."""
+    from .schedule import pattern_key  # schedule may import this module: imported at the call
+
+    key = (pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device))
+    hit = _STEPS.get(key)
+    if hit is None:
+        dev = q.device
+        qpos = torch.arange(q.shape[1], dtype=torch.int32, device=dev)
+        kpos = torch.arange(k.shape[1], dtype=torch.int32, device=dev)
+        hit = make_step(mask_mod, q.shape[0], q.shape[2], qpos, kpos, KERNEL.capability(dev)[0])
+        if len(_STEPS) >= _STEPS_MAX:
+            _STEPS.clear()
+        _STEPS[key] = hit
+    return hit
+
+
+def _mask(step: Step):
+    if step.mask is None and step.form is not None:
+        step.mask = cute_mask(step.form)
+    return step.mask
+
+
+def _sparse(fa, step: Step, which: str):
+    t = step.tensors[which]
+    return fa.sparse(**t, block_size=step.block)
+
+
+def step_forward(step: Step, q, k, v, scale: float):
+    """(out in q.dtype, lse float32 (B, H, Sq), natural log; -inf where a row sees no key)."""
+    fa = _fa4()
+    mask = _mask(step)
+    res = fa.interface._flash_attn_fwd(
+        q=q, k=k, v=v, softmax_scale=scale, causal=False, pack_gqa=False, return_lse=True, mask_mod=mask,
+        block_sparse_tensors=_sparse(fa, step, "fwd") if step.form is not None else None, aux_tensors=step.aux)
+    return res[0], res[1]
+
+
+def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
+    """(dq, dk, dv) from the given, possibly merged, out and lse (and lse's gradient)."""
+    fa = _fa4()
+    mask = _mask(step)
+    res = fa.interface._flash_attn_bwd(
+        q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float(), softmax_scale=scale,
+        causal=False, mask_mod=mask, aux_tensors=step.aux,
+        block_sparse_tensors=_sparse(fa, step, "bwd") if step.form is not None else None,
+        dlse=None if dlse is None else dlse.float())
+    return res[0], res[1], res[2]
+
+
+class Fa4Flex(torch.autograd.Function):
+    """(out, lse) of one step, FA4's backward from its own out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, step: Step, scale: float):
+        out, lse = step_forward(step, q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.step, ctx.scale = step, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv = step_backward(ctx.step, dout, q, k, v, out, lse, ctx.scale, dlse)
+        return dq, dk, dv, None, None
+
+
+def attend(q, k, v, mask_mod, scale: float):
+    """(out, lse) of a one-device flex call through FA4; None where no query sees a key."""
+    step = single_step(q, k, mask_mod)
+    return None if step.empty else Fa4Flex.apply(q, k, v, step, scale)
+
+
+class RingStep:
+    """A ring step's executor (``Call.run``) through FA4, the counterpart of
+    :class:`longattn.flex.step.FlexStep`: ``forward(q, k, v)`` of the local
+    queries against the visiting block, ``backward`` from the MERGED out and
+    lse of all steps (FA4's backward takes them as given: no graph is kept,
+    ``record`` returns None for it)."""
+
+    def __init__(self, step: Step, scale: float, lq: int, lk: int):
+        self.step, self.scale = step, scale
+        self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)  # the ring sizes its accumulators from these
+
+    def forward(self, q, k, v):
+        with torch.no_grad():
+            return step_forward(self.step, q, k, v, self.scale)
+
+    def record(self, q, k, v):
+        out, lse = self.forward(q, k, v)
+        return out, lse, None
+
+    def backward(self, dout, q, k, v, out, lse, dlse, graph=None):
+        return step_backward(self.step, dout, q, k, v, out, lse, self.scale, dlse)
+
+
+def ring_executor(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, heads: int,
+                  scale: float) -> Optional[RingStep]:
+    """The FA4 executor of one ring step (queries at global ``qpos``, the
+    visiting keys at ``kpos``, on the GPU); None where no query sees a key."""
+    step = ring_step(mask_mod, qpos, kpos, batch, heads, KERNEL.capability(qpos.device)[0])
+    return None if step.empty else RingStep(step, scale, len(qpos), len(kpos))

@@ -1,0 +1,706 @@
+"""FlashAttention-4 for the patterns of longattn.masks (longattn/flex/blocks.py,
+longattn/flex/fa4.py).
+
+On CPU: every named pattern's FA4 form (its mask body, run on torch tensors
+with the padded aux tensors FA4 receives) against the pattern itself; the
+exact block plans at FA4's sparse blocks against dense masks (ragged
+lengths, GQA, per batch row / head); FA4's block-sparse tensors decoded back;
+the ring step's form at global offsets; the choice between FA4 and
+FlexAttention; the check that FA4's mask arguments are where they were; and
+the whole call (forward, backward with the lse's gradient) through a
+stand-in for FA4's interface that applies the tensors as FA4 reads them.
+
+On a GPU with flash-attn-4: every named pattern through FA4 and through torch's
+FlexAttention against float64, outputs, lse and all gradients within 2x the
+error of SDPA in bf16 with the same mask.
+"""
+import types
+
+import pytest
+import torch
+
+import longattn
+from longattn import masks
+from longattn.backends import _fa4_api
+from longattn.flex import blocks, fa4
+from longattn.flex import plan as fp
+from longattn.ops.flex import explain_flex
+from reference import assert_close, dense_mask, flex_ref, rel_err, results
+
+S = 300  # not a multiple of any tile
+
+
+def patterns(dev="cpu"):
+    """Every named pattern of longattn.masks and combinations of them (their tensors on ``dev``)."""
+    g = torch.Generator().manual_seed(5)
+    docs = torch.repeat_interleave(torch.arange(6), torch.tensor([40, 7, 120, 1, 60, 72]))
+    flags = torch.rand(S, generator=g) < 0.03
+    layout = torch.rand(-(-S // 32), -(-S // 32), generator=g) < 0.3
+    layout[3] = False  # a query block that sees nothing
+    head_layout = torch.rand(4, -(-S // 48), -(-S // 48), generator=g) < 0.4
+    docs, flags, layout, head_layout = (t.to(dev) for t in (docs, flags, layout, head_layout))
+    return {
+        "causal": masks.causal(),
+        "sliding_window": masks.sliding_window(50, 0),
+        "sliding_window_both": masks.sliding_window(30, 17),
+        "sliding_window_right": masks.sliding_window(-1, 9),
+        "document_cu": masks.document(cu_seqlens=torch.tensor([0, 40, 47, 167, 168, 228, 300], device=dev)),
+        "document_rows": masks.document(torch.stack([docs, docs.flip(0)])),
+        "prefix_lm": masks.prefix_lm(70),
+        "prefix_lm_rows": masks.prefix_lm(torch.tensor([10, 200], device=dev)),
+        "local_global": masks.local_global(20, 5),
+        "local_global_flags": masks.local_global(11, flags),
+        "block_sparse": masks.block_sparse(layout, 32),
+        "block_sparse_heads": masks.block_sparse(head_layout, 48),
+        "dilated": masks.dilated([64, 128], [1, 2]),
+        "dilated_causal": masks.dilated([32, 96], [2, 3], causal=True),
+        "and": masks.and_(masks.causal(), masks.sliding_window(90, 0), masks.document(docs)),
+        "or": masks.or_(masks.local_global(8, flags), masks.block_sparse(layout, 32)),
+        "nested": masks.and_(masks.or_(masks.prefix_lm(40), masks.sliding_window(25, 25)), masks.document(docs)),
+    }
+
+
+PATTERNS = patterns()
+DOCS = torch.repeat_interleave(torch.arange(6), torch.tensor([40, 7, 120, 1, 60, 72]))
+DOCS2 = torch.stack([DOCS, DOCS.flip(0)])
+
+
+def _idx(b, h, sq, sk):
+    v = lambda n, d: torch.arange(n, dtype=torch.int32).view([n if i == d else 1 for i in range(4)])
+    return v(b, 0), v(h, 1), v(sq, 2), v(sk, 3)
+
+
+# ------------------------------------------------------------------ the forms (CPU)
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_form_body_is_the_pattern(name):
+    """The body FA4 compiles, run on torch tensors with the padded int32 aux
+    tensors it receives, equals the pattern; reads on the padded rows and
+    columns of a last tile (up to 256 past the end) stay in bounds."""
+    m = PATTERNS[name]
+    assert m.fa4 is not None
+    body, reads = blocks.mask_body(m.fa4, blocks.TorchOps)
+    aux = blocks.aux_tensors(m.fa4, "cpu")
+    assert len(aux) == len(reads) and all(t.dtype == torch.int32 and t.is_contiguous() for t in aux)
+    got = body(*_idx(2, 4, S, S), aux).expand(2, 4, S, S)
+    assert torch.equal(got, dense_mask(m, 2, 4, S))
+    body(*_idx(2, 4, S + 256, S + 256), aux)  # no IndexError
+
+
+def test_user_functions_have_no_form():
+    mine = lambda b, h, q, k: (q - k) % 3 == 0
+    assert getattr(mine, "fa4", None) is None
+    assert masks.and_(masks.causal(), mine).fa4 is None and masks.or_(mine, masks.causal()).fa4 is None
+    assert masks.and_(masks.causal(), masks.prefix_lm(3)).fa4.kind == "and"
+
+
+def test_code_hash_ignores_tensor_contents_only():
+    a, b = masks.document(DOCS), masks.document(DOCS.flip(0))
+    assert a.fa4.code_hash() == b.fa4.code_hash()
+    assert a.fa4.code_hash() != masks.document(DOCS2).fa4.code_hash()  # 2-D ids: other code
+    assert masks.sliding_window(3).fa4.code_hash() != masks.sliding_window(4).fa4.code_hash()
+    assert masks.and_(masks.causal(), a).fa4.code_hash() != masks.or_(masks.causal(), a).fa4.code_hash()
+
+
+def _cute_modules():
+    """cutlass's CuTe DSL (it runs ``cute.jit`` host code on CPU) and
+    ``scalar_to_ssa`` from FA4's utils where flash-attn-4 imports (else the
+    same three lines)."""
+    cutlass = pytest.importorskip("cutlass")
+    cute = pytest.importorskip("cutlass.cute")
+    try:
+        from flash_attn.cute import utils
+    except Exception:  # noqa: BLE001 - the DSL without FA4: its helper, as FA4 writes it
+        def scalar_to_ssa(a, dtype):
+            vec = cute.make_rmem_tensor(1, dtype)
+            vec[0] = a
+            return vec.load()
+        utils = types.SimpleNamespace(scalar_to_ssa=scalar_to_ssa)
+    return types.SimpleNamespace(cutlass=cutlass, cute=cute, utils=utils)
+
+
+def _run_cute_mask(f, batch, heads, n):
+    """The form's CuTe mask_mod (what FA4 compiles) evaluated at every (b, h, q, kv)
+    in [0, n), in a ``cute.jit`` host loop with the padded aux tensors FA4 receives."""
+    fa = _cute_modules()
+    cutlass, cute, ssa, i32 = fa.cutlass, fa.cute, fa.utils.scalar_to_ssa, fa.cutlass.Int32
+    from cutlass.cute.runtime import from_dlpack
+
+    mask_mod = fa4.build_mask(f, fa)
+    aux = blocks.aux_tensors(f, "cpu")
+    used = len(aux)
+
+    @cute.jit
+    def host(out, a0, a1, a2):
+        tensors = [a0, a1, a2][:used]
+        for b in cutlass.range(batch):
+            for h in cutlass.range(heads):
+                for i in cutlass.range(n):
+                    for j in cutlass.range(n):
+                        m = mask_mod(ssa(b, i32), ssa(h, i32), ssa(i, i32), ssa(j, i32), None, tensors)
+                        out[b, h, i, j] = i32(1) if cutlass.Boolean(m[0]) else i32(0)
+
+    out = torch.zeros(batch, heads, n, n, dtype=torch.int32)
+    args = (aux + [torch.zeros(1, dtype=torch.int32)] * 3)[:3]
+    assert used <= 3
+    host(from_dlpack(out), *(from_dlpack(a) for a in args))
+    return out.bool()
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_cute_mask_is_the_pattern(name):
+    """FA4's mask_mod itself (cute.jit, run as host code: needs cutlass's DSL,
+    no GPU) equals the pattern; reads 256 past the end stay in the padding."""
+    m = PATTERNS[name]
+    got = _run_cute_mask(m.fa4, 2, 4, S + 256)[:, :, :S, :S]
+    assert torch.equal(got, dense_mask(m, 2, 4, S))
+
+
+# ------------------------------------------------------------------ block plans (CPU)
+def dense_from_tensors(cnt: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """The (B, H, rows, n) bool table a count / index pair lists (how FA4 reads them)."""
+    listed = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None].long()
+    dense = torch.zeros(*idx.shape[:-1], n + 1, dtype=torch.bool, device=idx.device)
+    dense.scatter_(-1, torch.where(listed, idx.long(), n), True)
+    return dense[..., :n]
+
+
+def _regions(dense, bq, bk):
+    """(any, all) per (query block, key block) of a (B, H, Sq, Sk) bool mask."""
+    b, h, sq, sk = dense.shape
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    anyv = torch.zeros(b, h, nq, nk, dtype=torch.bool)
+    allv = torch.zeros_like(anyv)
+    for i in range(nq):
+        for j in range(nk):
+            r = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            anyv[:, :, i, j], allv[:, :, i, j] = r.flatten(2).any(-1), r.flatten(2).all(-1)
+    return anyv, allv
+
+
+def _check_table(t, dense, bq, bk):
+    anyv, allv = _regions(dense, bq, bk)
+    full, part = t.full.expand_as(anyv), t.partial.expand_as(anyv)
+    assert torch.equal(full, allv), "full blocks are exactly those entirely visible"
+    assert torch.equal(part, anyv & ~allv), "partial blocks are exactly those partly visible"
+    assert not (full & part).any()
+    assert t.empty == (not dense.any())
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.parametrize("block,sq,sk", [((128, 128), S, S), ((256, 128), S, S), ((16, 24), 100, 90),
+                                         ((128, 128), 260, S)])
+def test_block_plan_against_dense(name, block, sq, sk):
+    """Exact plans at FA4's sparse blocks (sm_90 128 x 128, sm_100 256 x 128)
+    and small ones, lengths not multiples of the block, query and key lengths
+    apart; 4 query heads (GQA: the plan is per query head)."""
+    m = PATTERNS[name]
+    t = fp.block_table(m, 2, 4, torch.arange(sq, dtype=torch.int32), torch.arange(sk, dtype=torch.int32), block)
+    _check_table(t, dense_mask(m, 2, 4, sq, sk), *block)
+
+
+@pytest.mark.parametrize("name", ["causal", "document_rows", "block_sparse_heads", "or"])
+def test_fa4_tensors_list_the_table(name):
+    """FA4's tensors: per query block the key blocks (forward), per key block
+    the query blocks (backward), ascending within each count."""
+    m = PATTERNS[name]
+    pos = torch.arange(S, dtype=torch.int32)
+    t = fp.block_table(m, 2, 4, pos, pos, (16, 24))
+    ts = blocks.sparse_tensors(t)
+    nq, nk = t.full.shape[-2:]
+    for which, n, part, full in (("fwd", nk, t.partial, t.full), ("bwd", nq, t.partial.mT, t.full.mT)):
+        x = ts[which]
+        assert all(v.dtype == torch.int32 and v.is_contiguous() for v in x.values())
+        assert torch.equal(dense_from_tensors(x["mask_block_cnt"], x["mask_block_idx"], n), part)
+        assert torch.equal(dense_from_tensors(x["full_block_cnt"], x["full_block_idx"], n), full)
+        for cnt, idx in ((x["mask_block_cnt"], x["mask_block_idx"]), (x["full_block_cnt"], x["full_block_idx"])):
+            listed = torch.arange(idx.shape[-1]) < cnt[..., None]
+            step = idx[..., 1:] - idx[..., :-1]
+            assert (step[listed[..., 1:]] > 0).all()
+
+
+def test_sparse_block_sizes():
+    assert blocks.sparse_block(9, 32768) == (128, 128) and blocks.sparse_block(9, 100) == (128, 128)
+    assert blocks.sparse_block(10, 32768) == (256, 128) and blocks.sparse_block(10, 128) == (128, 128)
+
+
+# ------------------------------------------------------------------ the ring step's form (CPU)
+@pytest.mark.parametrize("name", ["causal", "document_rows", "local_global_flags", "block_sparse_heads", "and"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_step_form_at_offsets(name, layout):
+    """Each (rank, step) of a 3-rank ring: the plan of local queries against
+    the visiting keys at their global positions, and the form FA4 runs on
+    local indices (position tables as aux tensors), against the dense mask."""
+    m, world, local = PATTERNS[name], 3, S // 3
+    full = dense_mask(m, 2, 4, S)
+    for rank in range(world):
+        qpos = fp.global_positions(layout, rank, world, local)
+        for s in range(world):
+            kpos = fp.global_positions(layout, (rank - s) % world, world, local)
+            step = fa4.ring_step(m, qpos, kpos, 2, 4, 9)
+            sub = full[:, :, qpos.long()][:, :, :, kpos.long()]
+            _check_table(step.table, sub, *step.block)
+            body, _ = blocks.mask_body(step.form, blocks.TorchOps)
+            got = body(*_idx(2, 4, local, local), step.aux).expand_as(sub)
+            assert torch.equal(got, sub), (rank, s)
+            body(*_idx(2, 4, local + 256, local + 256), step.aux)  # padded reads in bounds
+
+
+@pytest.mark.parametrize("name", ["and", "block_sparse_heads", "document_rows"])
+def test_cute_ring_step_form(name):
+    """The ring step's CuTe mask_mod (local indices through the position
+    tables) equals the pattern at the step's global positions."""
+    m = PATTERNS[name]
+    full = dense_mask(m, 2, 4, S)
+    qpos, kpos = fp.global_positions("zigzag", 1, 3, 100), fp.global_positions("zigzag", 2, 3, 100)
+    step = fa4.ring_step(m, qpos, kpos, 2, 4, 9)
+    got = _run_cute_mask(step.form, 2, 4, 100 + 256)[:, :, :100, :100]
+    assert torch.equal(got, full[:, :, qpos.long()][:, :, :, kpos.long()])
+
+
+def test_ring_step_without_a_mask():
+    qpos, kpos = fp.global_positions("zigzag", 0, 2, 200), fp.global_positions("zigzag", 1, 2, 200)
+    step = fa4.ring_step(None, qpos, kpos, 2, 4, 9)
+    assert step.form is None and step.aux is None and bool(step.table.full.all()) and not step.table.partial.any()
+
+
+# ------------------------------------------------------------------ the choice (CPU)
+class _Gpu(fa4.Fa4Masks):
+    def __init__(self, cap=(9, 0), why=None):
+        self.cap, self.why = cap, why
+
+    def capability(self, device):
+        return self.cap
+
+    def problem(self):
+        return self.why
+
+
+def _t(*shape, dtype=torch.bfloat16, device="cuda"):
+    return types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=tuple(shape))
+
+
+Q = _t(1, 1024, 8, 128)
+KV = _t(1, 1024, 2, 128)
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0)])
+def test_named_patterns_choose_fa4(cap):
+    for m in (*PATTERNS.values(), None):
+        got = fa4.explain(Q, KV, KV, m, None, "auto", _Gpu(cap))
+        assert got == {"kernel": "fa4", "fa4": [], "flex": []}
+
+
+@pytest.mark.parametrize("case,args,gpu,why", [
+    ("own mask", dict(mask_mod=lambda b, h, q, k: k <= q), _Gpu(), "no FA4 form"),
+    ("and_ with own mask", dict(mask_mod=masks.and_(masks.causal(), lambda b, h, q, k: q >= 0)), _Gpu(),
+     "no FA4 form"),
+    ("score_mod", dict(mask_mod=masks.causal(), score_mod=lambda s, b, h, q, k: s), _Gpu(), "score_mod"),
+    ("sm_80", dict(mask_mod=masks.causal()), _Gpu((8, 0)), "sm_90 and sm_100 only"),
+    ("not installed", dict(mask_mod=masks.causal()), _Gpu(why="flash-attn-4 not installed"), "not installed"),
+    ("head dim 192", dict(mask_mod=masks.causal(), q=_t(1, 1024, 8, 192), kv=_t(1, 1024, 2, 192)), _Gpu(),
+     "head dims 192/192"),
+    ("fp32", dict(mask_mod=masks.causal(), q=_t(1, 64, 8, 128, dtype=torch.float32),
+                  kv=_t(1, 64, 2, 128, dtype=torch.float32)), _Gpu(), "fp16/bf16"),
+    ("cpu", dict(mask_mod=masks.causal(), q=_t(1, 64, 8, 128, device="cpu"), kv=_t(1, 64, 2, 128, device="cpu")),
+     _Gpu(), "needs CUDA"),
+])
+def test_refusals_choose_flex(case, args, gpu, why):
+    q, kv = args.get("q", Q), args.get("kv", KV)
+    got = fa4.explain(q, kv, kv, args.get("mask_mod"), args.get("score_mod"), "auto", gpu)
+    assert got["kernel"] == "flex" and any(why in r for r in got["fa4"]), got
+    with pytest.raises(ValueError, match="kernel='fa4' cannot run this call: .*" + why.split()[0]):
+        fa4.explain(q, kv, kv, args.get("mask_mod"), args.get("score_mod"), "fa4", gpu)
+    assert fa4.explain(q, kv, kv, args.get("mask_mod"), args.get("score_mod"), "flex", gpu)["kernel"] == "flex"
+
+
+def test_cpu_calls_run_flexattention():
+    q = torch.randn(1, 64, 2, 16)
+    got = explain_flex(q, q, q, mask_mod=masks.causal())
+    assert got["kernel"] == "flex" and any("needs CUDA" in r for r in got["fa4"])
+    with pytest.raises(ValueError, match="kernel='fa4' cannot run this call"):
+        longattn.flex_attention(q, q, q, mask_mod=masks.causal(), kernel="fa4")
+    with pytest.raises(ValueError, match="kernel='triton'"):
+        longattn.flex_attention(q, q, q, mask_mod=masks.causal(), kernel="triton")
+    with pytest.raises(TypeError, match="mask_mod must take 4"):
+        explain_flex(q, q, q, mask_mod=lambda q, k: q)
+    out = longattn.flex_attention(q, q, q, mask_mod=masks.causal(), kernel="flex")
+    assert torch.allclose(out, longattn.flex_attention(q, q, q, mask_mod=masks.causal()))
+
+
+# ------------------------------------------------------------------ FA4's mask arguments (CPU)
+def _fwd(q, k, v, softmax_scale=None, causal=False, pack_gqa=None, mask_mod=None, block_sparse_tensors=None,
+         return_lse=False, aux_tensors=None):
+    pass
+
+
+def _bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, mask_mod=None, aux_tensors=None,
+         block_sparse_tensors=None, dlse=None):
+    pass
+
+
+class _Sparse(types.SimpleNamespace):
+    _fields = fa4.SPARSE_FIELDS
+
+
+def test_signature_check_names_the_version_written_for():
+    iface = types.SimpleNamespace(_flash_attn_fwd=_fwd, _flash_attn_bwd=_bwd)
+    sparse = types.SimpleNamespace(BlockSparseTensorsTorch=_Sparse)
+    utils = types.SimpleNamespace(scalar_to_ssa=lambda a, t: a)
+    assert fa4.signature_problem(iface, sparse, utils, _fa4_api.WRITTEN_FOR) is None
+    moved = types.SimpleNamespace(_flash_attn_fwd=lambda q, k, v, mask_mod=None: None, _flash_attn_bwd=_bwd)
+    why = fa4.signature_problem(moved, sparse, types.SimpleNamespace(), "4.1.0")
+    assert "4.1.0" in why and "'block_sparse_tensors'" in why and "scalar_to_ssa" in why
+    assert f"written for flash-attn-4=={_fa4_api.WRITTEN_FOR}" in why
+
+
+def _fa4_modules():
+    try:
+        from flash_attn.cute import block_sparsity, interface, utils
+    except Exception as e:  # noqa: BLE001 - not installed, or a CuTe DSL that does not import here
+        pytest.skip(f"flash_attn.cute does not import: {type(e).__name__}: {e}")
+    return interface, block_sparsity, utils
+
+
+def test_installed_fa4_has_the_mask_arguments():
+    """The installed flash-attn-4 (where it imports; no GPU needed) still has
+    every argument and field longattn.flex.fa4 passes."""
+    interface, block_sparsity, utils = _fa4_modules()
+    assert fa4.signature_problem(interface, block_sparsity, utils, _fa4_api.installed_version()) is None
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+@pytest.mark.parametrize("b,h,sq,sk,d", [(1, 16, 32768, 32768, 128), (2, 4, 1000, 700, 64), (2, 4, 300, 300, 96),
+                                         (1, 2, 100, 300, 128)])
+def test_installed_fa4_takes_the_block_tensors(arch, b, h, sq, sk, d):
+    """FA4's own tile choice and block-sparsity checks (forward and backward,
+    run on fake CUDA tensors: no GPU needed) accept the sparse block of
+    blocks.sparse_block and the tensors of blocks.sparse_tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    interface, bs, _ = _fa4_modules()
+    m = masks.and_(masks.causal(), masks.sliding_window(200, 0))
+    block = blocks.sparse_block(arch // 10, sq)
+    t = fp.block_table(m, b, h, torch.arange(sq, dtype=torch.int32), torch.arange(sk, dtype=torch.int32), block)
+    ts = blocks.sparse_tensors(t)
+    with FakeTensorMode():
+        fake = lambda x: bs.BlockSparseTensorsTorch(
+            **{n: torch.empty(v.shape, dtype=v.dtype, device="cuda") for n, v in x.items()}, block_size=block)
+        fwd, bwd = fake(ts["fwd"]), fake(ts["bwd"])
+        cfg = interface._get_fwd_config(
+            arch=arch, head_dim=d, head_dim_v=d, max_seqlen_q=sq, max_seqlen_k=sk, num_head_kv=h, qhead_per_kvhead=1,
+            pack_gqa=False, batch_size=b, causal=False, local=False, window_size_left=None, window_size_right=None,
+            num_splits=1, device=torch.device("cuda"), seqlen_q=sq, block_sparse_tensors=fwd)
+        bs.normalize_block_sparse_config(fwd, batch_size=b, num_head=h, seqlen_q=sq, seqlen_k=sk,
+                                         block_size=(cfg.m_block_size, cfg.n_block_size), q_stage=cfg.q_stage,
+                                         allow_kv_subtile=arch == 100)
+        tile = (128, 128)  # sm_100's backward tile (flash_attn.cute.interface._flash_attn_bwd)
+        if arch == 90:
+            c = interface._tile_size_bwd_sm90(d, d, False, False, sparse_block_size_q=block[0])
+            tile = (c.m_block_size, c.n_block_size)
+        assert block[0] % tile[0] == 0 and block[1] == tile[1]
+        bs.normalize_block_sparse_config_bwd(bwd, batch_size=b, num_head=h, seqlen_q=sq, seqlen_k=sk, block_size=tile,
+                                             q_subtile_factor=block[0] // tile[0])
+
+
+# ------------------------------------------------------------------ the whole call through a stand-in (CPU)
+class _MaskInterface:
+    """Stands in for FA4's interface on CPU: builds each call's mask the way
+    FA4 reads its arguments (listed full blocks visible, listed partial
+    blocks through mask_mod, unlisted blocks skipped; the backward from its
+    own per-key-block lists) and runs float64 attention with it."""
+
+    def _mask(self, q, k, mask_mod, aux, sp, by_key: bool):
+        b, sq, h, _ = q.shape
+        sk = k.shape[1]
+        if sp is None:
+            return torch.ones(1, 1, sq, sk, dtype=torch.bool) if mask_mod is None else None
+        bq, bk = sp.block_size
+        n = -(-sq // bq) if by_key else -(-sk // bk)
+        part = dense_from_tensors(sp.mask_block_cnt, sp.mask_block_idx, n)
+        full = dense_from_tensors(sp.full_block_cnt, sp.full_block_idx, n)
+        if by_key:
+            part, full = part.mT, full.mT
+        grow = lambda t: t.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :sq, :sk]
+        ms = mask_mod(*_idx(b, h, sq, sk), None, aux)
+        return grow(full) | (grow(part) & ms)
+
+    def _attend(self, q, k, v, scale, mask):
+        from reference import masked_attention
+        return masked_attention(q, k, v, mask, scale)
+
+    def _flash_attn_fwd(self, q, k, v, softmax_scale=None, causal=False, pack_gqa=None, mask_mod=None,
+                        block_sparse_tensors=None, return_lse=False, aux_tensors=None):
+        assert return_lse and not causal and pack_gqa is False
+        out, lse = self._attend(q, k, v, softmax_scale, self._mask(q, k, mask_mod, aux_tensors,
+                                                                    block_sparse_tensors, False))
+        return out.to(q.dtype), lse.float(), None, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, mask_mod=None,
+                        aux_tensors=None, block_sparse_tensors=None, dlse=None):
+        """FA4's backward from the GIVEN out and lse: P = exp(S - lse) on the
+        visible entries, delta = rowsum(dO * O) - dlse."""
+        from reference import expand_kv
+        mask = self._mask(q, k, mask_mod, aux_tensors, block_sparse_tensors, True)
+        h, hkv = q.shape[2], k.shape[2]
+        qd, kd, vd = q.double(), expand_kv(k.double(), h), expand_kv(v.double(), h)
+        s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * softmax_scale
+        p = torch.exp(s - lse.double()[..., None]).masked_fill(~mask, 0).nan_to_num(0)
+        do, o = dout.double(), out.double()
+        delta = (do * o).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse.double())
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, vd)
+        ds = p * (dp - delta[..., None])
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kd) * softmax_scale
+        group = lambda t: t.view(*t.shape[:2], hkv, h // hkv, t.shape[-1]).sum(3)
+        dk = group(torch.einsum("bhqk,bqhd->bkhd", ds, qd) * softmax_scale)
+        dv = group(torch.einsum("bhqk,bqhd->bkhd", p, do))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    ns = types.SimpleNamespace(interface=_MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setattr(fa4, "_fa4", lambda: ns)
+    monkeypatch.setattr(fa4, "cute_mask", lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(
+        f, blocks.TorchOps)[0]: _body(b, h, q, k, aux)))
+    monkeypatch.setattr(fa4.KERNEL, "capability", lambda device: (9, 0))
+    return ns
+
+
+@pytest.mark.parametrize("name", ["causal", "document_rows", "prefix_lm_rows", "block_sparse", "block_sparse_heads",
+                                  "dilated_causal", "nested"])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_call_through_stand_in(stand_in, name, hkv):
+    """fa4.attend (forward, backward with dlse) with the tensors FA4 would
+    get, against the float64 definition of the pattern."""
+    m = PATTERNS[name]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    q, k, v, do, dl = mk(2, S, 4, 16), mk(2, S, hkv, 16), mk(2, S, hkv, 16), mk(2, S, 4, 16), mk(2, 4, S)
+    got = results(lambda q, k, v: fa4.attend(q, k, v, m, 0.25), [q, k, v], do, dl)
+    want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do, dl)
+    assert_close(got, want, 1e-6, name)  # lse float32, as FA4 keeps it
+
+
+def test_ring_step_through_stand_in(stand_in):
+    """A zigzag rank's three ring steps through their FA4 executors (the
+    interface of FlexStep that the ring's local ops call), each backward from
+    the merged out and lse: the out, lse and gradients of the whole (the
+    identity the ring relies on)."""
+    m = PATTERNS["and"]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    qpos = fp.global_positions("zigzag", 1, 3, 100)
+    q, do, dl = mk(2, 100, 4, 16), mk(2, 100, 4, 16), mk(2, 4, 100)
+    k, v = mk(2, S, 2, 16), mk(2, S, 2, 16)
+    kparts = [fp.global_positions("zigzag", r, 3, 100) for r in range(3)]
+    steps = [fa4.ring_executor(m, qpos, kp, 2, 4, 0.25) for kp in kparts]  # Call.run of each step
+    assert all(st.calls[0].q1 == 100 and st.calls[0].k1 == 100 for st in steps)
+    rec = [st.record(q, k[:, kp.long()], v[:, kp.long()]) for st, kp in zip(steps, kparts)]
+    outs = [(o, l) for o, l, _ in rec]
+    lse = torch.logsumexp(torch.stack([l for _, l in outs]), 0)
+    out = sum(o * torch.exp(l - lse).nan_to_num(0).transpose(1, 2)[..., None] for o, l in outs)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for st, kp in zip(steps, kparts):
+        g = st.backward(do, q, k[:, kp.long()], v[:, kp.long()], out, lse, dl, None)
+        dq += g[0]
+        dk[:, kp.long()] += g[1]
+        dv[:, kp.long()] += g[2]
+
+    def whole(q, k, v):
+        qm = lambda b, h, i, j: m(b, h, qpos.long()[i], j)
+        return flex_ref(q, k, v, qm, scale=0.25)
+    want = results(whole, [q, k, v], do, dl)
+    assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, "ring steps")
+
+
+def _ring_worker(rank, world):
+    """Every pattern of test_flex_ring around a gloo ring with FA4's steps
+    (through the stand-in; FlexAttention where a score_mod is given), against float64."""
+    import test_flex_ring as R
+    from dist_utils import assert_unsharded_close, run_sharded
+
+    ns = types.SimpleNamespace(interface=_MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
+    fa4._fa4 = lambda: ns
+    fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
+                               _body(b, h, q, k, aux))
+    fa4.KERNEL.capability = lambda device: (9, 0)
+    fa4.KERNEL.refusals = lambda q, k, v, m, s: [] if s is None and (m is None or m.fa4 is not None) else ["flex"]
+    built, make = [], fa4.ring_executor
+    fa4.ring_executor = lambda *a: built.append(a) or make(*a)
+    s = world * R.L
+    for layout in ("contiguous", "zigzag"):
+        for name, mask, score, hkv in R.patterns(world):
+            torch.manual_seed(7)
+            q, k, v = torch.randn(R.B, s, R.H, R.D), torch.randn(R.B, s, hkv, R.D), torch.randn(R.B, s, hkv, R.D)
+            do, dl = torch.randn(R.B, s, R.H, R.D), torch.randn(R.B, R.H, s)
+            qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+            ro, rl = flex_ref(qr, kr, vr, mask, score)
+            ((ro * do).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl).sum()).backward()
+            res = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask, score_mod=score)
+            assert_unsharded_close(f"{layout} {name}", *res, ro, rl, (qr.grad, kr.grad, vr.grad), 1e-4)
+    assert built, "no ring step ran through FA4's executor"
+
+
+@pytest.mark.dist
+def test_ring_through_fa4_steps():
+    """ring_flex_attention with FA4's ring executors (once schedule.ring_schedule
+    builds them: fa4.ring_executor per non-empty step where fa4.choose says "fa4")."""
+    from longattn.flex import schedule
+    from dist_utils import run_world
+
+    if not hasattr(schedule, "fa4"):
+        pytest.skip("longattn.flex.schedule does not build FA4 ring steps (the hook is not in)")
+    run_world(_ring_worker, 2)
+
+
+# ------------------------------------------------------------------ GPU: FA4 against float64 and SDPA's bar
+@pytest.fixture
+def on_fa4():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability()[0] not in fa4.KERNEL.capabilities:
+        pytest.skip("FA4's masks run on sm_90 / sm_100")
+    why = fa4.KERNEL.problem()
+    if why:
+        pytest.skip(why)
+
+
+def _sdpa_bar(mask):
+    """SDPA in bf16 with the same boolean mask; rows without a key get a dummy
+    key (their outputs zeroed after: no gradient flows from them)."""
+    import torch.nn.functional as F
+
+    def fn(q, k, v):
+        b, sq, h, _ = q.shape
+        mm = mask.expand(b, h, sq, k.shape[1])
+        has = mm.any(-1, keepdim=True)
+        eye = torch.zeros_like(mm)
+        eye[..., 0] = True
+        k, v = (x.repeat_interleave(h // x.shape[2], 2) for x in (k, v))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=torch.where(has, mm, eye))
+        return o * has.to(o.dtype)
+    return lambda q, k, v: fn(q, k, v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("name", ["dilated_causal", "block_sparse"])
+def test_sdpa_bar_is_the_pattern(name):
+    """The GPU tests' bar (SDPA with the mask, rows without a key handled) is
+    the pattern's attention, gradients included (float64 on CPU)."""
+    m = PATTERNS[name]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    q, k, v, do = mk(2, S, 4, 8), mk(2, S, 2, 8), mk(2, S, 2, 8), mk(2, S, 4, 8)
+    got = results(_sdpa_bar(dense_mask(m, 2, 4, S)), [q, k, v], do)
+    want = results(lambda q, k, v: flex_ref(q, k, v, m)[0], [q, k, v], do)
+    assert_close(got, want, 1e-9, name)
+
+
+GPU_CASES = [(n, 128, 2) for n in PATTERNS] + [("causal", 64, 4), ("block_sparse_heads", 64, 4),
+                                                ("document_rows", 96, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,d,hkv", GPU_CASES)
+def test_patterns_through_fa4_on_gpu(on_fa4, name, d, hkv):
+    """FA4 (and torch's FlexAttention, the other kernel) against float64:
+    out and dq/dk/dv within 2x SDPA's bf16 error with the same mask, lse
+    within 1e-3 with -inf exactly where a row sees no key."""
+    m = PATTERNS[name]
+    dev = torch.device("cuda")
+    mm = patterns(dev)[name]
+    g = torch.Generator(device=dev).manual_seed(0)
+    mk = lambda *s, sc=1.0: (torch.randn(*s, device=dev, generator=g) * sc).bfloat16()
+    q, k, v, do = mk(2, S, 4, d), mk(2, S, hkv, d), mk(2, S, hkv, d), mk(2, S, 4, d)
+    dl = mk(2, 4, S, sc=0.3).float()
+    assert explain_flex(q, k, v, mask_mod=mm)["kernel"] == "fa4"
+    want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=d ** -0.5), [q.double().cpu(), k.double().cpu(),
+                                                                            v.double().cpu()], do.cpu(), dl.cpu())
+    want = {n: (t.to(dev) if t is not None else None) for n, t in want.items()}
+    mask = dense_mask(m, 2, 4, S).to(dev)
+    bar = results(_sdpa_bar(mask), [q, k, v], do)
+    bar_want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=d ** -0.5), [x.double().cpu() for x in (q, k, v)],
+                       do.cpu())
+    tol = {n: 2 * max(rel_err(bar[n], bar_want[n].to(dev)), 1e-3) for n in ("out", "dq", "dk", "dv")}
+    for kernel in ("fa4", "flex"):
+        got = results(lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mm, return_lse=True, kernel=kernel),
+                      [q, k, v], do, dl)
+        errs = {n: rel_err(got[n], want[n]) for n in tol}
+        assert all(errs[n] <= tol[n] for n in tol), (kernel, name, errs, tol)
+        assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, f"{kernel} {name}")
+
+
+def _sub_ref(m, qpos):
+    """flex_ref of queries at global positions ``qpos`` against every key."""
+    return lambda q, k, v: flex_ref(q, k, v, lambda b, h, i, j: m(b, h, qpos.long()[i], j), scale=q.shape[-1] ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["and", "block_sparse_heads", "document_rows", "dilated_causal"])
+def test_ring_steps_through_fa4_on_gpu(on_fa4, name):
+    """A zigzag rank's three ring steps through FA4's ring executors (mask
+    at global offsets from aux position tables), merged by lse, each backward
+    from the merged out and lse: against float64 over all keys, within 2x
+    SDPA's bf16 error."""
+    dev = torch.device("cuda")
+    m, mcpu = patterns(dev)[name], PATTERNS[name]
+    g = torch.Generator(device=dev).manual_seed(1)
+    mk = lambda *s, sc=1.0: (torch.randn(*s, device=dev, generator=g) * sc).bfloat16()
+    qpos = fp.global_positions("zigzag", 1, 3, 100, dev)
+    kparts = [fp.global_positions("zigzag", r, 3, 100, dev) for r in range(3)]
+    q, k, v, do = mk(2, 100, 4, 128), mk(2, S, 2, 128), mk(2, S, 2, 128), mk(2, 100, 4, 128)
+    dl = mk(2, 4, 100, sc=0.3).float()
+    scale = 128 ** -0.5
+    steps = [fa4.ring_executor(m, qpos, kp, 2, 4, scale) for kp in kparts]
+    outs = [st.forward(q, k[:, kp.long()], v[:, kp.long()]) for st, kp in zip(steps, kparts) if st is not None]
+    lse = torch.logsumexp(torch.stack([l for _, l in outs]), 0)
+    out = sum(o.float() * torch.exp(l - lse).nan_to_num(0).transpose(1, 2)[..., None] for o, l in outs).bfloat16()
+    dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32), \
+        torch.zeros_like(v, dtype=torch.float32)
+    for st, kp in zip(steps, kparts):
+        if st is not None:
+            gq, gk, gv = st.backward(do, q, k[:, kp.long()], v[:, kp.long()], out, lse, dl, None)
+            dq += gq.float()
+            dk[:, kp.long()] += gk.float()
+            dv[:, kp.long()] += gv.float()
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    cpu = [x.double().cpu() for x in (q, k, v)]
+    want = {n: t.to(dev) for n, t in results(_sub_ref(mcpu, qpos.cpu()), cpu, do.cpu(), dl.cpu()).items()}
+    mask = dense_mask(mcpu, 2, 4, S)[:, :, qpos.cpu().long()].to(dev)
+    bar = results(_sdpa_bar(mask), [q, k, v], do)
+    bar_want = results(_sub_ref(mcpu, qpos.cpu()), cpu, do.cpu())
+    tol = {n: 2 * max(rel_err(bar[n], bar_want[n].to(dev)), 1e-3) for n in ("out", "dq", "dk", "dv")}
+    errs = {n: rel_err(got[n], want[n]) for n in tol}
+    assert all(errs[n] <= tol[n] for n in tol), (name, errs, tol)
+    assert_close(dict(lse=lse), dict(lse=want["lse"]), 1e-3, name)
+
+
+@pytest.mark.gpu
+def test_choice_on_gpu(on_fa4):
+    q = torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    assert explain_flex(q, q, q, mask_mod=masks.causal()) == {"kernel": "fa4", "fa4": [], "flex": []}
+    own = explain_flex(q, q, q, mask_mod=lambda b, h, i, j: j <= i)
+    assert own["kernel"] == "flex" and "no FA4 form" in own["fa4"][0]
+    out = longattn.flex_attention(q, q, q, mask_mod=lambda b, h, i, j: j <= i)  # FlexAttention runs it
+    assert rel_err(out, longattn.flex_attention(q, q, q, mask_mod=masks.causal())) < 1e-2
+
+
+# ------------------------------------------------------------------ the bench's rows (CPU)
+@pytest.mark.parametrize("name", ["flex_swg_32k", "flex_doc_32k", "flex_prefix_32k", "flex_bsparse_32k",
+                                  "flex_swg_tiny"])
+def test_bench_rows(monkeypatch, name):
+    """The flex configs list the FA4 row beside longattn's FlexAttention and
+    torch's; it states why it cannot run on CPU, and the 32K configs'
+    patterns (H=16, D=128) all have FA4 forms FA4 takes on sm_90."""
+    from longattn.bench import configs
+    from longattn.bench import impls as I
+
+    cfg = configs.get(name)
+    names = [i.name for i in I.impls_for(cfg)]
+    assert {"longattn-flex", "longattn-flex-fa4", "torch-flex"} <= set(names)
+    assert "needs CUDA" in I.IMPLS["longattn-flex-fa4"].reason(cfg, torch.device("cpu"))
+    monkeypatch.setattr(fa4.KERNEL, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(fa4.KERNEL, "problem", lambda: None)
+    why = I.IMPLS["longattn-flex-fa4"].reason(cfg, torch.device("cuda"))
+    if cfg.head_dim in blocks.HEADDIMS:
+        assert why is None and (cfg.seqlen, cfg.heads) in ((32768, 16), (1024, 4))
+    else:
+        assert "head dims" in why
