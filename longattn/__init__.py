@@ -20,7 +20,7 @@ from .backends import BACKENDS, available_backends, use_backend
 from .ops import (attention, attention_varlen, context_parallel_attention, context_parallel_attention_varlen,
                   dilated_attention, flex_attention, ring_attention, ring_attention_varlen, ring_flex_attention,
                   ulysses_attention, ulysses_attention_varlen)
-from .ops import packed_attention
+from .ops import explain_flex, packed_attention
 from .distributed.doc_shard import shard_documents
 from .distributed import shard, shard_positions, shard_varlen, unshard, unshard_varlen
 from .distributed.ulysses import (shard_for_mesh, shard_positions_for_mesh, shard_varlen_for_mesh,
@@ -55,7 +55,7 @@ def __getattr__(name: str):
 __all__ = [
     "attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
     "ulysses_attention", "ulysses_attention_varlen", "context_parallel_attention",
-    "context_parallel_attention_varlen", "flex_attention", "ring_flex_attention",
+    "context_parallel_attention_varlen", "explain_flex", "flex_attention", "ring_flex_attention",
     "shard", "unshard", "shard_positions", "shard_varlen", "unshard_varlen", "shard_for_mesh", "unshard_for_mesh",
     "shard_positions_for_mesh", "shard_varlen_for_mesh", "unshard_varlen_for_mesh",
     "masks", "nn", "tuning", "use_backend", "available_backends", "kernels_available", "BACKENDS",

@@ -14,6 +14,7 @@ from .. import backends as bk
 from ..distributed import checks
 from ..distributed.plan import Call
 from ..distributed.ring import RingSchedule
+from . import fa4
 from . import plan as fp
 from .step import FlexStep, compile_backend
 
@@ -92,10 +93,12 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
     b, length, h, _ = q.shape
 
     def make():
-        problem, need = None, 0
+        problem, need, use_fa4 = None, 0, False
         try:
             tables = fp.rank_tables(mask_mod, layout, rank, world, length, b, h, device=q.device)
             need = fp.steps_needed(tables)
+            # each rank computes only its own queries, so the ranks need not agree on the kernel
+            use_fa4 = fa4.choose(q, k, k, mask_mod, score_mod) == "fa4"
         except Exception as e:  # noqa: BLE001 - raised by agree, on this rank; the others name it
             problem = e
         checks.agree(group, "ring_flex_attention (planning the mask's blocks)", problem)
@@ -106,9 +109,14 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
             if tables[s].empty:  # nothing visible: no compute at this step (the block still passes on)
                 calls.append(())
                 continue
-            kmap = fp.position_map(layout, (rank - s) % world, world, length, q.device)
-            step = _make_step(tables[s], mask_mod, score_mod, scale, qmap, kmap, q, k)
-            calls.append((Call(0, length, 0, length, bk.BlockSpec(scale), run=step),))
+            if use_fa4:  # the pattern's FA4 form at this step's global positions
+                step = fa4.ring_executor(mask_mod, fp.global_positions(layout, rank, world, length, q.device),
+                                         fp.global_positions(layout, (rank - s) % world, world, length, q.device),
+                                         b, h, scale)
+            else:
+                kmap = fp.position_map(layout, (rank - s) % world, world, length, q.device)
+                step = _make_step(tables[s], mask_mod, score_mod, scale, qmap, kmap, q, k)
+            calls.append((Call(0, length, 0, length, bk.BlockSpec(scale), run=step),) if step is not None else ())
         return RingSchedule(steps, lambda src: calls[(rank - src) % world])
     key = ("ring", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
            str(q.device), layout, checks.group_name(group))

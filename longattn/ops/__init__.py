@@ -4,7 +4,7 @@ validate inputs, decide once how a call runs, and document it."""
 from .attention import attention
 from .decode import decode_attention, dilated_decode_attention
 from .dilated import dilated_attention
-from .flex import flex_attention, ring_flex_attention
+from .flex import explain_flex, flex_attention, ring_flex_attention
 from .packed_cp import packed_attention
 from .hybrid import context_parallel_attention, context_parallel_attention_varlen
 from .ring import ring_attention
@@ -14,5 +14,5 @@ from .varlen import attention_varlen
 
 __all__ = ["attention", "attention_varlen", "dilated_attention", "ring_attention", "ring_attention_varlen",
            "ulysses_attention", "ulysses_attention_varlen", "context_parallel_attention",
-           "context_parallel_attention_varlen", "flex_attention", "ring_flex_attention",
+           "context_parallel_attention_varlen", "explain_flex", "flex_attention", "ring_flex_attention",
            "decode_attention", "dilated_decode_attention", "packed_attention"]
