@@ -39,7 +39,7 @@ from . import measure
 from . import tables as T
 from .configs import Config
 from .single import _failure, _log, bench_impl, device_and_dtype
-from .impls import fwd_flops, varlen_cu_seqlens
+from .impls import IMPLS, fwd_flops, varlen_cu_seqlens
 # parse_mesh, with_mesh: part of dist's interface (the CLI, tests)
 from .cp_rows import CP_IMPLS, _cp_call, _cp_reason, packed_model, parse_mesh, with_mesh  # noqa: F401
 from .torch_cp import FLEX_DIST_IMPLS, flex_dist_build, flex_dist_reason, run_torch_cp, torch_cp_reason
@@ -235,8 +235,12 @@ def _free(dev) -> None:
 def _one_device_impl(cfg: Config, dev) -> str:
     """The `run` implementation T_single is measured with."""
     if cfg.kind == "flex":
-        # torch's compiled FlexAttention; it has no CPU path, where our (eager) flex_attention stands in
-        return "torch-flex" if dev.type == "cuda" else "longattn-flex"
+        # the fastest one-GPU form of the pattern: FA4 with its mask where it runs (1.3-1.5x torch's compiled
+        # FlexAttention fwd+bwd at 32K, run_flex_fa4_h100_e714914.json), else torch's compiled FlexAttention;
+        # neither has a CPU path, where our (eager) flex_attention stands in
+        if dev.type != "cuda":
+            return "longattn-flex"
+        return "longattn-flex-fa4" if IMPLS["longattn-flex-fa4"].reason(cfg, dev) is None else "torch-flex"
     return {"dilated": "longattn-dilated", "varlen": "longattn-varlen"}.get(cfg.kind, "longattn")
 
 

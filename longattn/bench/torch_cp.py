@@ -178,7 +178,8 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
 
 FLEX_DIST_IMPLS = ("flex-ring", "flex-ring-contiguous", "torch-cp-flex")
 """`dist` rows of flex configs: ring_flex_attention (zigzag, contiguous) and torch's
-context_parallel with FlexAttention; T_single is ``torch-flex`` on one device."""
+context_parallel with FlexAttention; T_single is the fastest one-device form (FA4 with the
+pattern's mask where it runs, else torch's compiled FlexAttention)."""
 
 
 def flex_dist_reason(cfg: Config, impl: str, dev) -> Optional[str]:
