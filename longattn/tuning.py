@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-__all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DecodeTuning", "DILATED", "VARLEN", "RING_VARLEN",
-           "DECODE", "describe"]
+__all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DecodeTuning", "DocShardTuning", "DILATED", "VARLEN",
+           "RING_VARLEN", "DECODE", "DOC_SHARD", "describe"]
 
 DILATED_SCHEDULES = ("auto", "views", "grouped", "dedup", "per_branch", "per_branch_zero_fill", "gather")
 
@@ -188,6 +188,17 @@ class RingVarlenTuning:
 
 
 @dataclasses.dataclass(frozen=True)
+class DocShardTuning:
+    """Document-aware sharding of packed batches (:func:`longattn.shard_documents`)."""
+
+    imbalance: float = measured(
+        0.1, "a rank may take this much more than the mean tokens and causal work before a document is split "
+             "instead (its K/V then travel): at 0.1, varlen_mix_32k / varlen_chat_16k at 128K and 512K over 2 and 4 "
+             "ranks split nothing, the work per rank within 0.2% of the mean (tokens at most 4.1% above), fwd+bwd 0.85-0.98 "
+             "of one GPU; batches whose documents must split are not measured", "dist_docs128k_4xh100_e714914.json")
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeTuning:
     """How ``decode_attention`` (and :class:`longattn.KVCache`) runs under
     ``backend="auto"`` on CUDA: FA4's split-KV forward from ``fa4_min_keys``
@@ -310,12 +321,13 @@ VARLEN = VarlenTuning()
 DECODE = DecodeTuning()
 RING_VARLEN = RingVarlenTuning()
 ULYSSES = UlyssesTuning()
+DOC_SHARD = DocShardTuning()
 
 
 def describe() -> str:
     """Every measured threshold with its value, reason and result file (one line each)."""
     lines = []
-    for obj in (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES):
+    for obj in (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD):
         for f in dataclasses.fields(obj):
             src = f.metadata.get("source")
             lines.append(f"{type(obj).__name__}.{f.name} = {getattr(obj, f.name)!r}: {f.metadata.get('reason', '')}"

@@ -27,16 +27,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import tuning as _tuning
 from .._validation import check_cu_seqlens
 from . import checks
 
 __all__ = ["DocumentShard", "plan_documents", "shard_documents", "IMBALANCE"]
 
 # Allowed excess of a rank's tokens and causal work over the mean before a
-# document is split instead. Not measured: it trades the exchange of split
-# documents' K/V against the slowest rank's extra work (10% of one rank's work
-# costs about 10% of the step; a split document costs its K/V all-gather).
-IMBALANCE = 0.1
+# document is split instead: the measured value and its reason live in tuning.
+IMBALANCE = _tuning.DOC_SHARD.imbalance
 
 
 @functools.lru_cache(maxsize=64)
