@@ -196,3 +196,17 @@ def test_dist_outside_torchrun_says_how_to_launch():
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 2
     assert "torchrun --nproc_per_node=" in res.stderr and "RANK expected" not in res.stderr
+
+
+def test_every_measured_threshold_names_a_result_file_that_exists():
+    """A tuning threshold's reason cites its measurement: each JSON file a field names is in benchmarks/results."""
+    import dataclasses
+
+    from longattn import tuning
+
+    for obj in (tuning.DILATED, tuning.VARLEN, tuning.RING_VARLEN, tuning.DECODE, tuning.ULYSSES, tuning.DOC_SHARD):
+        for f in dataclasses.fields(obj):
+            assert f.metadata.get("reason"), f"{type(obj).__name__}.{f.name} has no reason"
+            for name in (f.metadata.get("source") or "").replace(",", " ").split():
+                if name.endswith(".json"):
+                    assert os.path.exists(os.path.join(ROOT, "benchmarks", "results", name)), (f.name, name)
