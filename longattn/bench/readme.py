@@ -69,6 +69,12 @@ def _run_rows(d):
         yield f"{_device(d)}, {cfg} fwd / fwd+bwd", "; ".join(parts)
 
 
+def _hf_name(r) -> str:
+    """The attention, with the sharding layout where ranks split packed documents."""
+    layout = r.get("layout")
+    return r["attn"] + (f" ({layout} layout)" if r.get("world", 1) > 1 and r.get("docs", 1) > 1 and layout else "")
+
+
 def _hf_rows(d):
     shapes = OrderedDict()
     for r in d["results"]:
@@ -79,8 +85,8 @@ def _hf_rows(d):
         name = {"llama": "Llama", "gemma2": "Gemma 2", "gpt_oss": "GPT-OSS", "llama4": "Llama 4"}.get(family, family)
         setup += f", {name} step, {s // 1024}K tokens" + (f", {docs} packed documents" if docs > 1 else "")
         setup += ", activation checkpointing" if ckpt else ""
-        parts = [f"{r['attn']} " + (f"{_g(r['step_ms_median'])} ms{_gib((r.get('peak_mem_gib') or 0) * 2**30)}"
-                                    if not r.get("error") else r["error"][:60]) for r in rows]
+        parts = [_hf_name(r) + " " + (f"{_g(r['step_ms_median'])} ms{_gib((r.get('peak_mem_gib') or 0) * 2**30)}"
+                                      if not r.get("error") else r["error"].split(":")[0][:60]) for r in rows]
         yield setup, "; ".join(parts)
 
 

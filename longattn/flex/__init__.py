@@ -8,7 +8,12 @@ FlexAttention ``mask_mod`` / ``score_mod`` on global positions.
 * :mod:`.step` — the local op (:class:`~.step.FlexStep`) and its compile cache;
 * :mod:`.schedule` — the executors of a call, cached per (shape, pattern):
   one step on one device, the ring schedule across ranks;
-* :mod:`.autograd` — the ring's autograd (its backward loop), and the call where no query sees a key.
+* :mod:`.autograd` — the ring's autograd (its backward loop), and the call where no query sees a key;
+* :mod:`.blocks` — each named pattern's FlashAttention-4 form: exact block
+  sparsity at FA4's tiles and the one mask body (no FA4 import);
+* :mod:`.fa4` — FA4 with that form: the kernel choice (``explain_flex``), the
+  one-device call and each ring step's executor; the only module that reaches
+  into FA4's mask internals.
 
 The ring is :mod:`longattn.distributed.ring` with one call per step whose
 executor runs FlexAttention on (local queries x the visiting K/V block) under
