@@ -113,6 +113,38 @@ def test_torch_cp_plumbing_under_gloo():
     run_world(_check_torch_cp_plumbing, 2)
 
 
+def _check_torch_cp_without_fa4_flash(rank, world):
+    """Where SDPA's flash is switched to FA4 and torch's CP ring fails with it (as on an H100 with flash-attn-4
+    4.0.0b36: its ring unpacks the op's outputs itself), the probe records the failure on every rank, switches FA4
+    off and probes SDPA's own flash, and the row runs on the faster working kernel."""
+    from longattn.bench import torch_cp
+
+    switched_off = []
+    torch_cp.fa4_flash = lambda: None  # as if torch had switched SDPA's flash to FA4
+    torch_cp.fa4_flash_off = lambda: switched_off.append(True)
+
+    def time_pair(fwd, step, dev, warmup, iters, batched, label):
+        if label.endswith("sdpa flash"):
+            raise ValueError("too many values to unpack (expected 2)")
+        ms = 2.0 if label.endswith("sdpa cudnn") else 1.0
+        return (ms, ms * 3, 1, 2, 0.1, 0.2)
+
+    cfg = C.Config("t", 1, 64, 8, 16, kv_heads=2, causal=True)
+    make = lambda: (torch.randn(1, 64, 8, 16), torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16))
+    measured, info = torch_cp.run_torch_cp(cfg, make, torch.device("cpu"), time_pair, lambda x: x, warmup=1, iters=1,
+                                           backward=True, batched=False, label="t")
+    assert "too many values" in info["probe_errors"]["sdpa flash"]
+    assert info["flash_impl"].startswith("FA2 (torch's context_parallel failed")
+    assert info["sdpa_probe_ms"] == {"cudnn": 6.0, "flash": 3.0}
+    assert switched_off  # FA4 behind SDPA's flash is switched off again
+    assert measured[0] == 1.0
+
+
+@pytest.mark.dist
+def test_torch_cp_falls_back_when_fa4_flash_fails():
+    run_world(_check_torch_cp_without_fa4_flash, 2)
+
+
 def test_torch_cp_says_why_not():
     from longattn.bench.torch_cp import torch_cp_reason
 
