@@ -322,12 +322,14 @@ DECODE = DecodeTuning()
 RING_VARLEN = RingVarlenTuning()
 ULYSSES = UlyssesTuning()
 DOC_SHARD = DocShardTuning()
+TUNINGS = (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD)
+"""Every tuning object (``describe`` lists their fields)."""
 
 
 def describe() -> str:
     """Every measured threshold with its value, reason and result file (one line each)."""
     lines = []
-    for obj in (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD):
+    for obj in TUNINGS:
         for f in dataclasses.fields(obj):
             src = f.metadata.get("source")
             lines.append(f"{type(obj).__name__}.{f.name} = {getattr(obj, f.name)!r}: {f.metadata.get('reason', '')}"

@@ -236,7 +236,7 @@ def test_every_measured_threshold_names_a_result_file_that_exists():
 
     from longattn import tuning
 
-    for obj in (tuning.DILATED, tuning.VARLEN, tuning.RING_VARLEN, tuning.DECODE, tuning.ULYSSES, tuning.DOC_SHARD):
+    for obj in tuning.TUNINGS:
         for f in dataclasses.fields(obj):
             assert f.metadata.get("reason"), f"{type(obj).__name__}.{f.name} has no reason"
             for name in (f.metadata.get("source") or "").replace(",", " ").split():

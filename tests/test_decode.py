@@ -557,6 +557,19 @@ def test_fa4_engine_choice(monkeypatch):
         longattn.decode_attention(cpu, cpu, cpu, cache_seqlens=torch.tensor([1], dtype=I32), backend="fa4")
 
 
+def test_fa4_engine_no_key_in_any_row(monkeypatch):
+    """The fa4 engine launches nothing when no row has a key (a rank of a sharded cache holding none): out 0,
+    lse -inf, as every engine gives."""
+    from longattn.backends import _fa4_api
+    from longattn.decode import engine
+
+    fake = _MathInterface()
+    monkeypatch.setattr(_fa4_api, "_interface", lambda: fake)
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 8, 2, 16)
+    out, lse = engine.dense_part(q, k, k, [0, 0], True, 0.25, "fa4", engine="fa4")
+    assert fake.calls == [] and (out == 0).all() and (lse == float("-inf")).all()
+
+
 @pytest.mark.parametrize("lq,causal,softcap", [(1, True, 0.0), (3, True, 0.0), (2, False, 5.0)])
 def test_fa4_engine_plumbing(monkeypatch, lq, causal, softcap):
     """decode_attention and KVCache steps through the fa4 engine on CPU, FA4

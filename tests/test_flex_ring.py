@@ -191,6 +191,32 @@ def test_ring_flex_second_backward(world):
     run_world(_check_second_backward, world)
 
 
+def _check_under_saved_tensor_hooks(rank, world):
+    """Under saved-tensor hooks (what activation checkpointing and offloading install) the ring keeps no K/V block
+    outside them, and a non-reentrant checkpoint of it gives the plain gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    g = generator(rank)
+    q, k, v = (torch.randn(1, 64, 2, 16, generator=g, requires_grad=True) for _ in range(3))
+    fn = lambda q, k, v: longattn.ring_flex_attention(q, k, v, mask_mod=masks.causal())
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = fn(q, k, v)
+    assert out.grad_fn.kept == []  # nothing escapes the hooks: the backward fetches its first block again
+    assert fn(q, k, v).grad_fn.kept  # without hooks the block the backward starts on is kept
+    checkpoint(fn, q, k, v, use_reentrant=False).sum().backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    fn(q, k, v).sum().backward()
+    for a, b in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.dist
+def test_ring_flex_under_checkpointing():
+    run_world(_check_under_saved_tensor_hooks, 2)
+
+
 # What one call keeps alive at its peak, in shards (one rank's q), as longattn.bench.flex_ring_memory counts it
 # (world 2, zigzag, bf16; FlexAttention's own temporaries left out): (transport, fwd, fwd+bwd).
 MEMORY = [

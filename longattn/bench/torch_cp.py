@@ -157,7 +157,8 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
                 info["flash_impl"] = f"FA2 ({why_no_fa4})"
                 kernels["flash"] = probe_ms("flash", ROTATE_METHODS[0], "sdpa flash (FA2)")
             if min(kernels.values()) == float("inf"):
-                raise RuntimeError(f"torch's context_parallel failed with every SDPA kernel: {info['probe_errors']}")
+                raise RuntimeError("torch's context_parallel failed with every SDPA kernel: "
+                                   f"{info.get('probe_errors', 'on another rank')}")
             info["sdpa_probe_ms"] = kernels
             first = min(kernels, key=kernels.get)
             probe = {ROTATE_METHODS[0]: kernels[first]}

@@ -109,6 +109,8 @@ def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
         engine = dense_engine(q, k_cache, v_cache, backend, ragged or lens_tensor is not None, tuning,
                               softcap=softcap, keys=max(lens, default=0))
     if engine == "fa4":
+        if max(lens, default=0) == 0:  # no key in any row (a rank of a sharded cache): nothing to launch
+            return empty_state(q, q.dtype)
         dev_lens = (torch.tensor(lens, dtype=torch.int32, device=q.device) if lens_tensor is None
                     else lens_tensor.to(torch.int32).contiguous())
         return _fa4_api.decode(q, k_cache, v_cache, dev_lens, max(lens, default=0), scale, masked, softcap,

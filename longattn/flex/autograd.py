@@ -11,7 +11,9 @@ rank's q) at its peak:
 
 * the own block is never received back: the step before it sends no K/V (a
   two-rank ring exchanges no K/V at all in the backward), and the block the
-  forward kept is released after its step, not at the end of the backward;
+  forward kept is released after its step, not at the end of the backward
+  (under saved-tensor hooks, i.e. activation checkpointing or offloading, the
+  forward keeps none: the backward fetches it first, one hop nothing overlaps);
 * dQ and the travelling dK/dV are the first step's kernel outputs, added to in
   place (float32 copies only where a row gets more than two pieces: more than
   two steps);
@@ -176,6 +178,12 @@ def ring_grads(dout, q, k, v, out, lse, dlse, schedule: RingSchedule, graphs: di
     return dq_out, _home(sums, own, 0, k.dtype), _home(sums, own, 1, v.dtype)
 
 
+def _no_saved_tensor_hooks() -> bool:
+    """No saved_tensors_hooks context (checkpoint, save_on_cpu) is active."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is None
+
+
 class RingFlex(torch.autograd.Function):
     """(out, lse) of the flex ring over ``schedule``
     (:func:`longattn.flex.schedule.ring_schedule`); ``grad``: record each
@@ -188,7 +196,10 @@ class RingFlex(torch.autograd.Function):
         # keep_last: the block the backward starts on, kept only where a backward will run
         # the transport is chosen once, here (ring_plan.choose_transport), and the backward exchanges the same way
         transport = ring_transport(group, None, *choose_transport(group))
-        out, lse, kv_last = ring_forward(q, k, v, schedule, op, transport, keep_last=grad)
+        # Under saved-tensor hooks (activation checkpointing, offloading) a block kept outside save_for_backward
+        # would escape them and stay alive until the backward: there the backward fetches it again instead.
+        keep = grad and _no_saved_tensor_hooks()
+        out, lse, kv_last = ring_forward(q, k, v, schedule, op, transport, keep_last=keep)
         ctx.save_for_backward(q, k, v, out, lse)
         # not a saved tensor (those live until the backward returns): the backward drops it after its first step
         ctx.kept = [kv_last] if kv_last is not None else []

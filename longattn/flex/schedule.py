@@ -84,7 +84,8 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
                   ) -> RingSchedule:
     """The ring schedule ``ring_flex_attention`` runs (cached per shape,
     pattern and group): ``steps`` (the same on every rank) and
-    ``calls(src)``, one call with its :class:`FlexStep` or none where the step
+    ``calls(src)``, one call with its executor (:class:`FlexStep`, or
+    :class:`longattn.flex.fa4.RingStep` where FA4 runs the pattern) or none where the step
     is empty. On first use of a pattern, two small collectives: every rank's
     planning agreed (a mask that fails on one rank raises on every rank) and
     the step count."""
@@ -93,30 +94,31 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
     b, length, h, _ = q.shape
 
     def make():
-        problem, need, use_fa4 = None, 0, False
+        problem, need, runs = None, 0, []
         try:
             tables = fp.rank_tables(mask_mod, layout, rank, world, length, b, h, device=q.device)
             need = fp.steps_needed(tables)
-            # each rank computes only its own queries, so the ranks need not agree on the kernel
+            # each rank computes only its own queries, so the ranks need not agree on the kernel; the executors are
+            # built here, before the agreement, so one failing on one rank raises on every rank, not in the ring
             use_fa4 = fa4.choose(q, k, k, mask_mod, score_mod) == "fa4"
+            qmap = fp.position_map(layout, rank, world, length, q.device)
+            for s in range(need):
+                if tables[s].empty:  # nothing visible: no compute at this step (the block still passes on)
+                    step = None
+                elif use_fa4:  # the pattern's FA4 form at this step's global positions
+                    step = fa4.ring_executor(mask_mod, fp.global_positions(layout, rank, world, length, q.device),
+                                             fp.global_positions(layout, (rank - s) % world, world, length,
+                                                                 q.device), b, h, scale)
+                else:
+                    kmap = fp.position_map(layout, (rank - s) % world, world, length, q.device)
+                    step = _make_step(tables[s], mask_mod, score_mod, scale, qmap, kmap, q, k)
+                runs.append(step)
         except Exception as e:  # noqa: BLE001 - raised by agree, on this rank; the others name it
             problem = e
         checks.agree(group, "ring_flex_attention (planning the mask's blocks)", problem)
         steps = _ring_steps(need, group, q.device)
-        qmap = fp.position_map(layout, rank, world, length, q.device)
-        calls = []
-        for s in range(steps):
-            if tables[s].empty:  # nothing visible: no compute at this step (the block still passes on)
-                calls.append(())
-                continue
-            if use_fa4:  # the pattern's FA4 form at this step's global positions
-                step = fa4.ring_executor(mask_mod, fp.global_positions(layout, rank, world, length, q.device),
-                                         fp.global_positions(layout, (rank - s) % world, world, length, q.device),
-                                         b, h, scale)
-            else:
-                kmap = fp.position_map(layout, (rank - s) % world, world, length, q.device)
-                step = _make_step(tables[s], mask_mod, score_mod, scale, qmap, kmap, q, k)
-            calls.append((Call(0, length, 0, length, bk.BlockSpec(scale), run=step),) if step is not None else ())
+        calls = [(Call(0, length, 0, length, bk.BlockSpec(scale), run=runs[s]),)
+                 if s < need and runs[s] is not None else () for s in range(steps)]
         return RingSchedule(steps, lambda src: calls[(rank - src) % world])
     key = ("ring", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
            str(q.device), layout, checks.group_name(group))

@@ -107,7 +107,9 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     stay within a shard end it early). Block masks are built on the first call
     per (shape, pattern) and cached (two small collectives then).
 
-    Runs outside ``torch.compile`` graphs (a graph break); its local steps are compiled on CUDA.
+    Runs outside ``torch.compile`` graphs (a graph break). Each step runs the pattern's FA4 form where
+    :func:`explain_flex` would choose FA4 for these shards (a named pattern, FA4 installed on sm_90 /
+    sm_100), else compiled FlexAttention on CUDA.
 
     Equivalent PyTorch::
 
