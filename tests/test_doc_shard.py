@@ -124,6 +124,38 @@ def test_packed_attention(world):
     run_world(_check, world)
 
 
+def _check_scores(rank, world):
+    """Soft-capping and attention sinks through packed_attention, a document split over the ranks among them: out,
+    lse and every gradient, the sinks' included (each rank's share of its rows, summed over the group)."""
+    lens = [3, 40, 1, 17, 2]
+    for causal, window, hkv in CASES[:3]:
+        cu, q, k, v, do, dl = varlen_inputs(lens, 4, hkv, 16, seed=5)
+        sinks = torch.randn(4)
+        qr, kr, vr, sr = (x.double().requires_grad_() for x in (q, k, v, sinks))
+        ro, rl = varlen_ref(qr, kr, vr, cu, causal, window, softcap=5.0, sinks=sr)
+        ((ro * do.double()).sum() + (rl * dl.double()).sum()).backward()
+        plan = longattn.shard_documents(cu)
+        ql, kl, vl = (plan.shard(x).requires_grad_() for x in (q, k, v))
+        sl = sinks.clone().requires_grad_()
+        out, lse = longattn.packed_attention(ql, kl, vl, plan, causal=causal, window_size=window, return_lse=True,
+                                             softcap=5.0, sinks=sl)
+        pad = ~plan.valid.to(out.device)
+        assert not out[pad].any() and torch.isfinite(lse).all()  # padding rows: 0, lse the sink's logit
+        ((out * plan.shard(do)).sum() + (lse[:, ~pad] * plan.shard(dl.t()).t()[:, ~pad]).sum()).backward()
+        ds = sl.grad.clone()
+        dist.all_reduce(ds)
+        us = lambda x: plan.unshard(x.detach())
+        got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad), dsinks=ds)
+        assert_close(got, dict(out=ro, lse=rl, dq=qr.grad, dk=kr.grad, dv=vr.grad, dsinks=sr.grad), TOL,
+                     f"world={world} causal={causal} window={window} hkv={hkv} split={plan.split}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_packed_attention_softcap_sinks(world):
+    run_world(_check_scores, world)
+
+
 def _bad_inputs(rank, world):
     cu = torch.tensor([0, 4, 20, 23], dtype=torch.int32)
     cases = [  # (what this rank passes, the message every rank must see)
@@ -139,6 +171,13 @@ def _bad_inputs(rank, world):
     q = torch.randn(plan.local_tokens + (rank == 0), 2, 8)
     with pytest.raises(ValueError, match="local tokens" if rank == 0 else "rank|differ"):
         longattn.packed_attention(q, q, q, plan, causal=True)
+    assert_group_usable(world)
+    q = torch.randn(plan.local_tokens, 2, 8)
+    with pytest.raises((ValueError, TypeError), match="softcap" if rank == 0 else "rank|differ"):
+        longattn.packed_attention(q, q, q, plan, softcap=-1.0 if rank == 0 else 0.0)
+    assert_group_usable(world)
+    with pytest.raises((ValueError, TypeError), match="sinks" if rank == 0 else "rank|differ"):
+        longattn.packed_attention(q, q, q, plan, sinks=torch.zeros(3) if rank == 0 else None)
     assert_group_usable(world)
     other = longattn.shard_documents(cu, world, (rank + 1) % world)
     q = torch.randn(other.local_tokens, 2, 8)

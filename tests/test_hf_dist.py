@@ -183,6 +183,7 @@ def _check_families(rank, world):
     the chunk edges) under "longattn_ring" against eager in float64: loss,
     logits and every parameter gradient (the sinks' included), summed over
     the group as context-parallel training does."""
+    from longattn import context_parallel as cp
     from test_hf import _pair
 
     for kind in ("gemma2", "gpt_oss", "llama4"):
@@ -199,6 +200,11 @@ def _check_families(rank, world):
                 _check_gpt_oss_documents(model, ref, case, f"rank {rank}/{world} {kind}", world)
                 continue
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name}")
+            if kind == "gemma2" and name == "packed documents":  # soft-capping on documents held whole
+                _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name} documents", layout="documents")
+        if kind == "llama4":  # chunks are not run on documents held whole: every rank raises, naming the layouts
+            case = dict(_cases())["packed documents"]
+            _raises_everywhere(world, "chunked attention", lambda: model(**cp.shard_batch(**case, layout="documents")))
         if kind == "llama4":  # dense rows in the contiguous layout: one ring call per row
             name, case = next(iter(_cases()))
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name} contiguous", layout="contiguous")
@@ -226,6 +232,7 @@ def _check_gpt_oss_documents(model, ref, case, tag, world):
     starts = torch.nonzero(pos[0] == 0).flatten().tolist() + [pos.shape[1]]
     docs = dict(row, cu_seqlens=torch.tensor(starts, dtype=torch.int32), ref_attention_mask=masks)
     _, _, want = _compare_sharded(model, ref, docs, f"{tag} documents as cu_seqlens")
+    _compare_sharded(model, ref, docs, f"{tag} documents held whole (sinks)", layout="documents")
     one_sequence, _, _ = _reference(ref, row)
     assert rel_err(one_sequence, want) > 1e-3  # the documents do change the result
 

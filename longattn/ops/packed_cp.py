@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
-from .._validation import check_attention_call
+from .._sinks import apply_sinks
+from .._validation import check_attention_call, check_softcap_sinks
 from ..backends import varlen as _varlen
 from ..distributed import checks
 from ..distributed.doc_shard import DocumentShard, plan_documents
@@ -86,7 +87,7 @@ def _key_range(p0: int, n: int, length: int, causal: bool, window: tuple) -> tup
 
 
 @functools.lru_cache(maxsize=256)
-def _pieces(plan, causal, window, scale):
+def _pieces(plan, causal, window, scale, softcap=0.0):
     """(local rows a, b; key rows k0, k1 of the gathered documents; the block's spec) per local split piece."""
     s, index, calls = _split_layout(plan)
     out = []
@@ -94,7 +95,7 @@ def _pieces(plan, causal, window, scale):
         if n == 0:
             continue
         lo, hi = _key_range(p0, n, plan.cu[d + 1] - plan.cu[d], causal, window)
-        out.append((a, b, start + lo, start + hi, bk.BlockSpec(scale, causal, window, p0 - lo)))
+        out.append((a, b, start + lo, start + hi, bk.BlockSpec(scale, causal, window, p0 - lo, softcap)))
     return s, index, out
 
 
@@ -117,23 +118,23 @@ def _on_device(plan: DocumentShard, device: torch.device) -> tuple[torch.Tensor,
     return _split_layout(plan)[1].to(device), cu.to(device), int(lens.max()) if lens.numel() else 0
 
 
-def _setup(cu_seqlens, imbalance, group_name, q, scale, causal, window):
+def _setup(cu_seqlens, imbalance, group_name, q, scale, causal, window, softcap):
     """(group, plan, s, buffer index, pieces, (whole rows, their cu_seqlens, longest, spec)) of a pass."""
     g = checks.group_from_name(group_name)
     plan = plan_documents(tuple(int(x) for x in cu_seqlens.tolist()), dist.get_world_size(g), dist.get_rank(g),
                           imbalance)
-    s, _, pieces = _pieces(plan, causal, window, scale)
+    s, _, pieces = _pieces(plan, causal, window, scale, softcap)
     index, cu, longest = _on_device(plan, q.device)
-    return g, plan, s, index, pieces, (plan.whole_tokens, cu, longest, bk.BlockSpec(scale, causal, window))
+    return g, plan, s, index, pieces, (plan.whole_tokens, cu, longest, bk.BlockSpec(scale, causal, window, 0, softcap))
 
 
 @torch.library.custom_op("longattn::packed_cp_fwd", mutates_args=(), device_types=None)
 def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, imbalance: float,
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
-                group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                group_name: str, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
-                                                                window)
+                                                                window, softcap)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
     # one launch over every local row: the whole documents end at row w (cu's last entry), so the kernel leaves
@@ -159,10 +160,10 @@ def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, imbalance: float,
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
-                group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                group_name: str, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
-                                                                window)
+                                                                window, softcap)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
     # as the forward: one launch over every row, the rows past the whole documents written afterwards
@@ -199,14 +200,14 @@ def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 _packed = register_attention_autograd(_packed_fwd, _packed_bwd,
                                       ("imbalance", "scale", "causal", "window_left", "window_right", "backend",
-                                       "kernel", "group_name"),
+                                       "kernel", "group_name", "softcap"),
                                       extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DocumentShard, *,
                      causal: bool = False, softmax_scale: Optional[float] = None,
-                     window_size: tuple[int, int] = (-1, -1), return_lse: bool = False, backend: str = "auto",
-                     group=None):
+                     window_size: tuple[int, int] = (-1, -1), return_lse: bool = False, softcap: float = 0.0,
+                     sinks: Optional[torch.Tensor] = None, backend: str = "auto", group=None):
     """Packed-document attention over ranks holding documents whole where they fit.
 
     Args:
@@ -214,17 +215,22 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
             ``plan.shard(x)`` (padding rows included); k, v likewise with nheads_kv.
         plan: this rank's :class:`~longattn.distributed.doc_shard.DocumentShard`
             (:func:`longattn.shard_documents`), the same problem on every rank.
-        causal, softmax_scale, window_size, return_lse, backend: as
-            :func:`longattn.attention_varlen` (positions inside each document).
+        causal, softmax_scale, window_size, return_lse, softcap, sinks, backend:
+            as :func:`longattn.attention_varlen` (positions inside each document;
+            soft-capping in every block, a sink merged once into each row's
+            finished result, its gradient this rank's rows' share, summed over
+            the group like any replicated parameter's).
         group: ProcessGroup of ``plan.world`` ranks (default WORLD).
 
     Returns:
         Local output ``(local_tokens, nheads, headdim)`` (and lse ``(nheads,
-        local_tokens)`` float32); padding rows hold 0 and lse -inf.
+        local_tokens)`` float32); padding rows hold 0 and lse -inf (with
+        ``sinks``: the sink's logit, as for any row that sees no key).
 
     Equivalent PyTorch (``x`` the packed tensors every rank could hold)::
 
-        out = plan.shard(longattn.attention_varlen(q_full, k_full, v_full, cu_seqlens, causal=causal))
+        out = plan.shard(longattn.attention_varlen(q_full, k_full, v_full, cu_seqlens, causal=causal,
+                                                   softcap=softcap, sinks=sinks))
 
     Every rank checks the call with the others (one small all-gather): a plan
     or shapes that differ across ranks raise on every rank.
@@ -237,27 +243,32 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     problem, kernel = None, "loop"
     try:
+        softcap = check_softcap_sinks(softcap, sinks, q)
         if (plan.world, plan.rank) != (dist.get_world_size(g), dist.get_rank(g)):
             raise ValueError(f"plan is rank {plan.rank} of {plan.world} but this is rank {dist.get_rank(g)} of "
                              f"{dist.get_world_size(g)} in group: shard_documents(cu_seqlens, group=group)")
         if q.shape[0] != plan.local_tokens:
             raise ValueError(f"q has {q.shape[0]} local tokens but the plan gives {plan.local_tokens}: shard q, k "
                              f"and v with plan.shard")
-        kernel = _varlen.choose(q[:max(plan.whole_tokens, 1)], backend, plan.cu_seqlens_local.numel() - 1)
+        kernel = _varlen.choose(q[:max(plan.whole_tokens, 1)], backend, plan.cu_seqlens_local.numel() - 1,
+                                softcap=softcap)
         # each split piece is one dense block: a backend that refuses one raises here, on every rank, not inside
         # the op after the K/V all-gather (the backward selects alike: the choice is a function of these shapes)
         dense = _varlen._dense_name(backend)
-        for a, b, k0, k1, sp in _pieces(plan, causal, window, scale)[2]:
+        for a, b, k0, k1, sp in _pieces(plan, causal, window, scale, softcap)[2]:
             kv = k.new_empty((1, 1, *k.shape[1:])).expand(1, k1 - k0, *k.shape[1:])
             bk.select_backend(q[None, a:b], kv, sp, dense)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         problem = e
     if not torch.compiler.is_compiling():
         checks.agree(g, "packed_attention", problem, plan=plan.digest(), q=tuple(q.shape), k=tuple(k.shape),
-                     dtype=str(q.dtype), causal=causal, window=window, scale=scale, backend=backend)
+                     dtype=str(q.dtype), causal=causal, window=window, scale=scale, backend=backend,
+                     softcap=repr(softcap), sinks=repr(getattr(sinks, "shape", sinks)))
     elif problem is not None:
         raise problem
     cu = torch.tensor(plan.cu, dtype=torch.int32, device="cpu")
     out, lse = _packed(q, k, v, cu, plan.imbalance, scale, causal, window[0], window[1], backend, kernel,
-                       checks.group_name(g))
+                       checks.group_name(g), softcap)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks, varlen=True)
     return (out, lse) if return_lse else out

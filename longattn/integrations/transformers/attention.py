@@ -75,8 +75,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     problem, causal, dv = None, True, value.shape[-1]
     try:
         causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs, scores=True)
-        cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs,
-                              bool(softcap) or kwargs.get("s_aux") is not None or chunk is not None, module,
+        cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs, chunk is not None, module,
                               ring.positions)
     except ValueError as e:
         problem = e
