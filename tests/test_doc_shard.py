@@ -150,6 +150,36 @@ def _check_scores(rank, world):
                      f"world={world} causal={causal} window={window} hkv={hkv} split={plan.split}")
 
 
+def _check_chunks(rank, world):
+    """chunk_size through packed_attention (documents cut at the chunk edges for attention, the plan unchanged),
+    a split document's pieces crossing chunk edges among them: out, lse and every gradient."""
+    from longattn.distributed.plan import chunk_cu
+
+    for lens, chunk in (([3, 40, 1, 17, 2], 6), ([64], 5), ([5, 0, 9, 30, 12], 7)):
+        for causal, window, hkv in CASES:
+            cu, q, k, v, do, dl = varlen_inputs(lens, 4, hkv, 16, seed=7)
+            qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+            cut = torch.tensor(chunk_cu(tuple(cu.tolist()), chunk), dtype=torch.int32)
+            ro, rl = varlen_ref(qr, kr, vr, cut, causal, window)
+            ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+            plan = longattn.shard_documents(cu)
+            ql, kl, vl = (plan.shard(x).requires_grad_() for x in (q, k, v))
+            out, lse = longattn.packed_attention(ql, kl, vl, plan, causal=causal, window_size=window,
+                                                 return_lse=True, chunk_size=chunk)
+            lse_ok = torch.where(torch.isfinite(lse), lse, 0)
+            ((out * plan.shard(do)).sum() + (lse_ok * plan.shard(dl.t()).t()).sum()).backward()
+            us = lambda x: plan.unshard(x.detach())
+            got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
+            assert_close(got, dict(out=ro, lse=rl, dq=qr.grad, dk=kr.grad, dv=vr.grad), TOL,
+                         f"world={world} docs={lens} chunk={chunk} causal={causal} window={window} split={plan.split}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_packed_attention_chunks(world):
+    run_world(_check_chunks, world)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_packed_attention_softcap_sinks(world):

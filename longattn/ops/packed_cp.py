@@ -9,6 +9,9 @@ then each local piece of a split document attends to the keys of its document
 it can see (causal: the document's prefix up to the piece's end; a window: the
 keys in reach) in one dense block call with the piece's position offset.
 Every query row finds all its keys on this rank, so nothing is merged.
+Soft-capping runs in every block; a sink merges once into the finished rows;
+chunked attention cuts the whole documents' boundaries and the split pieces
+at the chunk edges (the plan stays that of the documents).
 
 Bytes per rank, with ``s`` the largest rank's count of split-document tokens
 (about their total over ``world``), ``b = 2 * nheads_kv * headdim`` K and V
@@ -33,10 +36,11 @@ import torch.distributed as dist
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._sinks import apply_sinks
-from .._validation import check_attention_call, check_softcap_sinks
+from .._validation import check_attention_call, check_chunk_size, check_softcap_sinks
 from ..backends import varlen as _varlen
 from ..distributed import checks
 from ..distributed.doc_shard import DocumentShard, plan_documents
+from ..distributed.plan import chunk_cu
 
 __all__ = ["packed_attention"]
 
@@ -87,15 +91,24 @@ def _key_range(p0: int, n: int, length: int, causal: bool, window: tuple) -> tup
 
 
 @functools.lru_cache(maxsize=256)
-def _pieces(plan, causal, window, scale, softcap=0.0):
-    """(local rows a, b; key rows k0, k1 of the gathered documents; the block's spec) per local split piece."""
+def _pieces(plan, causal, window, scale, softcap=0.0, chunk=0):
+    """(local rows a, b; key rows k0, k1 of the gathered documents; the block's spec) per local split piece;
+    with ``chunk`` each piece cut at the chunk edges (positions in its document), its keys those of its chunk."""
     s, index, calls = _split_layout(plan)
     out = []
     for a, b, d, p0, n, start in calls:
-        if n == 0:
-            continue
-        lo, hi = _key_range(p0, n, plan.cu[d + 1] - plan.cu[d], causal, window)
-        out.append((a, b, start + lo, start + hi, bk.BlockSpec(scale, causal, window, p0 - lo, softcap)))
+        length = plan.cu[d + 1] - plan.cu[d]
+        r0 = p0
+        while r0 < p0 + n:
+            c0 = (r0 // chunk) * chunk if chunk else 0  # the chunk of row r0: keys [c0, c1)
+            c1 = min(length, c0 + chunk) if chunk else length
+            r1 = min(p0 + n, c1)
+            lo, hi = _key_range(r0, r1 - r0, length, causal, window)
+            lo, hi = max(lo, c0), min(hi, c1)
+            ra = a + r0 - p0
+            out.append((ra, ra + r1 - r0, start + lo, start + hi, bk.BlockSpec(scale, causal, window, r0 - lo,
+                                                                                  softcap)))
+            r0 = r1
     return s, index, out
 
 
@@ -110,31 +123,31 @@ def _gather_kv(k, v, plan, s, group):
 
 
 @functools.lru_cache(maxsize=64)
-def _on_device(plan: DocumentShard, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(gathered-buffer index, local cu_seqlens, longest whole document) on ``device``,
-    copied once per plan rather than at every pass."""
-    cu = plan.cu_seqlens_local
+def _on_device(plan: DocumentShard, device: torch.device, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(gathered-buffer index, local cu_seqlens of the whole documents, cut at the chunk edges with ``chunk``,
+    the longest of them) on ``device``, copied once per plan rather than at every pass."""
+    cu = torch.tensor(chunk_cu(tuple(plan.cu_seqlens_local.tolist()), chunk), dtype=torch.int32)
     lens = cu[1:] - cu[:-1]
     return _split_layout(plan)[1].to(device), cu.to(device), int(lens.max()) if lens.numel() else 0
 
 
-def _setup(cu_seqlens, imbalance, group_name, q, scale, causal, window, softcap):
+def _setup(cu_seqlens, imbalance, group_name, q, scale, causal, window, softcap, chunk):
     """(group, plan, s, buffer index, pieces, (whole rows, their cu_seqlens, longest, spec)) of a pass."""
     g = checks.group_from_name(group_name)
     plan = plan_documents(tuple(int(x) for x in cu_seqlens.tolist()), dist.get_world_size(g), dist.get_rank(g),
                           imbalance)
-    s, _, pieces = _pieces(plan, causal, window, scale, softcap)
-    index, cu, longest = _on_device(plan, q.device)
+    s, _, pieces = _pieces(plan, causal, window, scale, softcap, chunk)
+    index, cu, longest = _on_device(plan, q.device, chunk)
     return g, plan, s, index, pieces, (plan.whole_tokens, cu, longest, bk.BlockSpec(scale, causal, window, 0, softcap))
 
 
 @torch.library.custom_op("longattn::packed_cp_fwd", mutates_args=(), device_types=None)
 def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, imbalance: float,
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
-                group_name: str, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                group_name: str, softcap: float = 0.0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
-                                                                window, softcap)
+                                                                window, softcap, chunk)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
     # one launch over every local row: the whole documents end at row w (cu's last entry), so the kernel leaves
@@ -160,10 +173,10 @@ def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, imbalance: float,
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
-                group_name: str, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                group_name: str, softcap: float = 0.0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
     g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
-                                                                window, softcap)
+                                                                window, softcap, chunk)
     if s:
         buf, work = _gather_kv(k, v, plan, s, g)
     # as the forward: one launch over every row, the rows past the whole documents written afterwards
@@ -200,14 +213,15 @@ def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 _packed = register_attention_autograd(_packed_fwd, _packed_bwd,
                                       ("imbalance", "scale", "causal", "window_left", "window_right", "backend",
-                                       "kernel", "group_name", "softcap"),
+                                       "kernel", "group_name", "softcap", "chunk"),
                                       extra_tensors=1, fwd_fake=varlen_out_lse_like)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DocumentShard, *,
                      causal: bool = False, softmax_scale: Optional[float] = None,
                      window_size: tuple[int, int] = (-1, -1), return_lse: bool = False, softcap: float = 0.0,
-                     sinks: Optional[torch.Tensor] = None, backend: str = "auto", group=None):
+                     sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None, backend: str = "auto",
+                     group=None):
     """Packed-document attention over ranks holding documents whole where they fit.
 
     Args:
@@ -220,6 +234,10 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
             soft-capping in every block, a sink merged once into each row's
             finished result, its gradient this rank's rows' share, summed over
             the group like any replicated parameter's).
+        chunk_size: chunked attention (Llama 4's ``attention_chunk_size``), as
+            :func:`longattn.ring_attention_varlen` takes it: a token sees the
+            keys of its document in the same chunk of positions. The plan stays
+            that of the documents; None: whole documents.
         group: ProcessGroup of ``plan.world`` ranks (default WORLD).
 
     Returns:
@@ -241,21 +259,22 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
     backend = bk.resolve(backend)
     g = checks.resolve_group(group)
     scale = bk.default_scale(q.shape[-1], softmax_scale)
-    problem, kernel = None, "loop"
+    problem, kernel, chunk = None, "loop", 0
     try:
         softcap = check_softcap_sinks(softcap, sinks, q)
+        chunk = check_chunk_size(chunk_size)
         if (plan.world, plan.rank) != (dist.get_world_size(g), dist.get_rank(g)):
             raise ValueError(f"plan is rank {plan.rank} of {plan.world} but this is rank {dist.get_rank(g)} of "
                              f"{dist.get_world_size(g)} in group: shard_documents(cu_seqlens, group=group)")
         if q.shape[0] != plan.local_tokens:
             raise ValueError(f"q has {q.shape[0]} local tokens but the plan gives {plan.local_tokens}: shard q, k "
                              f"and v with plan.shard")
-        kernel = _varlen.choose(q[:max(plan.whole_tokens, 1)], backend, plan.cu_seqlens_local.numel() - 1,
-                                softcap=softcap)
+        kernel = _varlen.choose(q[:max(plan.whole_tokens, 1)], backend,
+                                len(chunk_cu(tuple(plan.cu_seqlens_local.tolist()), chunk)) - 1, softcap=softcap)
         # each split piece is one dense block: a backend that refuses one raises here, on every rank, not inside
         # the op after the K/V all-gather (the backward selects alike: the choice is a function of these shapes)
         dense = _varlen._dense_name(backend)
-        for a, b, k0, k1, sp in _pieces(plan, causal, window, scale, softcap)[2]:
+        for a, b, k0, k1, sp in _pieces(plan, causal, window, scale, softcap, chunk)[2]:
             kv = k.new_empty((1, 1, *k.shape[1:])).expand(1, k1 - k0, *k.shape[1:])
             bk.select_backend(q[None, a:b], kv, sp, dense)
     except (ValueError, TypeError) as e:
@@ -263,12 +282,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Do
     if not torch.compiler.is_compiling():
         checks.agree(g, "packed_attention", problem, plan=plan.digest(), q=tuple(q.shape), k=tuple(k.shape),
                      dtype=str(q.dtype), causal=causal, window=window, scale=scale, backend=backend,
-                     softcap=repr(softcap), sinks=repr(getattr(sinks, "shape", sinks)))
+                     softcap=repr(softcap), sinks=repr(getattr(sinks, "shape", sinks)), chunk=repr(chunk_size))
     elif problem is not None:
         raise problem
     cu = torch.tensor(plan.cu, dtype=torch.int32, device="cpu")
     out, lse = _packed(q, k, v, cu, plan.imbalance, scale, causal, window[0], window[1], backend, kernel,
-                       checks.group_name(g), softcap)
+                       checks.group_name(g), softcap, chunk)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks, varlen=True)
     return (out, lse) if return_lse else out

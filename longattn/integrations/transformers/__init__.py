@@ -51,8 +51,7 @@ documents). Logit soft-capping and attention sinks as under
 group with the other parameters' by ``context_parallel.all_reduce_grads``);
 chunked attention by ``ring_attention_varlen``'s ``chunk_size``: the sharded
 documents (or dense rows) cut at the chunk edges where the tokens lie (a
-``layout="documents"`` batch runs soft-capping and sinks through
-:func:`longattn.packed_attention`, and refuses chunks). The batch comes from
+``layout="documents"`` batch runs all three through :func:`longattn.packed_attention`). The batch comes from
 :func:`longattn.context_parallel.shard_batch`, whose ``longattn_cp`` entry
 carries the group and layout to every attention call through the model's
 keyword arguments: ``model(**batch)``. Problems are raised on every rank of the

@@ -75,8 +75,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     problem, causal, dv = None, True, value.shape[-1]
     try:
         causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs, scores=True)
-        cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs, chunk is not None, module,
-                              ring.positions)
+        cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs, module, ring.positions)
     except ValueError as e:
         problem = e
     cp.agree(module, ctx.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),

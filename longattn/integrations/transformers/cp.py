@@ -24,10 +24,9 @@ def context(kwargs, impl: str) -> _cp.CPContext:
     return ctx
 
 
-def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs, chunked: bool,
+def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs,
                        module=None, positions: bool = True) -> None:
-    """What a sharded batch cannot carry (ValueError). ``chunked``: the layer
-    attends in chunks (which the ring layouts run, documents held whole do not); ``positions``:
+    """What a sharded batch cannot carry (ValueError). ``positions``:
     False when the model built its masks without position_ids (:class:`~.masks.RingMask`)."""
     if ctx.from_positions and not positions:
         raise ValueError(
@@ -39,10 +38,6 @@ def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask
             f"longattn.context_parallel.shard_batch(cu_seqlens=...) (unsharded: the cu_seq_lens_q/k keywords with "
             f"'longattn', as transformers' flash-attention path); for one sequence, give position_ids that do not "
             f"restart")
-    if chunked and ctx.layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"attn_implementation={impl!r}: a batch sharded with layout={ctx.layout!r} runs no chunked "
-                         f"attention (attention_chunk_size); shard it with layout='zigzag' or 'contiguous' "
-                         f"(longattn.context_parallel.shard_batch)")
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
         raise mask_error(impl, attention_mask)
     if attention_mask is not None:
@@ -83,9 +78,8 @@ def ring_forward(ctx: _cp.CPContext, q, k, v, causal: bool, scaling, sliding_win
         return _dense_chunks(ctx, q, k, v, causal, scaling, sliding_window, scores, chunk)
     lens = ctx.cu_seqlens[1:] - ctx.cu_seqlens[:-1]
     window = checks.window(sliding_window, causal, int(lens.max()))
-    extra = dict(scores, chunk_size=chunk) if ctx.documents is None else scores  # "documents" refuses chunks earlier
     return ctx.attention_varlen(q[0], k[0], v[0], causal=causal, softmax_scale=scaling, window_size=window,
-                                **extra)[None]
+                                chunk_size=chunk, **scores)[None]
 
 
 def _dense_chunks(ctx: _cp.CPContext, q, k, v, causal, scaling, sliding_window, scores, chunk):
