@@ -162,6 +162,12 @@ def _check_errors(rank, world):
     assert_group_usable(world)
     out = longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal())  # and the ring still runs
     assert out.shape == q.shape
+    # FA4 forced where it cannot run (here: no GPU) raises on every rank with its reasons; "flex" runs
+    with pytest.raises(ValueError, match="kernel='fa4' cannot run" if rank == 0 else "rank|kernel"):
+        longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal(), kernel="fa4")
+    assert_group_usable(world)
+    flex = longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal(), kernel="flex")
+    torch.testing.assert_close(flex, out)
 
 
 @pytest.mark.dist

@@ -80,8 +80,8 @@ def _ring_steps(need: int, group, device) -> int:
     return int(t.item())
 
 
-def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag", scale: float, group=None
-                  ) -> RingSchedule:
+def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag", scale: float, group=None,
+                  kernel: str = "auto") -> RingSchedule:
     """The ring schedule ``ring_flex_attention`` runs (cached per shape,
     pattern and group): ``steps`` (the same on every rank) and
     ``calls(src)``, one call with its executor (:class:`FlexStep`, or
@@ -100,7 +100,7 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
             need = fp.steps_needed(tables)
             # each rank computes only its own queries, so the ranks need not agree on the kernel; the executors are
             # built here, before the agreement, so one failing on one rank raises on every rank, not in the ring
-            use_fa4 = fa4.choose(q, k, k, mask_mod, score_mod) == "fa4"
+            use_fa4 = fa4.choose(q, k, k, mask_mod, score_mod, kernel) == "fa4"
             qmap = fp.position_map(layout, rank, world, length, q.device)
             for s in range(need):
                 if tables[s].empty:  # nothing visible: no compute at this step (the block still passes on)
@@ -121,5 +121,5 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
                  if s < need and runs[s] is not None else () for s in range(steps)]
         return RingSchedule(steps, lambda src: calls[(rank - src) % world])
     key = ("ring", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
-           str(q.device), layout, checks.group_name(group))
+           str(q.device), layout, checks.group_name(group), kernel)
     return _PLANS.get_or(key, make)

@@ -83,7 +83,8 @@ def explain_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod:
 @torch.compiler.disable
 def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod: Optional[Callable] = None,
                         score_mod: Optional[Callable] = None, layout: str = "zigzag",
-                        softmax_scale: Optional[float] = None, return_lse: bool = False, group=None):
+                        softmax_scale: Optional[float] = None, return_lse: bool = False, kernel: str = "auto",
+                        group=None):
     """Attention with any pattern over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -93,7 +94,8 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
             the unsharded sequence (the same functions as on one device).
         layout: ``"zigzag"`` (rank r holds chunks r and 2p-1-r of 2p: balanced
             work for causal-like patterns) or ``"contiguous"``.
-        softmax_scale, return_lse: as :func:`flex_attention`.
+        softmax_scale, return_lse, kernel: as :func:`flex_attention` (each
+            rank's steps; ``"fa4"`` where FA4 cannot run raises on every rank).
         group: a ProcessGroup (default WORLD).
 
     Returns:
@@ -107,9 +109,9 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     stay within a shard end it early). Block masks are built on the first call
     per (shape, pattern) and cached (two small collectives then).
 
-    Runs outside ``torch.compile`` graphs (a graph break). Each step runs the pattern's FA4 form where
-    :func:`explain_flex` would choose FA4 for these shards (a named pattern, FA4 installed on sm_90 /
-    sm_100), else compiled FlexAttention on CUDA.
+    Runs outside ``torch.compile`` graphs (a graph break). With ``kernel="auto"`` each step runs the
+    pattern's FA4 form where :func:`explain_flex` would choose FA4 for these shards (a named pattern, FA4
+    installed on sm_90 / sm_100), else compiled FlexAttention on CUDA.
 
     Equivalent PyTorch::
 
@@ -126,6 +128,7 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
                                  layout=layout, scale=scale, mask=schedule.signature(mask_mod),
                                  score=schedule.signature(score_mod))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    plan = schedule.ring_schedule(q, k, mask_mod=mask_mod, score_mod=score_mod, layout=layout, scale=scale, group=g)
+    plan = schedule.ring_schedule(q, k, mask_mod=mask_mod, score_mod=score_mod, layout=layout, scale=scale, group=g,
+                                  kernel=kernel)
     out, lse = RingFlex.apply(q, k, v, plan, g, grad)
     return (out, lse) if return_lse else out
