@@ -131,14 +131,16 @@ def _on_device(plan: DocumentShard, device: torch.device, chunk: int = 0) -> tup
     return _split_layout(plan)[1].to(device), cu.to(device), int(lens.max()) if lens.numel() else 0
 
 
-def _setup(cu_seqlens, imbalance, group_name, q, scale, causal, window, softcap, chunk):
-    """(group, plan, s, buffer index, pieces, (whole rows, their cu_seqlens, longest, spec)) of a pass."""
+def _setup(cu_seqlens, imbalance, group_name, q, k, v, scale, causal, window, softcap, chunk):
+    """(group, plan, s, buffer index, pieces, (whole rows, their cu_seqlens, longest, spec), the split pieces'
+    K/V all-gather started (buffer, work) or None) of a pass."""
     g = checks.group_from_name(group_name)
     plan = plan_documents(tuple(int(x) for x in cu_seqlens.tolist()), dist.get_world_size(g), dist.get_rank(g),
                           imbalance)
     s, _, pieces = _pieces(plan, causal, window, scale, softcap, chunk)
     index, cu, longest = _on_device(plan, q.device, chunk)
-    return g, plan, s, index, pieces, (plan.whole_tokens, cu, longest, bk.BlockSpec(scale, causal, window, 0, softcap))
+    whole = (plan.whole_tokens, cu, longest, bk.BlockSpec(scale, causal, window, 0, softcap))
+    return g, plan, s, index, pieces, whole, _gather_kv(k, v, plan, s, g) if s else None
 
 
 @torch.library.custom_op("longattn::packed_cp_fwd", mutates_args=(), device_types=None)
@@ -146,10 +148,8 @@ def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
                 group_name: str, softcap: float = 0.0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
-    g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
-                                                                window, softcap, chunk)
-    if s:
-        buf, work = _gather_kv(k, v, plan, s, g)
+    g, plan, s, index, pieces, (w, cu, longest, spec), gather = _setup(cu_seqlens, imbalance, group_name, q, k, v,
+                                                                        scale, causal, window, softcap, chunk)
     # one launch over every local row: the whole documents end at row w (cu's last entry), so the kernel leaves
     # the split pieces' and the padding's rows alone; writing those afterwards costs their rows only, where
     # running on q[:w] and copying into a zeroed output cost two passes over all of them
@@ -160,6 +160,7 @@ def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     out[w:].zero_()
     lse[:, w:] = float("-inf")
     if s:
+        buf, work = gather
         work.wait()
         kf, vf = buf.index_select(0, index), buf.index_select(0, index + s)
         dense = _varlen._dense_name(backend)
@@ -173,12 +174,11 @@ def _packed_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: torch.Tensor, imbalance: float,
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
-                group_name: str, softcap: float = 0.0, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                group_name: str, softcap: float = 0.0,
+                chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = (window_left, window_right)
-    g, plan, s, index, pieces, (w, cu, longest, spec) = _setup(cu_seqlens, imbalance, group_name, q, scale, causal,
-                                                                window, softcap, chunk)
-    if s:
-        buf, work = _gather_kv(k, v, plan, s, g)
+    g, plan, s, index, pieces, (w, cu, longest, spec), gather = _setup(cu_seqlens, imbalance, group_name, q, k, v,
+                                                                        scale, causal, window, softcap, chunk)
     # as the forward: one launch over every row, the rows past the whole documents written afterwards
     if w:
         dq, dk, dv = _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, cu, longest, spec, backend)
@@ -188,6 +188,7 @@ def _packed_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         t[w:].zero_()
     if not s:
         return dq, dk, dv
+    buf, work = gather
     work.wait()
     kf, vf = buf.index_select(0, index), buf.index_select(0, index + s)
     gk = torch.zeros(kf.shape, dtype=torch.float32, device=k.device)
