@@ -97,25 +97,43 @@ def test_shard_documents_checks_its_input():
 
 
 # ------------------------------------------------------------------ packed_attention over ranks
+def _compare(world, lens, causal, window, hkv, seed, chunk=None, softcap=0.0, sinks=False):
+    """packed_attention on shards of packed documents against the float64 reference (on the documents cut at the
+    chunk edges with ``chunk``): out, lse and every gradient, the sinks' summed over the group."""
+    from longattn.distributed.plan import chunk_cu
+
+    cu, q, k, v, do, dl = varlen_inputs(lens, 4, hkv, 16, seed=seed)
+    s = torch.randn(4) if sinks else None
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    sr = s.double().requires_grad_() if sinks else None
+    cut = torch.tensor(chunk_cu(tuple(cu.tolist()), chunk or 0), dtype=torch.int32)
+    ro, rl = varlen_ref(qr, kr, vr, cut, causal, window, softcap=softcap, sinks=sr)
+    ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+    plan = longattn.shard_documents(cu)
+    ql, kl, vl = (plan.shard(x).requires_grad_() for x in (q, k, v))
+    sl = s.clone().requires_grad_() if sinks else None
+    out, lse = longattn.packed_attention(ql, kl, vl, plan, causal=causal, window_size=window, return_lse=True,
+                                         chunk_size=chunk, softcap=softcap, sinks=sl)
+    pad = ~plan.valid.to(out.device)
+    assert not out[pad].any()  # padding rows: 0, lse -inf (with sinks: the sink's logit)
+    assert torch.isfinite(lse[:, pad]).all() if sinks else torch.isneginf(lse[:, pad]).all()
+    lse_ok = torch.where(torch.isfinite(lse) & ~pad, lse, 0)
+    ((out * plan.shard(do)).sum() + (lse_ok * plan.shard(dl.t()).t()).sum()).backward()
+    us = lambda x: plan.unshard(x.detach())
+    got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
+    want = dict(out=ro, lse=rl, dq=qr.grad, dk=kr.grad, dv=vr.grad)
+    if sinks:
+        got["dsinks"] = sl.grad.clone()
+        dist.all_reduce(got["dsinks"])
+        want["dsinks"] = sr.grad
+    assert_close(got, want, TOL, f"world={world} docs={lens} causal={causal} window={window} hkv={hkv} chunk={chunk} "
+                                 f"softcap={softcap} sinks={sinks} split={plan.split}")
+
+
 def _check(rank, world):
     for lens in DOCS:
         for causal, window, hkv in CASES:
-            cu, q, k, v, do, dl = varlen_inputs(lens, 4, hkv, 16, seed=3)
-            qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-            ro, rl = varlen_ref(qr, kr, vr, cu, causal, window)
-            ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
-            plan = longattn.shard_documents(cu)
-            ql, kl, vl = (plan.shard(x).requires_grad_() for x in (q, k, v))
-            out, lse = longattn.packed_attention(ql, kl, vl, plan, causal=causal, window_size=window,
-                                                 return_lse=True)
-            pad = ~plan.valid.to(out.device)
-            assert torch.isneginf(lse[:, pad]).all() and not out[pad].any()
-            lse_ok = torch.where(torch.isfinite(lse), lse, 0)
-            ((out * plan.shard(do)).sum() + (lse_ok * plan.shard(dl.t()).t()).sum()).backward()
-            us = lambda x: plan.unshard(x.detach())
-            got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
-            assert_close(got, dict(out=ro, lse=rl, dq=qr.grad, dk=kr.grad, dv=vr.grad), TOL,
-                         f"world={world} docs={lens} causal={causal} window={window} hkv={hkv} split={plan.split}")
+            _compare(world, lens, causal, window, hkv, seed=3)
 
 
 @pytest.mark.dist
@@ -125,53 +143,17 @@ def test_packed_attention(world):
 
 
 def _check_scores(rank, world):
-    """Soft-capping and attention sinks through packed_attention, a document split over the ranks among them: out,
-    lse and every gradient, the sinks' included (each rank's share of its rows, summed over the group)."""
-    lens = [3, 40, 1, 17, 2]
+    """Soft-capping and attention sinks, a document split over the ranks among them."""
     for causal, window, hkv in CASES[:3]:
-        cu, q, k, v, do, dl = varlen_inputs(lens, 4, hkv, 16, seed=5)
-        sinks = torch.randn(4)
-        qr, kr, vr, sr = (x.double().requires_grad_() for x in (q, k, v, sinks))
-        ro, rl = varlen_ref(qr, kr, vr, cu, causal, window, softcap=5.0, sinks=sr)
-        ((ro * do.double()).sum() + (rl * dl.double()).sum()).backward()
-        plan = longattn.shard_documents(cu)
-        ql, kl, vl = (plan.shard(x).requires_grad_() for x in (q, k, v))
-        sl = sinks.clone().requires_grad_()
-        out, lse = longattn.packed_attention(ql, kl, vl, plan, causal=causal, window_size=window, return_lse=True,
-                                             softcap=5.0, sinks=sl)
-        pad = ~plan.valid.to(out.device)
-        assert not out[pad].any() and torch.isfinite(lse).all()  # padding rows: 0, lse the sink's logit
-        ((out * plan.shard(do)).sum() + (lse[:, ~pad] * plan.shard(dl.t()).t()[:, ~pad]).sum()).backward()
-        ds = sl.grad.clone()
-        dist.all_reduce(ds)
-        us = lambda x: plan.unshard(x.detach())
-        got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad), dsinks=ds)
-        assert_close(got, dict(out=ro, lse=rl, dq=qr.grad, dk=kr.grad, dv=vr.grad, dsinks=sr.grad), TOL,
-                     f"world={world} causal={causal} window={window} hkv={hkv} split={plan.split}")
+        _compare(world, [3, 40, 1, 17, 2], causal, window, hkv, seed=5, softcap=5.0, sinks=True)
 
 
 def _check_chunks(rank, world):
-    """chunk_size through packed_attention (documents cut at the chunk edges for attention, the plan unchanged),
-    a split document's pieces crossing chunk edges among them: out, lse and every gradient."""
-    from longattn.distributed.plan import chunk_cu
-
+    """chunk_size (documents cut at the chunk edges for attention, the plan unchanged), a split document's pieces
+    crossing chunk edges among them."""
     for lens, chunk in (([3, 40, 1, 17, 2], 6), ([64], 5), ([5, 0, 9, 30, 12], 7)):
         for causal, window, hkv in CASES:
-            cu, q, k, v, do, dl = varlen_inputs(lens, 4, hkv, 16, seed=7)
-            qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-            cut = torch.tensor(chunk_cu(tuple(cu.tolist()), chunk), dtype=torch.int32)
-            ro, rl = varlen_ref(qr, kr, vr, cut, causal, window)
-            ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
-            plan = longattn.shard_documents(cu)
-            ql, kl, vl = (plan.shard(x).requires_grad_() for x in (q, k, v))
-            out, lse = longattn.packed_attention(ql, kl, vl, plan, causal=causal, window_size=window,
-                                                 return_lse=True, chunk_size=chunk)
-            lse_ok = torch.where(torch.isfinite(lse), lse, 0)
-            ((out * plan.shard(do)).sum() + (lse_ok * plan.shard(dl.t()).t()).sum()).backward()
-            us = lambda x: plan.unshard(x.detach())
-            got = dict(out=us(out), lse=us(lse.t()).t(), dq=us(ql.grad), dk=us(kl.grad), dv=us(vl.grad))
-            assert_close(got, dict(out=ro, lse=rl, dq=qr.grad, dk=kr.grad, dv=vr.grad), TOL,
-                         f"world={world} docs={lens} chunk={chunk} causal={causal} window={window} split={plan.split}")
+            _compare(world, lens, causal, window, hkv, seed=7, chunk=chunk)
 
 
 @pytest.mark.dist
