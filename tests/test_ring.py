@@ -189,6 +189,55 @@ def test_plan_skips_blocks():
     assert num_steps("contiguous", 4, 8, False, (-1, -1)) == 4
 
 
+def _spec_mask(spec, sq: int, sk: int) -> torch.Tensor:
+    """The (sq, sk) boolean mask a BlockSpec states, written plainly."""
+    i = torch.arange(sq)[:, None] + spec.q_offset
+    j = torch.arange(sk)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    left, right = spec.window
+    if spec.causal:
+        ok &= j <= i
+    if left >= 0:
+        ok &= i - j <= left
+    if right >= 0:
+        ok &= j - i <= right
+    return ok
+
+
+def test_masked_blocks_cropped_bottom_right():
+    """Every masked block a plan makes is bottom-right aligned (as flash-attn's
+    kernels take masks) and covers exactly the block's visible pairs: windows
+    across chunks (Gemma 2's sliding layers in the ring) and the causal diagonal."""
+    from longattn.distributed.plan import masked_call
+
+    ql, kl = 16, 12
+    cases = 0
+    for qg, kg in itertools.product(range(0, 40, 3), range(0, 40, 5)):
+        for causal, window in [(True, (-1, -1)), (True, (5, -1)), (True, (0, -1)), (True, (13, 0)),
+                               (False, (4, 2)), (False, (-1, 3)), (False, (6, -1)), (False, (0, 0))]:
+            i = torch.arange(qg, qg + ql)[:, None]
+            j = torch.arange(kg, kg + kl)[None, :]
+            want = torch.ones(ql, kl, dtype=torch.bool)
+            if causal:
+                want &= j <= i
+            if window[0] >= 0:
+                want &= i - j <= window[0]
+            if window[1] >= 0:
+                want &= j - i <= window[1]
+            call = masked_call(qg, 100, ql, kg, 200, kl, causal, window, 1.0, 0.0)
+            got = torch.zeros(ql, kl, dtype=torch.bool)
+            if call is not None:
+                sq, sk = call.q1 - call.q0, call.k1 - call.k0
+                assert call.spec.q_offset == sk - sq or not call.spec.masked
+                got[call.q0 - 100:call.q1 - 100, call.k0 - 200:call.k1 - 200] = _spec_mask(call.spec, sq, sk)
+                cases += 1
+            assert torch.equal(got, want), (qg, kg, causal, window, call)
+    assert cases > 300
+    # the ring of a causal window of 5 over chunks of 8: the previous chunk's block is cropped to its band
+    (call,) = plan("contiguous", 1, 0, 4, 8, True, (5, 0), 1.0)
+    assert (call.q0, call.q1, call.k0, call.k1) == (0, 5, 3, 8) and call.spec.q_offset == 0
+
+
 def _check_bad_inputs(rank, world):
     q = torch.randn(1, 6, 2, 8)
     with pytest.raises(ValueError, match="layout"):
@@ -232,6 +281,32 @@ def test_accumulate_into_empty_buffer_handles_partial_overlaps():
         acc.add(a, b, x)
         want[:, a:b] += x
     torch.testing.assert_close(acc.zero_unwritten(), want, rtol=0, atol=0)
+
+
+def test_merged_rows_partial_overlaps_merge_every_block():
+    """The forward's running (out, lse) over call ranges that partly overlap
+    (cropped window blocks): a block over rows an earlier merge reached merges
+    with them, never copies over them; rows no block reached are 0 / -inf."""
+    from longattn.distributed.accumulate import MergedRows
+
+    n, g = 12, torch.Generator().manual_seed(0)
+    q = torch.zeros(1, n, 2, 4, dtype=torch.float64)
+    acc = MergedRows(q, q.dtype)
+    want_o = torch.zeros(1, n, 2, 4, dtype=torch.float64)
+    want_l = torch.full((1, 2, n), float("-inf"), dtype=torch.float64)
+    for a, b in [(0, 6), (4, 6), (6, 9), (6, 11), (9, 11), (0, 3)]:
+        ob = torch.randn(1, b - a, 2, 4, generator=g, dtype=torch.float64)
+        lb = torch.randn(1, 2, b - a, generator=g, dtype=torch.float64).float()
+        acc.add(a, b, ob, lb)
+        lo, lb64 = want_l[:, :, a:b], lb.double()
+        new = torch.logaddexp(lo, lb64)
+        wa, wb = (lo - new).exp().transpose(1, 2)[..., None], (lb64 - new).exp().transpose(1, 2)[..., None]
+        want_o[:, a:b] = want_o[:, a:b] * wa + ob * wb
+        want_l[:, :, a:b] = new
+    out, lse = acc.result()
+    torch.testing.assert_close(out, want_o, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double(), want_l, rtol=1e-5, atol=1e-6)
+    assert (out[:, 11:] == 0).all() and (lse[:, :, 11:] == float("-inf")).all()
 
 
 def test_forward_keeps_output_dtype_only_for_one_merge():

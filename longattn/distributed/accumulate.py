@@ -111,12 +111,13 @@ class MergedRows:
         if self.out is None:
             self.out, self.lse = empty_state(self.q, self.dtype)
         if any(w0 < q1 and q0 < w1 for w0, w1 in self.written):
+            # rows of [q0, q1) no block wrote yet hold the empty state (0, -inf): merged, they take this block's
             merge_into(self.out[:, q0:q1], self.lse[:, :, q0:q1].transpose(1, 2), ob, lb.transpose(1, 2),
                        use_triton=self.triton)
         else:  # first result for these rows: a copy, not a merge with the empty state
             self.out[:, q0:q1] = ob
             self.lse[:, :, q0:q1] = lb
-            self.written.append((q0, q1))
+        self.written.append((q0, q1))  # a later block over any of these rows merges, never copies over them
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.out is None:  # no block had a visible key: every row is empty

@@ -64,6 +64,40 @@ class Call:
     run: Optional[object] = dataclasses.field(default=None, compare=False)
 
 
+def masked_call(qg: int, q0: int, ql: int, kg: int, k0: int, kl: int, causal: bool, window, scale: float,
+                softcap: float) -> Optional["Call"]:
+    """The call of a PARTIAL block (queries at global ``qg`` .. ``qg + ql``, local
+    ``q0``; keys likewise): cropped to the rows and keys that see / are seen
+    (None where none are), its mask restated bottom-right aligned (query row
+    ``i`` at key ``i + sk - sq``), as flash-attn's kernels (FA4, FA2) take
+    masks. Visible: ``lo <= qpos - kpos <= hi`` (``lo`` 0 causal or ``-right``,
+    ``hi`` ``left``, unbounded where -1). The cropped box's last row and
+    last key are ``b - e`` apart with ``lo <= b - e <= hi`` (the band's
+    corner, or the block's last key where the band runs past it), so the
+    window ``(hi - (b - e), (b - e) - lo)`` of the box in that frame is the
+    same mask. A block of a window across chunks (Gemma 2's sliding layers in
+    the ring) would otherwise carry an offset only the math backend applies
+    with soft-capping."""
+    left, right = window
+    lo = 0 if causal else (-right if right >= 0 else None)
+    hi = left if left >= 0 else None
+    a = qg if lo is None else max(qg, kg + lo)
+    b = qg + ql if hi is None else min(qg + ql, kg + kl + hi)
+    c = kg if hi is None else max(kg, qg - hi)
+    e = kg + kl if lo is None else min(kg + kl, qg + ql - lo)
+    if a >= b or c >= e:
+        return None
+    if qg - kg == kl - ql and (a, b, c, e) == (qg, qg + ql, kg, kg + kl):  # bottom-right already: unchanged
+        return Call(q0, q0 + ql, k0, k0 + kl, bk.BlockSpec(scale, causal, tuple(window), qg - kg, softcap))
+    d = b - e
+    win_l = -1 if hi is None else hi - d
+    win_r = -1 if lo is None else d - lo
+    off = (e - c) - (b - a)
+    spec = (bk.BlockSpec(scale, True, (win_l, -1), off, softcap) if causal and win_r == 0
+            else bk.BlockSpec(scale, False, (win_l, win_r), off, softcap))
+    return Call(q0 + a - qg, q0 + b - qg, k0 + c - kg, k0 + e - kg, spec)
+
+
 @functools.lru_cache(maxsize=4096)  # pure function of its arguments, called every step of every call
 def plan(layout: str, rank: int, src: int, world: int, local_len: int, causal: bool, window, scale: float,
          softcap: float = 0.0) -> tuple[Call, ...]:
@@ -99,10 +133,12 @@ def _plan(layout, rank, src, world, local_len, causal, window, scale, softcap) -
             calls.append(Call(q0, q0 + ql, 0, local_len, dense))
             continue
         for j, (kg, k0, kl) in enumerate(kc):
-            if row[j] == NONE:
-                continue
-            spec = dense if row[j] == FULL else bk.BlockSpec(scale, causal, tuple(window), qg - kg, softcap)
-            calls.append(Call(q0, q0 + ql, k0, k0 + kl, spec))
+            if row[j] == FULL:
+                calls.append(Call(q0, q0 + ql, k0, k0 + kl, dense))
+            elif row[j] == PARTIAL:
+                call = masked_call(qg, q0, ql, kg, k0, kl, causal, window, scale, softcap)
+                if call is not None:
+                    calls.append(call)
     return calls
 
 
@@ -199,11 +235,12 @@ def plan_varlen(cu: tuple, layout: str, world: int, rank: int, src: int, causal:
             if kn == 0:
                 continue
             kind = classify(qg, qn, kg, kn, causal, window)
-            if kind == NONE:
-                continue
-            spec = (bk.BlockSpec(scale, softcap=softcap) if kind == FULL
-                    else bk.BlockSpec(scale, causal, tuple(window), qg - kg, softcap))
-            calls.append(Call(q0, q0 + qn, k0, k0 + kn, spec))
+            if kind == FULL:
+                calls.append(Call(q0, q0 + qn, k0, k0 + kn, bk.BlockSpec(scale, softcap=softcap)))
+            elif kind == PARTIAL:
+                call = masked_call(qg, q0, qn, kg, k0, kn, causal, window, scale, softcap)
+                if call is not None:
+                    calls.append(call)
     return tuple(calls)
 
 
