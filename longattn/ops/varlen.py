@@ -14,7 +14,7 @@ import torch
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._sinks import apply_sinks
-from .._validation import check_attention_call, check_cu_seqlens, check_softcap_sinks
+from .._validation import check_attention_call, check_cu_seqlens, check_softcap_sinks, host_list
 from ..backends import varlen as _varlen
 
 __all__ = ["attention_varlen"]
@@ -75,11 +75,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     check_cu_seqlens(cu_seqlens, q.shape[0])
     softcap = check_softcap_sinks(softcap, sinks, q)
     backend = bk.resolve(backend)
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1])
+    cu = host_list(cu_seqlens)  # read once per tensor (check_cu_seqlens read it)
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
     if max_seqlen is None:
-        max_seqlen = int(lens.max())
-    elif max_seqlen < int(lens.max()):
-        raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document ({int(lens.max())})")
+        max_seqlen = longest
+    elif max_seqlen < longest:
+        raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document ({longest})")
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     kernel = _kernel(q, backend, cu_seqlens.numel() - 1, softcap)
     out, lse = _varlen_op(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, left, right, backend, kernel,
