@@ -207,12 +207,10 @@ class Step:
     form: Optional[blocks.Form]
     aux: Optional[list]
     tensors: dict
+    empty: bool
+    """No query sees any key (read once, at planning: a read per call would wait for the GPU)."""
     mask: Optional[Callable] = None
     """FA4's mask_mod of ``form``, made on the first call."""
-
-    @property
-    def empty(self) -> bool:
-        return self.table.empty
 
 
 def make_step(mask_mod, batch: int, heads: int, qpos: torch.Tensor, kpos: torch.Tensor, cap_major: int,
@@ -223,7 +221,7 @@ def make_step(mask_mod, batch: int, heads: int, qpos: torch.Tensor, kpos: torch.
     table = fp.block_table(mask_mod, batch, heads, qpos, kpos, block)
     f = getattr(mask_mod, "fa4", None) if f is None else f
     aux = (blocks.aux_tensors(f, qpos.device) or None) if f is not None else None
-    return Step(table, block, f, aux, blocks.sparse_tensors(table))
+    return Step(table, block, f, aux, blocks.sparse_tensors(table), table.empty)
 
 
 def ring_step(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, heads: int, cap_major: int) -> Step:
