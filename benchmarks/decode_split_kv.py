@@ -54,7 +54,7 @@ log = lambda m: print(m, file=sys.stderr, flush=True)
 
 def tuning(bn, w, s, pps):
     return dataclasses.replace(tn.DECODE, block_n=bn, num_warps=w, num_stages=s, programs_per_sm=pps,
-                               min_split=a.min_split)
+                               programs_per_sm_d64=pps, min_split=a.min_split)
 
 
 REPS = 10

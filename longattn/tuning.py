@@ -246,18 +246,25 @@ class DecodeTuning:
     num_warps: int = measured(4, "see block_n", "decode_split_kv_b8_h100_3020618.json")
     num_stages: int = measured(2, "see block_n", "decode_split_kv_d64_h100_3020618.json")
     programs_per_sm: int = measured(
-        4, "see block_n; one program per SM left 128K B=1 head dim 64 at 0.173 ms against 0.097 (the best)",
-        "decode_split_kv_d64_h100_3020618.json")
+        2, "programs per SM of the split kernel (the cache's splits fill the device this deep), head dim > 64: "
+           "block 64/4/2, kernel time from graph replays, one H100, 2 against 4 per SM: 128K B=1 0.184 / 0.190 "
+           "ms (2916 / 2827 GB/s), 0.180 / 0.185 in an earlier sweep; 1M 1.352 / 1.359; 128K B=8 1.359 / 1.400",
+        "decode_sweep_128k_h100_391761d.json, decode_split_kv_b1_h100_3020618.json, "
+        "decode_split_kv_b8_h100_3020618.json")
+    programs_per_sm_d64: int = measured(
+        4, "programs per SM at head dim <= 64 (half the bytes per key: shorter splits pay): 128K B=1 0.097 ms at "
+           "4 against 0.112 at 2, 0.173 at 1", "decode_split_kv_d64_h100_3020618.json")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
 
-    def kernel_args(self, interpreted: bool) -> dict:
-        """The split kernel's tiles; the CPU interpreter takes small ones (tests)."""
+    def kernel_args(self, interpreted: bool, head_dim: int = 128) -> dict:
+        """The split kernel's tiles for ``head_dim``; the CPU interpreter takes small ones (tests)."""
+        pps = self.programs_per_sm_d64 if head_dim <= 64 else self.programs_per_sm
         if interpreted:
-            return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=self.programs_per_sm, min_split=16)
+            return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16)
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
-                    programs_per_sm=self.programs_per_sm, min_split=self.min_split)
+                    programs_per_sm=pps, min_split=self.min_split)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,7 +117,7 @@ def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
                                tuning.fa4_num_splits)
     if engine == "split_kv":
         return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor, ragged=ragged,
-                            **tuning.kernel_args(q.device.type == "cpu"))
+                            **tuning.kernel_args(q.device.type == "cpu", q.shape[-1]))
     if not ragged:
         return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning, softcap)
     out = torch.empty_like(q)
@@ -162,7 +162,7 @@ def captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, bac
         raise ValueError("decode_attention under CUDA graph capture runs the split-KV kernel over lengths read on "
                          f"the device; it cannot here: {'; '.join(why)}")
     return _kdec.decode(q, k_cache, v_cache, None, causal and q.shape[1] > 1, scale, lens_tensor=cache_seqlens,
-                        **_tuning.DECODE.kernel_args(False))
+                        **_tuning.DECODE.kernel_args(False, q.shape[-1]))
 
 
 def on_device(lens: torch.Tensor, q: torch.Tensor) -> Optional[torch.Tensor]:
