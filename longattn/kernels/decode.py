@@ -1,5 +1,5 @@
 """Split-KV decoding (flash-decoding): the queries of the newest tokens over a
-long KV cache, in two launches.
+long KV cache, in one launch.
 
 One query per kv-head group gives a dense kernel ``batch * nheads`` programs,
 too few to stream a 128K-token cache at the memory's rate. Here the cache's
@@ -7,9 +7,11 @@ tokens are cut into splits and every (split, batch row, kv head) is one
 program: it loads the ``q_len * G`` query rows that read this kv head (``G =
 nheads // nheads_kv``: the cache is read once per kv head, whatever the
 grouping), streams its split's keys and values once, and writes a float32
-partial output and lse. A second kernel merges the splits of each query row
-by their lse. Rows may hold different lengths (one launch for the batch).
-Causal is bottom-right: query ``i`` of row ``b`` sees the keys before
+partial output and lse. The last program of a (batch row, kv head) to finish
+(an arrival counter per pair) merges its splits by their lse and writes the
+output: no second launch, no gap between two kernels on the step's critical
+path. Rows may hold different lengths (one launch for the batch). Causal is
+bottom-right: query ``i`` of row ``b`` sees the keys before
 ``lens[b] - q_len + i + 1``.
 """
 from __future__ import annotations
@@ -31,10 +33,10 @@ if HAS_TRITON:
     # Lengths, split sizes and counts change every step: not specialised, so a
     # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
     @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT", "CAP"])
-    def _split_kernel(Q, K, V, OP, LP, LENS, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, HKV, LQ,
-                      SPLIT, NSPLIT, qk_scale, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr,
-                      IEEE: tl.constexpr):
+    def _split_kernel(Q, K, V, OP, LP, O, L, CNT, LENS, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
+                      sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr, D: tl.constexpr,
+                      D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, S_CHUNK: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr, IEEE: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
         s = tl.program_id(0)
         bh = tl.program_id(1)
@@ -82,39 +84,57 @@ if HAS_TRITON:
         part = (bh * NSPLIT + s).to(tl.int64) * BLOCK_M + rows
         tl.store(OP + part[:, None] * D_PAD + offs_d[None, :], acc / tl.where(seen, l_i, 1.0)[:, None])
         tl.store(LP + part, lse2)
+        # Last block reduces: every thread's stores above come before the
+        # counter's release (the barrier, then one thread's acq_rel atomic at
+        # gpu scope: CUTLASS's split-K semaphore pattern); the program that
+        # arrives last acquires, so its reads of the other splits' partials
+        # come after their stores. It puts the counter back to 0 for the next
+        # launch (or graph replay): no zero-fill between calls.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == NSPLIT - 1:
+            tl.store(CNT + bh, 0)
+            _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, (bh * NSPLIT).to(tl.int64), LQ, NSPLIT, G, D, D_PAD,
+                   BLOCK_M, ROWS, S_CHUNK)
 
-    @triton.jit(do_not_specialize=["NSPLIT"])
-    def _combine_kernel(OP, LP, O, L, sob, sos, soh, slb, slh, HKV, NSPLIT, G: tl.constexpr, D: tl.constexpr,
-                        D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, S_CHUNK: tl.constexpr):
-        bh = tl.program_id(0)
-        r = tl.program_id(1)
-        b = (bh // HKV).to(tl.int64)
-        head = (bh % HKV).to(tl.int64) * G + r % G
-        qi = (r // G).to(tl.int64)
-        base = (bh * NSPLIT).to(tl.int64)
+    @triton.jit
+    def _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, base, LQ, NSPLIT, G: tl.constexpr,
+               D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+               S_CHUNK: tl.constexpr):
+        """The splits of one (batch row, kv head) merged by their lse (base 2),
+        online over chunks of S_CHUNK splits: one read of each partial, every
+        query row at once. A row no split saw gives 0 and lse -inf (natural
+        log). ``.cg`` loads (L2, not this SM's L1): other programs wrote them."""
+        rows = tl.arange(0, ROWS)
         offs_d = tl.arange(0, D_PAD)
         sc = tl.arange(0, S_CHUNK)
-        top = tl.full([], float("-inf"), tl.float32)
-        tot = tl.zeros([], tl.float32)
-        acc = tl.zeros([D_PAD], tl.float32)
-        for s0 in range(0, NSPLIT, S_CHUNK):  # online over chunks of splits: one read of each partial
+        row_ok = rows < LQ * G
+        top = tl.full([ROWS], float("-inf"), tl.float32)
+        tot = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D_PAD], tl.float32)
+        for s0 in range(0, NSPLIT, S_CHUNK):
             ss = s0 + sc
-            idx = (base + ss) * BLOCK_M + r
-            l2 = tl.load(LP + idx, mask=ss < NSPLIT, other=float("-inf"))
+            ok = (ss < NSPLIT)[:, None] & row_ok[None, :]
+            idx = (base + ss[:, None]) * BLOCK_M + rows[None, :]  # [S_CHUNK, ROWS]
+            l2 = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
             new = tl.maximum(top, tl.max(l2, 0))
             new_safe = tl.where(new == float("-inf"), 0.0, new)
-            w = tl.math.exp2(l2 - new_safe)
+            w = tl.math.exp2(l2 - new_safe[None, :])
             keep = tl.math.exp2(top - new_safe)
-            o = tl.load(OP + idx[:, None] * D_PAD + offs_d[None, :], mask=(ss < NSPLIT)[:, None], other=0.0)
+            o = tl.load(OP + idx[:, :, None] * D_PAD + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+                        cache_modifier=".cg")
             tot = tot * keep + tl.sum(w, 0)
-            acc = acc * keep + tl.sum(o * w[:, None], 0)
+            acc = acc * keep[:, None] + tl.sum(o * w[:, :, None], 0)
             top = new
         seen = tot > 0.0
-        out = acc / tl.where(seen, tot, 1.0)
-        tl.store(O + b * sob + qi * sos + head * soh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
+        out = acc / tl.where(seen, tot, 1.0)[:, None]
+        qi = (rows // G).to(tl.int64)
+        head = kh * G + rows % G
+        tl.store(O + b * sob + qi[:, None] * sos + head[:, None] * soh + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d < D)[None, :])
         top = tl.where(top == float("-inf"), 0.0, top)
         lse = tl.where(seen, (top + tl.math.log2(tl.where(seen, tot, 1.0))) / 1.4426950408889634, float("-inf"))
-        tl.store(L + b * slb + head * slh + qi, lse)
+        tl.store(L + b * slb + head * slh + qi, lse, mask=row_ok)
 
 
 def block_m(q_len: int, group: int) -> int:
@@ -138,6 +158,49 @@ def splits(lens_max: int, programs: int, device: torch.device, programs_per_sm: 
     split = max(min_split, -(-max(lens_max, 1) // want))
     split = -(-split // block_n) * block_n
     return split, max(1, -(-max(lens_max, 1) // split))
+
+
+# The merging program holds S_CHUNK splits of every query row at once: about
+# this many float32 per thread, so the merge's registers stay below the
+# split loop's and programs_per_sm programs still fit on an SM together.
+_MERGE_FLOATS_PER_THREAD = 32
+
+
+def merge_chunk(rows: int, dp: int, num_warps: int, device: torch.device) -> int:
+    """Splits the merging program reads per step (a power of two)."""
+    if device.type != "cuda":
+        return 2  # the interpreter: chunks of two, so tiny calls merge across chunks too
+    return max(1, _MERGE_FLOATS_PER_THREAD * 32 * num_warps // (rows * dp))
+
+
+# One arrival-counter workspace per device, grown (never shrunk, never freed)
+# to the largest batch * nheads_kv launched. Every launch leaves it all zero
+# (the merging program resets its pair's counter), so it needs no fill per
+# call. A buffer that was outgrown stays alive: CUDA graphs captured earlier
+# hold its address. Calls share it safely only in stream order: this library
+# issues its decode calls (eager, captured or replayed) on one stream per
+# device; two calls running at once on different streams would mix counts.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def counters(n: int, like: torch.Tensor) -> torch.Tensor:
+    """At least ``n`` int32 zeros on ``like``'s device for the split programs' counters."""
+    held = _COUNTERS.setdefault(like.device, [])
+    if held and held[-1].numel() >= n:
+        return held[-1]
+    if (type(like) is not torch.Tensor or torch.compiler.is_compiling()
+            or (like.is_cuda and torch.cuda.is_current_stream_capturing())):
+        # Traced: a zero-fill of the traced graph's own. Captured without a
+        # workspace large enough: the zero-fill is captured with the kernel, so
+        # every replay fills it before its launch (memory of the graph's pool,
+        # like the partials); kept out of the cache, since a fill outside the
+        # capture (on another stream) is not ordered with the captured launch
+        # and a captured fill has not run when the capture ends.
+        return torch.zeros(n, dtype=torch.int32, device=like.device)
+    with torch.inference_mode(False):
+        held.append(torch.zeros(max(n, 2 * held[-1].numel() if held else 64), dtype=torch.int32,
+                                device=like.device))
+    return held[-1]
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Optional[Sequence[int]],
@@ -171,15 +234,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     lp = torch.empty(b * hkv * nsplit * bm, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    rows = 1 << (lq * g - 1).bit_length()
     launchable(_split_kernel, q)[(nsplit, b * hkv)](
-        q, k_cache, v_cache, op, lp, lens_tensor if per_row else q, lens_tensor.stride(0) if per_row else 0,
-        0 if per_row else lens[0], k_cache.shape[1], *_strides(q, k_cache, v_cache), hkv, lq, split, nsplit,
-        scale * LOG2E,
-        G=g, D=d, D_PAD=dp, BLOCK_M=bm, BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row,
-        IEEE=ieee(q), num_warps=num_warps, num_stages=num_stages)
-    launchable(_combine_kernel, q)[(b * hkv, lq * g)](
-        op, lp, out, lse, *_strides(out), lse.stride(0), lse.stride(1), hkv, nsplit, G=g, D=d, D_PAD=dp,
-        BLOCK_M=bm, S_CHUNK=16, num_warps=4)
+        q, k_cache, v_cache, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
+        lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0], k_cache.shape[1],
+        *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
+        G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows, S_CHUNK=merge_chunk(rows, dp, num_warps, q.device),
+        BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), num_warps=num_warps,
+        num_stages=num_stages)
     return out, lse
 
 
