@@ -187,6 +187,46 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
           "lengths past the capacity read the capacity")
 
 
+@triton_ok
+def test_split_kv_one_launch_calls_in_a_row_leave_the_counters_zero():
+    """The split programs' last arrival merges its (batch row, kv head) in the
+    same launch: calls in a row (batch sizes, kv heads, one and several
+    queries, equal and ragged lengths, lengths on the host, as a tensor and on
+    the device only, a row with no key, one split, splits merged over several
+    chunks, a batch past the counter workspace, which grows) each equal the
+    float64 reference, and each leaves every counter buffer zero (the next
+    call, or a CUDA graph's replay, starts clean with no fill)."""
+    from longattn.kernels import decode as kdec
+
+    torch.manual_seed(5)
+    d, cap = 16, 80
+    scale = d ** -0.5
+    calls = [  # (b, h, hkv, lq, causal, lens, how, programs_per_sm, min_split, splits)
+        (3, 4, 2, 1, True, [80, 0, 37], "host", 64, 16, 5),  # ragged, a row with no key, 3 chunks of 2 splits
+        (3, 4, 2, 1, True, [64, 64, 64], "host", 1, 64, 1),  # equal lengths
+        (2, 6, 2, 3, True, [50, 3], "tensor", 64, 16, 4),
+        (1, 4, 4, 2, False, [0], "tensor", 64, 16, 1),  # no key anywhere
+        (2, 8, 2, 1, True, [17, 80], "device", 64, 16, 5),  # launch sized for the capacity
+        (3, 4, 2, 1, True, [30, 0, 64], "host", 1, 64, 1),  # ragged
+        (9, 8, 8, 1, True, [5 * i for i in range(9)], "host", 64, 16, 3),  # 72 pairs: past the first workspace
+        (3, 4, 2, 1, True, [80, 0, 37], "host", 64, 16, 5),  # the first call again, on the grown workspace
+    ]
+    for i, (b, h, hkv, lq, causal, lens, how, pps, min_split, want) in enumerate(calls):
+        k, v, q = torch.randn(b, cap, hkv, d), torch.randn(b, cap, hkv, d), torch.randn(b, lq, h, d)
+        lt = torch.tensor(lens, dtype=I32)
+        got = kdec.decode(q, k, v, None if how == "device" else lens, causal and lq > 1, scale, block_n=16,
+                          num_warps=1, num_stages=1, programs_per_sm=pps, min_split=min_split,
+                          lens_tensor=None if how == "host" else lt)
+        nsplit = kdec.splits(cap if how == "device" else max(lens), b * hkv, q.device, pps, 16, min_split)[1]
+        assert nsplit == want, (i, nsplit)
+        _rows(got, lambda j, n: _dense_ref(q[j:j + 1], k[j:j + 1], v[j:j + 1], n, causal), lens,
+              f"call {i} ({how}, {nsplit} splits)")
+        held = kdec._COUNTERS[q.device]
+        assert kdec.counters(b * hkv, q) is held[-1] and held[-1].numel() >= b * hkv
+        assert all(not c.any() for c in held), f"call {i}: a counter left set"
+    assert len(held) >= 2, "the 72-pair call grew the workspace; the outgrown buffer stays alive"
+
+
 # (segments, rates, heads, kv heads): GQA whose rates and group size divide each
 # other both ways, and one where they do not (group 3, rate 2); a segment longer
 # than the context; a repeated branch (its keys count twice)
