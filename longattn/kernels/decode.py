@@ -160,10 +160,11 @@ def splits(lens_max: int, programs: int, device: torch.device, programs_per_sm: 
     return split, max(1, -(-max(lens_max, 1) // split))
 
 
-# The merging program holds S_CHUNK splits of every query row at once: about
-# this many float32 per thread, so the merge's registers stay below the
-# split loop's and programs_per_sm programs still fit on an SM together.
-_MERGE_FLOATS_PER_THREAD = 32
+# The merging program reads S_CHUNK splits of every query row per step, about
+# this many float32 per thread: few steps (each waits on L2), and no register
+# beyond the split loop's (ptxas, sm_90, D 64 and 128, G 4 and 8, 4 and 8
+# warps: as many registers as the two-launch kernel or fewer).
+_MERGE_FLOATS_PER_THREAD = 64
 
 
 def merge_chunk(rows: int, dp: int, num_warps: int, device: torch.device) -> int:
