@@ -474,6 +474,57 @@ def test_decode_step_captured_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
+def test_split_kv_one_launch_on_cuda():
+    """The split-KV kernel's in-launch merge on a GPU, bf16: one kv head (the
+    device's programs all split one row: hundreds of splits merged over many
+    chunks) and one split, calls in a row with changing lengths, each equal to
+    the flash kernel and leaving the counters zero; a call captured in a CUDA
+    graph with more (batch row, kv head) pairs than the counter workspace has
+    (its zero-fill captured with it, the workspace not grown under capture)
+    replays with new ragged lengths."""
+    from longattn.decode.engine import dense_part
+    from longattn.kernels import decode as kdec
+    from longattn.tuning import DECODE
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    d, cap = 128, 65536
+    scale, args = d ** -0.5, DECODE.kernel_args(False, d)
+    k, v = mk(1, cap, 1, d), mk(1, cap, 1, d)
+    dev = k.device
+    nsplit = kdec.splits(cap, 1, dev, args["programs_per_sm"], args["block_n"], args["min_split"])[1]
+    assert nsplit > 4 * kdec.merge_chunk(8, d, args["num_warps"], dev)
+    for i, n in enumerate([cap, 1, 40000, 4097, cap - 3] * 4):
+        q = mk(1, 1, 8, d)
+        out, lse = kdec.decode(q, k, v, [n], False, scale, **args)
+        want, want_lse = dense_part(q, k, v, [n], False, scale, "flash")
+        assert (out.float() - want.float()).abs().max().item() < 2e-2, (i, n)
+        assert (lse - want_lse).abs().max().item() < 1e-3, (i, n)
+        assert not any(c.any() for c in kdec._COUNTERS[dev]), (i, n)
+    held = kdec._COUNTERS[dev]
+    h, hkv, cap = 32, 8, 2048
+    b = held[-1].numel() // hkv + 1  # more pairs than the workspace holds
+    k, v, q = mk(b, cap, hkv, d), mk(b, cap, hkv, d), mk(b, 1, h, d)
+    lens = torch.full((b,), cap, dtype=I32, device="cuda")
+    run = lambda x, kk, vv, ll: kdec.decode(x, kk, vv, None, False, scale, lens_tensor=ll, **args)
+    run(q[:1], k[:1], v[:1], lens[:1])  # compiles, within the workspace
+    count = len(held)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run(q, k, v, lens)
+    assert len(held) == count and held[-1].numel() < b * hkv
+    for step in range(3):
+        q.copy_(mk(b, 1, h, d))
+        lens.copy_(torch.randint(1, cap + 1, (b,), device="cuda", generator=g, dtype=I32))
+        graph.replay()
+        want, want_lse = dense_part(q, k, v, lens.tolist(), False, scale, "flash")
+        assert (out.float() - want.float()).abs().max().item() < 2e-2, step
+        assert (lse - want_lse).abs().max().item() < 1e-3, step
+    run(q, k, v, lens)  # eager: the workspace grows, the outgrown buffer kept
+    assert len(held) == count + 1 and held[-1].numel() >= b * hkv and not any(c.any() for c in held)
+
+
+@pytest.mark.gpu
 def test_kv_cache_steps_replayed_from_cuda_graphs():
     """KVCache's dense steps on one GPU replay from CUDA graphs after a shape's
     first call (lengths advanced on the device by every append, graphs
