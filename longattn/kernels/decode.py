@@ -191,12 +191,14 @@ def counters(n: int, like: torch.Tensor) -> torch.Tensor:
         return held[-1]
     if (type(like) is not torch.Tensor or torch.compiler.is_compiling()
             or (like.is_cuda and torch.cuda.is_current_stream_capturing())):
-        # Traced: a zero-fill of the traced graph's own. Captured without a
-        # workspace large enough: the zero-fill is captured with the kernel, so
-        # every replay fills it before its launch (memory of the graph's pool,
-        # like the partials); kept out of the cache, since a fill outside the
-        # capture (on another stream) is not ordered with the captured launch
-        # and a captured fill has not run when the capture ends.
+        # Traced (fake tensors, torch.compile): a fill of the traced graph's
+        # own. Under CUDA graph capture with no workspace large enough (a
+        # capture before any eager call of that size): a fresh one whose fill is
+        # captured before the kernel, so every replay fills it first (memory of
+        # the graph's pool, like the partials). Not cached: a captured fill has
+        # not run when the capture ends (an eager call could find it unfilled),
+        # and a fill issued outside the capture, on another stream, would not
+        # be ordered before the captured launch.
         return torch.zeros(n, dtype=torch.int32, device=like.device)
     with torch.inference_mode(False):
         held.append(torch.zeros(max(n, 2 * held[-1].numel() if held else 64), dtype=torch.int32,
