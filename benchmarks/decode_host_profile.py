@@ -29,8 +29,8 @@ T("get_device_properties", lambda: torch.cuda.get_device_properties(dev))
 T("torch.empty", lambda: torch.empty(1024, device=dev))
 T("slice copy kc[:, n:n+1] = kn", lambda: kc[:, n:n + 1].copy_(kn))
 T("setitem kc[:, n:n+1] = kn", lambda: kc.__setitem__((slice(None), slice(n, n + 1)), kn))
-args = tuning.DECODE.kernel_args(False)  # the split kernel's tiles as dense_part launches them
-T("kd.decode (split+combine, host lens)", lambda: kd.decode(q, kc, vc, [n], False, 0.1, **args))
+args = tuning.DECODE.kernel_args(False, 128)  # the split kernel's tiles as dense_part launches them
+T("kd.decode (split and merge in one launch, host lens)", lambda: kd.decode(q, kc, vc, [n], False, 0.1, **args))
 T("dense_part triton", lambda: dense_part(q, kc, vc, [n], True, 0.1, "triton"))
 T("dense_part flash", lambda: dense_part(q, kc, vc, [n], True, 0.1, "flash"))
 k, v = kc[:, :n], vc[:, :n]
@@ -40,8 +40,8 @@ T("nan_to_num", lambda: torch.nan_to_num(lse, nan=float("nan"), posinf=float("-i
 split, nsplit = kd.splits(n, 8, dev, args["programs_per_sm"], args["block_n"], args["min_split"])
 op = torch.empty(8 * nsplit * 16, 128, device=dev); lp = torch.empty(8 * nsplit * 16, device=dev)
 out = torch.empty_like(q); l2 = torch.empty(1, 32, 1, device=dev)
-T("split kernel launch only", lambda: kd._split_kernel[(nsplit, 8)](q, kc, vc, op, lp, q, 0, n, kc.shape[1], *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], 8, 1, split, nsplit, 0.1, G=4, D=128, D_PAD=128, BLOCK_M=16, BLOCK_N=args["block_n"], CAUSAL=False, PER_ROW=False, IEEE=False, num_warps=args["num_warps"], num_stages=args["num_stages"]))
-T("combine kernel launch only", lambda: kd._combine_kernel[(8, 4)](op, lp, out, l2, *out.stride()[:3], l2.stride(0), l2.stride(1), 8, nsplit, G=4, D=128, D_PAD=128, BLOCK_M=16, S_CHUNK=16, num_warps=4))
+cnt = kd.counters(8, q)
+T("split kernel launch only (merges in the launch)", lambda: kd._split_kernel[(nsplit, 8)](q, kc, vc, op, lp, out, l2, cnt, q, 0, n, kc.shape[1], *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3], l2.stride(0), l2.stride(1), 8, 1, split, nsplit, 0.1, G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=kd.merge_chunk(4, 128, args["num_warps"], dev), BLOCK_N=args["block_n"], CAUSAL=False, PER_ROW=False, IEEE=False, num_warps=args["num_warps"], num_stages=args["num_stages"]))
 c = longattn.KVCache.from_prefill(kc[:, :n], vc[:, :n], reserve=2000)
 T("KVCache.append", lambda: c.append(kn, kn), reps=500)
 T("KVCache.attend (auto)", lambda: c.attend(q), reps=300)
