@@ -43,6 +43,7 @@ p.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
 p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
 p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
 p.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 4, 8])
+p.add_argument("--heads-fastest", type=int, nargs="+", default=[0, 1], help="launch orders (0: splits, 1: heads)")
 p.add_argument("--min-split", type=int, default=256)
 p.add_argument("--iters", type=int, default=30)
 p.add_argument("--json")
@@ -52,9 +53,9 @@ dt = torch.bfloat16
 log = lambda m: print(m, file=sys.stderr, flush=True)
 
 
-def tuning(bn, w, s, pps):
+def tuning(bn, w, s, pps, hf=0):
     return dataclasses.replace(tn.DECODE, block_n=bn, num_warps=w, num_stages=s, programs_per_sm=pps,
-                               programs_per_sm_d64=pps, min_split=a.min_split)
+                               programs_per_sm_d64=pps, min_split=a.min_split, heads_fastest=bool(hf))
 
 
 REPS = 10
@@ -79,23 +80,23 @@ def case(n, b):
     cache_bytes = 2 * b * n * hkv * d * kc.element_size()
     want, want_lse = dense_part(q, kc, vc, [n] * b, True, scale, "flash")
     rows = []
-    grid = list(itertools.product(a.block_n, a.warps, a.stages, a.programs_per_sm))
-    for i, (bn, w, s, pps) in enumerate(grid):
-        t = tuning(bn, w, s, pps)
+    grid = list(itertools.product(a.block_n, a.warps, a.stages, a.programs_per_sm, a.heads_fastest))
+    for i, (bn, w, s, pps, hf) in enumerate(grid):
+        t = tuning(bn, w, s, pps, hf)
         try:
             out, lse = dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)
             err = ((out.float() - want.float()).abs().max().item(), (lse - want_lse).abs().max().item())
             ms = time_ms(graphed(lambda: dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)), dev,
                          warmup=2, iters=a.iters)["median_ms"] / REPS
             rows.append(dict(kind="tile", context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
-                             ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
+                             heads_fastest=hf, ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
         except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is recorded
             rows.append(dict(kind="tile", context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
-                             status=_failure(e)))
+                             heads_fastest=hf, status=_failure(e)))
         log(f"context {n} batch {b}: tile {i + 1}/{len(grid)} {rows[-1].get('ms', rows[-1].get('status'))}")
     ok = [r for r in rows if "ms" in r]
     best = min(ok, key=lambda r: r["ms"])
-    t_best = tuning(best["block_n"], best["warps"], best["stages"], best["programs_per_sm"])
+    t_best = tuning(best["block_n"], best["warps"], best["stages"], best["programs_per_sm"], best["heads_fastest"])
     pos = [n]
 
     def ours(be, t=tn.DECODE):
@@ -143,7 +144,7 @@ for n in a.context:
         rows, best = case(n, b)
         res += rows
         steps = {(r["impl"], r["timing"]): r for r in rows if r["kind"] == "step"}
-        table.append(f"| {n} | {b} | {best['block_n']}/{best['warps']}/{best['stages']}/{best['programs_per_sm']} | "
+        table.append(f"| {n} | {b} | {best['block_n']}/{best['warps']}/{best['stages']}/{best['programs_per_sm']}{'/heads first' if best['heads_fastest'] else ''} | "
                      f"{best['ms']:.3f} ({best['gb_s']:.0f} GB/s) | "
                      + " | ".join(f"{steps[(i, 'cold')]['ms']:.3f} / {steps[(i, 'batched')]['ms']:.3f}"
                                   for i in ("split_kv_best", "split_kv_default", "flash", "sdpa_flash", "sdpa_cudnn"))

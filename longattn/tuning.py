@@ -254,6 +254,10 @@ class DecodeTuning:
     programs_per_sm_d64: int = measured(
         4, "programs per SM at head dim <= 64 (half the bytes per key: shorter splits pay): 128K B=1 0.097 ms at "
            "4 against 0.112 at 2, 0.173 at 1", "decode_split_kv_d64_h100_3020618.json")
+    heads_fastest: bool = measured(
+        False, "launch order of the split programs: True puts the kv heads of one token range next to each other "
+               "(adjacent bytes of the cache's rows), False one head's splits; pending measurement (python "
+               "benchmarks/decode_split_kv.py --heads-fastest 0 1)", "")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
@@ -262,9 +266,10 @@ class DecodeTuning:
         """The split kernel's tiles for ``head_dim``; the CPU interpreter takes small ones (tests)."""
         pps = self.programs_per_sm_d64 if head_dim <= 64 else self.programs_per_sm
         if interpreted:
-            return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16)
+            return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
+                        heads_fastest=self.heads_fastest)
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
-                    programs_per_sm=pps, min_split=self.min_split)
+                    programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest)
 
 
 @dataclasses.dataclass(frozen=True)

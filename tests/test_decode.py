@@ -169,11 +169,13 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
         _rows(got, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
               f"triton h={h}/{hkv} lq={lq} causal={causal}")
         # many splits (16 tokens each) and lengths passed as a tensor
-        many = kdec.decode(q, k, v, lens, causal and lq > 1, d ** -0.5, block_n=16, num_warps=1, num_stages=1,
-                           programs_per_sm=64, min_split=16, lens_tensor=torch.tensor(lens, dtype=I32))
-        assert kdec.splits(max(lens), b * hkv, q.device, 64, 16, 16)[1] > 1
-        _rows(many, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
-              f"triton splits h={h}/{hkv} lq={lq} causal={causal}")
+        for heads_first in (False, True):  # either launch order (DecodeTuning.heads_fastest)
+            many = kdec.decode(q, k, v, lens, causal and lq > 1, d ** -0.5, block_n=16, num_warps=1, num_stages=1,
+                               programs_per_sm=64, min_split=16, lens_tensor=torch.tensor(lens, dtype=I32),
+                               heads_fastest=heads_first)
+            assert kdec.splits(max(lens), b * hkv, q.device, 64, 16, 16)[1] > 1
+            _rows(many, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
+                  f"triton splits h={h}/{hkv} lq={lq} causal={causal} heads first={heads_first}")
         # lengths known on the device only (a captured step): a launch sized for the capacity, the lengths a
         # strided view, one past the capacity (clamped)
         big = torch.tensor([[n, -5] for n in lens], dtype=I32)

@@ -36,10 +36,14 @@ if HAS_TRITON:
     def _split_kernel(Q, K, V, OP, LP, O, L, CNT, LENS, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
                       sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr, D: tl.constexpr,
                       D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, S_CHUNK: tl.constexpr,
-                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr, IEEE: tl.constexpr,
+                      HEADS_FAST: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
-        s = tl.program_id(0)
-        bh = tl.program_id(1)
+        # HEADS_FAST: programs launched next to each other read the kv heads of one
+        # token range (adjacent bytes of the (B, S, Hkv, D) cache's rows) rather than
+        # one head's next range
+        s = tl.program_id(1) if HEADS_FAST else tl.program_id(0)
+        bh = tl.program_id(0) if HEADS_FAST else tl.program_id(1)
         b = (bh // HKV).to(tl.int64)
         kh = (bh % HKV).to(tl.int64)
         if PER_ROW:
@@ -208,7 +212,8 @@ def counters(n: int, like: torch.Tensor) -> torch.Tensor:
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Optional[Sequence[int]],
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
-           min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None
+           min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None,
+           heads_fastest: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
@@ -238,13 +243,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     rows = 1 << (lq * g - 1).bit_length()
-    launchable(_split_kernel, q)[(nsplit, b * hkv)](
+    launchable(_split_kernel, q)[(b * hkv, nsplit) if heads_fastest else (nsplit, b * hkv)](
         q, k_cache, v_cache, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
         lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0], k_cache.shape[1],
         *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows, S_CHUNK=merge_chunk(rows, dp, num_warps, q.device),
-        BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), num_warps=num_warps,
-        num_stages=num_stages)
+        BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), HEADS_FAST=heads_fastest,
+        num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 
