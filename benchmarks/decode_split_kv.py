@@ -29,7 +29,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from longattn import tuning as tn
 from longattn.bench.decode import _captured
-from longattn.bench.measure import environment, time_ms
+from longattn.bench.measure import environment, result_path, time_ms
 from longattn.bench.single import _failure
 from longattn.decode.engine import dense_part
 
@@ -151,7 +151,7 @@ for n in a.context:
                      + " |")
 env = environment(dev, command=" ".join(["python", "benchmarks/decode_split_kv.py", *sys.argv[1:]]))
 if a.json:  # json.dump, not measure.write_json: that would put a CSV of the rows beside it
-    with open(a.json, "w") as f:
+    with open(result_path(a.json), "w") as f:
         json.dump(dict(kind="decode_split_kv", env=env, results=res), f, indent=1)
 print("| context | batch | best tile (block_n/warps/stages/programs per SM) | kernel ms | step ms cold / batched: "
       "split-KV best | split-KV default | flash (ours) | SDPA flash | SDPA cuDNN |")

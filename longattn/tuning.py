@@ -248,16 +248,18 @@ class DecodeTuning:
     programs_per_sm: int = measured(
         2, "programs per SM of the split kernel (the cache's splits fill the device this deep), head dim > 64: "
            "block 64/4/2, kernel time from graph replays, one H100, 2 against 4 per SM: 128K B=1 0.184 / 0.190 "
-           "ms (2916 / 2827 GB/s), 0.180 / 0.185 in an earlier sweep; 1M 1.352 / 1.359; 128K B=8 1.359 / 1.400",
-        "decode_sweep_128k_h100_391761d.json, decode_split_kv_b1_h100_3020618.json, "
+           "ms (2916 / 2827 GB/s), 0.180 / 0.185 in an earlier sweep, 0.191 / 0.204 with the merge in the launch; 1M "
+           "1.352 / 1.359, 1.389 / 1.407; 128K B=8 1.359 / 1.400",
+        "decode_sweep_128k_h100_391761d.json, decode_order_h100_55957b6.json, decode_split_kv_b1_h100_3020618.json, "
         "decode_split_kv_b8_h100_3020618.json")
     programs_per_sm_d64: int = measured(
         4, "programs per SM at head dim <= 64 (half the bytes per key: shorter splits pay): 128K B=1 0.097 ms at "
            "4 against 0.112 at 2, 0.173 at 1", "decode_split_kv_d64_h100_3020618.json")
     heads_fastest: bool = measured(
         False, "launch order of the split programs: True puts the kv heads of one token range next to each other "
-               "(adjacent bytes of the cache's rows), False one head's splits; pending measurement (python "
-               "benchmarks/decode_split_kv.py --heads-fastest 0 1)", "")
+               "(adjacent bytes of the cache's rows), False one head's splits. A tie (one H100, kernel time from "
+               "graph replays, 2 per SM): 128K 0.1904 / 0.1910 ms, 1M 1.3907 / 1.3894; the cache is read at "
+               "2.8-3.1 TB/s either way", "decode_order_h100_55957b6.json")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
