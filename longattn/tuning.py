@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-__all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DecodeTuning", "DocShardTuning", "DILATED", "VARLEN",
-           "RING_VARLEN", "DECODE", "DOC_SHARD", "describe"]
+__all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DecodeTuning", "DocShardTuning", "FlexExchangeTuning",
+           "DILATED", "VARLEN", "RING_VARLEN", "DECODE", "DOC_SHARD", "FLEX_EXCHANGE", "describe"]
 
 DILATED_SCHEDULES = ("auto", "views", "grouped", "dedup", "per_branch", "per_branch_zero_fill", "gather")
 
@@ -330,13 +330,46 @@ class UlyssesTuning:
                    if n == 1 or (m % n == 0 and w % n == 0 and call_rows * (m // n) >= self.min_chunk_rows))
 
 
+_EXCHANGE_CMD = ("NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 -m longattn.bench dist --config flex_swg_128k "
+                 "flex_doc_128k --impl flex-ring flex-exchange --warmup 2 --iters 6 (and --nproc_per_node=4)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexExchangeTuning:
+    """When ``ring_flex_attention`` runs its exchange engine (sparse K/V halos
+    and shipped query rows, :mod:`longattn.flex.exchange`) instead of the ring,
+    and which query blocks it ships."""
+
+    heavy_fraction: float = measured(
+        0.125, f"pending measurement: a query block that sees more than this fraction of a peer's key blocks is "
+               f"shipped to that peer (its rows, dout, out and lse: about 4 rows of traffic per row) instead of "
+               f"fetching those key blocks (2 rows of K/V each, forward and dK/dV back); measure with "
+               f"{_EXCHANGE_CMD}")
+    heavy_min_blocks: int = measured(
+        4, f"pending measurement: a query block is shipped only where it sees at least this many key blocks of "
+           f"the peer (fewer are cheaper fetched); measure with {_EXCHANGE_CMD}")
+    max_traffic: float = measured(
+        0.5, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
+             f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
+             f"ring's steps); measure with {_EXCHANGE_CMD}")
+
+    def __post_init__(self):
+        if not 0 <= self.heavy_fraction <= 1:
+            raise ValueError(f"FlexExchangeTuning.heavy_fraction must be in [0, 1], got {self.heavy_fraction!r}")
+        if not isinstance(self.heavy_min_blocks, int) or self.heavy_min_blocks < 1:
+            raise ValueError(f"FlexExchangeTuning.heavy_min_blocks must be an int >= 1, got {self.heavy_min_blocks!r}")
+        if not self.max_traffic >= 0:
+            raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
+
+
 DILATED = DilatedTuning()
 VARLEN = VarlenTuning()
 DECODE = DecodeTuning()
 RING_VARLEN = RingVarlenTuning()
 ULYSSES = UlyssesTuning()
 DOC_SHARD = DocShardTuning()
-TUNINGS = (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD)
+FLEX_EXCHANGE = FlexExchangeTuning()
+TUNINGS = (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD, FLEX_EXCHANGE)
 """Every tuning object (``describe`` lists their fields)."""
 
 

@@ -12,8 +12,9 @@ import torch
 
 from ..distributed import checks as dist_checks
 from ..distributed.layout import check_layout
-from ..flex import checks, fa4, schedule
+from ..flex import checks, exchange, fa4, schedule
 from ..flex.autograd import NoKeys, RingFlex
+from ..flex.exchange import ExchangeFlex
 
 __all__ = ["flex_attention", "ring_flex_attention", "explain_flex"]
 
@@ -84,7 +85,7 @@ def explain_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod:
 def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod: Optional[Callable] = None,
                         score_mod: Optional[Callable] = None, layout: str = "zigzag",
                         softmax_scale: Optional[float] = None, return_lse: bool = False, kernel: str = "auto",
-                        group=None):
+                        group=None, engine: str = "auto"):
     """Attention with any pattern over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -97,6 +98,13 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
         softmax_scale, return_lse, kernel: as :func:`flex_attention` (each
             rank's steps; ``"fa4"`` where FA4 cannot run raises on every rank).
         group: a ProcessGroup (default WORLD).
+        engine: ``"ring"`` (below), ``"exchange"`` (each rank fetches only the
+            K/V blocks its rows see and ships its dense query rows, e.g. global
+            tokens, to the ranks whose keys they see: :mod:`longattn.flex.exchange`;
+            masks only, no ``score_mod``) or ``"auto"``: the exchange where it
+            sends fewer bytes than the ring (``longattn.tuning.FLEX_EXCHANGE``)
+            and FA4 runs the pattern (or on CPU), else the ring. Every rank
+            passes the same value.
 
     Returns:
         This rank's shard of the output (and lse). ``unshard(out)`` equals
@@ -121,12 +129,17 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     """
     scale = checks.check_call(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seqlen=True)
     check_layout(layout)
+    exchange.check_engine(engine)
     g = dist_checks.resolve_group(group)
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {q.shape[1]}")
     dist_checks.check_consistent(g, "ring_flex_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                                  layout=layout, scale=scale, mask=schedule.signature(mask_mod),
-                                 score=schedule.signature(score_mod))
+                                 score=schedule.signature(score_mod), engine=engine, kernel=kernel)
+    plan = exchange.plan_for(q, k, mask_mod, score_mod, layout, scale, g, kernel, engine)
+    if plan is not None:
+        out, lse = ExchangeFlex.apply(q, k, v, plan, g)
+        return (out, lse) if return_lse else out
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     plan = schedule.ring_schedule(q, k, mask_mod=mask_mod, score_mod=score_mod, layout=layout, scale=scale, group=g,
                                   kernel=kernel)

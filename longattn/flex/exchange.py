@@ -1,0 +1,383 @@
+"""The exchange engine of ``ring_flex_attention``: sparse K/V halos and
+shipped query rows in place of the ring, exact.
+
+A ring passes every rank's whole K/V shard round, so a pattern with a few
+dense rows (global tokens) runs every step at full bandwidth. Here every rank
+plans, without communication, each ordered pair (queries of r, keys of s)
+from the block table of r's rows against s's keys (``plan.block_table`` at
+128-key blocks, query blocks of the executor's sparse block):
+
+* heavy query blocks of r against s: more than ``heavy_fraction`` of s's key
+  blocks visible (and at least ``heavy_min_blocks``). r ships those rows to
+  s, which computes them against all its keys and returns a partial
+  (out, lse);
+* needed key blocks of s for r: seen by a non-heavy query block of r. s
+  ships those K/V rows (the halo) to r, which computes its rows against them
+  with the heavy blocks cleared from that table (s computes those pairs).
+
+Every (row, key) pair is computed exactly once; partials merge by lse in
+float32 as in the ring. The backward ships the heavy rows' dout, the MERGED
+out, lse and dlse; each executor's backward from the merged statistics gives
+its exact share of dq, dk, dv, and the halo's dk/dv and the shipped rows' dq
+return to their owners. Four ``all_to_all_single`` per pass (the Q / K/V
+ones skipped where no rank moves any), on gloo and NCCL alike.
+
+Executors: FA4 with the pattern's form at the pieces' global positions where
+FA4 runs the pattern, else :class:`TorchPiece` (dense scores: small shapes).
+:func:`choose_engine` is the one decision between this engine and the ring.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import tuning as tn
+from .._merge import merge_
+from ..distributed import checks
+from . import blocks, fa4
+from . import plan as fp
+from .schedule import _PLANS, pattern_key
+
+ENGINES = ("auto", "ring", "exchange")
+
+
+def check_engine(engine) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: choose one of {ENGINES} ('auto' picks the exchange where it moves "
+                         f"fewer bytes than the ring)")
+
+
+def choose_engine(engine: str, cannot: list, dense: list, traffic: Callable[[], tuple],
+                  tuning: tn.FlexExchangeTuning = tn.FLEX_EXCHANGE) -> str:
+    """The engine of a ``ring_flex_attention`` call: "ring" or "exchange" (the one decision).
+
+    ``cannot``: why the exchange cannot run this call (forced: ValueError);
+    ``dense``: why it would run the dense PyTorch executor (``auto`` then keeps
+    the ring); ``traffic()`` -> (bytes the exchange sends, bytes the ring
+    sends), per rank at most, forward + backward: called only where needed
+    (it plans, with collectives, identically on every rank)."""
+    check_engine(engine)
+    if engine == "ring":
+        return "ring"
+    if cannot:
+        if engine == "exchange":
+            raise ValueError(f"engine='exchange' cannot run this call: {'; '.join(cannot)}. Use engine='ring' "
+                             f"or 'auto'")
+        return "ring"
+    if engine == "exchange":
+        return "exchange"
+    if dense:
+        return "ring"
+    sent, ring = traffic()
+    return "exchange" if sent < tuning.max_traffic * ring else "ring"
+
+
+class TorchPiece:
+    """Masked attention in plain PyTorch (float32 math, float64 for float64
+    inputs) of queries against keys under a dense ``mask`` (Bm, Hm, Lq, Lk):
+    the exchange's executor where FA4 does not run (CPU, tests). It
+    materialises the scores: for correctness at small sizes, not for speed.
+    ``forward`` -> (out, lse (B, H, Lq) natural log, -inf where a row sees no
+    key); ``backward`` from the given (merged) out, lse and dlse."""
+
+    def __init__(self, mask: torch.Tensor, scale: float):
+        self.mask, self.scale = mask, scale
+
+    def _probs(self, q, k, lse=None):
+        dt = torch.promote_types(q.dtype, torch.float32)
+        kk = k.to(dt).repeat_interleave(q.shape[2] // k.shape[2], 2)
+        s = (torch.einsum("bqhd,bkhd->bhqk", q.to(dt), kk) * self.scale).masked_fill(~self.mask, float("-inf"))
+        lse = torch.logsumexp(s, -1) if lse is None else lse.to(dt)
+        return torch.exp(s - lse[..., None]).nan_to_num(0.0), lse, kk, dt  # rows with no key: -inf - -inf -> 0
+
+    def forward(self, q, k, v):
+        p, lse, _, dt = self._probs(q, k)
+        out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(dt).repeat_interleave(q.shape[2] // v.shape[2], 2))
+        return out.to(q.dtype), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, dlse):
+        p, _, kk, dt = self._probs(q, k, lse)
+        g = q.shape[2] // k.shape[2]
+        do = dout.to(dt)
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+        dp = torch.einsum("bqhd,bkhd->bhqk", do, v.to(dt).repeat_interleave(g, 2))
+        delta = (do * out.to(dt)).sum(-1).transpose(1, 2) - dlse.to(dt)  # d lse adds p * dlse to dS
+        ds = p * (dp - delta[..., None])
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * self.scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(dt)) * self.scale
+        heads = lambda x: x.view(*x.shape[:2], k.shape[2], g, x.shape[-1]).sum(3)  # GQA: sum each group's heads
+        return dq.to(q.dtype), heads(dk).to(k.dtype), heads(dv).to(v.dtype)
+
+
+def _rows(idx: torch.Tensor, block: int, length: int) -> torch.Tensor:
+    """Local rows (int64, ascending) of the listed blocks of ``block`` rows."""
+    r = (idx[:, None].long() * block + torch.arange(block, device=idx.device)).flatten()
+    return r[r < length]
+
+
+def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=None):
+    """The executor of (queries at global ``qpos``) x (keys at ``kpos``), the
+    query blocks ``clear`` (of the plan's query block) removed; FA4 where
+    ``cap`` (its major compute capability) is given; None where nothing is visible."""
+    if len(qpos) == 0 or len(kpos) == 0:
+        return None
+    if cap is None:
+        m = torch.ones(1, 1, len(qpos), len(kpos), dtype=torch.bool, device=qpos.device) if mask_mod is None else \
+            fp.evaluate(mask_mod, fp.mask_dims(mask_mod, batch, heads, qpos, kpos), qpos, kpos).clone()
+        if clear is not None:
+            m[:, :, _rows(clear, fp.BLOCK_SIZE, len(qpos))] = False
+        return TorchPiece(m, scale) if bool(m.any()) else None
+    block = blocks.sparse_block(cap, len(qpos))
+    table = fp.block_table(mask_mod, batch, heads, qpos, kpos, block)
+    if clear is not None:
+        table = fp.BlockTable(table.partial.clone(), table.full.clone())
+        table.partial[:, :, clear] = False
+        table.full[:, :, clear] = False
+    if table.empty:
+        return None
+    # no mask: an unbounded window is true at every position (FA4's block sparsity, which the cleared blocks
+    # need, runs with a mask); the table's blocks are all full, so it is never evaluated
+    inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
+    f = blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
+    step = fa4.Step(table, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(table), False)
+    return fa4.RingStep(step, scale, len(qpos), len(kpos))
+
+
+@dataclasses.dataclass
+class ExchangePlan:
+    """One rank's exchange, per peer p (rank order; empty for itself):
+    ``ship[p]`` my rows computed on p, ``q_in[p]`` rows p ships to me,
+    ``halo_send[p]`` my key rows p needs, ``halo_in[p]`` key rows p sends me;
+    executors ``own`` (my rows x my keys), ``halo[p]`` (my rows x p's halo,
+    my heavy blocks against p cleared), ``serve[p]`` (p's shipped rows x my
+    keys). ``traffic``: (most bytes a rank sends, the ring's per rank),
+    forward + backward; ``moves_q`` / ``moves_kv``: any rank ships query rows / K/V."""
+
+    ship: list
+    q_in: list
+    halo_send: list
+    halo_in: list
+    own: object
+    halo: list
+    serve: list
+    traffic: tuple
+    moves_q: bool
+    moves_kv: bool
+
+
+def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning):
+    """(heavy query blocks, needed key blocks) of one pair's table, over every batch row and head."""
+    vis = (t.partial | t.full).flatten(0, 1).any(0)
+    cnt = vis.sum(1)
+    heavy = (cnt > tuning.heavy_fraction * vis.shape[1]) & (cnt >= tuning.heavy_min_blocks)
+    return heavy.nonzero().flatten(), vis[~heavy].any(0).nonzero().flatten()
+
+
+def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
+    """This rank's plan (no communication) and its (bytes sent, ring steps it needs, q rows, halo rows)."""
+    b, length, h, d = q.shape
+    dev, hkv = q.device, k.shape[2]
+    pos = [fp.global_positions(layout, r, world, length, dev) for r in range(world)]
+    bq = blocks.sparse_block(cap, length)[0] if cap is not None else fp.BLOCK_SIZE
+    split = lambda r, s: _split(fp.block_table(mask_mod, b, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE)), tuning)
+    none = torch.zeros(0, dtype=torch.long, device=dev)
+    ship, q_in, halo_send, halo_in = ([none] * world for _ in range(4))
+    halo, serve, need = [None] * world, [None] * world, 0
+    for p in range(world):
+        if p == rank:
+            continue
+        heavy, keys = split(rank, p)  # my rows against p's keys
+        ship[p], halo_in[p] = _rows(heavy, bq, length), _rows(keys, fp.BLOCK_SIZE, length)
+        halo[p] = _executor(mask_mod, pos[rank], pos[p][halo_in[p]], b, h, scale, cap, clear=heavy)
+        if len(heavy) or len(keys):  # the ring step at which p's block visits is needed
+            need = max(need, (rank - p) % world + 1)
+        heavy, keys = split(p, rank)  # p's rows against my keys
+        q_in[p], halo_send[p] = _rows(heavy, bq, length), _rows(keys, fp.BLOCK_SIZE, length)
+        serve[p] = _executor(mask_mod, pos[p][q_in[p]], pos[rank], b, h, scale, cap)
+    own = _executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
+    es = q.element_size()
+    q_row, kv_row, lse_row = b * h * d * es, 2 * b * hkv * d * es, b * h * 4
+    n = lambda xs: sum(len(x) for x in xs)
+    # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
+    sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row
+            + n(q_in) * (2 * q_row + lse_row) + n(halo_in) * kv_row)
+    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, (), False, False)
+    return plan, [sent, max(need, 1), n(ship), n(halo_send)]
+
+
+def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel: str, engine: str,
+             tuning: tn.FlexExchangeTuning = tn.FLEX_EXCHANGE) -> Optional[ExchangePlan]:
+    """The exchange plan of this call, or None where :func:`choose_engine`
+    picks the ring. Planned once per (shape, pattern, layout, group, kernel,
+    tuning) and cached; on first use two small collectives: every rank's
+    planning agreed (a failure on one rank raises on every rank) and the
+    traffic of every rank."""
+    use_fa4 = fa4.choose(q, k, k, mask_mod, score_mod, kernel) == "fa4"
+    cannot = ["score_mod is given: the exchange's executors take masks only"] if score_mod is not None else []
+    dense = [] if use_fa4 or q.device.type == "cpu" else [
+        "FA4 does not run this pattern here; the exchange's PyTorch executor materialises scores"]
+    key = ("exchange", pattern_key(mask_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), layout,
+           checks.group_name(group), kernel, tuning)
+
+    def make():
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        problem, plan, stats, block = None, None, [0, 1, 0, 0], None
+        try:
+            cap = fa4.KERNEL.capability(q.device)[0] if use_fa4 else None
+            block = blocks.sparse_block(cap, q.shape[1]) if use_fa4 else fp.BLOCK_SIZE
+            plan, stats = _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning)
+        except Exception as e:  # noqa: BLE001 - raised by agree, on this rank; the others name it
+            problem = e
+        # the ranks' query blocks must match (heavy blocks are planned at them on both sides of a pair)
+        checks.agree(group, "ring_flex_attention (planning the exchange)", problem, block=block)
+        t = torch.tensor(stats, dtype=torch.int64, device=q.device)
+        got = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(got, t, group=group)
+        sent, steps, nq, nkv = zip(*torch.stack(got).cpu().tolist())
+        kv_shard = 2 * k.numel() * k.element_size()
+        plan.traffic = (max(sent), 3 * (max(steps) - 1) * kv_shard)  # the ring: K/V forward, K/V and dK/dV back
+        plan.moves_q, plan.moves_kv = sum(nq) > 0, sum(nkv) > 0
+        return plan
+    plan = None
+
+    def traffic():
+        nonlocal plan
+        plan = _PLANS.get_or(key, make)
+        return plan.traffic
+    if choose_engine(engine, cannot, dense, traffic, tuning) == "ring":
+        return None
+    traffic()
+    return plan
+
+
+# ---------------------------------------------------------------------------- the exchange
+def _pack(x: torch.Tensor, rows: list) -> torch.Tensor:
+    """(sum n, B, ...): the listed rows (dim 1) of ``x`` for each peer in rank order."""
+    parts = [x[:, r].transpose(0, 1) for r in rows if len(r)]
+    return torch.cat(parts) if parts else x.new_empty((0, x.shape[0], *x.shape[2:]))
+
+
+def _unpack(buf: torch.Tensor, rows: list) -> list:
+    """Per peer, its rows of a received buffer as (B, n, ...) contiguous tensors."""
+    out, off = [], 0
+    for r in rows:
+        out.append(buf[off:off + len(r)].transpose(0, 1).contiguous())
+        off += len(r)
+    return out
+
+
+class _Exchange:
+    """One all_to_all_single in flight (none where ``active`` is False: no rank moves anything)."""
+
+    def __init__(self, send: torch.Tensor, send_rows: list, recv_rows: list, group, active: bool):
+        self.rows, self.work = recv_rows, None
+        self.buf = send.new_empty((sum(len(r) for r in recv_rows), *send.shape[1:]))
+        if active:
+            self.work = dist.all_to_all_single(self.buf, send.contiguous(), [len(r) for r in recv_rows],
+                                               [len(r) for r in send_rows], group=group, async_op=True)
+
+    def wait(self) -> list:
+        if self.work is not None:
+            self.work.wait()
+        return _unpack(self.buf, self.rows)
+
+
+def _merge_rows(out, lse, rows, o, l_):
+    """Merge a partial (o (B, n, H, D), l (B, H, n)) into ``rows`` (None: all) of the float32 (out, lse (B, L, H))."""
+    if rows is None:
+        merge_(out, lse, o.float(), l_.transpose(1, 2))
+        return
+    so, sl = out[:, rows], lse[:, rows]
+    merge_(so, sl, o.float(), l_.transpose(1, 2))
+    out[:, rows], lse[:, rows] = so, sl
+
+
+class ExchangeFlex(torch.autograd.Function):
+    """(out, lse) of the exchange over ``plan`` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: ExchangePlan, group):
+        ctx.set_materialize_grads(False)
+        d = k.shape[-1]
+        xq = _Exchange(_pack(q, plan.ship), plan.ship, plan.q_in, group, plan.moves_q)
+        xkv = _Exchange(_pack(torch.cat([k, v], -1), plan.halo_send), plan.halo_send, plan.halo_in, group,
+                        plan.moves_kv)
+        b, length, h, _ = q.shape
+        out = torch.zeros(b, length, h, v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full((b, length, h), float("-inf"), dtype=torch.float32, device=q.device)
+        if plan.own is not None:
+            _merge_rows(out, lse, None, *plan.own.forward(q, k, v))
+        halos = xkv.wait()
+        for run, kv in zip(plan.halo, halos):
+            if run is not None:
+                _merge_rows(out, lse, None, *run.forward(q, kv[..., :d].contiguous(), kv[..., d:].contiguous()))
+        shipped = xq.wait()
+        parts = [run.forward(qr, k, v) if run is not None else
+                 (qr.new_zeros(*qr.shape[:3], v.shape[-1]), torch.full((b, h, qr.shape[1]), float("-inf"),
+                                                                        device=q.device))
+                 for run, qr in zip(plan.serve, shipped)]
+        po = _Exchange(_cat_rows([o for o, _ in parts], out.new_empty(b, 0, h, v.shape[-1], dtype=q.dtype)),
+                       plan.q_in, plan.ship, group, plan.moves_q)
+        pl = _Exchange(_cat_rows([l_.transpose(1, 2) for _, l_ in parts], lse[:, :0]), plan.q_in, plan.ship, group,
+                       plan.moves_q)
+        for rows, o, l_ in zip(plan.ship, po.wait(), pl.wait()):
+            if len(rows):
+                _merge_rows(out, lse, rows, o, l_.transpose(1, 2))
+        out, lse = out.to(q.dtype), lse.transpose(1, 2).contiguous()
+        ctx.save_for_backward(q, k, v, out, lse, xkv.buf, xq.buf)
+        ctx.plan, ctx.group = plan, group
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, kvbuf, qbuf = ctx.saved_tensors
+        plan, group, d = ctx.plan, ctx.group, k.shape[-1]
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
+        xo = _Exchange(_pack(torch.cat([dout, out], -1), plan.ship), plan.ship, plan.q_in, group, plan.moves_q)
+        xl = _Exchange(_pack(torch.stack([lse, dlse], -1).transpose(1, 2), plan.ship), plan.ship, plan.q_in, group,
+                       plan.moves_q)
+        f32 = lambda x: torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        dq, dkv = f32(q), f32(torch.cat([k, v], -1))
+        if plan.own is not None:
+            g = plan.own.backward(dout, q, k, v, out, lse, dlse)
+            dq += g[0]
+            dkv += torch.cat(g[1:], -1)
+        halo_grads = []
+        for run, kv in zip(plan.halo, _unpack(kvbuf, plan.halo_in)):
+            kh, vh = kv[..., :d].contiguous(), kv[..., d:].contiguous()
+            if run is None:
+                halo_grads.append(torch.zeros_like(kv))
+                continue
+            g = run.backward(dout, q, kh, vh, out, lse, dlse)
+            dq += g[0]
+            halo_grads.append(torch.cat(g[1:], -1))
+        dq_back = []
+        for run, qr, od, ls in zip(plan.serve, _unpack(qbuf, plan.q_in), xo.wait(), xl.wait()):
+            if run is None:
+                dq_back.append(torch.zeros_like(qr))
+                continue
+            dv_ = od.shape[-1] // 2
+            g = run.backward(od[..., :dv_].contiguous(), qr, k, v, od[..., dv_:].contiguous(),
+                             ls[..., 0].transpose(1, 2).contiguous(), ls[..., 1].transpose(1, 2).contiguous())
+            dq_back.append(g[0])
+            dkv += torch.cat(g[1:], -1)
+        xdq = _Exchange(_cat_rows(dq_back, q[:, :0]), plan.q_in, plan.ship, group, plan.moves_q)
+        xdkv = _Exchange(_cat_rows(halo_grads, k[:, :0]), plan.halo_in, plan.halo_send, group, plan.moves_kv)
+        for rows, g in zip(plan.ship, xdq.wait()):
+            if len(rows):
+                dq.index_add_(1, rows, g.float())
+        for rows, g in zip(plan.halo_send, xdkv.wait()):
+            if len(rows):
+                dkv.index_add_(1, rows, g.float())
+        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None
+
+
+def _cat_rows(parts: list, empty: torch.Tensor) -> torch.Tensor:
+    """Per-peer (B, n, ...) tensors as one (sum n, B, ...) send buffer in rank order."""
+    parts = [p.transpose(0, 1) for p in parts if p.shape[1]]
+    return torch.cat(parts) if parts else empty.transpose(0, 1).contiguous()

@@ -1,0 +1,149 @@
+"""ring_flex_attention's exchange engine (sparse K/V halos, shipped query
+rows) on gloo in spawned processes against the float64 single-device
+reference (outputs, lse, all gradients); its plan (heavy query blocks,
+traffic against the ring's) and the engine choice; a pattern where every
+block is heavy; bad ``engine`` values."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import longattn
+from dist_utils import assert_unsharded_close, run_sharded, run_world
+from longattn import masks, tuning
+from longattn.flex import exchange
+from longattn.flex.exchange import TorchPiece, choose_engine
+from reference import flex_ref
+
+TOL = 1e-4
+B, L, H, D = 1, 512, 4, 16  # L tokens per rank: 4 blocks of 128, so a block can be heavy (>= 4 key blocks)
+
+
+def patterns(world):
+    """(name, mask_mod, kv heads) on world * L tokens."""
+    s = world * L
+    docs = torch.arange(s) * 5 // s  # five documents, boundaries off the shard edges
+    return [
+        ("local + global", masks.local_global(64, 16), 2),
+        ("causal documents", masks.and_(masks.causal(), masks.document(docs)), 4),
+        ("sliding window", masks.sliding_window(100, 0), 4),
+        ("causal", masks.causal(), 4),
+    ]
+
+
+def _compare(tag, world, layout, mask, hkv, engine="exchange", seed=7):
+    s = world * L
+    torch.manual_seed(seed)
+    q, k, v = torch.randn(B, s, H, D), torch.randn(B, s, hkv, D), torch.randn(B, s, hkv, D)
+    do, dl = torch.randn(B, s, H, D), torch.randn(B, H, s)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ro, rl = flex_ref(qr, kr, vr, mask)
+    dl = torch.where(torch.isfinite(rl), dl, 0).float()
+    ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+    us, out, lse, grads = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask,
+                                      engine=engine)
+    assert out.grad_fn is not None and "ExchangeFlex" in type(out.grad_fn).__name__
+    assert_unsharded_close(tag, us, out, lse, grads, ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
+
+
+def _check_patterns(rank, world):
+    for layout in ("zigzag", "contiguous"):
+        for name, mask, hkv in patterns(world):
+            _compare(f"world={world} {layout} {name} hkv={hkv}", world, layout, mask, hkv)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exchange_matches_reference(world):
+    run_world(_check_patterns, world)
+
+
+def _plan(q, mask, layout="contiguous", engine="exchange"):
+    return exchange.plan_for(q, q, mask, None, layout, D ** -0.5, dist.group.WORLD, "auto", engine)
+
+
+def _check_plan(rank, world):
+    q = torch.randn(B, 4 * L, H, D)  # 16 blocks per rank
+    mask = masks.local_global(64, 16)
+    plan = _plan(q, mask)
+    # rank 0's first block holds the global rows: it sees every key block of rank 1, so it is shipped there
+    assert [r.tolist() for r in plan.ship] == ([[], list(range(128))] if rank == 0 else [[], []])
+    assert [len(r) for r in plan.q_in] == ([0, 0] if rank == 0 else [128, 0])
+    # halos: rank 1 needs rank 0's global keys (block 0) and the window's last block; rank 0 the window's first
+    assert [len(r) for r in plan.halo_in] == ([0, 128] if rank == 0 else [256, 0])
+    sent, ring = plan.traffic
+    assert sent < ring / 5, plan.traffic
+    assert _plan(q, mask, engine="auto") is plan  # cached, and auto takes it
+    # dense causal: every block of the later rank is heavy; auto keeps the ring
+    assert _plan(q, masks.causal(), engine="auto") is None
+    forced = _plan(q, masks.causal())
+    assert forced.traffic[0] > tuning.FLEX_EXCHANGE.max_traffic * forced.traffic[1]
+    assert _plan(q, mask, engine="ring") is None
+
+
+@pytest.mark.dist
+def test_exchange_plan_and_engine_choice():
+    run_world(_check_plan, 2)
+
+
+def _check_all_heavy(rank, world):
+    """No mask: every query block of every rank is heavy against every peer (all rows shipped, no halo)."""
+    plan = _plan(torch.randn(B, L, H, D), None, layout="zigzag")
+    assert all(len(r) == (0 if p == rank else L) for p, r in enumerate(plan.ship))
+    assert not plan.moves_kv and sum(len(r) for r in plan.halo_in) == 0
+    _compare(f"world={world} no mask", world, "zigzag", None, 2)
+    _compare(f"world={world} causal", world, "contiguous", masks.causal(), 1)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_every_block_heavy(world):
+    run_world(_check_all_heavy, world)
+
+
+def _check_bad_engine(rank, world):
+    q = torch.randn(B, 16, H, D)
+    with pytest.raises(ValueError, match="engine='exchange ': choose one of"):
+        longattn.ring_flex_attention(q, q, q, engine="exchange ")
+    # no collective ran: the next call's first one is the consistency check on every rank
+    with pytest.raises(ValueError, match="engine='exchange' cannot run this call: score_mod"):
+        longattn.ring_flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: s, engine="exchange")
+    out = longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal(), engine="exchange")
+    torch.testing.assert_close(out, longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal(), engine="ring"))
+
+
+@pytest.mark.dist
+def test_bad_engine_raises_before_any_collective():
+    run_world(_check_bad_engine, 2)
+
+
+def test_choose_engine():
+    never = lambda: pytest.fail("traffic planned where the choice does not need it")
+    assert choose_engine("ring", [], [], never) == "ring"
+    assert choose_engine("exchange", [], ["dense"], never) == "exchange"
+    assert choose_engine("auto", ["score_mod"], [], never) == "ring"
+    assert choose_engine("auto", [], ["dense"], never) == "ring"
+    assert choose_engine("auto", [], [], lambda: (10, 100)) == "exchange"
+    assert choose_engine("auto", [], [], lambda: (60, 100)) == "ring"
+    with pytest.raises(ValueError, match="engine='exchange' cannot run"):
+        choose_engine("exchange", ["score_mod is given"], [], never)
+    with pytest.raises(ValueError, match="engine='fast'"):
+        choose_engine("fast", [], [], never)
+
+
+def test_torch_piece_matches_reference():
+    """The dense executor's forward and its backward from (out, lse) against autograd of the float64 reference."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 24, 4, 8), torch.randn(2, 20, 2, 8), torch.randn(2, 20, 2, 8)
+    mask = torch.rand(1, 4, 24, 20) < 0.3
+    mask[:, :, 3] = False  # a row that sees no key
+    mod = lambda b, h, i, j: mask[0, h, i, j]
+    piece = TorchPiece(mask, 8 ** -0.5)
+    out, lse = piece.forward(q, k, v)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ro, rl = flex_ref(qr, kr, vr, mod)
+    torch.testing.assert_close(out.double(), ro, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl)) and not out.isnan().any()
+    do, dl = torch.randn_like(out), torch.randn_like(lse).masked_fill(torch.isinf(lse), 0)
+    ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+    for got, want in zip(piece.backward(do, q, k, v, out, lse, dl), (qr.grad, kr.grad, vr.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
