@@ -255,35 +255,51 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
 
 
 # ---------------------------------------------------------------------------- the exchange
-def _pack(x: torch.Tensor, rows: list) -> torch.Tensor:
-    """(sum n, B, ...): the listed rows (dim 1) of ``x`` for each peer in rank order."""
-    parts = [x[:, r].transpose(0, 1) for r in rows if len(r)]
-    return torch.cat(parts) if parts else x.new_empty((0, x.shape[0], *x.shape[2:]))
+def _spec(t: torch.Tensor) -> tuple:
+    return tuple(t.shape[2:]), t.dtype
 
 
-def _unpack(buf: torch.Tensor, rows: list) -> list:
-    """Per peer, its rows of a received buffer as (B, n, ...) contiguous tensors."""
-    out, off = [], 0
-    for r in rows:
-        out.append(buf[off:off + len(r)].transpose(0, 1).contiguous())
-        off += len(r)
-    return out
+def _width(specs, batch: int) -> int:
+    return sum(batch * math.prod(tail) * dt.itemsize for tail, dt in specs)
+
+
+def _unpack(buf: torch.Tensor, counts: list, specs: list, batch: int) -> list:
+    """Per peer, the tensors (B, n, ...) of ``specs`` from its rows of a received byte buffer."""
+    res, off = [], 0
+    for n in counts:
+        rows, col, ts = buf[off:off + n], 0, []
+        for tail, dt in specs:
+            w = _width([(tail, dt)], batch)
+            x = rows[:, col:col + w].contiguous().view(dt).view(n, batch, *tail)
+            ts.append(x.transpose(0, 1).contiguous())
+            col += w
+        res.append(ts)
+        off += n
+    return res
 
 
 class _Exchange:
-    """One all_to_all_single in flight (none where ``active`` is False: no rank moves anything)."""
+    """One ``all_to_all_single`` of rows: ``parts[p]``, tensors (B, n_p, ...)
+    of ``specs`` sharing their rows, go to peer p as one byte buffer (one
+    collective whatever their dtypes); ``counts[p]`` rows come from p. None
+    runs where ``active`` is False (no rank moves any row). Callers keep at
+    most one in flight: gloo can pair the messages of two concurrent
+    collectives wrongly."""
 
-    def __init__(self, send: torch.Tensor, send_rows: list, recv_rows: list, group, active: bool):
-        self.rows, self.work = recv_rows, None
-        self.buf = send.new_empty((sum(len(r) for r in recv_rows), *send.shape[1:]))
+    def __init__(self, parts: list, counts: list, specs: list, batch: int, group, active: bool, device):
+        self.counts, self.specs, self.batch, self.work = counts, specs, batch, None
+        width = _width(specs, batch)
+        rows = [torch.cat([t.transpose(0, 1).contiguous().view(torch.uint8).reshape(t.shape[1], -1) for t in ts], 1)
+                if ts and ts[0].shape[1] else torch.empty(0, width, dtype=torch.uint8, device=device) for ts in parts]
+        self.buf = torch.empty(sum(counts), width, dtype=torch.uint8, device=device)
         if active:
-            self.work = dist.all_to_all_single(self.buf, send.contiguous(), [len(r) for r in recv_rows],
-                                               [len(r) for r in send_rows], group=group, async_op=True)
+            self.work = dist.all_to_all_single(self.buf, torch.cat(rows), list(counts), [len(r) for r in rows],
+                                               group=group, async_op=True)
 
     def wait(self) -> list:
         if self.work is not None:
             self.work.wait()
-        return _unpack(self.buf, self.rows)
+        return _unpack(self.buf, self.counts, self.specs, self.batch)
 
 
 def _merge_rows(out, lse, rows, o, l_):
@@ -296,35 +312,39 @@ def _merge_rows(out, lse, rows, o, l_):
     out[:, rows], lse[:, rows] = so, sl
 
 
+def _split_kv(kv: torch.Tensor, d: int) -> tuple:
+    return kv[..., :d].contiguous(), kv[..., d:].contiguous()
+
+
 class ExchangeFlex(torch.autograd.Function):
-    """(out, lse) of the exchange over ``plan`` (see the module docstring)."""
+    """(out, lse) of the exchange over ``plan`` (see the module docstring).
+    Each pass overlaps one exchange with the pieces that do not need it."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: ExchangePlan, group):
         ctx.set_materialize_grads(False)
-        d = k.shape[-1]
-        xq = _Exchange(_pack(q, plan.ship), plan.ship, plan.q_in, group, plan.moves_q)
-        xkv = _Exchange(_pack(torch.cat([k, v], -1), plan.halo_send), plan.halo_send, plan.halo_in, group,
-                        plan.moves_kv)
-        b, length, h, _ = q.shape
-        out = torch.zeros(b, length, h, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((b, length, h), float("-inf"), dtype=torch.float32, device=q.device)
+        b, length, h, d = q.shape
+        dev, n = q.device, lambda rows: [len(r) for r in rows]
+        kv = torch.cat([k, v], -1)
+        xkv = _Exchange([[kv[:, r]] for r in plan.halo_send], n(plan.halo_in), [_spec(kv)], b, group, plan.moves_kv,
+                        dev)
+        out = torch.zeros(b, length, h, v.shape[-1], dtype=torch.float32, device=dev)
+        lse = torch.full((b, length, h), float("-inf"), dtype=torch.float32, device=dev)
         if plan.own is not None:
             _merge_rows(out, lse, None, *plan.own.forward(q, k, v))
         halos = xkv.wait()
-        for run, kv in zip(plan.halo, halos):
+        xq = _Exchange([[q[:, r]] for r in plan.ship], n(plan.q_in), [_spec(q)], b, group, plan.moves_q, dev)
+        for run, (kvh,) in zip(plan.halo, halos):
             if run is not None:
-                _merge_rows(out, lse, None, *run.forward(q, kv[..., :d].contiguous(), kv[..., d:].contiguous()))
-        shipped = xq.wait()
-        parts = [run.forward(qr, k, v) if run is not None else
-                 (qr.new_zeros(*qr.shape[:3], v.shape[-1]), torch.full((b, h, qr.shape[1]), float("-inf"),
-                                                                        device=q.device))
-                 for run, qr in zip(plan.serve, shipped)]
-        po = _Exchange(_cat_rows([o for o, _ in parts], out.new_empty(b, 0, h, v.shape[-1], dtype=q.dtype)),
-                       plan.q_in, plan.ship, group, plan.moves_q)
-        pl = _Exchange(_cat_rows([l_.transpose(1, 2) for _, l_ in parts], lse[:, :0]), plan.q_in, plan.ship, group,
-                       plan.moves_q)
-        for rows, o, l_ in zip(plan.ship, po.wait(), pl.wait()):
+                _merge_rows(out, lse, None, *run.forward(q, *_split_kv(kvh, d)))
+        parts = []
+        for run, (qr,) in zip(plan.serve, xq.wait()):
+            o, l_ = run.forward(qr, k, v) if run is not None else (
+                qr.new_zeros(*qr.shape[:3], v.shape[-1]), torch.full((b, h, qr.shape[1]), float("-inf"), device=dev))
+            parts.append([o.to(q.dtype), l_.float().transpose(1, 2)])
+        specs = [(tuple(out.shape[2:]), q.dtype), ((h,), torch.float32)]
+        back = _Exchange(parts, n(plan.ship), specs, b, group, plan.moves_q, dev)
+        for rows, (o, l_) in zip(plan.ship, back.wait()):
             if len(rows):
                 _merge_rows(out, lse, rows, o, l_.transpose(1, 2))
         out, lse = out.to(q.dtype), lse.transpose(1, 2).contiguous()
@@ -335,49 +355,43 @@ class ExchangeFlex(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, kvbuf, qbuf = ctx.saved_tensors
-        plan, group, d = ctx.plan, ctx.group, k.shape[-1]
+        plan, group = ctx.plan, ctx.group
+        b, d, dev, n = q.shape[0], k.shape[-1], q.device, lambda rows: [len(r) for r in rows]
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
-        xo = _Exchange(_pack(torch.cat([dout, out], -1), plan.ship), plan.ship, plan.q_in, group, plan.moves_q)
-        xl = _Exchange(_pack(torch.stack([lse, dlse], -1).transpose(1, 2), plan.ship), plan.ship, plan.q_in, group,
-                       plan.moves_q)
-        f32 = lambda x: torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        dq, dkv = f32(q), f32(torch.cat([k, v], -1))
+        stats = torch.stack([lse, dlse], -1).transpose(1, 2)  # (B, L, H, 2)
+        xo = _Exchange([[dout[:, r], out[:, r], stats[:, r]] for r in plan.ship], n(plan.q_in),
+                       [_spec(dout), _spec(out), _spec(stats)], b, group, plan.moves_q, dev)
+        kv = torch.cat([k, v], -1)
+        dq, dkv = (torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (q, kv))
         if plan.own is not None:
             g = plan.own.backward(dout, q, k, v, out, lse, dlse)
             dq += g[0]
             dkv += torch.cat(g[1:], -1)
         halo_grads = []
-        for run, kv in zip(plan.halo, _unpack(kvbuf, plan.halo_in)):
-            kh, vh = kv[..., :d].contiguous(), kv[..., d:].contiguous()
+        for run, (kvh,) in zip(plan.halo, _unpack(kvbuf, n(plan.halo_in), [_spec(kv)], b)):
             if run is None:
-                halo_grads.append(torch.zeros_like(kv))
+                halo_grads.append([torch.zeros_like(kvh)])
                 continue
-            g = run.backward(dout, q, kh, vh, out, lse, dlse)
+            g = run.backward(dout, q, *_split_kv(kvh, d), out, lse, dlse)
             dq += g[0]
-            halo_grads.append(torch.cat(g[1:], -1))
+            halo_grads.append([torch.cat(g[1:], -1).to(kv.dtype)])
+        shipped = xo.wait()
+        xdkv = _Exchange(halo_grads, n(plan.halo_send), [_spec(kv)], b, group, plan.moves_kv, dev)
         dq_back = []
-        for run, qr, od, ls in zip(plan.serve, _unpack(qbuf, plan.q_in), xo.wait(), xl.wait()):
+        for run, (qr,), (do, o, st) in zip(plan.serve, _unpack(qbuf, n(plan.q_in), [_spec(q)], b), shipped):
             if run is None:
-                dq_back.append(torch.zeros_like(qr))
+                dq_back.append([torch.zeros_like(qr)])
                 continue
-            dv_ = od.shape[-1] // 2
-            g = run.backward(od[..., :dv_].contiguous(), qr, k, v, od[..., dv_:].contiguous(),
-                             ls[..., 0].transpose(1, 2).contiguous(), ls[..., 1].transpose(1, 2).contiguous())
-            dq_back.append(g[0])
+            ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
+            g = run.backward(do, qr, k, v, o, ls, dls)
+            dq_back.append([g[0].to(q.dtype)])
             dkv += torch.cat(g[1:], -1)
-        xdq = _Exchange(_cat_rows(dq_back, q[:, :0]), plan.q_in, plan.ship, group, plan.moves_q)
-        xdkv = _Exchange(_cat_rows(halo_grads, k[:, :0]), plan.halo_in, plan.halo_send, group, plan.moves_kv)
-        for rows, g in zip(plan.ship, xdq.wait()):
-            if len(rows):
-                dq.index_add_(1, rows, g.float())
-        for rows, g in zip(plan.halo_send, xdkv.wait()):
+        for rows, (g,) in zip(plan.halo_send, xdkv.wait()):
             if len(rows):
                 dkv.index_add_(1, rows, g.float())
+        xdq = _Exchange(dq_back, n(plan.ship), [_spec(q)], b, group, plan.moves_q, dev)
+        for rows, (g,) in zip(plan.ship, xdq.wait()):
+            if len(rows):
+                dq.index_add_(1, rows, g.float())
         return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None
-
-
-def _cat_rows(parts: list, empty: torch.Tensor) -> torch.Tensor:
-    """Per-peer (B, n, ...) tensors as one (sum n, B, ...) send buffer in rank order."""
-    parts = [p.transpose(0, 1) for p in parts if p.shape[1]]
-    return torch.cat(parts) if parts else empty.transpose(0, 1).contiguous()
