@@ -177,8 +177,9 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
             fa4_flash_off()
 
 
-FLEX_DIST_IMPLS = ("flex-ring", "flex-ring-contiguous", "torch-cp-flex")
-"""`dist` rows of flex configs: ring_flex_attention (zigzag, contiguous) and torch's
+FLEX_DIST_IMPLS = ("flex-ring", "flex-ring-contiguous", "flex-exchange", "torch-cp-flex")
+"""`dist` rows of flex configs: ring_flex_attention's ring (zigzag, contiguous), its exchange
+engine (zigzag: sparse K/V halos and shipped dense query rows) and torch's
 context_parallel with FlexAttention; T_single is the fastest one-device form (FA4 with the
 pattern's mask where it runs, else torch's compiled FlexAttention)."""
 
@@ -204,9 +205,11 @@ def flex_dist_build(cfg: Config, impl: str, q, k, v):
     if impl == "torch-cp-flex":
         return _torch_cp_flex(cfg, q, k, v)
     layout = "contiguous" if impl == "flex-ring-contiguous" else "zigzag"
+    engine = "exchange" if impl == "flex-exchange" else "ring"
     mask = flex_mask(cfg, q.device)
     shards = tuple(longattn.shard(x, layout=layout) for x in (q, k, v))
-    return (lambda q_, k_, v_: longattn.ring_flex_attention(q_, k_, v_, mask_mod=mask, layout=layout)), shards
+    return (lambda q_, k_, v_: longattn.ring_flex_attention(q_, k_, v_, mask_mod=mask, layout=layout,
+                                                            engine=engine)), shards
 
 
 class _FlexModule(torch.nn.Module):
