@@ -349,9 +349,11 @@ class FlexExchangeTuning:
         4, f"pending measurement: a query block is shipped only where it sees at least this many key blocks of "
            f"the peer (fewer are cheaper fetched); measure with {_EXCHANGE_CMD}")
     max_traffic: float = measured(
-        0.5, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
-             f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
-             f"ring's steps); measure with {_EXCHANGE_CMD}")
+        0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
+              f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
+              f"ring's steps): the ring hides its transfers behind its steps' kernels, the exchange waits for its "
+              f"halos and shipped rows before most of its kernels, so it needs a clear margin; measure with "
+              f"{_EXCHANGE_CMD}")
 
     def __post_init__(self):
         if not 0 <= self.heavy_fraction <= 1:
