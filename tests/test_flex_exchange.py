@@ -117,17 +117,18 @@ def test_bad_engine_raises_before_any_collective():
 
 
 def test_choose_engine():
-    never = lambda: pytest.fail("traffic planned where the choice does not need it")
-    assert choose_engine("ring", [], [], never) == "ring"
-    assert choose_engine("exchange", [], ["dense"], never) == "exchange"
-    assert choose_engine("auto", ["score_mod"], [], never) == "ring"
-    assert choose_engine("auto", [], ["dense"], never) == "ring"
-    assert choose_engine("auto", [], [], lambda: (10, 100)) == "exchange"
-    assert choose_engine("auto", [], [], lambda: (30, 100)) == "ring"
+    never = lambda: pytest.fail("planned where the choice does not need it")
+    assert choose_engine("ring", [], never) == "ring"
+    assert choose_engine("exchange", [], never) == "exchange"
+    assert choose_engine("auto", ["score_mod"], never) == "ring"
+    assert choose_engine("auto", [], lambda: (["dense"], 1, 100)) == "ring"
+    assert choose_engine("auto", [], lambda: ([], 10, 100)) == "exchange"
+    assert choose_engine("auto", [], lambda: ([], 30, 100)) == "ring"
+    assert choose_engine("auto", [], lambda: ([], 30, 100), tuning.FlexExchangeTuning(max_traffic=0.5)) == "exchange"
     with pytest.raises(ValueError, match="engine='exchange' cannot run"):
-        choose_engine("exchange", ["score_mod is given"], [], never)
+        choose_engine("exchange", ["score_mod is given"], never)
     with pytest.raises(ValueError, match="engine='fast'"):
-        choose_engine("fast", [], [], never)
+        choose_engine("fast", [], never)
 
 
 def test_torch_piece_matches_reference():
@@ -137,7 +138,7 @@ def test_torch_piece_matches_reference():
     mask = torch.rand(1, 4, 24, 20) < 0.3
     mask[:, :, 3] = False  # a row that sees no key
     mod = lambda b, h, i, j: mask[0, h, i, j]
-    piece = TorchPiece(mask, 8 ** -0.5)
+    piece = TorchPiece(lambda: mask, 8 ** -0.5)
     out, lse = piece.forward(q, k, v)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
     ro, rl = flex_ref(qr, kr, vr, mod)

@@ -51,15 +51,16 @@ def check_engine(engine) -> None:
                          f"fewer bytes than the ring)")
 
 
-def choose_engine(engine: str, cannot: list, dense: list, traffic: Callable[[], tuple],
+def choose_engine(engine: str, cannot: list, facts: Callable[[], tuple],
                   tuning: tn.FlexExchangeTuning = tn.FLEX_EXCHANGE) -> str:
     """The engine of a ``ring_flex_attention`` call: "ring" or "exchange" (the one decision).
 
-    ``cannot``: why the exchange cannot run this call (forced: ValueError);
-    ``dense``: why it would run the dense PyTorch executor (``auto`` then keeps
-    the ring); ``traffic()`` -> (bytes the exchange sends, bytes the ring
-    sends), per rank at most, forward + backward: called only where needed
-    (it plans, with collectives, identically on every rank)."""
+    ``cannot``: why the exchange cannot run this call (forced: ValueError,
+    the same on every rank); ``facts()`` -> (why it would run the dense
+    PyTorch executor, where ``auto`` keeps the ring; the most bytes a rank
+    of the exchange sends; the ring's per rank), forward + backward, agreed
+    by every rank: called only where needed (it plans, with collectives on
+    first use, identically on every rank)."""
     check_engine(engine)
     if engine == "ring":
         return "ring"
@@ -70,24 +71,27 @@ def choose_engine(engine: str, cannot: list, dense: list, traffic: Callable[[], 
         return "ring"
     if engine == "exchange":
         return "exchange"
+    dense, sent, ring = facts()
     if dense:
         return "ring"
-    sent, ring = traffic()
     return "exchange" if sent < tuning.max_traffic * ring else "ring"
 
 
 class TorchPiece:
     """Masked attention in plain PyTorch (float32 math, float64 for float64
-    inputs) of queries against keys under a dense ``mask`` (Bm, Hm, Lq, Lk):
-    the exchange's executor where FA4 does not run (CPU, tests). It
-    materialises the scores: for correctness at small sizes, not for speed.
-    ``forward`` -> (out, lse (B, H, Lq) natural log, -inf where a row sees no
-    key); ``backward`` from the given (merged) out, lse and dlse."""
+    inputs) of queries against keys under a dense mask (Bm, Hm, Lq, Lk) from
+    ``make_mask()`` (made on first use): the exchange's executor where FA4 does
+    not run (CPU, tests). It materialises the mask and the scores: for
+    correctness at small sizes, not for speed. ``forward`` -> (out, lse (B, H,
+    Lq) natural log, -inf where a row sees no key); ``backward`` from the given
+    (merged) out, lse and dlse."""
 
-    def __init__(self, mask: torch.Tensor, scale: float):
-        self.mask, self.scale = mask, scale
+    def __init__(self, make_mask: Callable[[], torch.Tensor], scale: float):
+        self.make_mask, self.mask, self.scale = make_mask, None, scale
 
     def _probs(self, q, k, lse=None):
+        if self.mask is None:
+            self.mask = self.make_mask()
         dt = torch.promote_types(q.dtype, torch.float32)
         kk = k.to(dt).repeat_interleave(q.shape[2] // k.shape[2], 2)
         s = (torch.einsum("bqhd,bkhd->bhqk", q.to(dt), kk) * self.scale).masked_fill(~self.mask, float("-inf"))
@@ -125,13 +129,7 @@ def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], cle
     ``cap`` (its major compute capability) is given; None where nothing is visible."""
     if len(qpos) == 0 or len(kpos) == 0:
         return None
-    if cap is None:
-        m = torch.ones(1, 1, len(qpos), len(kpos), dtype=torch.bool, device=qpos.device) if mask_mod is None else \
-            fp.evaluate(mask_mod, fp.mask_dims(mask_mod, batch, heads, qpos, kpos), qpos, kpos).clone()
-        if clear is not None:
-            m[:, :, _rows(clear, fp.BLOCK_SIZE, len(qpos))] = False
-        return TorchPiece(m, scale) if bool(m.any()) else None
-    block = blocks.sparse_block(cap, len(qpos))
+    block = blocks.sparse_block(cap, len(qpos)) if cap is not None else fp.BLOCK_SIZE
     table = fp.block_table(mask_mod, batch, heads, qpos, kpos, block)
     if clear is not None:
         table = fp.BlockTable(table.partial.clone(), table.full.clone())
@@ -139,6 +137,14 @@ def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], cle
         table.full[:, :, clear] = False
     if table.empty:
         return None
+    if cap is None:
+        def make_mask():
+            m = torch.ones(1, 1, len(qpos), len(kpos), dtype=torch.bool, device=qpos.device) if mask_mod is None \
+                else fp.evaluate(mask_mod, fp.mask_dims(mask_mod, batch, heads, qpos, kpos), qpos, kpos).clone()
+            if clear is not None:
+                m[:, :, _rows(clear, fp.BLOCK_SIZE, len(qpos))] = False
+            return m
+        return TorchPiece(make_mask, scale)
     # no mask: an unbounded window is true at every position (FA4's block sparsity, which the cleared blocks
     # need, runs with a mask); the table's blocks are all full, so it is never evaluated
     inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
@@ -167,6 +173,7 @@ class ExchangePlan:
     traffic: tuple
     moves_q: bool
     moves_kv: bool
+    dense: list
 
 
 def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning):
@@ -205,7 +212,7 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
     sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row
             + n(q_in) * (2 * q_row + lse_row) + n(halo_in) * kv_row)
-    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, (), False, False)
+    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, (), False, False, [])
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 
@@ -214,26 +221,24 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
     """The exchange plan of this call, or None where :func:`choose_engine`
     picks the ring. Planned once per (shape, pattern, layout, group, kernel,
     tuning) and cached; on first use two small collectives: every rank's
-    planning agreed (a failure on one rank raises on every rank) and the
-    traffic of every rank."""
-    use_fa4 = fa4.choose(q, k, k, mask_mod, score_mod, kernel) == "fa4"
+    planning agreed (a failure on one rank, or ranks that would run different
+    executors, raise on every rank) and the traffic of every rank."""
     cannot = ["score_mod is given: the exchange's executors take masks only"] if score_mod is not None else []
-    dense = [] if use_fa4 or q.device.type == "cpu" else [
-        "FA4 does not run this pattern here; the exchange's PyTorch executor materialises scores"]
     key = ("exchange", pattern_key(mask_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), layout,
            checks.group_name(group), kernel, tuning)
 
     def make():
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        problem, plan, stats, block = None, None, [0, 1, 0, 0], None
-        try:
+        problem, plan, stats, block, use_fa4 = None, None, [0, 1, 0, 0], None, None
+        try:  # FA4's choice reads the machine: inside the agreement, as the planning
+            use_fa4 = fa4.choose(q, k, k, mask_mod, score_mod, kernel) == "fa4"
             cap = fa4.KERNEL.capability(q.device)[0] if use_fa4 else None
             block = blocks.sparse_block(cap, q.shape[1]) if use_fa4 else fp.BLOCK_SIZE
             plan, stats = _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning)
         except Exception as e:  # noqa: BLE001 - raised by agree, on this rank; the others name it
             problem = e
-        # the ranks' query blocks must match (heavy blocks are planned at them on both sides of a pair)
-        checks.agree(group, "ring_flex_attention (planning the exchange)", problem, block=block)
+        # heavy blocks are planned at the query block on both sides of a pair: the ranks' blocks must match
+        checks.agree(group, "ring_flex_attention (planning the exchange)", problem, block=block, fa4=use_fa4)
         t = torch.tensor(stats, dtype=torch.int64, device=q.device)
         got = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(got, t, group=group)
@@ -241,16 +246,18 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
         kv_shard = 2 * k.numel() * k.element_size()
         plan.traffic = (max(sent), 3 * (max(steps) - 1) * kv_shard)  # the ring: K/V forward, K/V and dK/dV back
         plan.moves_q, plan.moves_kv = sum(nq) > 0, sum(nkv) > 0
+        plan.dense = [] if use_fa4 or q.device.type == "cpu" else [
+            "FA4 does not run this pattern here and the exchange's PyTorch executor materialises scores"]
         return plan
     plan = None
 
-    def traffic():
+    def facts():
         nonlocal plan
         plan = _PLANS.get_or(key, make)
-        return plan.traffic
-    if choose_engine(engine, cannot, dense, traffic, tuning) == "ring":
+        return (plan.dense, *plan.traffic)
+    if choose_engine(engine, cannot, facts, tuning) == "ring":
         return None
-    traffic()
+    facts()
     return plan
 
 
