@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_unsharded_close, run_sharded, run_world
+from dist_utils import assert_group_usable, assert_unsharded_close, run_sharded, run_world
 from longattn import masks, tuning
 from longattn.flex import exchange
 from longattn.flex.exchange import TorchPiece, choose_engine
@@ -100,6 +100,11 @@ def test_exchange_every_block_heavy(world):
     run_world(_check_all_heavy, world)
 
 
+def _flaky_mask(b, h, q_idx, kv_idx):
+    """The same function on every rank, but rank 1 returns positions instead of a mask."""
+    return q_idx - kv_idx if dist.get_rank() == 1 else kv_idx <= q_idx
+
+
 def _check_bad_engine(rank, world):
     q = torch.randn(B, 16, H, D)
     with pytest.raises(ValueError, match="engine='exchange ': choose one of"):
@@ -107,6 +112,13 @@ def _check_bad_engine(rank, world):
     # no collective ran: the next call's first one is the consistency check on every rank
     with pytest.raises(ValueError, match="engine='exchange' cannot run this call: score_mod"):
         longattn.ring_flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: s, engine="exchange")
+    # ranks that pass different engines, or whose planning fails on one rank only, raise on every rank
+    with pytest.raises(ValueError, match="differ across ranks"):
+        longattn.ring_flex_attention(q, q, q, engine="ring" if rank else "exchange")
+    want = (TypeError, "must return a bool tensor") if rank == 1 else (ValueError, r"rank\(s\) \[1\] of the group")
+    with pytest.raises(want[0], match=want[1]):
+        longattn.ring_flex_attention(q, q, q, mask_mod=_flaky_mask, layout="contiguous", engine="exchange")
+    assert_group_usable(world)
     out = longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal(), engine="exchange")
     torch.testing.assert_close(out, longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal(), engine="ring"))
 
