@@ -131,14 +131,19 @@ def test_bad_engine_raises_before_any_collective():
 def test_choose_engine():
     never = lambda: pytest.fail("planned where the choice does not need it")
     assert choose_engine("ring", [], never) == "ring"
-    assert choose_engine("exchange", [], never) == "exchange"
     assert choose_engine("auto", ["score_mod"], never) == "ring"
-    assert choose_engine("auto", [], lambda: (["dense"], 1, 100)) == "ring"
-    assert choose_engine("auto", [], lambda: ([], 10, 100)) == "exchange"
-    assert choose_engine("auto", [], lambda: ([], 30, 100)) == "ring"
-    assert choose_engine("auto", [], lambda: ([], 30, 100), tuning.FlexExchangeTuning(max_traffic=0.5)) == "exchange"
+    fits = lambda sent, dense=(): lambda: ([], list(dense), sent, 100)
+    assert choose_engine("exchange", [], fits(1000, ["dense"])) == "exchange"
+    assert choose_engine("auto", [], fits(1, ["dense"])) == "ring"
+    assert choose_engine("auto", [], fits(10)) == "exchange"
+    assert choose_engine("auto", [], fits(30)) == "ring"
+    assert choose_engine("auto", [], fits(30), tuning.FlexExchangeTuning(max_traffic=0.5)) == "exchange"
     with pytest.raises(ValueError, match="engine='exchange' cannot run"):
         choose_engine("exchange", ["score_mod is given"], never)
+    mixed = lambda: (["the ranks' query blocks differ"], [], 1, 100)
+    assert choose_engine("auto", [], mixed) == "ring"
+    with pytest.raises(ValueError, match="query blocks differ"):
+        choose_engine("exchange", [], mixed)
     with pytest.raises(ValueError, match="engine='fast'"):
         choose_engine("fast", [], never)
 

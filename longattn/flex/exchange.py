@@ -19,8 +19,9 @@ Every (row, key) pair is computed exactly once; partials merge by lse in
 float32 as in the ring. The backward ships the heavy rows' dout, the MERGED
 out, lse and dlse; each executor's backward from the merged statistics gives
 its exact share of dq, dk, dv, and the halo's dk/dv and the shipped rows' dq
-return to their owners. Four ``all_to_all_single`` per pass (the Q / K/V
-ones skipped where no rank moves any), on gloo and NCCL alike.
+return to their owners. Three ``all_to_all_single`` per pass, each one byte
+buffer of whatever it carries (skipped where no rank moves any such rows),
+one in flight at a time, on gloo and NCCL alike.
 
 Executors: FA4 with the pattern's form at the pieces' global positions where
 FA4 runs the pattern, else :class:`TorchPiece` (dense scores: small shapes).
@@ -55,15 +56,17 @@ def choose_engine(engine: str, cannot: list, facts: Callable[[], tuple],
                   tuning: tn.FlexExchangeTuning = tn.FLEX_EXCHANGE) -> str:
     """The engine of a ``ring_flex_attention`` call: "ring" or "exchange" (the one decision).
 
-    ``cannot``: why the exchange cannot run this call (forced: ValueError,
-    the same on every rank); ``facts()`` -> (why it would run the dense
-    PyTorch executor, where ``auto`` keeps the ring; the most bytes a rank
-    of the exchange sends; the ring's per rank), forward + backward, agreed
-    by every rank: called only where needed (it plans, with collectives on
-    first use, identically on every rank)."""
+    ``cannot``: why the exchange cannot run this call, known without
+    planning (the same on every rank); ``facts()`` -> (why it cannot, found by
+    planning; why it would run the dense PyTorch executor, where ``auto``
+    keeps the ring; the most bytes a rank of the exchange sends; the ring's
+    per rank), forward + backward, agreed by every rank: called only where
+    needed (it plans, with collectives on first use, on every rank alike).
+    Where the exchange cannot run, ``engine="exchange"`` raises ValueError."""
     check_engine(engine)
     if engine == "ring":
         return "ring"
+    cannot = cannot or facts()[0]
     if cannot:
         if engine == "exchange":
             raise ValueError(f"engine='exchange' cannot run this call: {'; '.join(cannot)}. Use engine='ring' "
@@ -71,7 +74,7 @@ def choose_engine(engine: str, cannot: list, facts: Callable[[], tuple],
         return "ring"
     if engine == "exchange":
         return "exchange"
-    dense, sent, ring = facts()
+    _, dense, sent, ring = facts()
     if dense:
         return "ring"
     return "exchange" if sent < tuning.max_traffic * ring else "ring"
@@ -161,7 +164,10 @@ class ExchangePlan:
     executors ``own`` (my rows x my keys), ``halo[p]`` (my rows x p's halo,
     my heavy blocks against p cleared), ``serve[p]`` (p's shipped rows x my
     keys). ``traffic``: (most bytes a rank sends, the ring's per rank),
-    forward + backward; ``moves_q`` / ``moves_kv``: any rank ships query rows / K/V."""
+    forward + backward; ``moves_q`` / ``moves_kv``: any rank ships query
+    rows / K/V; ``dense``: why the executors would be the dense PyTorch ones
+    on a GPU (empty: FA4 runs them, or the CPU); ``cannot``: why the
+    ranks' plans do not fit together (empty: they do)."""
 
     ship: list
     q_in: list
@@ -174,6 +180,7 @@ class ExchangePlan:
     moves_q: bool
     moves_kv: bool
     dense: list
+    cannot: list
 
 
 def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning):
@@ -212,7 +219,7 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
     sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row
             + n(q_in) * (2 * q_row + lse_row) + n(halo_in) * kv_row)
-    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, (), False, False, [])
+    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, (), False, False, [], [])
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 
@@ -221,40 +228,42 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
     """The exchange plan of this call, or None where :func:`choose_engine`
     picks the ring. Planned once per (shape, pattern, layout, group, kernel,
     tuning) and cached; on first use two small collectives: every rank's
-    planning agreed (a failure on one rank, or ranks that would run different
-    executors, raise on every rank) and the traffic of every rank."""
+    planning agreed (a failure on one rank raises on every rank) and every
+    rank's traffic and query block."""
     cannot = ["score_mod is given: the exchange's executors take masks only"] if score_mod is not None else []
     key = ("exchange", pattern_key(mask_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), layout,
            checks.group_name(group), kernel, tuning)
 
     def make():
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        problem, plan, stats, block, use_fa4 = None, None, [0, 1, 0, 0], None, None
+        problem, plan, stats, use_fa4 = None, None, [0, 1, 0, 0], False
         try:  # FA4's choice reads the machine: inside the agreement, as the planning
             use_fa4 = fa4.choose(q, k, k, mask_mod, score_mod, kernel) == "fa4"
             cap = fa4.KERNEL.capability(q.device)[0] if use_fa4 else None
-            block = blocks.sparse_block(cap, q.shape[1]) if use_fa4 else fp.BLOCK_SIZE
             plan, stats = _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning)
         except Exception as e:  # noqa: BLE001 - raised by agree, on this rank; the others name it
             problem = e
-        # heavy blocks are planned at the query block on both sides of a pair: the ranks' blocks must match
-        checks.agree(group, "ring_flex_attention (planning the exchange)", problem, block=block, fa4=use_fa4)
-        t = torch.tensor(stats, dtype=torch.int64, device=q.device)
+        checks.agree(group, "ring_flex_attention (planning the exchange)", problem)
+        bq = blocks.sparse_block(cap, q.shape[1])[0] if use_fa4 else fp.BLOCK_SIZE
+        t = torch.tensor(stats + [bq, use_fa4], dtype=torch.int64, device=q.device)
         got = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(got, t, group=group)
-        sent, steps, nq, nkv = zip(*torch.stack(got).cpu().tolist())
+        sent, steps, nq, nkv, bqs, fa4s = zip(*torch.stack(got).cpu().tolist())
         kv_shard = 2 * k.numel() * k.element_size()
         plan.traffic = (max(sent), 3 * (max(steps) - 1) * kv_shard)  # the ring: K/V forward, K/V and dK/dV back
         plan.moves_q, plan.moves_kv = sum(nq) > 0, sum(nkv) > 0
-        plan.dense = [] if use_fa4 or q.device.type == "cpu" else [
-            "FA4 does not run this pattern here and the exchange's PyTorch executor materialises scores"]
+        # heavy blocks are planned at the query block on both sides of a pair: every rank's must match
+        plan.cannot = [] if len(set(bqs)) == 1 else [f"the ranks' query blocks differ ({list(bqs)} rows: FA4 on "
+                                                     f"some GPUs, not on others)"]
+        plan.dense = [] if min(fa4s) or q.device.type == "cpu" else [
+            "FA4 does not run this pattern on every rank and the exchange's PyTorch executor materialises scores"]
         return plan
     plan = None
 
     def facts():
         nonlocal plan
         plan = _PLANS.get_or(key, make)
-        return (plan.dense, *plan.traffic)
+        return (plan.cannot, plan.dense, *plan.traffic)
     if choose_engine(engine, cannot, facts, tuning) == "ring":
         return None
     facts()
