@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_group_usable, assert_unsharded_close, run_sharded, run_world
+from dist_utils import assert_group_usable, assert_unsharded_close, generator, run_sharded, run_world
 from longattn import masks, tuning
 from longattn.flex import exchange
 from longattn.flex.exchange import TorchPiece, choose_engine
@@ -30,11 +30,11 @@ def patterns(world):
     ]
 
 
-def _compare(tag, world, layout, mask, hkv, engine="exchange", seed=7):
-    s = world * L
+def _compare(tag, world, layout, mask, hkv, engine="exchange", seed=7, batch=B, local=L):
+    s = world * local
     torch.manual_seed(seed)
-    q, k, v = torch.randn(B, s, H, D), torch.randn(B, s, hkv, D), torch.randn(B, s, hkv, D)
-    do, dl = torch.randn(B, s, H, D), torch.randn(B, H, s)
+    q, k, v = torch.randn(batch, s, H, D), torch.randn(batch, s, hkv, D), torch.randn(batch, s, hkv, D)
+    do, dl = torch.randn(batch, s, H, D), torch.randn(batch, H, s)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
     ro, rl = flex_ref(qr, kr, vr, mask)
     dl = torch.where(torch.isfinite(rl), dl, 0).float()
@@ -55,6 +55,25 @@ def _check_patterns(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_exchange_matches_reference(world):
     run_world(_check_patterns, world)
+
+
+def _own_mask(b, h, q_idx, kv_idx):
+    """A mask of the user's own (no pattern key, no FA4 form)."""
+    return ((q_idx - kv_idx).abs() < 40) | (q_idx % 97 == 0)
+
+
+def _check_other_masks(rank, world):
+    """Masks that depend on the head, a function of the user's own, no mask; two batch rows."""
+    s = world * 256
+    layout = torch.rand(H, s // 32, s // 32, generator=generator(1)) < 0.2
+    for name, mask in (("block-sparse per head", masks.block_sparse(layout, 32)), ("own mask", _own_mask),
+                       ("no mask", None)):
+        _compare(f"world={world} {name}", world, "contiguous", mask, 2, batch=2, local=256)
+
+
+@pytest.mark.dist
+def test_exchange_other_masks():
+    run_world(_check_other_masks, 3)
 
 
 def _plan(q, mask, layout="contiguous", engine="exchange"):

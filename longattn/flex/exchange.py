@@ -328,10 +328,6 @@ def _merge_rows(out, lse, rows, o, l_):
     out[:, rows], lse[:, rows] = so, sl
 
 
-def _split_kv(kv: torch.Tensor, d: int) -> tuple:
-    return kv[..., :d].contiguous(), kv[..., d:].contiguous()
-
-
 class ExchangeFlex(torch.autograd.Function):
     """(out, lse) of the exchange over ``plan`` (see the module docstring).
     Each pass overlaps one exchange with the pieces that do not need it."""
@@ -339,20 +335,19 @@ class ExchangeFlex(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: ExchangePlan, group):
         ctx.set_materialize_grads(False)
-        b, length, h, d = q.shape
+        b, length, h, _ = q.shape
         dev, n = q.device, lambda rows: [len(r) for r in rows]
-        kv = torch.cat([k, v], -1)
-        xkv = _Exchange([[kv[:, r]] for r in plan.halo_send], n(plan.halo_in), [_spec(kv)], b, group, plan.moves_kv,
-                        dev)
+        xkv = _Exchange([[k[:, r], v[:, r]] for r in plan.halo_send], n(plan.halo_in), [_spec(k), _spec(v)], b, group,
+                        plan.moves_kv, dev)
         out = torch.zeros(b, length, h, v.shape[-1], dtype=torch.float32, device=dev)
         lse = torch.full((b, length, h), float("-inf"), dtype=torch.float32, device=dev)
         if plan.own is not None:
             _merge_rows(out, lse, None, *plan.own.forward(q, k, v))
         halos = xkv.wait()
         xq = _Exchange([[q[:, r]] for r in plan.ship], n(plan.q_in), [_spec(q)], b, group, plan.moves_q, dev)
-        for run, (kvh,) in zip(plan.halo, halos):
+        for run, (kh, vh) in zip(plan.halo, halos):
             if run is not None:
-                _merge_rows(out, lse, None, *run.forward(q, *_split_kv(kvh, d)))
+                _merge_rows(out, lse, None, *run.forward(q, kh, vh))
         parts = []
         for run, (qr,) in zip(plan.serve, xq.wait()):
             o, l_ = run.forward(qr, k, v) if run is not None else (
@@ -372,28 +367,27 @@ class ExchangeFlex(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, kvbuf, qbuf = ctx.saved_tensors
         plan, group = ctx.plan, ctx.group
-        b, d, dev, n = q.shape[0], k.shape[-1], q.device, lambda rows: [len(r) for r in rows]
+        b, dev, n = q.shape[0], q.device, lambda rows: [len(r) for r in rows]
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
         stats = torch.stack([lse, dlse], -1).transpose(1, 2)  # (B, L, H, 2)
         xo = _Exchange([[dout[:, r], out[:, r], stats[:, r]] for r in plan.ship], n(plan.q_in),
                        [_spec(dout), _spec(out), _spec(stats)], b, group, plan.moves_q, dev)
-        kv = torch.cat([k, v], -1)
-        dq, dkv = (torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (q, kv))
+        kv_spec = [_spec(k), _spec(v)]
+        dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (q, k, v))
         if plan.own is not None:
-            g = plan.own.backward(dout, q, k, v, out, lse, dlse)
-            dq += g[0]
-            dkv += torch.cat(g[1:], -1)
+            for acc, g in zip((dq, dk, dv), plan.own.backward(dout, q, k, v, out, lse, dlse)):
+                acc += g
         halo_grads = []
-        for run, (kvh,) in zip(plan.halo, _unpack(kvbuf, n(plan.halo_in), [_spec(kv)], b)):
+        for run, (kh, vh) in zip(plan.halo, _unpack(kvbuf, n(plan.halo_in), kv_spec, b)):
             if run is None:
-                halo_grads.append([torch.zeros_like(kvh)])
+                halo_grads.append([torch.zeros_like(kh), torch.zeros_like(vh)])
                 continue
-            g = run.backward(dout, q, *_split_kv(kvh, d), out, lse, dlse)
+            g = run.backward(dout, q, kh, vh, out, lse, dlse)
             dq += g[0]
-            halo_grads.append([torch.cat(g[1:], -1).to(kv.dtype)])
+            halo_grads.append([g[1].to(k.dtype), g[2].to(v.dtype)])
         shipped = xo.wait()
-        xdkv = _Exchange(halo_grads, n(plan.halo_send), [_spec(kv)], b, group, plan.moves_kv, dev)
+        xdkv = _Exchange(halo_grads, n(plan.halo_send), kv_spec, b, group, plan.moves_kv, dev)
         dq_back = []
         for run, (qr,), (do, o, st) in zip(plan.serve, _unpack(qbuf, n(plan.q_in), [_spec(q)], b), shipped):
             if run is None:
@@ -402,12 +396,14 @@ class ExchangeFlex(torch.autograd.Function):
             ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
             g = run.backward(do, qr, k, v, o, ls, dls)
             dq_back.append([g[0].to(q.dtype)])
-            dkv += torch.cat(g[1:], -1)
-        for rows, (g,) in zip(plan.halo_send, xdkv.wait()):
+            dk += g[1]
+            dv += g[2]
+        for rows, (gk, gv) in zip(plan.halo_send, xdkv.wait()):
             if len(rows):
-                dkv.index_add_(1, rows, g.float())
+                dk.index_add_(1, rows, gk.float())
+                dv.index_add_(1, rows, gv.float())
         xdq = _Exchange(dq_back, n(plan.ship), [_spec(q)], b, group, plan.moves_q, dev)
         for rows, (g,) in zip(plan.ship, xdq.wait()):
             if len(rows):
                 dq.index_add_(1, rows, g.float())
-        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
