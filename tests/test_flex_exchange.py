@@ -3,6 +3,8 @@ rows) on gloo in spawned processes against the float64 single-device
 reference (outputs, lse, all gradients); its plan (heavy query blocks,
 traffic against the ring's) and the engine choice; a pattern where every
 block is heavy; bad ``engine`` values."""
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,6 +76,33 @@ def _check_other_masks(rank, world):
 @pytest.mark.dist
 def test_exchange_other_masks():
     run_world(_check_other_masks, 3)
+
+
+def _check_fa4_stand_in(rank, world, cap):
+    """The FA4 executors (cleared tables, FA4's block-sparse tensors, the pattern's form at positions) through
+    test_flex_fa4's stand-in for FA4's interface, at sm_90's 128-row and sm_100's 256-row query blocks."""
+    import test_flex_fa4 as F
+    from longattn.flex import blocks, fa4
+
+    ns = types.SimpleNamespace(interface=F._MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
+    fa4._fa4 = lambda: ns
+    fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
+                               _body(b, h, q, k, aux))
+    fa4.KERNEL.capability = lambda device: (cap, 0)
+    fa4.KERNEL.refusals = lambda q, k, v, m, s: [] if s is None and (m is None or m.fa4 is not None) else ["flex"]
+    mask = masks.local_global(64, 16)
+    plan = _plan(torch.randn(B, L, H, D), mask, layout="zigzag")
+    assert isinstance(plan.own, fa4.RingStep) and plan.own.step.block == blocks.sparse_block(cap, L)
+    # rank 0's first query block (the global rows) is heavy against every peer, at the executor's query block
+    assert [len(r) for r in plan.ship] == [0 if rank or p == 0 else plan.own.step.block[0] for p in range(world)]
+    for name, mask, hkv in patterns(world)[:2] + [("no mask", None, 2)]:
+        _compare(f"world={world} sm_{cap}0 {name}", world, "zigzag", mask, hkv)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,cap", [(2, 9), (3, 10)])
+def test_exchange_through_fa4_stand_in(world, cap):
+    run_world(_check_fa4_stand_in, world, cap)
 
 
 def _plan(q, mask, layout="contiguous", engine="exchange"):
