@@ -348,6 +348,11 @@ class FlexExchangeTuning:
     heavy_min_blocks: int = measured(
         4, f"pending measurement: a query block is shipped only where it sees at least this many key blocks of "
            f"the peer (fewer are cheaper fetched); measure with {_EXCHANGE_CMD}")
+    ship_ratio: float = measured(
+        1.0, f"pending measurement: a pair's heavy query blocks are shipped only where their bytes (q, dout, out "
+             f"there; out and dq back) stay under this ratio of the bytes of the key blocks only they see (K/V "
+             f"there, dK/dV back); above 1 ships more readily (shipped rows also move their compute to the peer), "
+             f"inf ships every heavy block; measure with {_EXCHANGE_CMD}")
     max_traffic: float = measured(
         0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
@@ -360,6 +365,8 @@ class FlexExchangeTuning:
             raise ValueError(f"FlexExchangeTuning.heavy_fraction must be in [0, 1], got {self.heavy_fraction!r}")
         if not isinstance(self.heavy_min_blocks, int) or self.heavy_min_blocks < 1:
             raise ValueError(f"FlexExchangeTuning.heavy_min_blocks must be an int >= 1, got {self.heavy_min_blocks!r}")
+        if not self.ship_ratio >= 0:
+            raise ValueError(f"FlexExchangeTuning.ship_ratio must be >= 0, got {self.ship_ratio!r}")
         if not self.max_traffic >= 0:
             raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
 

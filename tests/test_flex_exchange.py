@@ -13,7 +13,7 @@ import longattn
 from dist_utils import assert_group_usable, assert_unsharded_close, generator, run_sharded, run_world
 from longattn import masks, tuning
 from longattn.flex import exchange
-from longattn.flex.exchange import TorchPiece, choose_engine
+from longattn.flex.exchange import ExchangeFlex, TorchPiece, choose_engine
 from reference import flex_ref
 
 TOL = 1e-4
@@ -32,7 +32,7 @@ def patterns(world):
     ]
 
 
-def _compare(tag, world, layout, mask, hkv, engine="exchange", seed=7, batch=B, local=L):
+def _compare(tag, world, layout, mask, hkv, engine="exchange", seed=7, batch=B, local=L, op=None):
     s = world * local
     torch.manual_seed(seed)
     q, k, v = torch.randn(batch, s, H, D), torch.randn(batch, s, hkv, D), torch.randn(batch, s, hkv, D)
@@ -41,8 +41,9 @@ def _compare(tag, world, layout, mask, hkv, engine="exchange", seed=7, batch=B, 
     ro, rl = flex_ref(qr, kr, vr, mask)
     dl = torch.where(torch.isfinite(rl), dl, 0).float()
     ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
-    us, out, lse, grads = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask,
-                                      engine=engine)
+    kw = dict(engine=engine) if op is None else {}
+    us, out, lse, grads = run_sharded(op or longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask,
+                                      **kw)
     assert out.grad_fn is not None and "ExchangeFlex" in type(out.grad_fn).__name__
     assert_unsharded_close(tag, us, out, lse, grads, ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
 
@@ -51,6 +52,10 @@ def _check_patterns(rank, world):
     for layout in ("zigzag", "contiguous"):
         for name, mask, hkv in patterns(world):
             _compare(f"world={world} {layout} {name} hkv={hkv}", world, layout, mask, hkv)
+        # the plan those calls ran: halos fetched, the global rows shipped (but at 2 zigzag ranks, whose window
+        # halo covers half of the peer's key blocks: fetching the other two costs fewer bytes)
+        plan = _plan(torch.randn(B, L, H, D), patterns(world)[0][1], layout, k=torch.randn(B, L, 2, D))
+        assert plan.moves_q == (world > 2 or layout == "contiguous") and plan.moves_kv
 
 
 @pytest.mark.dist
@@ -95,8 +100,10 @@ def _check_fa4_stand_in(rank, world, cap):
     assert isinstance(plan.own, fa4.RingStep) and plan.own.step.block == blocks.sparse_block(cap, L)
     # rank 0's first query block (the global rows) is heavy against every peer, at the executor's query block
     assert [len(r) for r in plan.ship] == [0 if rank or p == 0 else plan.own.step.block[0] for p in range(world)]
-    for name, mask, hkv in patterns(world)[:2] + [("no mask", None, 2)]:
+    _compare(f"world={world} sm_{cap}0 local + global", world, "zigzag", mask, H)  # the plan above
+    for name, mask, hkv in patterns(world)[1:2] + [("no mask", None, 2)]:
         _compare(f"world={world} sm_{cap}0 {name}", world, "zigzag", mask, hkv)
+    _compare(f"world={world} sm_{cap}0 no mask, shipped", world, "zigzag", None, 2, op=_exchange_with(SHIP_ALL))
 
 
 @pytest.mark.dist
@@ -105,8 +112,20 @@ def test_exchange_through_fa4_stand_in(world, cap):
     run_world(_check_fa4_stand_in, world, cap)
 
 
-def _plan(q, mask, layout="contiguous", engine="exchange"):
-    return exchange.plan_for(q, q, mask, None, layout, D ** -0.5, dist.group.WORLD, "auto", engine)
+def _plan(q, mask, layout="contiguous", engine="exchange", tune=tuning.FLEX_EXCHANGE, k=None):
+    return exchange.plan_for(q, q if k is None else k, mask, None, layout, D ** -0.5, dist.group.WORLD, "auto",
+                             engine, tune)
+
+
+SHIP_ALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"))
+"""Every query block over the threshold shipped, whatever the bytes."""
+
+
+def _exchange_with(tune):
+    """ring_flex_attention's exchange under another tuning (the public op takes the default)."""
+    def op(q, k, v, layout, return_lse, mask_mod):
+        return ExchangeFlex.apply(q, k, v, _plan(q, mask_mod, layout, tune=tune, k=k), dist.group.WORLD)
+    return op
 
 
 def _check_plan(rank, world):
@@ -134,12 +153,17 @@ def test_exchange_plan_and_engine_choice():
 
 
 def _check_all_heavy(rank, world):
-    """No mask: every query block of every rank is heavy against every peer (all rows shipped, no halo)."""
-    plan = _plan(torch.randn(B, L, H, D), None, layout="zigzag")
+    """No mask: every query block of every rank is heavy against every peer (all rows shipped, no halo) where
+    shipping is not weighed against fetching; by default the K/V are fetched instead (fewer bytes)."""
+    q = torch.randn(B, L, H, D)
+    plan = _plan(q, None, layout="zigzag", tune=SHIP_ALL)
     assert all(len(r) == (0 if p == rank else L) for p, r in enumerate(plan.ship))
     assert not plan.moves_kv and sum(len(r) for r in plan.halo_in) == 0
-    _compare(f"world={world} no mask", world, "zigzag", None, 2)
-    _compare(f"world={world} causal", world, "contiguous", masks.causal(), 1)
+    fetch = _plan(q, None, layout="zigzag")
+    assert not fetch.moves_q and all(len(r) == (0 if p == rank else L) for p, r in enumerate(fetch.halo_in))
+    _compare(f"world={world} no mask", world, "zigzag", None, 2, op=_exchange_with(SHIP_ALL))
+    _compare(f"world={world} causal", world, "contiguous", masks.causal(), 1, op=_exchange_with(SHIP_ALL))
+    _compare(f"world={world} causal, fetched", world, "contiguous", masks.causal(), 1)
 
 
 @pytest.mark.dist

@@ -183,12 +183,21 @@ class ExchangePlan:
     cannot: list
 
 
-def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning):
-    """(heavy query blocks, needed key blocks) of one pair's table, over every batch row and head."""
+def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning, bq: int, ship_row: int, fetch_row: int):
+    """(heavy query blocks, needed key blocks) of one pair's table, over every
+    batch row and head. The heavy blocks are shipped only where their rows'
+    bytes (``ship_row`` each, both ways) stay under ``ship_ratio`` of the
+    bytes of the key blocks only they see (``fetch_row`` a key, both ways):
+    rows that share the key blocks they see (a long document across a shard
+    edge) are cheaper served by one halo."""
     vis = (t.partial | t.full).flatten(0, 1).any(0)
     cnt = vis.sum(1)
     heavy = (cnt > tuning.heavy_fraction * vis.shape[1]) & (cnt >= tuning.heavy_min_blocks)
-    return heavy.nonzero().flatten(), vis[~heavy].any(0).nonzero().flatten()
+    need = vis[~heavy].any(0)
+    saved = int((vis[heavy].any(0) & ~need).sum()) * fp.BLOCK_SIZE * fetch_row
+    if int(heavy.sum()) * bq * ship_row >= tuning.ship_ratio * saved:
+        heavy, need = torch.zeros_like(heavy), vis.any(0)
+    return heavy.nonzero().flatten(), need.nonzero().flatten()
 
 
 def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
@@ -197,7 +206,11 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     dev, hkv = q.device, k.shape[2]
     pos = [fp.global_positions(layout, r, world, length, dev) for r in range(world)]
     bq = blocks.sparse_block(cap, length)[0] if cap is not None else fp.BLOCK_SIZE
-    split = lambda r, s: _split(fp.block_table(mask_mod, b, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE)), tuning)
+    es = q.element_size()
+    q_row, kv_row, lse_row = b * h * d * es, 2 * b * hkv * d * es, b * h * 4
+    # a shipped row: q, dout and out there, out and dq back, 3 lse; a fetched key: K/V there, dK/dV back
+    split = lambda r, s: _split(fp.block_table(mask_mod, b, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE)), tuning, bq,
+                                5 * q_row + 3 * lse_row, 2 * kv_row)
     none = torch.zeros(0, dtype=torch.long, device=dev)
     ship, q_in, halo_send, halo_in = ([none] * world for _ in range(4))
     halo, serve, need = [None] * world, [None] * world, 0
@@ -213,8 +226,6 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
         q_in[p], halo_send[p] = _rows(heavy, bq, length), _rows(keys, fp.BLOCK_SIZE, length)
         serve[p] = _executor(mask_mod, pos[p][q_in[p]], pos[rank], b, h, scale, cap)
     own = _executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
-    es = q.element_size()
-    q_row, kv_row, lse_row = b * h * d * es, 2 * b * hkv * d * es, b * h * 4
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
     sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row
