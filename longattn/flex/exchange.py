@@ -8,9 +8,11 @@ from the block table of r's rows against s's keys (``plan.block_table`` at
 128-key blocks, query blocks of the executor's sparse block):
 
 * heavy query blocks of r against s: more than ``heavy_fraction`` of s's key
-  blocks visible (and at least ``heavy_min_blocks``). r ships those rows to
-  s, which computes them against all its keys and returns a partial
-  (out, lse);
+  blocks visible (and at least ``heavy_min_blocks``), where shipping them
+  moves fewer bytes than fetching the key blocks only they see
+  (``ship_ratio``; :class:`longattn.tuning.FlexExchangeTuning`). r ships
+  those rows to s, which computes them against all its keys and returns a
+  partial (out, lse);
 * needed key blocks of s for r: seen by a non-heavy query block of r. s
   ships those K/V rows (the halo) to r, which computes its rows against them
   with the heavy blocks cleared from that table (s computes those pairs).
