@@ -270,9 +270,9 @@ def test_dist_flex_under_torchrun(tmp_path):
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {r["impl"]: r for r in json.loads(path.read_text())["results"]}
-    assert list(rows) == ["single:longattn-flex", "flex-ring", "flex-ring-contiguous", "torch-cp-flex"]
+    assert list(rows) == ["single:longattn-flex", "flex-ring", "flex-ring-contiguous", "flex-exchange", "torch-cp-flex"]
     assert rows["single:longattn-flex"]["status"] == "ok" and rows["single:longattn-flex"]["fwd_bwd_ms"] > 0
-    for impl in ("flex-ring", "flex-ring-contiguous"):
+    for impl in ("flex-ring", "flex-ring-contiguous", "flex-exchange"):
         r = rows[impl]
         assert r["status"] == "ok" and r["efficiency_fwd"] > 0 and r["efficiency_fwd_bwd"] > 0, r
         assert "mask=causal_document" in r["shape"] and r["fwd_flops"] < 4 * 2 * 64 * 512 * 512 / 2

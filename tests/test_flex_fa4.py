@@ -535,7 +535,8 @@ def _ring_worker(rank, world):
             qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
             ro, rl = flex_ref(qr, kr, vr, mask, score)
             ((ro * do).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl).sum()).backward()
-            res = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask, score_mod=score)
+            res = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask, score_mod=score,
+                              engine="ring")
             assert_unsharded_close(f"{layout} {name}", *res, ro, rl, (qr.grad, kr.grad, vr.grad), 1e-4)
     assert built, "no ring step ran through FA4's executor"
 

@@ -97,7 +97,7 @@ def _check_schedule(rank, world):
     op = _CountingOp()
     out, lse, _ = ring_forward(q, k, v, causal, op, ring_transport(dist.group.WORLD))
     assert op.calls == rank + 1  # the empty steps computed nothing (their blocks still moved on)
-    want = longattn.ring_flex_attention(q, k, v, mask_mod=masks.causal(), layout="contiguous")
+    want = longattn.ring_flex_attention(q, k, v, mask_mod=masks.causal(), layout="contiguous", engine="ring")
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     # a causal window of 5 sees at most the previous shard: the ring ends after 2 of 3 steps,
     # and the forward sends K/V once
@@ -105,19 +105,19 @@ def _check_schedule(rank, world):
     assert window.steps == 2 and bool(window.calls((rank - 1) % world)) == (rank > 0)
     sent = transport.traffic["bytes_sent"]
     with torch.no_grad():
-        longattn.ring_flex_attention(q, k, v, mask_mod=masks.sliding_window(5, 0), layout="contiguous")
+        longattn.ring_flex_attention(q, k, v, mask_mod=masks.sliding_window(5, 0), layout="contiguous", engine="ring")
     assert transport.traffic["bytes_sent"] - sent == 2 * k.numel() * k.element_size()
     # documents within shards: one step, nothing sent at all (forward and backward)
     docs = masks.document(torch.arange(8 * world) // 8)
     assert run(docs).steps == 1
     sent = transport.traffic["bytes_sent"]
     qg = q.clone().requires_grad_()
-    longattn.ring_flex_attention(qg, k, v, mask_mod=docs, layout="contiguous").sum().backward()
+    longattn.ring_flex_attention(qg, k, v, mask_mod=docs, layout="contiguous", engine="ring").sum().backward()
     assert transport.traffic["bytes_sent"] == sent and qg.grad is not None
     # the backward runs the graphs the forward recorded (one per computed step) with the merged out and lse: no
     # FlexAttention forward runs in it, and those graphs keep no tensor of a shard's size (no q, K/V block, out)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = longattn.ring_flex_attention(*xs, mask_mod=masks.causal(), layout="contiguous")
+    out = longattn.ring_flex_attention(*xs, mask_mod=masks.causal(), layout="contiguous", engine="ring")
     graphs = out.grad_fn.op.graphs.values()
     assert len(graphs) == rank + 1
     assert max(s.tensor.numel() for g in graphs for s in g.saved if s.name is None) < q[0, :, :, 0].numel()
@@ -181,7 +181,7 @@ def _check_second_backward(rank, world):
     q, k, v = (torch.randn(1, L, 2, D) for _ in range(3))
     do = torch.randn(1, L, 2, D)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = longattn.ring_flex_attention(*xs, mask_mod=masks.causal())
+    out = longattn.ring_flex_attention(*xs, mask_mod=masks.causal(), engine="ring")
     out.backward(do, retain_graph=True)
     first = [x.grad.clone() for x in xs]
     for x in xs:
@@ -204,7 +204,7 @@ def _check_under_saved_tensor_hooks(rank, world):
 
     g = generator(rank)
     q, k, v = (torch.randn(1, 64, 2, 16, generator=g, requires_grad=True) for _ in range(3))
-    fn = lambda q, k, v: longattn.ring_flex_attention(q, k, v, mask_mod=masks.causal())
+    fn = lambda q, k, v: longattn.ring_flex_attention(q, k, v, mask_mod=masks.causal(), engine="ring")
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         out = fn(q, k, v)
     assert out.grad_fn.kept == []  # nothing escapes the hooks: the backward fetches its first block again
@@ -267,7 +267,7 @@ def _check_gpu_peak(rank, world, name, want):
         transport.release_slots()
 
         def step():
-            longattn.ring_flex_attention(*xs, mask_mod=mask).backward(do)
+            longattn.ring_flex_attention(*xs, mask_mod=mask, engine="ring").backward(do)
             for x in xs:
                 x.grad = None
         step()

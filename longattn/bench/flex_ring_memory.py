@@ -129,7 +129,7 @@ def measure(pattern: str, world: int, rank: int, seqlen: int, heads: int, head_d
     shard = q.numel() * q.element_size()
     mask = patterns(seqlen)[pattern]
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    call = lambda *x: longattn.ring_flex_attention(*x, mask_mod=mask, layout=layout)
+    call = lambda *x: longattn.ring_flex_attention(*x, mask_mod=mask, layout=layout, engine="ring")
     res = {}
     with modelled(transport_name):
         for _ in range(2):  # plans, block masks and the slots are made here

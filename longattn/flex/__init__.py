@@ -14,6 +14,10 @@ FlexAttention ``mask_mod`` / ``score_mod`` on global positions.
 * :mod:`.fa4` — FA4 with that form: the kernel choice (``explain_flex``), the
   one-device call and each ring step's executor; the only module that reaches
   into FA4's mask internals.
+* :mod:`.exchange` — the other engine of ``ring_flex_attention`` (``engine=``):
+  sparse K/V halos and heavy query rows shipped to the keys' rank in place of
+  the ring, chosen where it moves a fraction of the ring's bytes
+  (``tuning.FLEX_EXCHANGE``).
 
 The ring is :mod:`longattn.distributed.ring` with one call per step whose
 executor runs FlexAttention on (local queries x the visiting K/V block) under

@@ -114,7 +114,9 @@ class TorchPiece:
         do = dout.to(dt)
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
         dp = torch.einsum("bqhd,bkhd->bhqk", do, v.to(dt).repeat_interleave(g, 2))
-        delta = (do * out.to(dt)).sum(-1).transpose(1, 2) - dlse.to(dt)  # d lse adds p * dlse to dS
+        delta = (do * out.to(dt)).sum(-1).transpose(1, 2)
+        if dlse is not None:  # d lse adds p * dlse to dS
+            delta = delta - dlse.to(dt)
         ds = p * (dp - delta[..., None])
         dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * self.scale
         dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(dt)) * self.scale
@@ -382,8 +384,11 @@ class ExchangeFlex(torch.autograd.Function):
         plan, group = ctx.plan, ctx.group
         b, dev, n = q.shape[0], q.device, lambda rows: [len(r) for r in rows]
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
-        stats = torch.stack([lse, dlse], -1).transpose(1, 2)  # (B, L, H, 2)
+        # no lse gradient (the usual case): None to this rank's own executors, so FA4 skips its dlse path (the
+        # shipped rows' calls take the owner's, zeros or not: another rank may have one)
+        has_dlse = dlse is not None
+        dlse = dlse.float() if has_dlse else None
+        stats = torch.stack([lse, dlse if has_dlse else torch.zeros_like(lse)], -1).transpose(1, 2)  # (B, L, H, 2)
         xo = _Exchange([[dout[:, r], out[:, r], stats[:, r]] for r in plan.ship], n(plan.q_in),
                        [_spec(dout), _spec(out), _spec(stats)], b, group, plan.moves_q, dev)
         kv_spec = [_spec(k), _spec(v)]
