@@ -353,6 +353,13 @@ class FlexExchangeTuning:
              f"there; out and dq back) stay under this ratio of the bytes of the key blocks only they see (K/V "
              f"there, dK/dV back); above 1 ships more readily (shipped rows also move their compute to the peer), "
              f"inf ships every heavy block; measure with {_EXCHANGE_CMD}")
+    min_world: int = measured(
+        3, "engine='auto' runs the exchange from this many ranks on: at 2 the ring's one hop hides behind its own "
+           "block's kernel, the exchange waits for its halos and shipped rows. 128K, FA4, fwd+bwd ms, exchange / "
+           "ring / torch CP + FlexAttention: 2 H200 window + global 19.5 / 14.8 / 24.6, documents 24.0 / 21.3 / "
+           "34.0; 4 H200 12.7 / 15.8 / 19.8 and 13.8 / 18.1 / 21.4 (peak 1582 / 2566 / 2308 MiB and 1554 / 2566 / "
+           "2308); 3 ranks not measured",
+        "dist_flex_exchange_2xh200_747a51b.json, dist_flex_exchange_4xh200_747a51b.json")
     max_traffic: float = measured(
         0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
@@ -367,6 +374,8 @@ class FlexExchangeTuning:
             raise ValueError(f"FlexExchangeTuning.heavy_min_blocks must be an int >= 1, got {self.heavy_min_blocks!r}")
         if not self.ship_ratio >= 0:
             raise ValueError(f"FlexExchangeTuning.ship_ratio must be >= 0, got {self.ship_ratio!r}")
+        if not isinstance(self.min_world, int) or self.min_world < 2:
+            raise ValueError(f"FlexExchangeTuning.min_world must be an int >= 2, got {self.min_world!r}")
         if not self.max_traffic >= 0:
             raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
 

@@ -55,7 +55,7 @@ def check_engine(engine) -> None:
 
 
 def choose_engine(engine: str, cannot: list, facts: Callable[[], tuple],
-                  tuning: tn.FlexExchangeTuning = tn.FLEX_EXCHANGE) -> str:
+                  tuning: tn.FlexExchangeTuning = tn.FLEX_EXCHANGE, world: Optional[int] = None) -> str:
     """The engine of a ``ring_flex_attention`` call: "ring" or "exchange" (the one decision).
 
     ``cannot``: why the exchange cannot run this call, known without
@@ -64,9 +64,11 @@ def choose_engine(engine: str, cannot: list, facts: Callable[[], tuple],
     keeps the ring; the most bytes a rank of the exchange sends; the ring's
     per rank), forward + backward, agreed by every rank: called only where
     needed (it plans, with collectives on first use, on every rank alike).
-    Where the exchange cannot run, ``engine="exchange"`` raises ValueError."""
+    Where the exchange cannot run, ``engine="exchange"`` raises ValueError.
+    ``auto`` on fewer than ``tuning.min_world`` ranks (``world``) keeps the
+    ring without planning."""
     check_engine(engine)
-    if engine == "ring":
+    if engine == "ring" or (engine == "auto" and world is not None and world < tuning.min_world):
         return "ring"
     cannot = cannot or facts()[0]
     if cannot:
@@ -279,7 +281,7 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
         nonlocal plan
         plan = _PLANS.get_or(key, make)
         return (plan.cannot, plan.dense, *plan.traffic)
-    if choose_engine(engine, cannot, facts, tuning) == "ring":
+    if choose_engine(engine, cannot, facts, tuning, dist.get_world_size(group)) == "ring":
         return None
     facts()
     return plan
