@@ -240,8 +240,9 @@ class DecodeTuning:
             "longer calls are prefill-sized and the dense kernels take them", "")
     block_n: int = measured(
         64, "tiles swept (block_n 32/64/128 x warps 4/8 x stages 2/3/4 x programs per SM 1/2/4), kernel time from "
-            "CUDA-graph replays; 64/4/2/4 is within 3% of the best tile in every case (128K B=1 and B=8, 1M, "
-            "head dim 64: 2.9-3.1 TB/s at D=128); the best per case lost up to 18% elsewhere",
+            "CUDA-graph replays; block 64, 4 warps, 2 stages is within 3% of the best tile in every case at its "
+            "best programs per SM (128K B=1 and B=8, 1M, head dim 64: 2.9-3.1 TB/s at D=128); the best per case "
+            "lost up to 18% elsewhere",
         "decode_split_kv_b1_h100_3020618.json")
     num_warps: int = measured(4, "see block_n", "decode_split_kv_b8_h100_3020618.json")
     num_stages: int = measured(2, "see block_n", "decode_split_kv_d64_h100_3020618.json")
