@@ -2,8 +2,7 @@
 kernel or collective and name the argument at fault and the fix."""
 from __future__ import annotations
 
-import weakref
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -103,38 +102,21 @@ def check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_
     return segs, rates
 
 
-_HOST: dict = {}
-"""id(tensor) -> (weak reference, version, values): :func:`host_list`'s reads."""
-
-
-def host_list(t: torch.Tensor) -> list:
-    """``t.tolist()``, read once per tensor and version: the layers of a model
-    step take one ``cu_seqlens`` tensor, and a read on the GPU waits for
-    everything queued before it (FA4's host time is then no longer hidden)."""
-    if not isinstance(t, torch.Tensor):  # the caller's type check names it
-        return list(t)
-    if type(t) is not torch.Tensor or t.device.type == "meta":  # fake/traced tensors: read as they are
-        return t.tolist()
-    hit = _HOST.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return list(hit[2])
-    vals = t.tolist()
-    key = id(t)
-    _HOST[key] = (weakref.ref(t, lambda _, key=key: _HOST.pop(key, None)), t._version, tuple(vals))
-    return vals
-
-
-def check_cu_seqlens(cu_seqlens, total: int, name: str = "cu_seqlens") -> None:
+def check_cu_seqlens(cu_seqlens, total: Optional[int], name: str = "cu_seqlens") -> list:
+    """Checks ``cu_seqlens`` against ``total`` tokens (None: its own last entry)
+    and returns its values as a host list: the one read of the tensor a call
+    makes (a read of a CUDA tensor waits for the work queued before it)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (int32), got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be a 1-D int32 tensor of cumulative lengths (ndocs + 1 entries, starting at 0), "
                          f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
-    vals = host_list(cu_seqlens)
+    vals = cu_seqlens.tolist()
     if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
         raise ValueError(f"{name} must start at 0 and be non-decreasing, got {vals[:8]}...")
-    if vals[-1] != total:
+    if total is not None and vals[-1] != total:
         raise ValueError(f"{name}[-1] ({vals[-1]}) must equal the number of tokens ({total})")
+    return vals
 
 
 def check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, *, same_seqlen: bool = False,

@@ -44,3 +44,21 @@ def test_varlen_bad_inputs():
         longattn.attention_varlen(q[None], q[None], q[None], torch.tensor([0, 10], dtype=torch.int32))
     with pytest.raises(ValueError, match="max_seqlen"):
         longattn.attention_varlen(q, q, q, torch.tensor([0, 10], dtype=torch.int32), max_seqlen=4)
+
+
+def test_varlen_reads_cu_seqlens_each_call():
+    """cu_seqlens is read at every call (no cache that a write outside autograd's
+    version counter, e.g. a broadcast into the buffer, would leave stale), also
+    for tensors made under inference mode (which have no version counter)."""
+    q = torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    longattn.attention_varlen(q, q, q, cu, max_seqlen=7)
+    cu.data[1] = 1  # no version bump: the longest document is now 9
+    with pytest.raises(ValueError, match="max_seqlen"):
+        longattn.attention_varlen(q, q, q, cu, max_seqlen=7)
+    with torch.inference_mode():
+        cu_inf = torch.tensor([0, 4, 10], dtype=torch.int32)
+        out = longattn.attention_varlen(q, q, q, cu_inf, causal=True)
+    want = torch.cat([longattn.attention(q[None, a:b], q[None, a:b], q[None, a:b], causal=True)[0]
+                      for a, b in ((0, 4), (4, 10))])
+    torch.testing.assert_close(out, want)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._sinks import apply_sinks
-from .._validation import check_attention_call, check_chunk_size, check_softcap_sinks, host_list
+from .._validation import check_attention_call, check_chunk_size, check_softcap_sinks
 from ..backends import varlen as _varlen
 from ..distributed import checks
 from ..distributed.doc_shard import DocumentShard, plan_documents
@@ -135,7 +135,7 @@ def _setup(cu_seqlens, imbalance, group_name, q, k, v, scale, causal, window, so
     """(group, plan, s, buffer index, pieces, (whole rows, their cu_seqlens, longest, spec), the split pieces'
     K/V all-gather started (buffer, work) or None) of a pass."""
     g = checks.group_from_name(group_name)
-    plan = plan_documents(tuple(host_list(cu_seqlens)), dist.get_world_size(g), dist.get_rank(g),
+    plan = plan_documents(tuple(int(x) for x in cu_seqlens.tolist()), dist.get_world_size(g), dist.get_rank(g),
                           imbalance)
     s, _, pieces = _pieces(plan, causal, window, scale, softcap, chunk)
     index, cu, longest = _on_device(plan, q.device, chunk)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._sinks import apply_sinks, sinks_meta
-from .._validation import check_chunk_size, check_attention_call, check_cu_seqlens, check_softcap_sinks, host_list
+from .._validation import check_chunk_size, check_attention_call, check_cu_seqlens, check_softcap_sinks
 from ..distributed import checks
 from ..distributed.fused_varlen import fused_call, step_kernel
 from ..distributed.layout import check_layout
@@ -55,7 +55,7 @@ def _plan(q, k, cu: tuple, scale, causal, window, layout, mask, group, backend: 
 
 def _run(cu_seqlens, layout, causal, window, scale, mask, group_name, q, k, plan_key):
     g = checks.group_from_name(group_name)
-    cu = tuple(host_list(cu_seqlens))
+    cu = tuple(cu_seqlens.tolist())
     plan = RingPlan.from_key(plan_key).complete(
         lambda b, tr: _plan(q, k, cu, scale, causal, window, layout, mask, g, b, tr))
     sched = _schedule(cu, layout, causal, window, scale, mask, dist.get_world_size(g), dist.get_rank(g), q.device,
@@ -127,13 +127,13 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     check_layout(layout)
     backend = bk.resolve(backend)
     g = checks.resolve_group(group)
-    check_cu_seqlens(cu_seqlens, host_list(cu_seqlens)[-1])
-    want = local_length(host_list(cu_seqlens), layout, dist.get_world_size(g))
+    vals = check_cu_seqlens(cu_seqlens, None)  # the call's one read of cu_seqlens
+    want = local_length(vals, layout, dist.get_world_size(g))
     if q.shape[0] != want:
         raise ValueError(f"q has {q.shape[0]} local tokens but cu_seqlens with layout={layout!r} over "
                          f"{dist.get_world_size(g)} ranks gives {want}; shard with longattn.shard_varlen")
     scale = bk.default_scale(q.shape[-1], softmax_scale)
-    cu = tuple(host_list(cu_seqlens))
+    cu = tuple(vals)
     checks.consistent_call(g, "ring_attention_varlen", problem, q=tuple(q.shape), k=tuple(k.shape),
                            dtype=str(q.dtype), cu=cu, causal=causal, window=window, layout=layout, scale=scale,
                            backend=backend, softcap=softcap, sinks=sinks_meta(sinks), chunk=chunk)

@@ -14,7 +14,7 @@ import torch
 from .. import backends as bk
 from .._autograd import register_attention_autograd, varlen_out_lse_like
 from .._sinks import apply_sinks
-from .._validation import check_attention_call, check_cu_seqlens, check_softcap_sinks, host_list
+from .._validation import check_attention_call, check_cu_seqlens, check_softcap_sinks
 from ..backends import varlen as _varlen
 
 __all__ = ["attention_varlen"]
@@ -72,10 +72,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     left, right = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True,
                                        ndim=3)
-    check_cu_seqlens(cu_seqlens, q.shape[0])
+    cu = check_cu_seqlens(cu_seqlens, q.shape[0])  # the call's one read of cu_seqlens
     softcap = check_softcap_sinks(softcap, sinks, q)
     backend = bk.resolve(backend)
-    cu = host_list(cu_seqlens)  # read once per tensor (check_cu_seqlens read it)
     longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
     if max_seqlen is None:
         max_seqlen = longest
