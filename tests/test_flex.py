@@ -333,3 +333,18 @@ def test_bench_flex_configs(pattern):
     row = bench_impl(cfg, "longattn-flex", torch.device("cpu"), torch.float32, warmup=1, iters=1, bwd_alone=False)
     assert row["status"] == "ok" and row["fwd_bwd_ms"] > 0 and "mask=" in row["shape"]
     assert I.IMPLS["dense-cudnn"].reason(cfg, torch.device("cpu")) and I.IMPLS["torch-flex"].computes is None
+
+
+def test_one_device_calls_never_evict_plans_across_ranks():
+    """Plans whose building runs collectives live in their own cache: a flood of
+    one-device calls (on one rank alone, e.g. an evaluation on rank 0) cannot
+    evict them there only, which would make that rank plan again, with
+    collectives the other ranks skip."""
+    from longattn.flex import schedule
+
+    sentinel = object()
+    schedule.RING_PLANS.get_or(("test-sentinel",), lambda: sentinel)
+    for n in range(schedule._PLANS.size + 6):  # more distinct shapes than the one-device cache holds
+        q = torch.randn(1, 8 + n, 1, 8)
+        longattn.flex_attention(q, q, q, mask_mod=longattn.masks.causal())
+    assert schedule.RING_PLANS.get_or(("test-sentinel",), lambda: None) is sentinel

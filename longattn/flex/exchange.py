@@ -43,7 +43,7 @@ from .._merge import merge_
 from ..distributed import checks
 from . import blocks, fa4
 from . import plan as fp
-from .schedule import _PLANS, pattern_key
+from .schedule import RING_PLANS, pattern_key
 
 ENGINES = ("auto", "ring", "exchange")
 
@@ -279,7 +279,7 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
 
     def facts():
         nonlocal plan
-        plan = _PLANS.get_or(key, make)
+        plan = RING_PLANS.get_or(key, make)
         return (plan.cannot, plan.dense, *plan.traffic)
     if choose_engine(engine, cannot, facts, tuning, dist.get_world_size(group)) == "ring":
         return None

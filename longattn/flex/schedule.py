@@ -35,7 +35,15 @@ class _LRU(collections.OrderedDict):
 
 
 _PLANS = _LRU(64)
-"""Block masks and executors per (shape, pattern, rank): a training loop builds them once."""
+"""Block masks and executors of one-device calls per (shape, pattern): a training loop builds them once."""
+
+RING_PLANS = _LRU(64)
+"""Plans of calls across ranks (the ring's schedules, the exchange's plans),
+whose building runs collectives: kept apart from :data:`_PLANS`, so that
+one-device calls on one rank alone (an evaluation on rank 0) never evict a
+plan on that rank only, which would then plan again, with collectives the
+other ranks skip. Every rank makes the same distributed calls in the same
+order, so this cache evicts alike on every rank."""
 
 
 def pattern_key(fn):
@@ -122,4 +130,4 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
         return RingSchedule(steps, lambda src: calls[(rank - src) % world])
     key = ("ring", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
            str(q.device), layout, checks.group_name(group), kernel)
-    return _PLANS.get_or(key, make)
+    return RING_PLANS.get_or(key, make)
