@@ -249,7 +249,7 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
     rank's traffic and query block."""
     cannot = ["score_mod is given: the exchange's executors take masks only"] if score_mod is not None else []
     key = ("exchange", pattern_key(mask_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), layout,
-           checks.group_name(group), kernel, tuning)
+           checks.group_name(group), dist.get_world_size(group), dist.get_rank(group), kernel, tuning)
 
     def make():
         world, rank = dist.get_world_size(group), dist.get_rank(group)

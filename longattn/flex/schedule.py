@@ -129,5 +129,5 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
                  if s < need and runs[s] is not None else () for s in range(steps)]
         return RingSchedule(steps, lambda src: calls[(rank - src) % world])
     key = ("ring", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
-           str(q.device), layout, checks.group_name(group), kernel)
+           str(q.device), layout, checks.group_name(group), dist.get_world_size(group), dist.get_rank(group), kernel)
     return RING_PLANS.get_or(key, make)
