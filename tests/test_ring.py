@@ -13,7 +13,7 @@ from longattn.distributed import transport
 from longattn.distributed.plan import num_steps, plan
 from longattn.distributed.ring import BackendOp, RingSchedule, ring_backward
 from longattn.distributed.transport import exchange, ring_transport
-from reference import attention_ref, rel_err
+from reference import attention_ref, rel_err, window_mask
 
 TOL = 1e-4
 
@@ -189,21 +189,6 @@ def test_plan_skips_blocks():
     assert num_steps("contiguous", 4, 8, False, (-1, -1)) == 4
 
 
-def _spec_mask(spec, sq: int, sk: int) -> torch.Tensor:
-    """The (sq, sk) boolean mask a BlockSpec states, written plainly."""
-    i = torch.arange(sq)[:, None] + spec.q_offset
-    j = torch.arange(sk)[None, :]
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    left, right = spec.window
-    if spec.causal:
-        ok &= j <= i
-    if left >= 0:
-        ok &= i - j <= left
-    if right >= 0:
-        ok &= j - i <= right
-    return ok
-
-
 def test_masked_blocks_cropped_bottom_right():
     """Every masked block a plan makes is bottom-right aligned (as flash-attn's
     kernels take masks) and covers exactly the block's visible pairs: windows
@@ -215,21 +200,15 @@ def test_masked_blocks_cropped_bottom_right():
     for qg, kg in itertools.product(range(0, 40, 3), range(0, 40, 5)):
         for causal, window in [(True, (-1, -1)), (True, (5, -1)), (True, (0, -1)), (True, (13, 0)),
                                (False, (4, 2)), (False, (-1, 3)), (False, (6, -1)), (False, (0, 0))]:
-            i = torch.arange(qg, qg + ql)[:, None]
-            j = torch.arange(kg, kg + kl)[None, :]
-            want = torch.ones(ql, kl, dtype=torch.bool)
-            if causal:
-                want &= j <= i
-            if window[0] >= 0:
-                want &= i - j <= window[0]
-            if window[1] >= 0:
-                want &= j - i <= window[1]
+            want = window_mask(ql, kl, causal=causal, window=window, q_offset=qg - kg)
             call = masked_call(qg, 100, ql, kg, 200, kl, causal, window, 1.0, 0.0)
             got = torch.zeros(ql, kl, dtype=torch.bool)
             if call is not None:
                 sq, sk = call.q1 - call.q0, call.k1 - call.k0
                 assert call.spec.q_offset == sk - sq or not call.spec.masked
-                got[call.q0 - 100:call.q1 - 100, call.k0 - 200:call.k1 - 200] = _spec_mask(call.spec, sq, sk)
+                spec = call.spec
+                got[call.q0 - 100:call.q1 - 100, call.k0 - 200:call.k1 - 200] = window_mask(
+                    sq, sk, causal=spec.causal, window=spec.window, q_offset=spec.q_offset)
                 cases += 1
             assert torch.equal(got, want), (qg, kg, causal, window, call)
     assert cases > 300
