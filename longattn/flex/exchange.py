@@ -21,9 +21,9 @@ Every (row, key) pair is computed exactly once; partials merge by lse in
 float32 as in the ring. The backward ships the heavy rows' dout, the MERGED
 out, lse and dlse; each executor's backward from the merged statistics gives
 its exact share of dq, dk, dv, and the halo's dk/dv and the shipped rows' dq
-return to their owners. Three ``all_to_all_single`` per pass, each one byte
-buffer of whatever it carries (skipped where no rank moves any such rows),
-one in flight at a time, on gloo and NCCL alike.
+return to their owners. Two ``all_to_all_single`` per pass, each one byte
+buffer of whatever it carries (skipped where no rank moves any row), run by
+:mod:`.exchange_run`.
 
 Executors: FA4 with the pattern's form at the pieces' global positions where
 FA4 runs the pattern, else :class:`TorchPiece` (dense scores: small shapes).
@@ -32,14 +32,12 @@ FA4 runs the pattern, else :class:`TorchPiece` (dense scores: small shapes).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import tuning as tn
-from .._merge import merge_
 from ..distributed import checks
 from . import blocks, fa4
 from . import plan as fp
@@ -132,6 +130,12 @@ def _rows(idx: torch.Tensor, block: int, length: int) -> torch.Tensor:
     return r[r < length]
 
 
+def _union(rows: list, dev) -> tuple:
+    """(the rows of every list, ascending, without repeats; each list's positions in them)."""
+    u = torch.unique(torch.cat(rows)) if rows else torch.zeros(0, dtype=torch.long, device=dev)
+    return u, [torch.searchsorted(u, r) for r in rows]
+
+
 def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=None):
     """The executor of (queries at global ``qpos``) x (keys at ``kpos``), the
     query blocks ``clear`` (of the plan's query block) removed; FA4 where
@@ -169,7 +173,11 @@ class ExchangePlan:
     ``halo_send[p]`` my key rows p needs, ``halo_in[p]`` key rows p sends me;
     executors ``own`` (my rows x my keys), ``halo[p]`` (my rows x p's halo,
     my heavy blocks against p cleared), ``serve[p]`` (p's shipped rows x my
-    keys). ``traffic``: (most bytes a rank sends, the ring's per rank),
+    keys). ``heavy``: my rows computed elsewhere (every peer's ``ship``, long,
+    ascending; ``heavy_pos[p]``: ``ship[p]``'s positions in it), ``sent``: my
+    key rows fetched (every peer's ``halo_send``; ``sent_pos``); ``out_pieces``
+    / ``kv_pieces``: full-size pieces of my rows / keys (own, halos / own,
+    served rows). ``traffic``: (most bytes a rank sends, the ring's per rank),
     forward + backward; ``moves_q`` / ``moves_kv``: any rank ships query
     rows / K/V; ``dense``: why the executors would be the dense PyTorch ones
     on a GPU (empty: FA4 runs them, or the CPU); ``cannot``: why the
@@ -182,6 +190,12 @@ class ExchangePlan:
     own: object
     halo: list
     serve: list
+    heavy: torch.Tensor
+    heavy_pos: list
+    sent: torch.Tensor
+    sent_pos: list
+    out_pieces: int
+    kv_pieces: int
     traffic: tuple
     moves_q: bool
     moves_kv: bool
@@ -236,7 +250,11 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
     sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row
             + n(q_in) * (2 * q_row + lse_row) + n(halo_in) * kv_row)
-    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, (), False, False, [], [])
+    heavy, heavy_pos = _union(ship, dev)
+    sent_rows, sent_pos = _union(halo_send, dev)
+    real = lambda xs: sum(x is not None for x in xs)
+    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos, sent_rows, sent_pos,
+                        real([own] + halo), real([own] + serve), (), False, False, [], [])
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 
@@ -285,145 +303,3 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
         return None
     facts()
     return plan
-
-
-# ---------------------------------------------------------------------------- the exchange
-def _spec(t: torch.Tensor) -> tuple:
-    return tuple(t.shape[2:]), t.dtype
-
-
-def _width(specs, batch: int) -> int:
-    return sum(batch * math.prod(tail) * dt.itemsize for tail, dt in specs)
-
-
-def _unpack(buf: torch.Tensor, counts: list, specs: list, batch: int) -> list:
-    """Per peer, the tensors (B, n, ...) of ``specs`` from its rows of a received byte buffer."""
-    res, off = [], 0
-    for n in counts:
-        rows, col, ts = buf[off:off + n], 0, []
-        for tail, dt in specs:
-            w = _width([(tail, dt)], batch)
-            x = rows[:, col:col + w].contiguous().view(dt).view(n, batch, *tail)
-            ts.append(x.transpose(0, 1).contiguous())
-            col += w
-        res.append(ts)
-        off += n
-    return res
-
-
-class _Exchange:
-    """One ``all_to_all_single`` of rows: ``parts[p]``, tensors (B, n_p, ...)
-    of ``specs`` sharing their rows, go to peer p as one byte buffer (one
-    collective whatever their dtypes); ``counts[p]`` rows come from p. None
-    runs where ``active`` is False (no rank moves any row). Callers keep at
-    most one in flight: gloo can pair the messages of two concurrent
-    collectives wrongly."""
-
-    def __init__(self, parts: list, counts: list, specs: list, batch: int, group, active: bool, device):
-        self.counts, self.specs, self.batch, self.work = counts, specs, batch, None
-        width = _width(specs, batch)
-        rows = [torch.cat([t.transpose(0, 1).contiguous().view(torch.uint8).reshape(t.shape[1], -1) for t in ts], 1)
-                if ts and ts[0].shape[1] else torch.empty(0, width, dtype=torch.uint8, device=device) for ts in parts]
-        self.buf = torch.empty(sum(counts), width, dtype=torch.uint8, device=device)
-        if active:
-            self.work = dist.all_to_all_single(self.buf, torch.cat(rows), list(counts), [len(r) for r in rows],
-                                               group=group, async_op=True)
-
-    def wait(self) -> list:
-        if self.work is not None:
-            self.work.wait()
-        return _unpack(self.buf, self.counts, self.specs, self.batch)
-
-
-def _merge_rows(out, lse, rows, o, l_):
-    """Merge a partial (o (B, n, H, D), l (B, H, n)) into ``rows`` (None: all) of the float32 (out, lse (B, L, H))."""
-    if rows is None:
-        merge_(out, lse, o.float(), l_.transpose(1, 2))
-        return
-    so, sl = out[:, rows], lse[:, rows]
-    merge_(so, sl, o.float(), l_.transpose(1, 2))
-    out[:, rows], lse[:, rows] = so, sl
-
-
-class ExchangeFlex(torch.autograd.Function):
-    """(out, lse) of the exchange over ``plan`` (see the module docstring).
-    Each pass overlaps one exchange with the pieces that do not need it."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan: ExchangePlan, group):
-        ctx.set_materialize_grads(False)
-        b, length, h, _ = q.shape
-        dev, n = q.device, lambda rows: [len(r) for r in rows]
-        xkv = _Exchange([[k[:, r], v[:, r]] for r in plan.halo_send], n(plan.halo_in), [_spec(k), _spec(v)], b, group,
-                        plan.moves_kv, dev)
-        out = torch.zeros(b, length, h, v.shape[-1], dtype=torch.float32, device=dev)
-        lse = torch.full((b, length, h), float("-inf"), dtype=torch.float32, device=dev)
-        if plan.own is not None:
-            _merge_rows(out, lse, None, *plan.own.forward(q, k, v))
-        halos = xkv.wait()
-        xq = _Exchange([[q[:, r]] for r in plan.ship], n(plan.q_in), [_spec(q)], b, group, plan.moves_q, dev)
-        for run, (kh, vh) in zip(plan.halo, halos):
-            if run is not None:
-                _merge_rows(out, lse, None, *run.forward(q, kh, vh))
-        parts = []
-        for run, (qr,) in zip(plan.serve, xq.wait()):
-            o, l_ = run.forward(qr, k, v) if run is not None else (
-                qr.new_zeros(*qr.shape[:3], v.shape[-1]), torch.full((b, h, qr.shape[1]), float("-inf"), device=dev))
-            parts.append([o.to(q.dtype), l_.float().transpose(1, 2)])
-        specs = [(tuple(out.shape[2:]), q.dtype), ((h,), torch.float32)]
-        back = _Exchange(parts, n(plan.ship), specs, b, group, plan.moves_q, dev)
-        for rows, (o, l_) in zip(plan.ship, back.wait()):
-            if len(rows):
-                _merge_rows(out, lse, rows, o, l_.transpose(1, 2))
-        out, lse = out.to(q.dtype), lse.transpose(1, 2).contiguous()
-        ctx.save_for_backward(q, k, v, out, lse, xkv.buf, xq.buf)
-        ctx.plan, ctx.group = plan, group
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, kvbuf, qbuf = ctx.saved_tensors
-        plan, group = ctx.plan, ctx.group
-        b, dev, n = q.shape[0], q.device, lambda rows: [len(r) for r in rows]
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        # no lse gradient (the usual case): None to this rank's own executors, so FA4 skips its dlse path (the
-        # shipped rows' calls take the owner's, zeros or not: another rank may have one)
-        has_dlse = dlse is not None
-        dlse = dlse.float() if has_dlse else None
-        stats = torch.stack([lse, dlse if has_dlse else torch.zeros_like(lse)], -1).transpose(1, 2)  # (B, L, H, 2)
-        xo = _Exchange([[dout[:, r], out[:, r], stats[:, r]] for r in plan.ship], n(plan.q_in),
-                       [_spec(dout), _spec(out), _spec(stats)], b, group, plan.moves_q, dev)
-        kv_spec = [_spec(k), _spec(v)]
-        dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=dev) for x in (q, k, v))
-        if plan.own is not None:
-            for acc, g in zip((dq, dk, dv), plan.own.backward(dout, q, k, v, out, lse, dlse)):
-                acc += g
-        halo_grads = []
-        for run, (kh, vh) in zip(plan.halo, _unpack(kvbuf, n(plan.halo_in), kv_spec, b)):
-            if run is None:
-                halo_grads.append([torch.zeros_like(kh), torch.zeros_like(vh)])
-                continue
-            g = run.backward(dout, q, kh, vh, out, lse, dlse)
-            dq += g[0]
-            halo_grads.append([g[1].to(k.dtype), g[2].to(v.dtype)])
-        shipped = xo.wait()
-        xdkv = _Exchange(halo_grads, n(plan.halo_send), kv_spec, b, group, plan.moves_kv, dev)
-        dq_back = []
-        for run, (qr,), (do, o, st) in zip(plan.serve, _unpack(qbuf, n(plan.q_in), [_spec(q)], b), shipped):
-            if run is None:
-                dq_back.append([torch.zeros_like(qr)])
-                continue
-            ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
-            g = run.backward(do, qr, k, v, o, ls, dls)
-            dq_back.append([g[0].to(q.dtype)])
-            dk += g[1]
-            dv += g[2]
-        for rows, (gk, gv) in zip(plan.halo_send, xdkv.wait()):
-            if len(rows):
-                dk.index_add_(1, rows, gk.float())
-                dv.index_add_(1, rows, gv.float())
-        xdq = _Exchange(dq_back, n(plan.ship), [_spec(q)], b, group, plan.moves_q, dev)
-        for rows, (g,) in zip(plan.ship, xdq.wait()):
-            if len(rows):
-                dq.index_add_(1, rows, g.float())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

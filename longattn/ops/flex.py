@@ -14,7 +14,7 @@ from ..distributed import checks as dist_checks
 from ..distributed.layout import check_layout
 from ..flex import checks, exchange, fa4, schedule
 from ..flex.autograd import NoKeys, RingFlex
-from ..flex.exchange import ExchangeFlex
+from ..flex.exchange_run import ExchangeFlex
 
 __all__ = ["flex_attention", "ring_flex_attention", "explain_flex"]
 

@@ -1,0 +1,257 @@
+"""Running an exchange plan (:mod:`.exchange`): its transfers and the sums of
+its pieces, forward and backward.
+
+One transfer is in flight at a time (gloo can pair the messages of two
+concurrent collectives wrongly), each started as early as its data exists and
+overlapping the largest piece that does not need it:
+
+* forward: send the halo K/V and the shipped rows (one transfer) | own piece |
+  serve the rows that arrived | send their partials back | halo pieces | merge
+  the partials into the shipped rows;
+* backward: send the shipped rows' dout, out and lse | halo pieces | serve
+  pieces | send the halo dK/dV and the served rows' dQ back (one transfer) |
+  own piece | add what came back.
+
+Sums: the first full-size piece (one executor's output over all rows) is the
+accumulator, no zero fill; it keeps the input dtype while a rank gets at most
+two full-size pieces (one merge or add in float32 arithmetic, one rounding, as
+a float32 accumulator's final cast) and is float32 beyond. Rows that also get
+row pieces (shipped rows' partials, returned halo gradients) are summed from
+every piece in float32 apart and rounded once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .._merge import empty_state, merge_, merge_into
+
+
+def _spec(t: torch.Tensor) -> tuple:
+    return tuple(t.shape[2:]), t.dtype
+
+
+def _width(specs, batch: int) -> int:
+    return sum(batch * math.prod(tail) * dt.itemsize for tail, dt in specs)
+
+
+def _n(rows: list) -> list:
+    return [len(r) for r in rows]
+
+
+class Transfer:
+    """One ``all_to_all_single`` of row groups. ``groups``: (parts, counts,
+    specs) each; ``parts[p]``, tensors (B, n_p, ...) of ``specs`` sharing their
+    rows, go to peer p; ``counts[p]`` rows of the group come from p. Each
+    peer's bytes hold the groups in order (one collective whatever their
+    dtypes). Nothing runs where ``active`` is False (no rank moves a row)."""
+
+    def __init__(self, groups: list, batch: int, group, active: bool, device):
+        self.layout = [(counts, specs) for _, counts, specs in groups]
+        self.batch, self.work = batch, None
+        widths = [_width(specs, batch) for _, specs in self.layout]
+        send, in_splits = [], []
+        for p in range(len(groups[0][1])):
+            size = 0
+            for (parts, _, _), w in zip(groups, widths):
+                ts = parts[p]
+                if ts and ts[0].shape[1]:
+                    rows = [t.transpose(0, 1).contiguous().view(torch.uint8).reshape(t.shape[1], -1) for t in ts]
+                    send.append(torch.cat(rows, 1).flatten())
+                    size += ts[0].shape[1] * w
+            in_splits.append(size)
+        out_splits = [sum(counts[p] * w for (counts, _), w in zip(self.layout, widths))
+                      for p in range(len(in_splits))]
+        self.buf = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+        if active:
+            src = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8, device=device)
+            self.work = dist.all_to_all_single(self.buf, src, out_splits, in_splits, group=group, async_op=True)
+
+    def wait(self) -> list:
+        """Per group, per peer, the received tensors (B, n, ...) of its specs."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return unpack(self.buf, self.layout, self.batch)
+
+
+def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
+    """A :class:`Transfer`'s received bytes ``buf`` as its groups' tensors
+    (``layout``: (counts, specs) per group)."""
+    res, off = [[] for _ in layout], 0
+    for p in range(len(layout[0][0])):
+        for got, (counts, specs) in zip(res, layout):
+            n, w = counts[p], _width(specs, batch)
+            rows, col, ts = buf[off:off + n * w].view(n, w), 0, []
+            for tail, dt in specs:
+                tw = _width([(tail, dt)], batch)
+                ts.append(rows[:, col:col + tw].contiguous().view(dt).view(n, batch, *tail).transpose(0, 1)
+                          .contiguous())
+                col += tw
+            got.append(ts)
+            off += n * w
+    return res
+
+
+class OutSum:
+    """The running (out (B, L, H, D), lse (B, H, L)) of a rank's rows: full-size
+    pieces merged into the first (``pieces``: how many come), the rows
+    ``rows`` (long, ascending) also merged apart in float32 with the row
+    pieces (:meth:`add_rows`)."""
+
+    def __init__(self, q: torch.Tensor, rows: torch.Tensor, pieces: int):
+        self.q, self.rows = q, rows
+        self.dtype = q.dtype if pieces <= 2 else torch.promote_types(q.dtype, torch.float32)
+        self.out = self.lse = self.rout = self.rlse = None
+
+    def add(self, o: torch.Tensor, l_: torch.Tensor) -> None:
+        """A full-size piece: o (B, L, H, D), l_ (B, H, L) float32."""
+        if len(self.rows):
+            ro, rl = o[:, self.rows].float(), l_[:, :, self.rows].transpose(1, 2).contiguous()
+            if self.rout is None:
+                self.rout, self.rlse = ro, rl
+            else:
+                merge_(self.rout, self.rlse, ro, rl)
+        if self.out is None:
+            self.out, self.lse = o.to(self.dtype), l_.contiguous()
+        else:
+            merge_into(self.out, self.lse.transpose(1, 2), o, l_.transpose(1, 2), use_triton=o.is_cuda)
+
+    def add_rows(self, pos: torch.Tensor, o: torch.Tensor, l_: torch.Tensor) -> None:
+        """A partial of the rows at positions ``pos`` of ``rows``: o (B, n, H, D), l_ (B, n, H)."""
+        if not len(pos):
+            return
+        if self.rout is None:
+            b, _, h, d = self.q.shape
+            self.rout = torch.zeros(b, len(self.rows), h, o.shape[-1], dtype=torch.float32, device=o.device)
+            self.rlse = torch.full((b, len(self.rows), h), float("-inf"), device=o.device)
+        so, sl = self.rout[:, pos], self.rlse[:, pos]
+        merge_(so, sl, o.float(), l_.float())
+        self.rout[:, pos], self.rlse[:, pos] = so, sl
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.out is None:
+            self.out, self.lse = empty_state(self.q, self.dtype)
+        if self.rout is not None:
+            self.out[:, self.rows] = self.rout.to(self.out.dtype)
+            self.lse[:, :, self.rows] = self.rlse.transpose(1, 2)
+        return self.out.to(self.q.dtype), self.lse
+
+
+class GradSum:
+    """dQ, dK or dV of a rank: full-size pieces added to the first (float32
+    copy where more than two come), the rows ``rows`` also summed apart in
+    float32 with the row pieces (:meth:`add_rows`)."""
+
+    def __init__(self, like: torch.Tensor, rows: torch.Tensor, pieces: int):
+        self.like, self.rows, self.wide = like, rows, pieces > 2
+        self.acc = self.racc = None
+
+    def add(self, x: torch.Tensor) -> None:
+        if len(self.rows):
+            xr = x[:, self.rows].float()
+            self.racc = xr if self.racc is None else self.racc.add_(xr)
+        if self.acc is None:
+            self.acc = x.to(torch.promote_types(x.dtype, torch.float32)) if self.wide else x
+        else:
+            self.acc.add_(x)
+
+    def add_rows(self, pos: torch.Tensor, x: torch.Tensor) -> None:
+        if not len(pos):
+            return
+        if self.racc is None:
+            self.racc = torch.zeros((x.shape[0], len(self.rows), *x.shape[2:]), dtype=torch.float32, device=x.device)
+        self.racc.index_add_(1, pos, x.float())
+
+    def result(self) -> torch.Tensor:
+        acc = torch.zeros_like(self.like) if self.acc is None else self.acc
+        if self.racc is not None:
+            acc[:, self.rows] = self.racc.to(acc.dtype)
+        return acc.to(self.like.dtype)
+
+
+class ExchangeFlex(torch.autograd.Function):
+    """(out, lse) of the exchange over ``plan`` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, group):
+        ctx.set_materialize_grads(False)
+        b, length, h, _ = q.shape
+        dev, hv = q.device, v.shape[-1]
+        sent = Transfer([([[k[:, r], v[:, r]] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
+                         ([[q[:, r]] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
+                        b, group, plan.moves_kv or plan.moves_q, dev)
+        acc = OutSum(q, plan.heavy, plan.out_pieces)
+        if plan.own is not None:
+            acc.add(*plan.own.forward(q, k, v))
+        halos, shipped = sent.wait()
+        parts = []
+        for run, (qr,) in zip(plan.serve, shipped):
+            if run is None:
+                o = qr.new_zeros(*qr.shape[:3], hv)
+                l_ = torch.full((b, h, qr.shape[1]), float("-inf"), device=dev)
+            else:
+                o, l_ = run.forward(qr, k, v)
+            parts.append([o.to(q.dtype), l_.float().transpose(1, 2)])
+        back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
+                        plan.moves_q, dev)
+        for run, (kh, vh) in zip(plan.halo, halos):
+            if run is not None:
+                acc.add(*run.forward(q, kh, vh))
+        for pos, (o, l_) in zip(plan.heavy_pos, back.wait()[0]):
+            acc.add_rows(pos, o, l_)
+        out, lse = acc.result()
+        ctx.save_for_backward(q, k, v, out, lse, sent.buf)
+        ctx.plan, ctx.group, ctx.layout = plan, group, sent.layout
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, buf = ctx.saved_tensors
+        plan, group = ctx.plan, ctx.group
+        b, dev = q.shape[0], q.device
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        # no lse gradient (the usual case): None to this rank's own executors, so FA4 skips its dlse path (the
+        # shipped rows' calls take the owner's, zeros or not: another rank may have one)
+        has_dlse = dlse is not None
+        dlse = dlse.float() if has_dlse else None
+        stats = torch.stack([lse, dlse if has_dlse else torch.zeros_like(lse)], -1).transpose(1, 2)  # (B, L, H, 2)
+        rows_out = Transfer([([[dout[:, r], out[:, r], stats[:, r]] for r in plan.ship], _n(plan.q_in),
+                              [_spec(dout), _spec(out), _spec(stats)])], b, group, plan.moves_q, dev)
+        halos, shipped_q = unpack(buf, ctx.layout, b)
+        dq = GradSum(q, plan.heavy, plan.out_pieces)
+        dk, dv = (GradSum(x, plan.sent, plan.kv_pieces) for x in (k, v))
+        halo_grads = []
+        for run, (kh, vh) in zip(plan.halo, halos):
+            if run is None:
+                halo_grads.append([torch.zeros_like(kh), torch.zeros_like(vh)])
+                continue
+            g = run.backward(dout, q, kh, vh, out, lse, dlse)
+            dq.add(g[0])
+            halo_grads.append([g[1].to(k.dtype), g[2].to(v.dtype)])
+        dq_back = []
+        for run, (qr,), (do, o, st) in zip(plan.serve, shipped_q, rows_out.wait()[0]):
+            if run is None:
+                dq_back.append([torch.zeros_like(qr)])
+                continue
+            ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
+            g = run.backward(do, qr, k, v, o, ls, dls)
+            dq_back.append([g[0].to(q.dtype)])
+            dk.add(g[1])
+            dv.add(g[2])
+        back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]), (dq_back, _n(plan.ship), [_spec(q)])],
+                        b, group, plan.moves_kv or plan.moves_q, dev)
+        if plan.own is not None:
+            g = plan.own.backward(dout, q, k, v, out, lse, dlse)
+            dq.add(g[0])
+            dk.add(g[1])
+            dv.add(g[2])
+        kv_back, dq_in = back.wait()
+        for pos, (gk, gv) in zip(plan.sent_pos, kv_back):
+            dk.add_rows(pos, gk)
+            dv.add_rows(pos, gv)
+        for pos, (g,) in zip(plan.heavy_pos, dq_in):
+            dq.add_rows(pos, g)
+        return dq.result(), dk.result(), dv.result(), None, None
