@@ -32,7 +32,12 @@ def gaps(written: Sequence[tuple[int, int]], a: int, b: int) -> list[tuple[int, 
 
 def max_cover(plans) -> int:
     """Most pieces any query row receives over a list of per-step call lists."""
-    ev = sorted([(c.q0, 1) for calls in plans for c in calls] + [(c.q1, -1) for calls in plans for c in calls])
+    return most_cover([(c.q0, c.q1) for calls in plans for c in calls])
+
+
+def most_cover(spans) -> int:
+    """Most of the row ranges ``spans`` ([a, b)) covering one row."""
+    ev = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
     most = depth = 0
     for _, d in ev:  # at equal positions ends (-1) sort before starts
         depth += d

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .. import tuning as tn
 from ..distributed import checks
+from ..distributed.accumulate import most_cover
 from . import blocks, fa4
 from . import plan as fp
 from .schedule import RING_PLANS, pattern_key
@@ -166,18 +167,48 @@ def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], cle
     return fa4.RingStep(step, scale, len(qpos), len(kpos))
 
 
+def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear, bq: int):
+    """(executor, r0, r1): my rows x a peer's halo (the query blocks ``clear``
+    of ``bq`` rows removed), cropped to the rows [r0, r1) of the first to the
+    last query block that sees a halo key (the rows around a shard edge, for
+    most patterns): no executor runs rows that see none of them."""
+    if len(qpos) == 0 or len(kpos) == 0:
+        return None, 0, 0
+    table = fp.block_table(mask_mod, batch, heads, qpos, kpos, (bq, fp.BLOCK_SIZE))
+    vis = (table.partial | table.full).flatten(0, 1).any(0).any(1)
+    vis[clear] = False
+    idx = vis.nonzero().flatten().tolist()
+    if not idx:
+        return None, 0, 0
+    b0, b1 = idx[0], idx[-1] + 1
+    r0, r1 = b0 * bq, min(b1 * bq, len(qpos))
+    if cap is not None and blocks.sparse_block(cap, r1 - r0)[0] != bq:  # the cleared blocks would not line up
+        b0, r0, r1 = 0, 0, len(qpos)
+    keep = clear[(clear >= b0) & (clear < b0 + (r1 - r0 + bq - 1) // bq)] - b0
+    return _executor(mask_mod, qpos[r0:r1], kpos, batch, heads, scale, cap, clear=keep), r0, r1
+
+
+def _within(rows: torch.Tensor, r0: int, r1: int) -> tuple:
+    """(positions in ``rows`` of the rows in [r0, r1), those rows - r0)."""
+    sel = ((rows >= r0) & (rows < r1)).nonzero().flatten()
+    return sel, rows[sel] - r0
+
+
 @dataclasses.dataclass
 class ExchangePlan:
     """One rank's exchange, per peer p (rank order; empty for itself):
     ``ship[p]`` my rows computed on p, ``q_in[p]`` rows p ships to me,
     ``halo_send[p]`` my key rows p needs, ``halo_in[p]`` key rows p sends me;
-    executors ``own`` (my rows x my keys), ``halo[p]`` (my rows x p's halo,
-    my heavy blocks against p cleared), ``serve[p]`` (p's shipped rows x my
-    keys). ``heavy``: my rows computed elsewhere (every peer's ``ship``, long,
-    ascending; ``heavy_pos[p]``: ``ship[p]``'s positions in it), ``sent``: my
-    key rows fetched (every peer's ``halo_send``; ``sent_pos``); ``out_pieces``
-    / ``kv_pieces``: full-size pieces of my rows / keys (own, halos / own,
-    served rows). ``traffic``: (most bytes a rank sends, the ring's per rank),
+    executors ``own`` (my rows x my keys), ``halo[p]`` (my rows
+    ``halo_rows[p]`` = [r0, r1) x p's halo, my heavy blocks against p
+    cleared), ``serve[p]`` (p's shipped rows x my keys). ``heavy``: my rows
+    computed elsewhere (every peer's ``ship``, long, ascending;
+    ``heavy_pos[p]``: ``ship[p]``'s positions in it), ``sent``: my key rows
+    fetched (every peer's ``halo_send``; ``sent_pos``); ``own_at`` /
+    ``halo_at[p]``: (positions in ``heavy``, rows in the piece) of the heavy
+    rows a piece covers, ``kv_at`` those of ``sent`` in a full-size piece;
+    ``out_pieces`` / ``kv_pieces``: the most pieces a row / key row gets
+    (own, halos / own, served rows). ``traffic``: (most bytes a rank sends, the ring's per rank),
     forward + backward; ``moves_q`` / ``moves_kv``: any rank ships query
     rows / K/V; ``dense``: why the executors would be the dense PyTorch ones
     on a GPU (empty: FA4 runs them, or the CPU); ``cannot``: why the
@@ -192,6 +223,10 @@ class ExchangePlan:
     serve: list
     heavy: torch.Tensor
     heavy_pos: list
+    halo_rows: list
+    own_at: tuple
+    halo_at: list
+    kv_at: tuple
     sent: torch.Tensor
     sent_pos: list
     out_pieces: int
@@ -233,13 +268,14 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
                                 5 * q_row + 3 * lse_row, 2 * kv_row)
     none = torch.zeros(0, dtype=torch.long, device=dev)
     ship, q_in, halo_send, halo_in = ([none] * world for _ in range(4))
-    halo, serve, need = [None] * world, [None] * world, 0
+    halo, serve, halo_rows, need = [None] * world, [None] * world, [(0, 0)] * world, 0
     for p in range(world):
         if p == rank:
             continue
         heavy, keys = split(rank, p)  # my rows against p's keys
         ship[p], halo_in[p] = _rows(heavy, bq, length), _rows(keys, fp.BLOCK_SIZE, length)
-        halo[p] = _executor(mask_mod, pos[rank], pos[p][halo_in[p]], b, h, scale, cap, clear=heavy)
+        halo[p], r0, r1 = _halo_executor(mask_mod, pos[rank], pos[p][halo_in[p]], b, h, scale, cap, heavy, bq)
+        halo_rows[p] = (r0, r1)
         if len(heavy) or len(keys):  # the ring step at which p's block visits is needed
             need = max(need, (rank - p) % world + 1)
         heavy, keys = split(p, rank)  # p's rows against my keys
@@ -252,9 +288,11 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
             + n(q_in) * (2 * q_row + lse_row) + n(halo_in) * kv_row)
     heavy, heavy_pos = _union(ship, dev)
     sent_rows, sent_pos = _union(halo_send, dev)
-    real = lambda xs: sum(x is not None for x in xs)
-    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos, sent_rows, sent_pos,
-                        real([own] + halo), real([own] + serve), (), False, False, [], [])
+    spans = [(0, length)] * (own is not None) + [r for r, x in zip(halo_rows, halo) if x is not None]
+    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos, halo_rows,
+                        _within(heavy, 0, length), [_within(heavy, *r) for r in halo_rows],
+                        _within(sent_rows, 0, length), sent_rows, sent_pos, most_cover(spans),
+                        sum(x is not None for x in [own] + serve), (), False, False, [], [])
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 

@@ -26,7 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .._merge import empty_state, merge_, merge_into
+from .._merge import empty_state, merge_
+from ..distributed.accumulate import MergedRows, RowSums
 
 
 def _spec(t: torch.Tensor) -> tuple:
@@ -96,77 +97,82 @@ def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
 
 
 class OutSum:
-    """The running (out (B, L, H, D), lse (B, H, L)) of a rank's rows: full-size
-    pieces merged into the first (``pieces``: how many come), the rows
-    ``rows`` (long, ascending) also merged apart in float32 with the row
-    pieces (:meth:`add_rows`)."""
+    """The running (out (B, L, H, D), lse (B, H, L)) of a rank's rows: pieces
+    over row ranges merged as the ring's (:class:`MergedRows`: the first
+    full-size piece is the accumulator, in the input dtype where a row gets at
+    most ``pieces``  = 2), the rows ``rows`` (long, ascending) also merged apart
+    in float32 with the row pieces (:meth:`add_rows`)."""
 
     def __init__(self, q: torch.Tensor, rows: torch.Tensor, pieces: int):
         self.q, self.rows = q, rows
-        self.dtype = q.dtype if pieces <= 2 else torch.promote_types(q.dtype, torch.float32)
-        self.out = self.lse = self.rout = self.rlse = None
+        self.acc = MergedRows(q, q.dtype if pieces <= 2 else torch.promote_types(q.dtype, torch.float32))
+        self.rout = self.rlse = None
 
-    def add(self, o: torch.Tensor, l_: torch.Tensor) -> None:
-        """A full-size piece: o (B, L, H, D), l_ (B, H, L) float32."""
-        if len(self.rows):
-            ro, rl = o[:, self.rows].float(), l_[:, :, self.rows].transpose(1, 2).contiguous()
-            if self.rout is None:
-                self.rout, self.rlse = ro, rl
-            else:
-                merge_(self.rout, self.rlse, ro, rl)
-        if self.out is None:
-            self.out, self.lse = o.to(self.dtype), l_.contiguous()
-        else:
-            merge_into(self.out, self.lse.transpose(1, 2), o, l_.transpose(1, 2), use_triton=o.is_cuda)
-
-    def add_rows(self, pos: torch.Tensor, o: torch.Tensor, l_: torch.Tensor) -> None:
-        """A partial of the rows at positions ``pos`` of ``rows``: o (B, n, H, D), l_ (B, n, H)."""
-        if not len(pos):
-            return
+    def _rows(self, pos, o, l_) -> None:
         if self.rout is None:
-            b, _, h, d = self.q.shape
+            b, _, h, _ = self.q.shape
             self.rout = torch.zeros(b, len(self.rows), h, o.shape[-1], dtype=torch.float32, device=o.device)
             self.rlse = torch.full((b, len(self.rows), h), float("-inf"), device=o.device)
         so, sl = self.rout[:, pos], self.rlse[:, pos]
         merge_(so, sl, o.float(), l_.float())
         self.rout[:, pos], self.rlse[:, pos] = so, sl
 
+    def add(self, o: torch.Tensor, l_: torch.Tensor, r0: int, at: tuple) -> None:
+        """A piece of the rows [r0, r0 + n): o (B, n, H, D), l_ (B, H, n) float32;
+        ``at``: (positions in ``rows``, rows in the piece) of the rows it covers."""
+        if len(at[0]):
+            self._rows(at[0], o[:, at[1]], l_[:, :, at[1]].transpose(1, 2))
+        self.acc.add(r0, r0 + o.shape[1], o, l_)
+
+    def add_rows(self, pos: torch.Tensor, o: torch.Tensor, l_: torch.Tensor) -> None:
+        """A partial of the rows at positions ``pos`` of ``rows``: o (B, n, H, D), l_ (B, n, H)."""
+        if len(pos):
+            self._rows(pos, o, l_)
+
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.out is None:
-            self.out, self.lse = empty_state(self.q, self.dtype)
+        acc = self.acc
+        if acc.out is None:
+            acc.out, acc.lse = empty_state(self.q, acc.dtype)
         if self.rout is not None:
-            self.out[:, self.rows] = self.rout.to(self.out.dtype)
-            self.lse[:, :, self.rows] = self.rlse.transpose(1, 2)
-        return self.out.to(self.q.dtype), self.lse
+            acc.out[:, self.rows] = self.rout.to(acc.out.dtype)
+            acc.lse[:, :, self.rows] = self.rlse.transpose(1, 2)
+        return acc.result()
 
 
 class GradSum:
-    """dQ, dK or dV of a rank: full-size pieces added to the first (float32
-    copy where more than two come), the rows ``rows`` also summed apart in
-    float32 with the row pieces (:meth:`add_rows`)."""
+    """dQ, dK or dV of a rank: pieces over row ranges summed as the ring's
+    (:class:`RowSums`: a full-size first piece is the accumulator, no zero
+    fill; float32 where a row gets more than two), the rows ``rows`` also
+    summed apart in float32 with the row pieces (:meth:`add_rows`)."""
 
     def __init__(self, like: torch.Tensor, rows: torch.Tensor, pieces: int):
-        self.like, self.rows, self.wide = like, rows, pieces > 2
-        self.acc = self.racc = None
+        self.like, self.rows = like, rows
+        self.dtype = like.dtype if pieces <= 2 else torch.promote_types(like.dtype, torch.float32)
+        self.sums = self.racc = None
 
-    def add(self, x: torch.Tensor) -> None:
-        if len(self.rows):
-            xr = x[:, self.rows].float()
-            self.racc = xr if self.racc is None else self.racc.add_(xr)
-        if self.acc is None:
-            self.acc = x.to(torch.promote_types(x.dtype, torch.float32)) if self.wide else x
-        else:
-            self.acc.add_(x)
-
-    def add_rows(self, pos: torch.Tensor, x: torch.Tensor) -> None:
-        if not len(pos):
-            return
+    def _racc(self, x):
         if self.racc is None:
             self.racc = torch.zeros((x.shape[0], len(self.rows), *x.shape[2:]), dtype=torch.float32, device=x.device)
-        self.racc.index_add_(1, pos, x.float())
+        return self.racc
+
+    def add(self, x: torch.Tensor, r0: int, at: tuple) -> None:
+        """A piece of the rows [r0, r0 + n); ``at`` as :meth:`OutSum.add`'s."""
+        if len(at[0]):
+            self._racc(x).index_add_(1, at[0], x[:, at[1]].float())
+        r1 = r0 + x.shape[1]
+        if self.sums is None and (r0, r1) == (0, self.like.shape[1]):
+            self.sums = RowSums(x.to(self.dtype), [(r0, r1)])
+            return
+        if self.sums is None:
+            self.sums = RowSums.empty(self.like, self.dtype)
+        self.sums.add(r0, r1, x)
+
+    def add_rows(self, pos: torch.Tensor, x: torch.Tensor) -> None:
+        if len(pos):
+            self._racc(x).index_add_(1, pos, x.float())
 
     def result(self) -> torch.Tensor:
-        acc = torch.zeros_like(self.like) if self.acc is None else self.acc
+        acc = torch.zeros_like(self.like, dtype=self.dtype) if self.sums is None else self.sums.zero_unwritten()
         if self.racc is not None:
             acc[:, self.rows] = self.racc.to(acc.dtype)
         return acc.to(self.like.dtype)
@@ -185,7 +191,7 @@ class ExchangeFlex(torch.autograd.Function):
                         b, group, plan.moves_kv or plan.moves_q, dev)
         acc = OutSum(q, plan.heavy, plan.out_pieces)
         if plan.own is not None:
-            acc.add(*plan.own.forward(q, k, v))
+            acc.add(*plan.own.forward(q, k, v), 0, plan.own_at)
         halos, shipped = sent.wait()
         parts = []
         for run, (qr,) in zip(plan.serve, shipped):
@@ -197,9 +203,9 @@ class ExchangeFlex(torch.autograd.Function):
             parts.append([o.to(q.dtype), l_.float().transpose(1, 2)])
         back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
                         plan.moves_q, dev)
-        for run, (kh, vh) in zip(plan.halo, halos):
+        for run, (r0, r1), at, (kh, vh) in zip(plan.halo, plan.halo_rows, plan.halo_at, halos):
             if run is not None:
-                acc.add(*run.forward(q, kh, vh))
+                acc.add(*run.forward(q[:, r0:r1], kh, vh), r0, at)
         for pos, (o, l_) in zip(plan.heavy_pos, back.wait()[0]):
             acc.add_rows(pos, o, l_)
         out, lse = acc.result()
@@ -224,12 +230,14 @@ class ExchangeFlex(torch.autograd.Function):
         dq = GradSum(q, plan.heavy, plan.out_pieces)
         dk, dv = (GradSum(x, plan.sent, plan.kv_pieces) for x in (k, v))
         halo_grads = []
-        for run, (kh, vh) in zip(plan.halo, halos):
+        for run, (r0, r1), at, (kh, vh) in zip(plan.halo, plan.halo_rows, plan.halo_at, halos):
             if run is None:
                 halo_grads.append([torch.zeros_like(kh), torch.zeros_like(vh)])
                 continue
-            g = run.backward(dout, q, kh, vh, out, lse, dlse)
-            dq.add(g[0])
+            rows = slice(r0, r1)
+            g = run.backward(dout[:, rows], q[:, rows], kh, vh, out[:, rows], lse[:, :, rows].contiguous(),
+                             None if dlse is None else dlse[:, :, rows].contiguous())
+            dq.add(g[0], r0, at)
             halo_grads.append([g[1].to(k.dtype), g[2].to(v.dtype)])
         dq_back = []
         for run, (qr,), (do, o, st) in zip(plan.serve, shipped_q, rows_out.wait()[0]):
@@ -239,15 +247,15 @@ class ExchangeFlex(torch.autograd.Function):
             ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
             g = run.backward(do, qr, k, v, o, ls, dls)
             dq_back.append([g[0].to(q.dtype)])
-            dk.add(g[1])
-            dv.add(g[2])
+            dk.add(g[1], 0, plan.kv_at)
+            dv.add(g[2], 0, plan.kv_at)
         back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]), (dq_back, _n(plan.ship), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)
         if plan.own is not None:
             g = plan.own.backward(dout, q, k, v, out, lse, dlse)
-            dq.add(g[0])
-            dk.add(g[1])
-            dv.add(g[2])
+            dq.add(g[0], 0, plan.own_at)
+            dk.add(g[1], 0, plan.kv_at)
+            dv.add(g[2], 0, plan.kv_at)
         kv_back, dq_in = back.wait()
         for pos, (gk, gv) in zip(plan.sent_pos, kv_back):
             dk.add_rows(pos, gk)
