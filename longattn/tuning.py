@@ -361,6 +361,10 @@ class FlexExchangeTuning:
            "34.0; 4 H200 12.7 / 15.8 / 19.8 and 13.8 / 18.1 / 21.4 (peak 1582 / 2566 / 2308 MiB and 1554 / 2566 / "
            "2308); 3 ranks not measured",
         "dist_flex_exchange_2xh200_747a51b.json, dist_flex_exchange_4xh200_747a51b.json")
+    concurrent: bool = measured(
+        True, "pending measurement: on CUDA the pieces other than the own one (halos, served rows: small grids, "
+              "long chains where one key block is seen by every row) run on a side stream beside the own piece "
+              "instead of after it; costs their buffers at the same time as the own piece's")
     max_traffic: float = measured(
         0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "

@@ -208,7 +208,8 @@ class ExchangePlan:
     ``halo_at[p]``: (positions in ``heavy``, rows in the piece) of the heavy
     rows a piece covers, ``kv_at`` those of ``sent`` in a full-size piece;
     ``out_pieces`` / ``kv_pieces``: the most pieces a row / key row gets
-    (own, halos / own, served rows). ``traffic``: (most bytes a rank sends, the ring's per rank),
+    (own, halos / own, served rows); ``concurrent``: the other pieces run
+    beside the own one on CUDA (:class:`longattn.tuning.FlexExchangeTuning`). ``traffic``: (most bytes a rank sends, the ring's per rank),
     forward + backward; ``moves_q`` / ``moves_kv``: any rank ships query
     rows / K/V; ``dense``: why the executors would be the dense PyTorch ones
     on a GPU (empty: FA4 runs them, or the CPU); ``cannot``: why the
@@ -231,6 +232,7 @@ class ExchangePlan:
     sent_pos: list
     out_pieces: int
     kv_pieces: int
+    concurrent: bool
     traffic: tuple
     moves_q: bool
     moves_kv: bool
@@ -292,7 +294,7 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos, halo_rows,
                         _within(heavy, 0, length), [_within(heavy, *r) for r in halo_rows],
                         _within(sent_rows, 0, length), sent_rows, sent_pos, most_cover(spans),
-                        sum(x is not None for x in [own] + serve), (), False, False, [], [])
+                        sum(x is not None for x in [own] + serve), tuning.concurrent, (), False, False, [], [])
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 

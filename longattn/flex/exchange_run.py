@@ -21,12 +21,14 @@ every piece in float32 apart and rounded once.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.distributed as dist
 
 from .._merge import empty_state, merge_
+from .._streams import has_side_stream, side_stream
 from ..distributed.accumulate import MergedRows, RowSums
 
 
@@ -178,6 +180,48 @@ class GradSum:
         return acc.to(self.like.dtype)
 
 
+class Side:
+    """Where the pieces other than the own one run: a side stream on CUDA
+    (``concurrent``), made once per device, started after the current
+    stream's work so far; else the current stream. :meth:`join` makes the
+    current stream wait for it and marks the tensors it made that the current
+    stream uses (the allocator then keeps them until that use is done);
+    :meth:`close` orders the side stream's next work after the current one's."""
+
+    def __init__(self, device: torch.device, concurrent: bool):
+        self.main = self.side = None
+        if concurrent and device.type == "cuda" and not (
+                torch.cuda.is_current_stream_capturing() and not has_side_stream(device, "flex exchange")):
+            self.main = torch.cuda.current_stream(device)
+            self.side = side_stream(device, "flex exchange")
+            self.side.wait_stream(self.main)
+
+    def __enter__(self):
+        self._ctx = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+        return self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+    def join(self, tensors) -> None:
+        if self.side is None:
+            return
+        self.main.wait_stream(self.side)
+        for t in tensors:
+            t.record_stream(self.main)
+
+    def close(self) -> None:
+        if self.side is not None:
+            self.side.wait_stream(self.main)
+
+
+def _tensors(xs) -> list:
+    """The tensors in nested lists / tuples."""
+    if isinstance(xs, torch.Tensor):
+        return [xs]
+    return [t for x in (xs or ()) if x is not None for t in _tensors(x)]
+
+
 class ExchangeFlex(torch.autograd.Function):
     """(out, lse) of the exchange over ``plan`` (see the module docstring)."""
 
@@ -189,26 +233,31 @@ class ExchangeFlex(torch.autograd.Function):
         sent = Transfer([([[k[:, r], v[:, r]] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
                          ([[q[:, r]] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)
+        side = Side(dev, plan.concurrent)
+        with side:  # launched first: the own piece fills the GPU around their small grids
+            halos, shipped = sent.wait()
+            parts = []
+            for run, (qr,) in zip(plan.serve, shipped):
+                if run is None:
+                    o = qr.new_zeros(*qr.shape[:3], hv)
+                    l_ = torch.full((b, h, qr.shape[1]), float("-inf"), device=dev)
+                else:
+                    o, l_ = run.forward(qr, k, v)
+                parts.append([o.to(q.dtype), l_.float().transpose(1, 2)])
+            back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
+                            plan.moves_q, dev)
+            pieces = [(run.forward(q[:, r0:r1], kh, vh), r0, at) for run, (r0, r1), at, (kh, vh)
+                      in zip(plan.halo, plan.halo_rows, plan.halo_at, halos) if run is not None]
         acc = OutSum(q, plan.heavy, plan.out_pieces)
         if plan.own is not None:
             acc.add(*plan.own.forward(q, k, v), 0, plan.own_at)
-        halos, shipped = sent.wait()
-        parts = []
-        for run, (qr,) in zip(plan.serve, shipped):
-            if run is None:
-                o = qr.new_zeros(*qr.shape[:3], hv)
-                l_ = torch.full((b, h, qr.shape[1]), float("-inf"), device=dev)
-            else:
-                o, l_ = run.forward(qr, k, v)
-            parts.append([o.to(q.dtype), l_.float().transpose(1, 2)])
-        back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
-                        plan.moves_q, dev)
-        for run, (r0, r1), at, (kh, vh) in zip(plan.halo, plan.halo_rows, plan.halo_at, halos):
-            if run is not None:
-                acc.add(*run.forward(q[:, r0:r1], kh, vh), r0, at)
+        side.join(_tensors([p[0] for p in pieces]) + [back.buf])
+        for res, r0, at in pieces:
+            acc.add(*res, r0, at)
         for pos, (o, l_) in zip(plan.heavy_pos, back.wait()[0]):
             acc.add_rows(pos, o, l_)
         out, lse = acc.result()
+        side.close()
         ctx.save_for_backward(q, k, v, out, lse, sent.buf)
         ctx.plan, ctx.group, ctx.layout = plan, group, sent.layout
         return out, lse
@@ -226,40 +275,49 @@ class ExchangeFlex(torch.autograd.Function):
         stats = torch.stack([lse, dlse if has_dlse else torch.zeros_like(lse)], -1).transpose(1, 2)  # (B, L, H, 2)
         rows_out = Transfer([([[dout[:, r], out[:, r], stats[:, r]] for r in plan.ship], _n(plan.q_in),
                               [_spec(dout), _spec(out), _spec(stats)])], b, group, plan.moves_q, dev)
-        halos, shipped_q = unpack(buf, ctx.layout, b)
+        side = Side(dev, plan.concurrent)
+        with side:
+            halos, shipped_q = unpack(buf, ctx.layout, b)
+            halo_dq, halo_grads = [], []
+            for run, (r0, r1), at, (kh, vh) in zip(plan.halo, plan.halo_rows, plan.halo_at, halos):
+                if run is None:
+                    halo_grads.append([torch.zeros_like(kh), torch.zeros_like(vh)])
+                    continue
+                rows = slice(r0, r1)
+                g = run.backward(dout[:, rows], q[:, rows], kh, vh, out[:, rows], lse[:, :, rows].contiguous(),
+                                 None if dlse is None else dlse[:, :, rows].contiguous())
+                halo_dq.append((g[0], r0, at))
+                halo_grads.append([g[1].to(k.dtype), g[2].to(v.dtype)])
+            dq_back, served = [], []
+            for run, (qr,), (do, o, st) in zip(plan.serve, shipped_q, rows_out.wait()[0]):
+                if run is None:
+                    dq_back.append([torch.zeros_like(qr)])
+                    continue
+                ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
+                g = run.backward(do, qr, k, v, o, ls, dls)
+                dq_back.append([g[0].to(q.dtype)])
+                served.append(g[1:])
+            back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]),
+                             (dq_back, _n(plan.ship), [_spec(q)])], b, group, plan.moves_kv or plan.moves_q, dev)
         dq = GradSum(q, plan.heavy, plan.out_pieces)
         dk, dv = (GradSum(x, plan.sent, plan.kv_pieces) for x in (k, v))
-        halo_grads = []
-        for run, (r0, r1), at, (kh, vh) in zip(plan.halo, plan.halo_rows, plan.halo_at, halos):
-            if run is None:
-                halo_grads.append([torch.zeros_like(kh), torch.zeros_like(vh)])
-                continue
-            rows = slice(r0, r1)
-            g = run.backward(dout[:, rows], q[:, rows], kh, vh, out[:, rows], lse[:, :, rows].contiguous(),
-                             None if dlse is None else dlse[:, :, rows].contiguous())
-            dq.add(g[0], r0, at)
-            halo_grads.append([g[1].to(k.dtype), g[2].to(v.dtype)])
-        dq_back = []
-        for run, (qr,), (do, o, st) in zip(plan.serve, shipped_q, rows_out.wait()[0]):
-            if run is None:
-                dq_back.append([torch.zeros_like(qr)])
-                continue
-            ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
-            g = run.backward(do, qr, k, v, o, ls, dls)
-            dq_back.append([g[0].to(q.dtype)])
-            dk.add(g[1], 0, plan.kv_at)
-            dv.add(g[2], 0, plan.kv_at)
-        back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]), (dq_back, _n(plan.ship), [_spec(q)])],
-                        b, group, plan.moves_kv or plan.moves_q, dev)
-        if plan.own is not None:
+        if plan.own is not None:  # first: its outputs (made here) become the sums
             g = plan.own.backward(dout, q, k, v, out, lse, dlse)
             dq.add(g[0], 0, plan.own_at)
             dk.add(g[1], 0, plan.kv_at)
             dv.add(g[2], 0, plan.kv_at)
+        side.join(_tensors([x[0] for x in halo_dq]) + _tensors(served) + [back.buf])
+        for x, r0, at in halo_dq:
+            dq.add(x, r0, at)
+        for gk, gv in served:
+            dk.add(gk, 0, plan.kv_at)
+            dv.add(gv, 0, plan.kv_at)
         kv_back, dq_in = back.wait()
         for pos, (gk, gv) in zip(plan.sent_pos, kv_back):
             dk.add_rows(pos, gk)
             dv.add_rows(pos, gv)
         for pos, (g,) in zip(plan.heavy_pos, dq_in):
             dq.add_rows(pos, g)
-        return dq.result(), dk.result(), dv.result(), None, None
+        res = dq.result(), dk.result(), dv.result()
+        side.close()
+        return (*res, None, None)
