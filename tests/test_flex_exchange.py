@@ -58,10 +58,11 @@ def _check_patterns(rank, world):
         # halo covers half of the peer's key blocks: fetching the other two costs fewer bytes)
         plan = _plan(torch.randn(B, L, H, D), patterns(world)[0][1], layout, k=torch.randn(B, L, 2, D))
         assert plan.moves_q == (world > 2 or layout == "contiguous") and plan.moves_kv
-        # a window's halo pieces run only the rows at the shard edges (one 128-row block each here); their
-        # results and gradients above are merged into row ranges, not full-size buffers
+        assert len(plan.halo) == 1, [(x.r0, x.r1, x.k0, x.k1) for x in plan.halo]  # global keys: every row, one launch
+        # a window's halo pieces run only the rows at the shard edges (one 128-row block each here: each chunk's
+        # first, apart); their results and gradients above are merged into row ranges, not full-size buffers
         plan = _plan(torch.randn(B, L, H, D), patterns(world)[2][1], layout)
-        spans = [(r0, r1) for run, (r0, r1) in zip(plan.halo, plan.halo_rows) if run is not None]
+        spans = [(x.r0, x.r1) for x in plan.halo]
         assert (spans or (layout, rank) == ("contiguous", 0)) and all(r1 - r0 == 128 for r0, r1 in spans), spans
         assert plan.out_pieces <= 2, plan.out_pieces  # no row sees two peers' halos: accumulators keep the dtype
 

@@ -137,26 +137,23 @@ def _union(rows: list, dev) -> tuple:
     return u, [torch.searchsorted(u, r) for r in rows]
 
 
-def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=None):
+def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=()):
     """The executor of (queries at global ``qpos``) x (keys at ``kpos``), the
-    query blocks ``clear`` (of the plan's query block) removed; FA4 where
-    ``cap`` (its major compute capability) is given; None where nothing is visible."""
+    blocks ``clear`` = [(query blocks of the plan's query block, first key
+    block, end key block)] removed; FA4 where ``cap`` (its major compute
+    capability) is given; None where nothing is visible."""
     if len(qpos) == 0 or len(kpos) == 0:
         return None
     block = blocks.sparse_block(cap, len(qpos)) if cap is not None else fp.BLOCK_SIZE
-    table = fp.block_table(mask_mod, batch, heads, qpos, kpos, block)
-    if clear is not None:
-        table = fp.BlockTable(table.partial.clone(), table.full.clone())
-        table.partial[:, :, clear] = False
-        table.full[:, :, clear] = False
+    table = _cleared(fp.block_table(mask_mod, batch, heads, qpos, kpos, block), clear)
     if table.empty:
         return None
     if cap is None:
         def make_mask():
             m = torch.ones(1, 1, len(qpos), len(kpos), dtype=torch.bool, device=qpos.device) if mask_mod is None \
                 else fp.evaluate(mask_mod, fp.mask_dims(mask_mod, batch, heads, qpos, kpos), qpos, kpos).clone()
-            if clear is not None:
-                m[:, :, _rows(clear, fp.BLOCK_SIZE, len(qpos))] = False
+            for qb, kb0, kb1 in clear:
+                m[:, :, _rows(qb, fp.BLOCK_SIZE, len(qpos)), kb0 * fp.BLOCK_SIZE:kb1 * fp.BLOCK_SIZE] = False
             return m
         return TorchPiece(make_mask, scale)
     # no mask: an unbounded window is true at every position (FA4's block sparsity, which the cleared blocks
@@ -167,25 +164,86 @@ def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], cle
     return fa4.RingStep(step, scale, len(qpos), len(kpos))
 
 
+def _cleared(table: fp.BlockTable, clear) -> fp.BlockTable:
+    if not clear:
+        return table
+    table = fp.BlockTable(table.partial.clone(), table.full.clone())
+    for qb, kb0, kb1 in clear:
+        table.partial[:, :, qb, kb0:kb1] = False
+        table.full[:, :, qb, kb0:kb1] = False
+    return table
+
+
 def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear, bq: int):
-    """(executor, r0, r1): my rows x a peer's halo (the query blocks ``clear``
-    of ``bq`` rows removed), cropped to the rows [r0, r1) of the first to the
-    last query block that sees a halo key (the rows around a shard edge, for
-    most patterns): no executor runs rows that see none of them."""
+    """(executor, r0, r1): my rows x halo keys at ``kpos`` (the blocks
+    ``clear`` removed, see :func:`_executor`), cropped to the rows [r0, r1) of
+    the first to the last query block of ``bq`` rows that sees one of them (the
+    rows around shard edges, for most patterns): no executor runs rows that
+    see none of them."""
     if len(qpos) == 0 or len(kpos) == 0:
         return None, 0, 0
-    table = fp.block_table(mask_mod, batch, heads, qpos, kpos, (bq, fp.BLOCK_SIZE))
-    vis = (table.partial | table.full).flatten(0, 1).any(0).any(1)
-    vis[clear] = False
-    idx = vis.nonzero().flatten().tolist()
+    table = _cleared(fp.block_table(mask_mod, batch, heads, qpos, kpos, (bq, fp.BLOCK_SIZE)), clear)
+    idx = (table.partial | table.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
     if not idx:
         return None, 0, 0
     b0, b1 = idx[0], idx[-1] + 1
     r0, r1 = b0 * bq, min(b1 * bq, len(qpos))
     if cap is not None and blocks.sparse_block(cap, r1 - r0)[0] != bq:  # the cleared blocks would not line up
-        b0, r0, r1 = 0, 0, len(qpos)
-    keep = clear[(clear >= b0) & (clear < b0 + (r1 - r0 + bq - 1) // bq)] - b0
+        b0, b1, r0, r1 = 0, (len(qpos) + bq - 1) // bq, 0, len(qpos)
+    keep = [(qb[(qb >= b0) & (qb < b1)] - b0, kb0, kb1) for qb, kb0, kb1 in clear]
     return _executor(mask_mod, qpos[r0:r1], kpos, batch, heads, scale, cap, clear=keep), r0, r1
+
+
+def _halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale, cap, bq: int) -> list:
+    """The halo's executors, :class:`HaloPiece` s over my rows x the peers'
+    halos concatenated in rank order (``halo_pos[p]``: their keys' positions,
+    ``heavy[p]``: my query blocks computed on p, cleared against p's keys).
+    Consecutive peers whose halos my rows see over overlapping row ranges
+    share one executor (one launch, one merge: a pattern whose every row sees
+    some peer's keys, global tokens), where the earlier halos fill whole key
+    blocks (the cleared blocks then line up); others run apart, each on the
+    rows that see it."""
+    lens = [len(x) for x in halo_pos]
+    offs = [sum(lens[:p]) for p in range(len(lens) + 1)]
+    groups = []
+    for p in (p for p, n in enumerate(lens) if n):
+        nkb = -(-lens[p] // fp.BLOCK_SIZE)
+        t = _cleared(fp.block_table(mask_mod, batch, heads, qpos, halo_pos[p], (bq, fp.BLOCK_SIZE)),
+                     [(heavy[p], 0, nkb)])
+        idx = (t.partial | t.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
+        if not idx:
+            continue
+        b0, b1 = idx[0], idx[-1] + 1
+        last = groups[-1] if groups else None
+        if last and b0 < last[2] and last[1] < b1 and lens[last[0][-1]] % fp.BLOCK_SIZE == 0:
+            last[0].append(p)
+            last[1], last[2] = min(last[1], b0), max(last[2], b1)
+        else:
+            groups.append([[p], b0, b1])
+    pieces = []
+    for g, _, _ in groups:
+        k0, k1 = offs[g[0]], offs[g[-1] + 1]
+        clear = [(heavy[p], (offs[p] - k0) // fp.BLOCK_SIZE, -(-(offs[p + 1] - k0) // fp.BLOCK_SIZE))
+                 for p in g if len(heavy[p])]
+        run, r0, r1 = _halo_executor(mask_mod, qpos, torch.cat([halo_pos[p] for p in g]), batch, heads, scale, cap,
+                                     clear, bq)
+        if run is not None:
+            pieces.append(HaloPiece(run, r0, r1, k0, k1, None))
+    return pieces
+
+
+@dataclasses.dataclass
+class HaloPiece:
+    """An executor of my rows [r0, r1) x the concatenated halo keys [k0, k1);
+    ``at``: (positions in the plan's ``heavy``, rows in the piece) of the
+    heavy rows it covers."""
+
+    run: object
+    r0: int
+    r1: int
+    k0: int
+    k1: int
+    at: Optional[tuple]
 
 
 def _within(rows: torch.Tensor, r0: int, r1: int) -> tuple:
@@ -198,22 +256,24 @@ def _within(rows: torch.Tensor, r0: int, r1: int) -> tuple:
 class ExchangePlan:
     """One rank's exchange, per peer p (rank order; empty for itself):
     ``ship[p]`` my rows computed on p, ``q_in[p]`` rows p ships to me,
-    ``halo_send[p]`` my key rows p needs, ``halo_in[p]`` key rows p sends me;
-    executors ``own`` (my rows x my keys), ``halo[p]`` (my rows
-    ``halo_rows[p]`` = [r0, r1) x p's halo, my heavy blocks against p
-    cleared), ``serve[p]`` (p's shipped rows x my keys). ``heavy``: my rows
-    computed elsewhere (every peer's ``ship``, long, ascending;
-    ``heavy_pos[p]``: ``ship[p]``'s positions in it), ``sent``: my key rows
-    fetched (every peer's ``halo_send``; ``sent_pos``); ``own_at`` /
-    ``halo_at[p]``: (positions in ``heavy``, rows in the piece) of the heavy
-    rows a piece covers, ``kv_at`` those of ``sent`` in a full-size piece;
-    ``out_pieces`` / ``kv_pieces``: the most pieces a row / key row gets
-    (own, halos / own, served rows); ``concurrent``: the other pieces run
-    beside the own one on CUDA (:class:`longattn.tuning.FlexExchangeTuning`). ``traffic``: (most bytes a rank sends, the ring's per rank),
-    forward + backward; ``moves_q`` / ``moves_kv``: any rank ships query
-    rows / K/V; ``dense``: why the executors would be the dense PyTorch ones
-    on a GPU (empty: FA4 runs them, or the CPU); ``cannot``: why the
-    ranks' plans do not fit together (empty: they do)."""
+    ``halo_send[p]`` my key rows p needs, ``halo_in[p]`` key rows p sends me.
+    Executors: ``own`` (my rows x my keys), ``halo`` (:class:`HaloPiece` s:
+    my rows x the peers' halos concatenated in rank order, my heavy blocks
+    against each peer cleared), ``serve`` (the rows every peer ships me,
+    concatenated in rank order, x my keys); None / empty where nothing is
+    visible. ``heavy``: my rows computed elsewhere (every peer's ``ship``,
+    long, ascending; ``heavy_pos[p]``: ``ship[p]``'s positions in it),
+    ``sent``: my key rows fetched (every peer's ``halo_send``; ``sent_pos``);
+    ``own_at`` / ``kv_at``: (positions, rows) of ``heavy`` / ``sent`` in a
+    full-size piece; ``out_pieces`` / ``kv_pieces``: the most pieces a row /
+    key row gets (own, halos / own, served rows); ``concurrent``: the other
+    pieces run beside the own one on CUDA
+    (:class:`longattn.tuning.FlexExchangeTuning`). ``traffic``: (most bytes a
+    rank sends, the ring's per rank), forward + backward; ``moves_q`` /
+    ``moves_kv``: any rank ships query rows / K/V; ``dense``: why the
+    executors would be the dense PyTorch ones on a GPU (empty: FA4 runs them,
+    or the CPU); ``cannot``: why the ranks' plans do not fit together
+    (empty: they do)."""
 
     ship: list
     q_in: list
@@ -221,12 +281,10 @@ class ExchangePlan:
     halo_in: list
     own: object
     halo: list
-    serve: list
+    serve: object
     heavy: torch.Tensor
     heavy_pos: list
-    halo_rows: list
     own_at: tuple
-    halo_at: list
     kv_at: tuple
     sent: torch.Tensor
     sent_pos: list
@@ -269,20 +327,20 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     split = lambda r, s: _split(fp.block_table(mask_mod, b, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE)), tuning, bq,
                                 5 * q_row + 3 * lse_row, 2 * kv_row)
     none = torch.zeros(0, dtype=torch.long, device=dev)
-    ship, q_in, halo_send, halo_in = ([none] * world for _ in range(4))
-    halo, serve, halo_rows, need = [None] * world, [None] * world, [(0, 0)] * world, 0
+    ship, q_in, halo_send, halo_in, heavy_blocks = ([none] * world for _ in range(5))
+    need = 0
     for p in range(world):
         if p == rank:
             continue
-        heavy, keys = split(rank, p)  # my rows against p's keys
-        ship[p], halo_in[p] = _rows(heavy, bq, length), _rows(keys, fp.BLOCK_SIZE, length)
-        halo[p], r0, r1 = _halo_executor(mask_mod, pos[rank], pos[p][halo_in[p]], b, h, scale, cap, heavy, bq)
-        halo_rows[p] = (r0, r1)
-        if len(heavy) or len(keys):  # the ring step at which p's block visits is needed
+        heavy_blocks[p], keys = split(rank, p)  # my rows against p's keys
+        ship[p], halo_in[p] = _rows(heavy_blocks[p], bq, length), _rows(keys, fp.BLOCK_SIZE, length)
+        if len(heavy_blocks[p]) or len(keys):  # the ring step at which p's block visits is needed
             need = max(need, (rank - p) % world + 1)
         heavy, keys = split(p, rank)  # p's rows against my keys
         q_in[p], halo_send[p] = _rows(heavy, bq, length), _rows(keys, fp.BLOCK_SIZE, length)
-        serve[p] = _executor(mask_mod, pos[p][q_in[p]], pos[rank], b, h, scale, cap)
+    halo = _halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks, b, h,
+                        scale, cap, bq)
+    serve = _executor(mask_mod, torch.cat([pos[p][q_in[p]] for p in range(world)]), pos[rank], b, h, scale, cap)
     own = _executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
@@ -290,11 +348,13 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
             + n(q_in) * (2 * q_row + lse_row) + n(halo_in) * kv_row)
     heavy, heavy_pos = _union(ship, dev)
     sent_rows, sent_pos = _union(halo_send, dev)
-    spans = [(0, length)] * (own is not None) + [r for r, x in zip(halo_rows, halo) if x is not None]
-    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos, halo_rows,
-                        _within(heavy, 0, length), [_within(heavy, *r) for r in halo_rows],
-                        _within(sent_rows, 0, length), sent_rows, sent_pos, most_cover(spans),
-                        sum(x is not None for x in [own] + serve), tuning.concurrent, (), False, False, [], [])
+    for piece in halo:
+        piece.at = _within(heavy, piece.r0, piece.r1)
+    spans = [(0, length)] * (own is not None) + [(x.r0, x.r1) for x in halo]
+    plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos,
+                        _within(heavy, 0, length), _within(sent_rows, 0, length), sent_rows, sent_pos,
+                        most_cover(spans), (own is not None) + (serve is not None), tuning.concurrent, (), False,
+                        False, [], [])
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 

@@ -222,6 +222,16 @@ def _tensors(xs) -> list:
     return [t for x in (xs or ()) if x is not None for t in _tensors(x)]
 
 
+def _cat(xs: list) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
+
+
+def _per_peer(x: torch.Tensor, counts: list) -> list:
+    """Rows of ``x`` (B, sum(counts), ...) split in rank order: [[rows of peer p]]."""
+    offs = [sum(counts[:p]) for p in range(len(counts) + 1)]
+    return [[x[:, offs[p]:offs[p + 1]]] for p in range(len(counts))]
+
+
 class ExchangeFlex(torch.autograd.Function):
     """(out, lse) of the exchange over ``plan`` (see the module docstring)."""
 
@@ -233,27 +243,31 @@ class ExchangeFlex(torch.autograd.Function):
         sent = Transfer([([[k[:, r], v[:, r]] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
                          ([[q[:, r]] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)
+        # the own piece first: the GPU runs it while the host issues the rest (beside it on a side stream, or
+        # after it, while the halos and shipped rows arrive)
+        own = plan.own.forward(q, k, v) if plan.own is not None else None
         side = Side(dev, plan.concurrent)
-        with side:  # launched first: the own piece fills the GPU around their small grids
+        with side:
             halos, shipped = sent.wait()
-            parts = []
-            for run, (qr,) in zip(plan.serve, shipped):
-                if run is None:
-                    o = qr.new_zeros(*qr.shape[:3], hv)
-                    l_ = torch.full((b, h, qr.shape[1]), float("-inf"), device=dev)
-                else:
-                    o, l_ = run.forward(qr, k, v)
-                parts.append([o.to(q.dtype), l_.float().transpose(1, 2)])
+            qs = _cat([x[0] for x in shipped])
+            if plan.serve is not None:
+                o, l_ = plan.serve.forward(qs, k, v)
+            else:
+                o = qs.new_zeros(*qs.shape[:3], hv)
+                l_ = torch.full((b, h, qs.shape[1]), float("-inf"), device=dev)
+            parts = [[x[0], y[0]] for x, y in zip(_per_peer(o.to(q.dtype), _n(plan.q_in)),
+                                                  _per_peer(l_.float().transpose(1, 2), _n(plan.q_in)))]
             back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
                             plan.moves_q, dev)
-            pieces = [(run.forward(q[:, r0:r1], kh, vh), r0, at) for run, (r0, r1), at, (kh, vh)
-                      in zip(plan.halo, plan.halo_rows, plan.halo_at, halos) if run is not None]
+            if plan.halo:
+                kh, vh = _cat([x[0] for x in halos]), _cat([x[1] for x in halos])
+            pieces = [(x.run.forward(q[:, x.r0:x.r1], kh[:, x.k0:x.k1], vh[:, x.k0:x.k1]), x) for x in plan.halo]
         acc = OutSum(q, plan.heavy, plan.out_pieces)
-        if plan.own is not None:
-            acc.add(*plan.own.forward(q, k, v), 0, plan.own_at)
+        if own is not None:
+            acc.add(*own, 0, plan.own_at)
         side.join(_tensors([p[0] for p in pieces]) + [back.buf])
-        for res, r0, at in pieces:
-            acc.add(*res, r0, at)
+        for res, x in pieces:
+            acc.add(*res, x.r0, x.at)
         for pos, (o, l_) in zip(plan.heavy_pos, back.wait()[0]):
             acc.add_rows(pos, o, l_)
         out, lse = acc.result()
@@ -276,46 +290,63 @@ class ExchangeFlex(torch.autograd.Function):
         rows_out = Transfer([([[dout[:, r], out[:, r], stats[:, r]] for r in plan.ship], _n(plan.q_in),
                               [_spec(dout), _spec(out), _spec(stats)])], b, group, plan.moves_q, dev)
         side = Side(dev, plan.concurrent)
+        own = None
+
+        def own_grads():
+            return plan.own.backward(dout, q, k, v, out, lse, dlse) if plan.own is not None else None
+        if side.side is not None:  # first, beside the rest; serially last, while the gradients travel back
+            own = own_grads()
         with side:
             halos, shipped_q = unpack(buf, ctx.layout, b)
-            halo_dq, halo_grads = [], []
-            for run, (r0, r1), at, (kh, vh) in zip(plan.halo, plan.halo_rows, plan.halo_at, halos):
-                if run is None:
-                    halo_grads.append([torch.zeros_like(kh), torch.zeros_like(vh)])
-                    continue
-                rows = slice(r0, r1)
-                g = run.backward(dout[:, rows], q[:, rows], kh, vh, out[:, rows], lse[:, :, rows].contiguous(),
-                                 None if dlse is None else dlse[:, :, rows].contiguous())
-                halo_dq.append((g[0], r0, at))
-                halo_grads.append([g[1].to(k.dtype), g[2].to(v.dtype)])
-            dq_back, served = [], []
-            for run, (qr,), (do, o, st) in zip(plan.serve, shipped_q, rows_out.wait()[0]):
-                if run is None:
-                    dq_back.append([torch.zeros_like(qr)])
-                    continue
+            halo_dq, gk, gv = [], None, None
+            if plan.halo:
+                kh, vh = _cat([x[0] for x in halos]), _cat([x[1] for x in halos])
+                whole = len(plan.halo) == 1 and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
+                if not whole:
+                    gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
+            for x in plan.halo:
+                rows, keys = slice(x.r0, x.r1), slice(x.k0, x.k1)
+                g = x.run.backward(dout[:, rows], q[:, rows], kh[:, keys], vh[:, keys], out[:, rows],
+                                   lse[:, :, rows].contiguous(), None if dlse is None else dlse[:, :, rows].contiguous())
+                halo_dq.append((g[0], x))
+                if whole:
+                    gk, gv = g[1].to(k.dtype), g[2].to(v.dtype)
+                else:
+                    gk[:, keys], gv[:, keys] = g[1], g[2]
+            counts = _n(plan.halo_in)
+            halo_grads = [[a[0], c[0]] for a, c in zip(_per_peer(gk, counts), _per_peer(gv, counts))] if plan.halo \
+                else [[torch.zeros_like(x[0]), torch.zeros_like(x[1])] for x in halos]
+            qs = _cat([x[0] for x in shipped_q])
+            got = rows_out.wait()[0]
+            do, o, st = (_cat([x[i] for x in got]) for i in range(3))
+            served = None
+            if plan.serve is not None:
                 ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
-                g = run.backward(do, qr, k, v, o, ls, dls)
-                dq_back.append([g[0].to(q.dtype)])
-                served.append(g[1:])
+                g = plan.serve.backward(do, qs, k, v, o, ls, dls)
+                served, dq_s = g[1:], g[0].to(q.dtype)
+            else:
+                dq_s = torch.zeros_like(qs)
             back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]),
-                             (dq_back, _n(plan.ship), [_spec(q)])], b, group, plan.moves_kv or plan.moves_q, dev)
+                             (_per_peer(dq_s, _n(plan.q_in)), _n(plan.ship), [_spec(q)])],
+                            b, group, plan.moves_kv or plan.moves_q, dev)
+        if side.side is None:
+            own = own_grads()
         dq = GradSum(q, plan.heavy, plan.out_pieces)
         dk, dv = (GradSum(x, plan.sent, plan.kv_pieces) for x in (k, v))
-        if plan.own is not None:  # first: its outputs (made here) become the sums
-            g = plan.own.backward(dout, q, k, v, out, lse, dlse)
-            dq.add(g[0], 0, plan.own_at)
-            dk.add(g[1], 0, plan.kv_at)
-            dv.add(g[2], 0, plan.kv_at)
+        if own is not None:  # first: its outputs (made on this stream) become the sums
+            dq.add(own[0], 0, plan.own_at)
+            dk.add(own[1], 0, plan.kv_at)
+            dv.add(own[2], 0, plan.kv_at)
         side.join(_tensors([x[0] for x in halo_dq]) + _tensors(served) + [back.buf])
-        for x, r0, at in halo_dq:
-            dq.add(x, r0, at)
-        for gk, gv in served:
-            dk.add(gk, 0, plan.kv_at)
-            dv.add(gv, 0, plan.kv_at)
+        for g, x in halo_dq:
+            dq.add(g, x.r0, x.at)
+        if served is not None:
+            dk.add(served[0], 0, plan.kv_at)
+            dv.add(served[1], 0, plan.kv_at)
         kv_back, dq_in = back.wait()
-        for pos, (gk, gv) in zip(plan.sent_pos, kv_back):
-            dk.add_rows(pos, gk)
-            dv.add_rows(pos, gv)
+        for pos, (gk_, gv_) in zip(plan.sent_pos, kv_back):
+            dk.add_rows(pos, gk_)
+            dv.add_rows(pos, gv_)
         for pos, (g,) in zip(plan.heavy_pos, dq_in):
             dq.add_rows(pos, g)
         res = dq.result(), dk.result(), dv.result()
