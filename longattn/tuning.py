@@ -355,21 +355,25 @@ class FlexExchangeTuning:
              f"there, dK/dV back); above 1 ships more readily (shipped rows also move their compute to the peer), "
              f"inf ships every heavy block; measure with {_EXCHANGE_CMD}")
     min_world: int = measured(
-        3, "engine='auto' runs the exchange from this many ranks on: at 2 the ring's one hop hides behind its own "
-           "block's kernel, the exchange waits for its halos and shipped rows. 128K, FA4, fwd+bwd ms, exchange / "
-           "ring / torch CP + FlexAttention: 2 H200 window + global 19.5 / 14.8 / 24.6, documents 24.0 / 21.3 / "
-           "34.0; 4 H200 12.7 / 15.8 / 19.8 and 13.8 / 18.1 / 21.4 (peak 1582 / 2566 / 2308 MiB and 1554 / 2566 / "
-           "2308); 3 ranks not measured",
-        "dist_flex_exchange_2xh200_747a51b.json, dist_flex_exchange_4xh200_747a51b.json")
+        2, "engine='auto' runs the exchange from this many ranks on; it leads the ring at 2, 3 and 4. 128K "
+           "(129024 at 3), FA4, fwd+bwd ms, exchange / ring / torch CP + FlexAttention on H100s: 2 ranks window + "
+           "global 15.3 / 15.9 / 24.6, documents 19.4 / 22.1 / 34.2; 3 ranks 11.9 / 18.2 and 17.6 / 22.9; 4 ranks "
+           "9.76 / 17.4 / 20.1 and 11.3 / 19.9 / 21.5 (peak MiB at 2: 1967 / 3084 / 2568 and 1562 / 3084 / 2568)",
+        "dist_flex_exchange_2xh100_3d96269.json, dist_flex_exchange_3xh100_3d96269.json, "
+        "dist_flex_exchange_4xh100_3d96269.json")
     concurrent: bool = measured(
-        True, "pending measurement: on CUDA the pieces other than the own one (halos, served rows: small grids, "
-              "long chains where one key block is seen by every row) run on a side stream beside the own piece "
-              "instead of after it; costs their buffers at the same time as the own piece's")
+        True, "on CUDA the pieces other than the own one (halos, served rows: small grids, long chains where one "
+              "key block is seen by every row) run on a side stream beside the own piece. 4 H100 ranks, 128K, FA4, "
+              "fwd+bwd ms (two alternating runs, side stream / serial): window + global 10.77, 10.37 / 11.38, "
+              "11.31; documents 10.52, 10.90 / 10.53, 11.06; peak 798 / 886 MiB (the own piece's outputs become "
+              "the sums before the others arrive). 2 ranks: 14.44 / 13.79 and 19.68 / 19.91, within the run's "
+              "noise",
+        "flex_exchange_side_4xh100_3d96269.json")
     max_traffic: float = measured(
         0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
-              f"ring's steps): the ring hides its transfers behind its steps' kernels, the exchange waits for its "
-              f"halos and shipped rows before most of its kernels, so it needs a clear margin; measure with "
+              f"ring's steps): the ring hides its transfers behind its steps' kernels, the exchange only behind its "
+              f"own piece (the halo and served pieces wait for them), so it needs a clear margin; measure with "
               f"{_EXCHANGE_CMD}")
 
     def __post_init__(self):

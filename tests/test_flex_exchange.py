@@ -148,9 +148,9 @@ def _check_plan(rank, world):
     assert [len(r) for r in plan.halo_in] == ([0, 128] if rank == 0 else [256, 0])
     sent, ring = plan.traffic
     assert sent < ring / 5, plan.traffic
-    assert _plan(q, mask, engine="auto") is None  # two ranks: auto keeps the ring (FlexExchangeTuning.min_world)
-    two = dataclasses.replace(tuning.FLEX_EXCHANGE, min_world=2)
-    assert _plan(q, mask, engine="auto", tune=two) is _plan(q, mask, tune=two)  # cached, and auto takes it
+    assert _plan(q, mask, engine="auto") is _plan(q, mask)  # cached, and auto takes it from two ranks on
+    three = dataclasses.replace(tuning.FLEX_EXCHANGE, min_world=3)
+    assert _plan(q, mask, engine="auto", tune=three) is None  # fewer ranks than min_world: the ring
     # dense causal: every block of the later rank is heavy; auto keeps the ring
     assert _plan(q, masks.causal(), engine="auto") is None
     forced = _plan(q, masks.causal())
@@ -225,7 +225,8 @@ def test_choose_engine():
         choose_engine("exchange", ["score_mod is given"], never)
     mixed = lambda: (["the ranks' query blocks differ"], [], 1, 100)
     assert choose_engine("auto", [], mixed) == "ring"
-    assert choose_engine("auto", [], never, world=2) == "ring"  # fewer ranks than min_world: no planning
+    three = dataclasses.replace(tuning.FLEX_EXCHANGE, min_world=3)
+    assert choose_engine("auto", [], never, three, world=2) == "ring"  # fewer ranks than min_world: no planning
     assert choose_engine("auto", [], fits(10), world=3) == "exchange"
     assert choose_engine("exchange", [], fits(10), world=2) == "exchange"
     with pytest.raises(ValueError, match="query blocks differ"):

@@ -102,11 +102,11 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
             K/V blocks its rows see and ships its dense query rows, e.g. global
             tokens, to the ranks whose keys they see: :mod:`longattn.flex.exchange`;
             masks only, no ``score_mod``) or ``"auto"``: the exchange from
-            ``longattn.tuning.FLEX_EXCHANGE.min_world`` ranks on (3: on 2 the
-            ring's one hop hides behind its kernels), where its busiest rank
-            sends under ``FLEX_EXCHANGE.max_traffic`` of the ring's bytes and
-            FA4 runs the pattern (or on CPU), else the ring. Both are exact; planned on the first call per (shape,
-            pattern). Every rank passes the same value.
+            ``longattn.tuning.FLEX_EXCHANGE.min_world`` ranks on (2), where
+            its busiest rank sends under ``FLEX_EXCHANGE.max_traffic`` of the
+            ring's bytes and FA4 runs the pattern (or on CPU), else the ring.
+            Both are exact; planned on the first call per (shape, pattern).
+            Every rank passes the same value.
 
     Returns:
         This rank's shard of the output (and lse). ``unshard(out)`` equals

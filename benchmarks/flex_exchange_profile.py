@@ -1,0 +1,95 @@
+"""ring_flex_attention's engines per rank: forward and forward + backward
+times (median of REPS calls, each after a barrier), the peak above the
+inputs, and (PROFILE=1, the default) one forward + backward's kernel
+timeline from torch.profiler. ``flex-exchange-serial`` is the exchange with
+``FlexExchangeTuning(concurrent=False)`` (no side stream): the measurement
+behind ``FlexExchangeTuning.concurrent``. One JSON per rank in OUTDIR;
+rank 0 prints a line per (config, impl).
+
+    NCCL_NVLS_ENABLE=0 PROFILE=0 REPS=15 IMPLS="flex-exchange flex-exchange-serial" \
+        torchrun --nproc_per_node=4 benchmarks/flex_exchange_profile.py OUTDIR flex_swg_128k flex_doc_128k
+
+IMPLS: flex-exchange, flex-exchange-serial, flex-ring, flex-ring-contiguous (default: flex-exchange flex-ring).
+"""
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.profiler import profile, ProfilerActivity
+from longattn.bench import dist as bd
+from longattn.bench.configs import CONFIGS
+from longattn.bench.torch_cp import flex_dist_build
+
+out_dir = sys.argv[1]
+cfgs = sys.argv[2:] or ["flex_swg_128k", "flex_doc_128k"]
+impls = os.environ.get("IMPLS", "flex-exchange flex-ring").split()
+rank, world, dev = bd._init()
+res = {}
+for name in cfgs:
+    cfg = CONFIGS[name]
+    q, k, v = bd._inputs(cfg, cfg.seqlen, dev, torch.bfloat16)
+    for impl in impls:
+        if impl == "flex-exchange-serial":
+            import longattn
+            from longattn import tuning
+            from longattn.flex import exchange
+            from longattn.flex.exchange_run import ExchangeFlex
+            from longattn.bench.patterns import flex_mask
+            fn0, (ql, kl, vl) = flex_dist_build(cfg, "flex-exchange", q, k, v)
+            mask = flex_mask(cfg, dev)
+            tune = tuning.FlexExchangeTuning(concurrent=False)
+            def fn(a, b_, c):
+                plan = exchange.plan_for(a, b_, mask, None, "zigzag", a.shape[-1] ** -0.5, dist.group.WORLD, "auto", "exchange", tune)
+                return ExchangeFlex.apply(a, b_, c, plan, dist.group.WORLD)[0]
+        else:
+            fn, (ql, kl, vl) = flex_dist_build(cfg, impl, q, k, v)
+        ql, kl, vl = (x.detach().requires_grad_() for x in (ql, kl, vl))
+        do = torch.randn_like(ql)
+        def step():
+            o = fn(ql, kl, vl)
+            o = o[0] if isinstance(o, tuple) else o
+            o.backward(do)
+            ql.grad = kl.grad = vl.grad = None
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize(); dist.barrier()
+        # plain timing: fwd only and fwd+bwd
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ts = []
+        for _ in range(int(os.environ.get('REPS', 5))):
+            dist.barrier(); torch.cuda.synchronize()
+            ev[0].record()
+            with torch.no_grad():
+                fn(ql, kl, vl)
+            ev[1].record(); torch.cuda.synchronize()
+            dist.barrier(); torch.cuda.synchronize()
+            ev[2].record(); step(); ev[3].record(); torch.cuda.synchronize()
+            ts.append((ev[0].elapsed_time(ev[1]), ev[2].elapsed_time(ev[3])))
+        ts.sort(key=lambda t: t[1]); mid = len(ts) // 2
+        torch.cuda.synchronize(); base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+        step(); torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        dist.barrier(); torch.cuda.synchronize()
+        if os.environ.get('PROFILE', '1') == '0':
+            res[f'{name}/{impl}'] = {'fwd_ms': ts[mid][0], 'fwd_bwd_ms': ts[mid][1], 'peak_mib': peak, 'all': ts}
+            if rank == 0: print(f'{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f}', flush=True)
+            del fn, ql, kl, vl
+            continue
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            step(); torch.cuda.synchronize()
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        t0 = min(e.time_range.start for e in evs) if evs else 0
+        tl = sorted(((e.time_range.start - t0) / 1e3, e.time_range.elapsed_us() / 1e3, e.name[:90]) for e in evs)
+        tot = {}
+        for _, d, n in tl:
+            tot[n] = tot.get(n, 0) + d
+        top = sorted(tot.items(), key=lambda x: -x[1])[:25]
+        cpu = sorted(((e.cpu_time_total / 1e3, e.key) for e in prof.key_averages() if e.cpu_time_total > 200), reverse=True)[:25]
+        res[f"{name}/{impl}"] = {"fwd_ms": ts[mid][0], "fwd_bwd_ms": ts[mid][1], "peak_mib": peak,
+                                 "timeline": [t for t in tl if t[1] > 0.02], "top": top, "cpu_top": cpu,
+                                 "gpu_busy_ms": sum(d for _, d, n in tl if "nccl" not in n.lower()),
+                                 "span_ms": max(s + d for s, d, _ in tl) if tl else 0}
+        if rank == 0:
+            print(f"{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f} span {res[f'{name}/{impl}']['span_ms']:.2f} busy {res[f'{name}/{impl}']['gpu_busy_ms']:.2f}", flush=True)
+        del fn, ql, kl, vl
+json.dump(res, open(os.path.join(out_dir, f"prof_r{rank}.json"), "w"), indent=0)
+dist.barrier()
+dist.destroy_process_group()
