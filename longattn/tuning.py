@@ -369,6 +369,15 @@ class FlexExchangeTuning:
               "the sums before the others arrive). 2 ranks: 14.44 / 13.79 and 19.68 / 19.91, within the run's "
               "noise",
         "flex_exchange_side_4xh100_3d96269.json")
+    split_programs: int = measured(
+        264, "pending measurement: an FA4 piece of the exchange whose forward (query tiles x heads) or backward "
+             "(key tiles x kv heads) has fewer programs than this runs on a view of its long side as batch rows "
+             "(longattn.flex.fa4.SplitStep): the global tokens' rows against a shard, a shard's rows against the "
+             "global keys; 264 = 2 programs per SM of an H100 / H200 (132 SMs); measure with "
+             "python benchmarks/flex_split_pieces.py")
+    split_min_blocks: int = measured(
+        4, "each view row keeps at least this many tiles of the long side (fewer: the repeated short side and the "
+           "merge cost more than the programs gain); pending measurement with python benchmarks/flex_split_pieces.py")
     max_traffic: float = measured(
         0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
@@ -387,6 +396,9 @@ class FlexExchangeTuning:
             raise ValueError(f"FlexExchangeTuning.min_world must be an int >= 2, got {self.min_world!r}")
         if not self.max_traffic >= 0:
             raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
+        for name in ("split_programs", "split_min_blocks"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"FlexExchangeTuning.{name} must be an int >= 1, got {getattr(self, name)!r}")
 
 
 DILATED = DilatedTuning()

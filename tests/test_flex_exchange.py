@@ -113,6 +113,19 @@ def _check_fa4_stand_in(rank, world, cap):
     for name, mask, hkv in patterns(world)[1:2] + [("no mask", None, 2)]:
         _compare(f"world={world} sm_{cap}0 {name}", world, "zigzag", mask, hkv)
     _compare(f"world={world} sm_{cap}0 no mask, shipped", world, "zigzag", None, 2, op=_exchange_with(SHIP_ALL))
+    # pieces on views of their long side (fa4.SplitStep): the global rows against a peer's keys, the rows against
+    # the peers' global keys, both ways
+    split = tuning.FlexExchangeTuning(split_programs=12, split_min_blocks=1)  # the test's 4-block shards split
+    plan = _plan(torch.randn(B, L, H, D), masks.local_global(64, 16), layout="contiguous", tune=split,
+                 k=torch.randn(B, L, 2, D))
+    kinds = {(x.c, x.axis) for x in [plan.serve] + [p.run for p in plan.halo] if isinstance(x, fa4.SplitStep)}
+    # at 2 ranks (sm_90) rank 1 serves rank 0's global rows (4 heads x 1 query tile: keys split) and its rows see
+    # the global keys (2 kv heads x 2 key tiles: rows split); rank 0's one halo tile has nothing to split
+    assert rank == 0 or ({a for _, a in kinds} == {"keys", "rows"} if world == 2 else kinds), kinds
+    _compare(f"world={world} sm_{cap}0 local + global, split {sorted(kinds)}", world, "contiguous",
+             masks.local_global(64, 16), 2, op=_exchange_with(split))
+    _compare(f"world={world} sm_{cap}0 documents, split", world, "zigzag", patterns(world)[1][1], 4,
+             op=_exchange_with(split))
 
 
 @pytest.mark.dist

@@ -122,7 +122,18 @@ def mask_body(f: Form, ops) -> tuple[Callable, list]:
             return out
         if f.kind == "at_positions":  # local rows and keys at global positions (a ring step)
             inner = build(f.parts[0])
-            return lambda b, h, q, kv, aux: inner(b, h, ops.load(aux[base], q), ops.load(aux[base + 1], kv), aux)
+            if not k:
+                return lambda b, h, q, kv, aux: inner(b, h, ops.load(aux[base], q), ops.load(aux[base + 1], kv), aux)
+            # a call on a view: c batch rows per batch row of the pattern; a 2-D (c, n) position table
+            # gives view row j's positions (the split side), a 1-D one every view row's
+            n, two_q, two_k = k[0], f.tensors[0].dim() == 2, f.tensors[1].dim() == 2
+
+            def at(b, h, q, kv, aux):
+                j = b % c(n)
+                qp = ops.load(aux[base], j, q) if two_q else ops.load(aux[base], q)
+                kp = ops.load(aux[base + 1], j, kv) if two_k else ops.load(aux[base + 1], kv)
+                return inner(b // c(n), h, qp, kp, aux)
+            return at
         if f.kind == "causal":
             return lambda b, h, q, kv, aux: kv <= q
         if f.kind == "window":

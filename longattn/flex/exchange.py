@@ -137,11 +137,35 @@ def _union(rows: list, dev) -> tuple:
     return u, [torch.searchsorted(u, r) for r in rows]
 
 
-def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=()):
+def _split_for(rows: int, keys: int, batch: int, heads: int, kv_heads: int, cap: Optional[int],
+               tuning: tn.FlexExchangeTuning) -> Optional[tuple]:
+    """(c, axis) where FA4 runs a piece as c view rows (:class:`fa4.SplitStep`),
+    else None: its forward (query tiles x heads) or backward (key tiles x kv
+    heads) has fewer programs than ``tuning.split_programs``, and its long
+    side splits into c equal chunks of whole tiles, each at least
+    ``split_min_blocks`` tiles; c the fewest that reach the programs (batch 1)."""
+    if cap is None or batch != 1:
+        return None
+    bq = blocks.sparse_block(cap, rows)[0]
+    for axis, short, long_, tile, heads_ in (("keys", rows, keys, fp.BLOCK_SIZE, heads),
+                                             ("rows", keys, rows, bq, kv_heads)):
+        have = -(-short // (bq if axis == "keys" else fp.BLOCK_SIZE)) * heads_
+        if have >= tuning.split_programs or long_ % tile:
+            continue
+        n = long_ // tile
+        ok = [d for d in range(2, n + 1) if n % d == 0 and n // d >= tuning.split_min_blocks
+              and (axis == "keys" or blocks.sparse_block(cap, long_ // d)[0] == bq)]
+        if ok:
+            return next((d for d in ok if d * have >= tuning.split_programs), ok[-1]), axis
+    return None
+
+
+def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=(), split=None):
     """The executor of (queries at global ``qpos``) x (keys at ``kpos``), the
     blocks ``clear`` = [(query blocks of the plan's query block, first key
     block, end key block)] removed; FA4 where ``cap`` (its major compute
-    capability) is given; None where nothing is visible."""
+    capability) is given, as ``split`` = (c, axis) view rows where given
+    (:func:`_split_for`); None where nothing is visible."""
     if len(qpos) == 0 or len(kpos) == 0:
         return None
     block = blocks.sparse_block(cap, len(qpos)) if cap is not None else fp.BLOCK_SIZE
@@ -159,9 +183,20 @@ def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], cle
     # no mask: an unbounded window is true at every position (FA4's block sparsity, which the cleared blocks
     # need, runs with a mask); the table's blocks are all full, so it is never evaluated
     inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
-    f = blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
+    if split is None:
+        f = blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
+        step = fa4.Step(table, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(table), False)
+        return fa4.RingStep(step, scale, len(qpos), len(kpos))
+    c, axis = split
+    if axis == "keys":  # the chunks' tables: the whole one cut along its key blocks (batch 1: Bm = 1)
+        f = blocks.form("at_positions", c, tensors=(qpos, kpos.view(c, -1)), parts=(inner,))
+        parts = [x.reshape(*x.shape[1:3], c, -1).movedim(2, 0) for x in (table.partial, table.full)]
+    else:
+        f = blocks.form("at_positions", c, tensors=(qpos.view(c, -1), kpos), parts=(inner,))
+        parts = [x.reshape(x.shape[1], c, -1, x.shape[3]).movedim(1, 0) for x in (table.partial, table.full)]
+    table = fp.BlockTable(*(x.contiguous() for x in parts))
     step = fa4.Step(table, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(table), False)
-    return fa4.RingStep(step, scale, len(qpos), len(kpos))
+    return fa4.SplitStep(step, scale, c, axis, len(qpos), len(kpos))
 
 
 def _cleared(table: fp.BlockTable, clear) -> fp.BlockTable:
@@ -174,7 +209,7 @@ def _cleared(table: fp.BlockTable, clear) -> fp.BlockTable:
     return table
 
 
-def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear, bq: int):
+def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear, bq: int, split):
     """(executor, r0, r1): my rows x halo keys at ``kpos`` (the blocks
     ``clear`` removed, see :func:`_executor`), cropped to the rows [r0, r1) of
     the first to the last query block of ``bq`` rows that sees one of them (the
@@ -191,10 +226,11 @@ def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int]
     if cap is not None and blocks.sparse_block(cap, r1 - r0)[0] != bq:  # the cleared blocks would not line up
         b0, b1, r0, r1 = 0, (len(qpos) + bq - 1) // bq, 0, len(qpos)
     keep = [(qb[(qb >= b0) & (qb < b1)] - b0, kb0, kb1) for qb, kb0, kb1 in clear]
-    return _executor(mask_mod, qpos[r0:r1], kpos, batch, heads, scale, cap, clear=keep), r0, r1
+    return _executor(mask_mod, qpos[r0:r1], kpos, batch, heads, scale, cap, clear=keep,
+                     split=split(r1 - r0, len(kpos))), r0, r1
 
 
-def _halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale, cap, bq: int) -> list:
+def _halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale, cap, bq: int, split) -> list:
     """The halo's executors, :class:`HaloPiece` s over my rows x the peers'
     halos concatenated in rank order (``halo_pos[p]``: their keys' positions,
     ``heavy[p]``: my query blocks computed on p, cleared against p's keys).
@@ -226,7 +262,7 @@ def _halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scal
         clear = [(heavy[p], (offs[p] - k0) // fp.BLOCK_SIZE, -(-(offs[p + 1] - k0) // fp.BLOCK_SIZE))
                  for p in g if len(heavy[p])]
         run, r0, r1 = _halo_executor(mask_mod, qpos, torch.cat([halo_pos[p] for p in g]), batch, heads, scale, cap,
-                                     clear, bq)
+                                     clear, bq, split)
         if run is not None:
             pieces.append(HaloPiece(run, r0, r1, k0, k1, None))
     return pieces
@@ -338,9 +374,11 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
             need = max(need, (rank - p) % world + 1)
         heavy, keys = split(p, rank)  # p's rows against my keys
         q_in[p], halo_send[p] = _rows(heavy, bq, length), _rows(keys, fp.BLOCK_SIZE, length)
+    split = lambda rows, keys: _split_for(rows, keys, b, h, hkv, cap, tuning)
     halo = _halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks, b, h,
-                        scale, cap, bq)
-    serve = _executor(mask_mod, torch.cat([pos[p][q_in[p]] for p in range(world)]), pos[rank], b, h, scale, cap)
+                        scale, cap, bq, split)
+    shipped = torch.cat([pos[p][q_in[p]] for p in range(world)])
+    serve = _executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split(len(shipped), length))
     own = _executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back

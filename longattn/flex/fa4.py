@@ -336,6 +336,64 @@ class RingStep:
         return step_backward(self.step, dout, q, k, v, out, lse, self.scale, dlse)
 
 
+class SplitStep:
+    """A step run on a view of its long side as ``c`` batch rows (batch 1):
+    ``axis="keys"``, few query rows against many keys (view row j: key chunk
+    j, the queries repeated; the partials merged by lse in float32), or
+    ``axis="rows"``, many rows against few keys (view row j: row chunk j, the
+    keys repeated; dK/dV summed). ``step`` holds the chunks' tables (batch c)
+    and the form at positions with the split side's (c, n) table. FA4 runs
+    one program per query tile forward and per key tile backward: one long
+    side alone leaves most SMs idle behind a chain of tiles (the global
+    tokens' rows against a shard, a shard's rows against them); the view
+    gives c times the programs. Same results as one call.
+
+    Equivalent PyTorch (keys)::
+
+        o, l = zip(*(attend(q, k[:, j*m:(j+1)*m], v[:, j*m:(j+1)*m]) for j in range(c)))
+        lse = torch.logsumexp(torch.stack(l), 0)
+        out = sum(oj * (lj - lse).exp().transpose(1, 2)[..., None] for oj, lj in zip(o, l))
+    """
+
+    def __init__(self, step: Step, scale: float, c: int, axis: str, lq: int, lk: int):
+        self.step, self.scale, self.c, self.axis = step, scale, c, axis
+        self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)
+
+    def _rep(self, x):
+        return x.expand(self.c, *x.shape[1:]).contiguous()
+
+    def _chunks(self, x):
+        return x.reshape(self.c, x.shape[1] // self.c, *x.shape[2:])
+
+    def forward(self, q, k, v):
+        c = self.c
+        with torch.no_grad():
+            if self.axis == "keys":
+                o, l_ = step_forward(self.step, self._rep(q), self._chunks(k), self._chunks(v), self.scale)
+                lse = torch.logsumexp(l_, 0, keepdim=True)  # (1, H, n); -inf where no chunk has a key
+                w = torch.exp(l_ - lse).nan_to_num_(0.0).transpose(1, 2)[..., None]  # (c, n, H, 1)
+                return (o.float() * w).sum(0, keepdim=True).to(q.dtype), lse
+            o, l_ = step_forward(self.step, self._chunks(q), self._rep(k), self._rep(v), self.scale)
+            return o.reshape(1, -1, *o.shape[2:]), l_.transpose(0, 1).reshape(1, l_.shape[1], -1)
+
+    def record(self, q, k, v):
+        out, lse = self.forward(q, k, v)
+        return out, lse, None
+
+    def backward(self, dout, q, k, v, out, lse, dlse, graph=None):
+        rep, chunks = self._rep, self._chunks
+        if self.axis == "keys":
+            g = step_backward(self.step, rep(dout), rep(q), chunks(k), chunks(v), rep(out), rep(lse), self.scale,
+                              None if dlse is None else rep(dlse))
+            return (g[0].float().sum(0, keepdim=True).to(q.dtype), g[1].reshape(k.shape),
+                    g[2].reshape(v.shape))
+        rows = lambda x: x[0].reshape(x.shape[1], self.c, -1).transpose(0, 1).contiguous()  # (1, H, L) -> (c, H, m)
+        g = step_backward(self.step, chunks(dout), chunks(q), rep(k), rep(v), chunks(out), rows(lse), self.scale,
+                          None if dlse is None else rows(dlse))
+        return (g[0].reshape(q.shape), g[1].float().sum(0, keepdim=True).to(k.dtype),
+                g[2].float().sum(0, keepdim=True).to(v.dtype))
+
+
 def ring_executor(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, heads: int,
                   scale: float) -> Optional[RingStep]:
     """The FA4 executor of one ring step (queries at global ``qpos``, the
