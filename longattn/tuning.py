@@ -370,11 +370,11 @@ class FlexExchangeTuning:
               "noise",
         "flex_exchange_side_4xh100_3d96269.json")
     split_programs: int = measured(
-        264, "pending measurement: an FA4 piece of the exchange whose forward (query tiles x heads) or backward "
-             "(key tiles x kv heads) has fewer programs than this runs on a view of its long side as batch rows "
-             "(longattn.flex.fa4.SplitStep): the global tokens' rows against a shard, a shard's rows against the "
-             "global keys; 264 = 2 programs per SM of an H100 / H200 (132 SMs); measure with "
-             "python benchmarks/flex_split_pieces.py")
+        0, "an FA4 piece of the exchange whose forward (query tiles x heads) or backward (key tiles x kv heads) has "
+           "fewer programs than this runs on a view of its long side as batch rows (longattn.flex.fa4.SplitStep: "
+           "the global tokens' rows against a shard, a shard's rows against the global keys); 0: never. Off until "
+           "measured on a GPU (tested on CPU through the FA4 stand-in; 264 = 2 programs per SM of an H100 is the "
+           "candidate): python benchmarks/flex_split_pieces.py")
     split_min_blocks: int = measured(
         4, "each view row keeps at least this many tiles of the long side (fewer: the repeated short side and the "
            "merge cost more than the programs gain); pending measurement with python benchmarks/flex_split_pieces.py")
@@ -396,9 +396,9 @@ class FlexExchangeTuning:
             raise ValueError(f"FlexExchangeTuning.min_world must be an int >= 2, got {self.min_world!r}")
         if not self.max_traffic >= 0:
             raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
-        for name in ("split_programs", "split_min_blocks"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"FlexExchangeTuning.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name, least in (("split_programs", 0), ("split_min_blocks", 1)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
+                raise ValueError(f"FlexExchangeTuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
 
 
 DILATED = DilatedTuning()

@@ -218,6 +218,18 @@ def test_fa4_tensors_list_the_table(name):
             assert (step[listed[..., 1:]] > 0).all()
 
 
+@pytest.mark.parametrize("lq,lk", [(128, 4096), (4096, 128), (128, 128)])
+def test_sparse_tensors_have_unit_last_stride(lq, lk):
+    """FA4 checks the last dim's stride is 1 even where that dim has one element: one query block (the global
+    rows an exchange rank serves) makes the backward's per-key-block lists (B, H, N, 1) a transposed view, whose
+    contiguous() keeps stride N."""
+    qpos, kpos = torch.arange(lq, dtype=torch.int32), torch.arange(lk, dtype=torch.int32)
+    table = fp.block_table(masks.local_global(64, 16), 1, 2, qpos, kpos, (128, 128))
+    for which, lists in blocks.sparse_tensors(table).items():
+        for name, t in lists.items():
+            assert t.stride(-1) == 1 and t.is_contiguous(), (which, name, t.shape, t.stride())
+
+
 def test_sparse_block_sizes():
     assert blocks.sparse_block(9, 32768) == (128, 128) and blocks.sparse_block(9, 100) == (128, 128)
     assert blocks.sparse_block(10, 32768) == (256, 128) and blocks.sparse_block(10, 128) == (128, 128)
