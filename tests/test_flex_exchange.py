@@ -305,3 +305,68 @@ def test_exchange_fa4_on_gpus(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     run_world(_check_gpu_fa4, world, backend="nccl")
+
+
+def _holes(b, h, q_idx, kv_idx):
+    """Causal, but every 7th query (from 3) sees no key at all (its lse is -inf, out and gradients 0)."""
+    return (kv_idx <= q_idx) & (q_idx % 7 != 3)
+
+
+SHIP_SMALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"), heavy_min_blocks=1)
+"""SHIP_ALL where a peer holds fewer than 4 key blocks (320 rows: 3)."""
+
+
+def _check_batch_gqa_unaligned(rank, world):
+    """Two batch rows, GQA, an lse gradient, 320 rows per rank (halo and shipped segments that end in a partial
+    block of 64 rows), both layouts; rows that see no key; heavy global rows shipped to every peer (SHIP_ALL)."""
+    local = 320
+    for layout in ("zigzag", "contiguous"):
+        for name, mask, hkv in [("local + global", masks.local_global(64, 16), 2),
+                                ("sliding window", masks.sliding_window(100, 0), 1),
+                                ("rows without keys", _holes, 2)]:
+            _compare(f"world={world} {layout} {name} hkv={hkv} local={local}", world, layout, mask, hkv, batch=2,
+                     local=local)
+        mask = masks.local_global(64, 16)
+        plan = _plan(torch.randn(2, local, H, D), mask, layout, tune=SHIP_SMALL, k=torch.randn(2, local, 2, D))
+        if rank == 0:  # the global rows' block sees every peer's key blocks: shipped to every peer
+            assert all(r[:128].tolist() == list(range(128)) for p, r in enumerate(plan.ship) if p), plan.ship
+        _compare(f"world={world} {layout} local + global shipped", world, layout, mask, 2, batch=2, local=local,
+                 op=_exchange_with(SHIP_SMALL))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exchange_batch_gqa_unaligned(world):
+    run_world(_check_batch_gqa_unaligned, world)
+
+
+def _flags(world, local, at):
+    """Global-token flags: 16 tokens at local row ``at`` of ranks 0 and 2 (contiguous), none on ranks 1 and 3."""
+    g = torch.zeros(world * local, dtype=torch.bool)
+    for r in (0, 2):
+        g[r * local + at:r * local + at + 16] = True
+    return g
+
+
+def _check_halo_groups(rank, world):
+    """Halo executors over peers whose halos are non-consecutive (rank 1 sends rank 3 nothing): one launch where
+    the earlier halos fill whole key blocks; apart where a halo ends in a partial block (then rows get three pieces
+    and the accumulators must be float32: plan.out_pieces > 2)."""
+    for local, at in ((512, 0), (320, 300)):
+        mask = masks.local_global(64, _flags(world, local, at))
+        plan = _plan(torch.randn(2, local, H, D), mask, k=torch.randn(2, local, 2, D))
+        if rank == 3:
+            assert len(plan.halo_in[1]) == 0 and len(plan.halo_in[0]) and len(plan.halo_in[2])
+            spans = [(x.r0, x.r1, x.k0, x.k1) for x in plan.halo]
+            if local % 128 == 0:  # peers 0 and 2 in one executor over every row
+                assert spans == [(0, local, 0, sum(len(r) for r in plan.halo_in))], spans
+                assert plan.out_pieces == 2
+            else:  # peer 0's halo is its last, partial block: peer 2's runs apart, rows get own + 2 halo pieces
+                assert len(spans) == 2 and plan.out_pieces == 3, (spans, plan.out_pieces)
+        _compare(f"world={world} globals on ranks 0 and 2 at {at}, local={local}", world, "contiguous", mask, 2,
+                 batch=2, local=local)
+
+
+@pytest.mark.dist
+def test_exchange_halo_groups():
+    run_world(_check_halo_groups, 4)
