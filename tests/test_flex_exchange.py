@@ -34,11 +34,11 @@ def patterns(world):
     ]
 
 
-def _compare(tag, world, layout, mask, hkv, engine="exchange", seed=7, batch=B, local=L, op=None):
+def _compare(tag, world, layout, mask, hkv, engine="exchange", seed=7, batch=B, local=L, op=None, heads=H):
     s = world * local
     torch.manual_seed(seed)
-    q, k, v = torch.randn(batch, s, H, D), torch.randn(batch, s, hkv, D), torch.randn(batch, s, hkv, D)
-    do, dl = torch.randn(batch, s, H, D), torch.randn(batch, H, s)
+    q, k, v = torch.randn(batch, s, heads, D), torch.randn(batch, s, hkv, D), torch.randn(batch, s, hkv, D)
+    do, dl = torch.randn(batch, s, heads, D), torch.randn(batch, heads, s)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
     ro, rl = flex_ref(qr, kr, vr, mask)
     dl = torch.where(torch.isfinite(rl), dl, 0).float()
@@ -370,3 +370,43 @@ def _check_halo_groups(rank, world):
 @pytest.mark.dist
 def test_exchange_halo_groups():
     run_world(_check_halo_groups, 4)
+
+
+SHIP_ANY = tuning.FlexExchangeTuning(heavy_fraction=0.0, heavy_min_blocks=1, ship_ratio=float("inf"))
+"""Every query block that sees a key of a peer is shipped to it."""
+
+
+def _split_peers(b, h, q_idx, kv_idx):
+    """On 3 ranks of 129 rows (contiguous): rank 0's first block sees ranks 0 and 1, its last row (block 1)
+    every key; every other row sees every key."""
+    return (kv_idx < 258) | (q_idx >= 128)
+
+
+def _check_odd_rows(rank, world, h, dtype):
+    """One batch row; rows shipped to two peers, 129 to rank 1 and 1 to rank 2 (contiguous, 129 rows a rank).
+    h=1: the served lse (B, n, H) is a transposed view whose size-1 dims make it "contiguous" with a last stride
+    != 1, which ``view(torch.uint8)`` refuses. h=3, float64: the served partials (out float64, lse float32: 8 * 3
+    * D + 12 bytes a row) come back to rank 0 as 129 rows from rank 1, then 1 row from rank 2 at a byte offset
+    that is not a multiple of 8 in the received buffer, which ``view(torch.float64)`` refuses."""
+    if h == 1:  # first the public op, default tuning: the global rows are shipped (one head, one batch row)
+        _compare(f"world={world} one head local + global", world, "contiguous", masks.local_global(64, 16), 1,
+                 heads=1)
+    s = world * 129
+    torch.manual_seed(3)
+    q, k, v, do = (torch.randn(1, s, h, D, dtype=dtype) for _ in range(4))
+    dl = torch.randn(1, h, s, dtype=dtype)
+    plan = _plan(q[:, :129], _split_peers, tune=SHIP_ANY, k=k[:, :129])
+    if rank == 0:
+        assert [len(r) for r in plan.ship] == [0, 129, 1], [len(r) for r in plan.ship]
+    qr, kr, vr = (x.detach().double().clone().requires_grad_() for x in (q, k, v))
+    ro, rl = flex_ref(qr, kr, vr, _split_peers)
+    ((ro * do.double()).sum() + (rl * dl.double()).sum()).backward()
+    us, out, lse, grads = run_sharded(_exchange_with(SHIP_ANY), q, k, v, do, dl.float(), "contiguous",
+                                      mask_mod=_split_peers)
+    assert_unsharded_close(f"h={h} {dtype}", us, out, lse, grads, ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("h,dtype", [(1, torch.float32), (3, torch.float64)])
+def test_exchange_shipped_row_packing(h, dtype):
+    run_world(_check_odd_rows, 3, h, dtype)
