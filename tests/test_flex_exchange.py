@@ -410,3 +410,28 @@ def _check_odd_rows(rank, world, h, dtype):
 @pytest.mark.parametrize("h,dtype", [(1, torch.float32), (3, torch.float64)])
 def test_exchange_shipped_row_packing(h, dtype):
     run_world(_check_odd_rows, 3, h, dtype)
+
+
+def _rank_window(b, h, q_idx, kv_idx):
+    """The same function on every rank (same qualified name, so the ranks' signatures agree), a valid bool mask,
+    but a wider window on ranks other than 0: the ranks' plans disagree on how many rows each pair moves."""
+    w = 40 if dist.get_rank() == 0 else 300
+    return ((q_idx - kv_idx).abs() < w) | (kv_idx < 16)
+
+
+def _check_plans_disagree(rank, world):
+    """Plans that do not fit together (rank r's rows for p differ from what p expects from r) must raise on every
+    rank before the transfers; on main the all_to_all's split sizes disagree (gloo aborts the process with
+    "Received data size doesn't match expected size"; NCCL may hang or corrupt memory)."""
+    import datetime
+
+    g = dist.new_group(timeout=datetime.timedelta(seconds=30))  # a hang fails in 30 s, not the default 30 min
+    q = torch.randn(1, L, H, D)
+    with pytest.raises(ValueError):
+        longattn.ring_flex_attention(q, q, q, mask_mod=_rank_window, layout="contiguous", engine="exchange", group=g)
+    assert_group_usable(world, g)
+
+
+@pytest.mark.dist
+def test_exchange_plans_that_disagree_raise_on_every_rank():
+    run_world(_check_plans_disagree, 3)
