@@ -435,3 +435,25 @@ def _check_plans_disagree(rank, world):
 @pytest.mark.dist
 def test_exchange_plans_that_disagree_raise_on_every_rank():
     run_world(_check_plans_disagree, 3)
+
+
+def _per_batch(b, h, q_idx, kv_idx):
+    """A window that depends on the batch row and the head, plus 16 global keys."""
+    return ((q_idx - kv_idx).abs() < 30 + 60 * b + 10 * h) | (kv_idx < 16)
+
+
+def _check_batch_heads_zigzag(rank, world):
+    """A mask over batch rows and heads (block tables over (Bm, Hm)) in zigzag chunks of 160 rows; causal with
+    every block that sees a peer's key shipped there (heavy rows shipped to several peers), also where rows
+    see no key (their served partials: lse -inf)."""
+    _compare(f"world={world} zigzag per batch row and head", world, "zigzag", _per_batch, 2, batch=2, local=320)
+    _compare(f"world={world} zigzag causal, shipped", world, "zigzag", masks.causal(), 2, batch=2, local=320,
+             op=_exchange_with(SHIP_ANY))
+    _compare(f"world={world} contiguous rows without keys, shipped", world, "contiguous", _holes, 2, batch=2,
+             local=320, op=_exchange_with(SHIP_ANY))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [3, 4])
+def test_exchange_batch_heads_zigzag(world):
+    run_world(_check_batch_heads_zigzag, world)
