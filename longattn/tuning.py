@@ -367,7 +367,8 @@ class FlexExchangeTuning:
               "fwd+bwd ms (two alternating runs, side stream / serial): window + global 10.77, 10.37 / 11.38, "
               "11.31; documents 10.52, 10.90 / 10.53, 11.06; peak 798 / 886 MiB (the own piece's outputs become "
               "the sums before the others arrive). 2 ranks: 14.44 / 13.79 and 19.68 / 19.91, within the run's "
-              "noise",
+              "noise. In the forward the side stream starts after the own piece (the pieces follow it there; "
+              "beside it is not measured)",
         "flex_exchange_side_4xh100_3d96269.json")
     split_programs: int = measured(
         0, "an FA4 piece of the exchange whose forward (query tiles x heads) or backward (key tiles x kv heads) has "

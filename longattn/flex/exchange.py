@@ -418,16 +418,26 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
             problem = e
         checks.agree(group, "ring_flex_attention (planning the exchange)", problem)
         bq = blocks.sparse_block(cap, q.shape[1])[0] if use_fa4 else fp.BLOCK_SIZE
-        t = torch.tensor(stats + [bq, use_fa4], dtype=torch.int64, device=q.device)
+        # and each rank's rows per peer: what r sends p must be what p plans to receive from r (a mask whose
+        # values differ across ranks passes the signature check, and mismatched transfers would hang or abort)
+        counts = [len(x[p]) for x in (plan.ship, plan.q_in, plan.halo_send, plan.halo_in) for p in range(world)]
+        t = torch.tensor(stats + [bq, use_fa4] + counts, dtype=torch.int64, device=q.device)
         got = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(got, t, group=group)
-        sent, steps, nq, nkv, bqs, fa4s = zip(*torch.stack(got).cpu().tolist())
+        rows = torch.stack(got).cpu().tolist()
+        sent, steps, nq, nkv, bqs, fa4s = zip(*(r[:6] for r in rows))
+        ship, q_in, send, recv = ([r[6 + i * world:6 + (i + 1) * world] for r in rows] for i in range(4))
+        mismatch = [(r, p) for r in range(world) for p in range(world)
+                    if ship[r][p] != q_in[p][r] or send[r][p] != recv[p][r]]
         kv_shard = 2 * k.numel() * k.element_size()
         plan.traffic = (max(sent), 3 * (max(steps) - 1) * kv_shard)  # the ring: K/V forward, K/V and dK/dV back
         plan.moves_q, plan.moves_kv = sum(nq) > 0, sum(nkv) > 0
         # heavy blocks are planned at the query block on both sides of a pair: every rank's must match
         plan.cannot = [] if len(set(bqs)) == 1 else [f"the ranks' query blocks differ ({list(bqs)} rows: FA4 on "
                                                      f"some GPUs, not on others)"]
+        if mismatch:
+            plan.cannot.append(f"the ranks' plans disagree (rows sent by rank r to p differ from what p expects, "
+                               f"(r, p) = {mismatch[:4]}): the mask gives other values on other ranks")
         plan.dense = [] if min(fa4s) or q.device.type == "cpu" else [
             "FA4 does not run this pattern on every rank and the exchange's PyTorch executor materialises scores"]
         return plan

@@ -61,7 +61,7 @@ class Transfer:
             for (parts, _, _), w in zip(groups, widths):
                 ts = parts[p]
                 if ts and ts[0].shape[1]:
-                    rows = [t.transpose(0, 1).contiguous().view(torch.uint8).reshape(t.shape[1], -1) for t in ts]
+                    rows = [_packed(t.transpose(0, 1)).view(torch.uint8).reshape(t.shape[1], -1) for t in ts]
                     send.append(torch.cat(rows, 1).flatten())
                     size += ts[0].shape[1] * w
             in_splits.append(size)
@@ -80,6 +80,13 @@ class Transfer:
         return unpack(self.buf, self.layout, self.batch)
 
 
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its shape's default strides at offset 0: ``view(dtype)`` needs both, and
+    ``contiguous()`` keeps the stride of a size-1 dim and a view's byte offset (one head's transposed lse; a
+    float64 column at an odd 4-byte offset)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
     """A :class:`Transfer`'s received bytes ``buf`` as its groups' tensors
     (``layout``: (counts, specs) per group)."""
@@ -90,8 +97,7 @@ def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
             rows, col, ts = buf[off:off + n * w].view(n, w), 0, []
             for tail, dt in specs:
                 tw = _width([(tail, dt)], batch)
-                ts.append(rows[:, col:col + tw].contiguous().view(dt).view(n, batch, *tail).transpose(0, 1)
-                          .contiguous())
+                ts.append(_packed(rows[:, col:col + tw]).view(dt).view(n, batch, *tail).transpose(0, 1).contiguous())
                 col += tw
             got.append(ts)
             off += n * w
@@ -243,8 +249,9 @@ class ExchangeFlex(torch.autograd.Function):
         sent = Transfer([([[k[:, r], v[:, r]] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
                          ([[q[:, r]] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)
-        # the own piece first: the GPU runs it while the host issues the rest (beside it on a side stream, or
-        # after it, while the halos and shipped rows arrive)
+        # the own piece first: the GPU runs it while the host issues the rest and the halos and shipped rows
+        # arrive; the side stream is set up after it, so here the other pieces follow it (as measured; the
+        # backward runs them beside its own piece)
         own = plan.own.forward(q, k, v) if plan.own is not None else None
         side = Side(dev, plan.concurrent)
         with side:
