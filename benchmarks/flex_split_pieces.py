@@ -19,28 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 from longattn import masks, tuning
+from longattn.bench import measure
 from longattn.flex import exchange, fa4
 
 
-def _time(fn, warmup=3, iters=15) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+def _time(fn) -> float:
+    return measure.time_ms(fn, torch.device("cuda"), warmup=3, iters=15)["median_ms"]
 
 
 def _rel(a, b) -> float:

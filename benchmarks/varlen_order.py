@@ -6,20 +6,13 @@ ms (median of 20 after 3 warm-up), TF/s by flash-attn's causal count.
 
     python benchmarks/varlen_order.py OUT.json
 """
-import json, sys, statistics
+import json, sys
 import torch
 from longattn.backends import _fa4_api as F
+from longattn.bench import measure
 
 def timeit(fn, n=20, w=3):
-    for _ in range(w):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return measure.time_ms(fn, torch.device("cuda"), warmup=w, iters=n)["median_ms"]
 
 def run(lens, H, Hkv, D=128, label=""):
     dev, dt = "cuda", torch.bfloat16
