@@ -25,7 +25,7 @@ import torch
 
 from longattn import masks, tuning
 from longattn.bench import measure
-from longattn.flex import exchange, fa4
+from longattn.flex import fa4, pieces
 
 
 def _time(fn) -> float:
@@ -47,11 +47,11 @@ def run(name, qpos, kpos, cs, heads=16, kv_heads=16, d=128):
     do = torch.randn_like(q)
     cap = fa4.KERNEL.capability(dev)[0]
     scale = d ** -0.5
-    auto = exchange._split_for(len(qpos), len(kpos), 1, heads, kv_heads, cap, tuning.FLEX_EXCHANGE)
+    auto = pieces.split_for(len(qpos), len(kpos), 1, heads, kv_heads, cap, tuning.FLEX_EXCHANGE)
     rows, base = [], None
     for c in [None] + cs:
         split = None if c is None else (c, auto[1] if auto else ("keys" if len(qpos) < len(kpos) else "rows"))
-        run_ = exchange._executor(mask, qpos, kpos, 1, heads, scale, cap, split=split)
+        run_ = pieces.executor(mask, qpos, kpos, 1, heads, scale, cap, split=split)
         out, lse = run_.forward(q, k, v)
         grads = run_.backward(do, q, k, v, out, lse, None)
         fwd = _time(lambda: run_.forward(q, k, v))

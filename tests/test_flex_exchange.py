@@ -14,7 +14,8 @@ import longattn
 from dist_utils import assert_group_usable, assert_unsharded_close, generator, run_sharded, run_world
 from longattn import masks, tuning
 from longattn.flex import exchange
-from longattn.flex.exchange import TorchPiece, choose_engine
+from longattn.flex.exchange import choose_engine
+from longattn.flex.pieces import TorchPiece
 from longattn.flex.exchange_run import ExchangeFlex
 from reference import flex_ref
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .. import tuning as tn
 from ..distributed import checks
 from ..distributed.accumulate import most_cover
-from . import blocks, fa4
+from . import blocks, fa4, pieces
 from . import plan as fp
 from .schedule import RING_PLANS, pattern_key
 
@@ -83,209 +83,10 @@ def choose_engine(engine: str, cannot: list, facts: Callable[[], tuple],
     return "exchange" if sent < tuning.max_traffic * ring else "ring"
 
 
-class TorchPiece:
-    """Masked attention in plain PyTorch (float32 math, float64 for float64
-    inputs) of queries against keys under a dense mask (Bm, Hm, Lq, Lk) from
-    ``make_mask()`` (made on first use): the exchange's executor where FA4 does
-    not run (CPU, tests). It materialises the mask and the scores: for
-    correctness at small sizes, not for speed. ``forward`` -> (out, lse (B, H,
-    Lq) natural log, -inf where a row sees no key); ``backward`` from the given
-    (merged) out, lse and dlse."""
-
-    def __init__(self, make_mask: Callable[[], torch.Tensor], scale: float):
-        self.make_mask, self.mask, self.scale = make_mask, None, scale
-
-    def _probs(self, q, k, lse=None):
-        if self.mask is None:
-            self.mask = self.make_mask()
-        dt = torch.promote_types(q.dtype, torch.float32)
-        kk = k.to(dt).repeat_interleave(q.shape[2] // k.shape[2], 2)
-        s = (torch.einsum("bqhd,bkhd->bhqk", q.to(dt), kk) * self.scale).masked_fill(~self.mask, float("-inf"))
-        lse = torch.logsumexp(s, -1) if lse is None else lse.to(dt)
-        return torch.exp(s - lse[..., None]).nan_to_num(0.0), lse, kk, dt  # rows with no key: -inf - -inf -> 0
-
-    def forward(self, q, k, v):
-        p, lse, _, dt = self._probs(q, k)
-        out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(dt).repeat_interleave(q.shape[2] // v.shape[2], 2))
-        return out.to(q.dtype), lse.float()
-
-    def backward(self, dout, q, k, v, out, lse, dlse):
-        p, _, kk, dt = self._probs(q, k, lse)
-        g = q.shape[2] // k.shape[2]
-        do = dout.to(dt)
-        dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-        dp = torch.einsum("bqhd,bkhd->bhqk", do, v.to(dt).repeat_interleave(g, 2))
-        delta = (do * out.to(dt)).sum(-1).transpose(1, 2)
-        if dlse is not None:  # d lse adds p * dlse to dS
-            delta = delta - dlse.to(dt)
-        ds = p * (dp - delta[..., None])
-        dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * self.scale
-        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(dt)) * self.scale
-        heads = lambda x: x.view(*x.shape[:2], k.shape[2], g, x.shape[-1]).sum(3)  # GQA: sum each group's heads
-        return dq.to(q.dtype), heads(dk).to(k.dtype), heads(dv).to(v.dtype)
-
-
-def _rows(idx: torch.Tensor, block: int, length: int) -> torch.Tensor:
-    """Local rows (int64, ascending) of the listed blocks of ``block`` rows."""
-    r = (idx[:, None].long() * block + torch.arange(block, device=idx.device)).flatten()
-    return r[r < length]
-
-
 def _union(rows: list, dev) -> tuple:
     """(the rows of every list, ascending, without repeats; each list's positions in them)."""
     u = torch.unique(torch.cat(rows)) if rows else torch.zeros(0, dtype=torch.long, device=dev)
     return u, [torch.searchsorted(u, r) for r in rows]
-
-
-def _split_for(rows: int, keys: int, batch: int, heads: int, kv_heads: int, cap: Optional[int],
-               tuning: tn.FlexExchangeTuning) -> Optional[tuple]:
-    """(c, axis) where FA4 runs a piece as c view rows (:class:`fa4.SplitStep`),
-    else None: its forward (query tiles x heads) or backward (key tiles x kv
-    heads) has fewer programs than ``tuning.split_programs``, and its long
-    side splits into c equal chunks of whole tiles, each at least
-    ``split_min_blocks`` tiles; c the fewest that reach the programs (batch 1)."""
-    if cap is None or batch != 1:
-        return None
-    bq = blocks.sparse_block(cap, rows)[0]
-    for axis, short, long_, tile, heads_ in (("keys", rows, keys, fp.BLOCK_SIZE, heads),
-                                             ("rows", keys, rows, bq, kv_heads)):
-        have = -(-short // (bq if axis == "keys" else fp.BLOCK_SIZE)) * heads_
-        if have >= tuning.split_programs or long_ % tile:
-            continue
-        n = long_ // tile
-        ok = [d for d in range(2, n + 1) if n % d == 0 and n // d >= tuning.split_min_blocks
-              and (axis == "keys" or blocks.sparse_block(cap, long_ // d)[0] == bq)]
-        if ok:
-            return next((d for d in ok if d * have >= tuning.split_programs), ok[-1]), axis
-    return None
-
-
-def _executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=(), split=None):
-    """The executor of (queries at global ``qpos``) x (keys at ``kpos``), the
-    blocks ``clear`` = [(query blocks of the plan's query block, first key
-    block, end key block)] removed; FA4 where ``cap`` (its major compute
-    capability) is given, as ``split`` = (c, axis) view rows where given
-    (:func:`_split_for`); None where nothing is visible."""
-    if len(qpos) == 0 or len(kpos) == 0:
-        return None
-    block = blocks.sparse_block(cap, len(qpos)) if cap is not None else fp.BLOCK_SIZE
-    table = _cleared(fp.block_table(mask_mod, batch, heads, qpos, kpos, block), clear)
-    if table.empty:
-        return None
-    if cap is None:
-        def make_mask():
-            m = torch.ones(1, 1, len(qpos), len(kpos), dtype=torch.bool, device=qpos.device) if mask_mod is None \
-                else fp.evaluate(mask_mod, fp.mask_dims(mask_mod, batch, heads, qpos, kpos), qpos, kpos).clone()
-            for qb, kb0, kb1 in clear:
-                m[:, :, _rows(qb, fp.BLOCK_SIZE, len(qpos)), kb0 * fp.BLOCK_SIZE:kb1 * fp.BLOCK_SIZE] = False
-            return m
-        return TorchPiece(make_mask, scale)
-    # no mask: an unbounded window is true at every position (FA4's block sparsity, which the cleared blocks
-    # need, runs with a mask); the table's blocks are all full, so it is never evaluated
-    inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
-    if split is None:
-        f = blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
-        step = fa4.Step(table, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(table), False)
-        return fa4.RingStep(step, scale, len(qpos), len(kpos))
-    c, axis = split
-    if axis == "keys":  # the chunks' tables: the whole one cut along its key blocks (batch 1: Bm = 1)
-        f = blocks.form("at_positions", c, tensors=(qpos, kpos.view(c, -1)), parts=(inner,))
-        parts = [x.reshape(*x.shape[1:3], c, -1).movedim(2, 0) for x in (table.partial, table.full)]
-    else:
-        f = blocks.form("at_positions", c, tensors=(qpos.view(c, -1), kpos), parts=(inner,))
-        parts = [x.reshape(x.shape[1], c, -1, x.shape[3]).movedim(1, 0) for x in (table.partial, table.full)]
-    table = fp.BlockTable(*(x.contiguous() for x in parts))
-    step = fa4.Step(table, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(table), False)
-    return fa4.SplitStep(step, scale, c, axis, len(qpos), len(kpos))
-
-
-def _cleared(table: fp.BlockTable, clear) -> fp.BlockTable:
-    if not clear:
-        return table
-    table = fp.BlockTable(table.partial.clone(), table.full.clone())
-    for qb, kb0, kb1 in clear:
-        table.partial[:, :, qb, kb0:kb1] = False
-        table.full[:, :, qb, kb0:kb1] = False
-    return table
-
-
-def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear, bq: int, split):
-    """(executor, r0, r1): my rows x halo keys at ``kpos`` (the blocks
-    ``clear`` removed, see :func:`_executor`), cropped to the rows [r0, r1) of
-    the first to the last query block of ``bq`` rows that sees one of them (the
-    rows around shard edges, for most patterns): no executor runs rows that
-    see none of them."""
-    if len(qpos) == 0 or len(kpos) == 0:
-        return None, 0, 0
-    table = _cleared(fp.block_table(mask_mod, batch, heads, qpos, kpos, (bq, fp.BLOCK_SIZE)), clear)
-    idx = (table.partial | table.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
-    if not idx:
-        return None, 0, 0
-    b0, b1 = idx[0], idx[-1] + 1
-    r0, r1 = b0 * bq, min(b1 * bq, len(qpos))
-    if cap is not None and blocks.sparse_block(cap, r1 - r0)[0] != bq:  # the cleared blocks would not line up
-        b0, b1, r0, r1 = 0, (len(qpos) + bq - 1) // bq, 0, len(qpos)
-    keep = [(qb[(qb >= b0) & (qb < b1)] - b0, kb0, kb1) for qb, kb0, kb1 in clear]
-    return _executor(mask_mod, qpos[r0:r1], kpos, batch, heads, scale, cap, clear=keep,
-                     split=split(r1 - r0, len(kpos))), r0, r1
-
-
-def _halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale, cap, bq: int, split) -> list:
-    """The halo's executors, :class:`HaloPiece` s over my rows x the peers'
-    halos concatenated in rank order (``halo_pos[p]``: their keys' positions,
-    ``heavy[p]``: my query blocks computed on p, cleared against p's keys).
-    Consecutive peers whose halos my rows see over overlapping row ranges
-    share one executor (one launch, one merge: a pattern whose every row sees
-    some peer's keys, global tokens), where the earlier halos fill whole key
-    blocks (the cleared blocks then line up); others run apart, each on the
-    rows that see it."""
-    lens = [len(x) for x in halo_pos]
-    offs = [sum(lens[:p]) for p in range(len(lens) + 1)]
-    groups = []
-    for p in (p for p, n in enumerate(lens) if n):
-        nkb = -(-lens[p] // fp.BLOCK_SIZE)
-        t = _cleared(fp.block_table(mask_mod, batch, heads, qpos, halo_pos[p], (bq, fp.BLOCK_SIZE)),
-                     [(heavy[p], 0, nkb)])
-        idx = (t.partial | t.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
-        if not idx:
-            continue
-        b0, b1 = idx[0], idx[-1] + 1
-        last = groups[-1] if groups else None
-        if last and b0 < last[2] and last[1] < b1 and lens[last[0][-1]] % fp.BLOCK_SIZE == 0:
-            last[0].append(p)
-            last[1], last[2] = min(last[1], b0), max(last[2], b1)
-        else:
-            groups.append([[p], b0, b1])
-    pieces = []
-    for g, _, _ in groups:
-        k0, k1 = offs[g[0]], offs[g[-1] + 1]
-        clear = [(heavy[p], (offs[p] - k0) // fp.BLOCK_SIZE, -(-(offs[p + 1] - k0) // fp.BLOCK_SIZE))
-                 for p in g if len(heavy[p])]
-        run, r0, r1 = _halo_executor(mask_mod, qpos, torch.cat([halo_pos[p] for p in g]), batch, heads, scale, cap,
-                                     clear, bq, split)
-        if run is not None:
-            pieces.append(HaloPiece(run, r0, r1, k0, k1, None))
-    return pieces
-
-
-@dataclasses.dataclass
-class HaloPiece:
-    """An executor of my rows [r0, r1) x the concatenated halo keys [k0, k1);
-    ``at``: (positions in the plan's ``heavy``, rows in the piece) of the
-    heavy rows it covers."""
-
-    run: object
-    r0: int
-    r1: int
-    k0: int
-    k1: int
-    at: Optional[tuple]
-
-
-def _within(rows: torch.Tensor, r0: int, r1: int) -> tuple:
-    """(positions in ``rows`` of the rows in [r0, r1), those rows - r0)."""
-    sel = ((rows >= r0) & (rows < r1)).nonzero().flatten()
-    return sel, rows[sel] - r0
 
 
 @dataclasses.dataclass
@@ -293,7 +94,7 @@ class ExchangePlan:
     """One rank's exchange, per peer p (rank order; empty for itself):
     ``ship[p]`` my rows computed on p, ``q_in[p]`` rows p ships to me,
     ``halo_send[p]`` my key rows p needs, ``halo_in[p]`` key rows p sends me.
-    Executors: ``own`` (my rows x my keys), ``halo`` (:class:`HaloPiece` s:
+    Executors: ``own`` (my rows x my keys), ``halo`` (:class:`.pieces.HaloPiece` s:
     my rows x the peers' halos concatenated in rank order, my heavy blocks
     against each peer cleared), ``serve`` (the rows every peer ships me,
     concatenated in rank order, x my keys); None / empty where nothing is
@@ -369,17 +170,18 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
         if p == rank:
             continue
         heavy_blocks[p], keys = split(rank, p)  # my rows against p's keys
-        ship[p], halo_in[p] = _rows(heavy_blocks[p], bq, length), _rows(keys, fp.BLOCK_SIZE, length)
+        ship[p], halo_in[p] = pieces.rows_of(heavy_blocks[p], bq, length), pieces.rows_of(keys, fp.BLOCK_SIZE,
+                                                                                          length)
         if len(heavy_blocks[p]) or len(keys):  # the ring step at which p's block visits is needed
             need = max(need, (rank - p) % world + 1)
         heavy, keys = split(p, rank)  # p's rows against my keys
-        q_in[p], halo_send[p] = _rows(heavy, bq, length), _rows(keys, fp.BLOCK_SIZE, length)
-    split = lambda rows, keys: _split_for(rows, keys, b, h, hkv, cap, tuning)
-    halo = _halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks, b, h,
+        q_in[p], halo_send[p] = pieces.rows_of(heavy, bq, length), pieces.rows_of(keys, fp.BLOCK_SIZE, length)
+    split = lambda rows, keys: pieces.split_for(rows, keys, b, h, hkv, cap, tuning)
+    halo = pieces.halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks, b, h,
                         scale, cap, bq, split)
     shipped = torch.cat([pos[p][q_in[p]] for p in range(world)])
-    serve = _executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split(len(shipped), length))
-    own = _executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
+    serve = pieces.executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split(len(shipped), length))
+    own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
     sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row
@@ -387,10 +189,10 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     heavy, heavy_pos = _union(ship, dev)
     sent_rows, sent_pos = _union(halo_send, dev)
     for piece in halo:
-        piece.at = _within(heavy, piece.r0, piece.r1)
+        piece.at = pieces.within(heavy, piece.r0, piece.r1)
     spans = [(0, length)] * (own is not None) + [(x.r0, x.r1) for x in halo]
     plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos,
-                        _within(heavy, 0, length), _within(sent_rows, 0, length), sent_rows, sent_pos,
+                        pieces.within(heavy, 0, length), pieces.within(sent_rows, 0, length), sent_rows, sent_pos,
                         most_cover(spans), (own is not None) + (serve is not None), tuning.concurrent, (), False,
                         False, [], [])
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]

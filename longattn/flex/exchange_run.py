@@ -313,8 +313,9 @@ class ExchangeFlex(torch.autograd.Function):
                     gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
             for x in plan.halo:
                 rows, keys = slice(x.r0, x.r1), slice(x.k0, x.k1)
+                dl = None if dlse is None else dlse[:, :, rows].contiguous()
                 g = x.run.backward(dout[:, rows], q[:, rows], kh[:, keys], vh[:, keys], out[:, rows],
-                                   lse[:, :, rows].contiguous(), None if dlse is None else dlse[:, :, rows].contiguous())
+                                   lse[:, :, rows].contiguous(), dl)
                 halo_dq.append((g[0], x))
                 if whole:
                     gk, gv = g[1].to(k.dtype), g[2].to(v.dtype)

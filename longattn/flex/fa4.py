@@ -366,7 +366,6 @@ class SplitStep:
         return x.reshape(self.c, x.shape[1] // self.c, *x.shape[2:])
 
     def forward(self, q, k, v):
-        c = self.c
         with torch.no_grad():
             if self.axis == "keys":
                 o, l_ = step_forward(self.step, self._rep(q), self._chunks(k), self._chunks(v), self.scale)
