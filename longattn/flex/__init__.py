@@ -17,7 +17,8 @@ FlexAttention ``mask_mod`` / ``score_mod`` on global positions.
 * :mod:`.exchange` — the other engine of ``ring_flex_attention`` (``engine=``):
   sparse K/V halos and heavy query rows shipped to the keys' rank in place of
   the ring, chosen where it moves a fraction of the ring's bytes
-  (``tuning.FLEX_EXCHANGE``).
+  (``tuning.FLEX_EXCHANGE``); its executors in :mod:`.pieces`, run by
+  :mod:`.exchange_run`.
 
 The ring is :mod:`longattn.distributed.ring` with one call per step whose
 executor runs FlexAttention on (local queries x the visiting K/V block) under

@@ -12,12 +12,13 @@ overlapping the largest piece that does not need it:
   pieces | send the halo dK/dV and the served rows' dQ back (one transfer) |
   own piece | add what came back.
 
-Sums: the first full-size piece (one executor's output over all rows) is the
-accumulator, no zero fill; it keeps the input dtype while a rank gets at most
-two full-size pieces (one merge or add in float32 arithmetic, one rounding, as
-a float32 accumulator's final cast) and is float32 beyond. Rows that also get
-row pieces (shipped rows' partials, returned halo gradients) are summed from
-every piece in float32 apart and rounded once.
+Sums: the own piece's outputs (over all rows) are the accumulators, no zero
+fill; they keep the input dtype while a row gets at most two pieces (one merge
+or add in float32 arithmetic, one rounding, as a float32 accumulator's final
+cast) and are float32 beyond. Rows that also get row pieces (shipped rows'
+partials, returned halo gradients) are summed from every piece in float32
+apart and rounded once. On CUDA the halo and served pieces run on a side
+stream (:class:`Side`).
 """
 from __future__ import annotations
 
