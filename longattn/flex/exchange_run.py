@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .._merge import empty_state, merge_
 from .._streams import has_side_stream, side_stream
 from ..distributed.accumulate import MergedRows, RowSums
+from . import plan as fp
 
 
 def _spec(t: torch.Tensor) -> tuple:
@@ -62,7 +63,7 @@ class Transfer:
             for (parts, _, _), w in zip(groups, widths):
                 ts = parts[p]
                 if ts and ts[0].shape[1]:
-                    rows = [_packed(t.transpose(0, 1)).view(torch.uint8).reshape(t.shape[1], -1) for t in ts]
+                    rows = [fp.default_strides(t.transpose(0, 1)).view(torch.uint8).reshape(t.shape[1], -1) for t in ts]
                     send.append(torch.cat(rows, 1).flatten())
                     size += ts[0].shape[1] * w
             in_splits.append(size)
@@ -81,13 +82,6 @@ class Transfer:
         return unpack(self.buf, self.layout, self.batch)
 
 
-def _packed(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with its shape's default strides at offset 0: ``view(dtype)`` needs both, and
-    ``contiguous()`` keeps the stride of a size-1 dim and a view's byte offset (one head's transposed lse; a
-    float64 column at an odd 4-byte offset)."""
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
     """A :class:`Transfer`'s received bytes ``buf`` as its groups' tensors
     (``layout``: (counts, specs) per group)."""
@@ -98,7 +92,7 @@ def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
             rows, col, ts = buf[off:off + n * w].view(n, w), 0, []
             for tail, dt in specs:
                 tw = _width([(tail, dt)], batch)
-                ts.append(_packed(rows[:, col:col + tw]).view(dt).view(n, batch, *tail).transpose(0, 1).contiguous())
+                ts.append(fp.default_strides(rows[:, col:col + tw]).view(dt).view(n, batch, *tail).transpose(0, 1).contiguous())
                 col += tw
             got.append(ts)
             off += n * w

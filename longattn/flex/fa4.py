@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import backends as bk
+from .._merge import merge_
 from ..backends import _fa4_api
 from ..distributed.plan import Call
 from . import blocks
@@ -351,7 +352,7 @@ class SplitStep:
     Equivalent PyTorch (keys)::
 
         o, l = zip(*(attend(q, k[:, j*m:(j+1)*m], v[:, j*m:(j+1)*m]) for j in range(c)))
-        lse = torch.logsumexp(torch.stack(l), 0)
+        lse = torch.logsumexp(torch.stack(l), 0)  # merged as the ring merges (longattn._merge.merge_)
         out = sum(oj * (lj - lse).exp().transpose(1, 2)[..., None] for oj, lj in zip(o, l))
     """
 
@@ -369,9 +370,11 @@ class SplitStep:
         with torch.no_grad():
             if self.axis == "keys":
                 o, l_ = step_forward(self.step, self._rep(q), self._chunks(k), self._chunks(v), self.scale)
-                lse = torch.logsumexp(l_, 0, keepdim=True)  # (1, H, n); -inf where no chunk has a key
-                w = torch.exp(l_ - lse).nan_to_num_(0.0).transpose(1, 2)[..., None]  # (c, n, H, 1)
-                return (o.float() * w).sum(0, keepdim=True).to(q.dtype), lse
+                l_ = l_.transpose(1, 2)  # (c, n, H), aligned with o's rows
+                out, lse = o[:1].float(), l_[:1].contiguous()
+                for j in range(1, self.c):
+                    merge_(out, lse, o[j:j + 1].float(), l_[j:j + 1])
+                return out.to(q.dtype), lse.transpose(1, 2).contiguous()
             o, l_ = step_forward(self.step, self._chunks(q), self._rep(k), self._rep(v), self.scale)
             return o.reshape(1, -1, *o.shape[2:]), l_.transpose(0, 1).reshape(1, l_.shape[1], -1)
 

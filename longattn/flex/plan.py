@@ -210,14 +210,14 @@ def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     conversion)."""
     d = dense.to(torch.int32)
     idx = torch.argsort(d, dim=-1, descending=True, stable=True)
-    return _default_strides(d.sum(-1, dtype=torch.int32)), _default_strides(idx.to(torch.int32))
+    return default_strides(d.sum(-1, dtype=torch.int32)), default_strides(idx.to(torch.int32))
 
 
-def _default_strides(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its shape's default strides: ``contiguous()`` keeps any stride of a size-1 dim (a transposed
-    table with one query block), and FA4 checks the last dim's stride is 1 whatever its size."""
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    return out.copy_(t)
+def default_strides(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its shape's default strides at offset 0: ``contiguous()`` keeps any stride of a
+    size-1 dim (a transposed table with one query block; one head's transposed lse) and a view's offset, while
+    FA4 checks the last dim's stride is 1 whatever its size and ``view(dtype)`` needs both."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def block_mask(table: BlockTable, mask_mod: Optional[Callable], qmap: tuple, kmap: tuple, lengths: tuple,
