@@ -1,15 +1,19 @@
 """ring_flex_attention's engines per rank: forward and forward + backward
 times (median of REPS calls, each after a barrier), the peak above the
 inputs, and (PROFILE=1, the default) one forward + backward's kernel
-timeline from torch.profiler. ``flex-exchange-serial`` is the exchange with
-``FlexExchangeTuning(concurrent=False)`` (no side stream): the measurement
-behind ``FlexExchangeTuning.concurrent``. One JSON per rank in OUTDIR;
-rank 0 prints a line per (config, impl).
+timeline from torch.profiler. ``flex-exchange:FIELD=VALUE,...`` is the
+exchange under ``FlexExchangeTuning(FIELD=VALUE, ...)`` (e.g.
+``concurrent=0``: no side stream; ``split_programs=264``: the pieces with one
+long side as views in batch rows): the measurements behind those fields.
+``flex-exchange-serial`` is ``flex-exchange:concurrent=0``. An impl may be
+listed twice (timed twice, alternating). One JSON per rank in OUTDIR; rank 0
+prints a line per (config, impl).
 
-    NCCL_NVLS_ENABLE=0 PROFILE=0 REPS=15 IMPLS="flex-exchange flex-exchange-serial" \
+    NCCL_NVLS_ENABLE=0 PROFILE=0 REPS=15 IMPLS="flex-exchange flex-exchange:concurrent=0" \
         torchrun --nproc_per_node=4 benchmarks/flex_exchange_profile.py OUTDIR flex_swg_128k flex_doc_128k
 
-IMPLS: flex-exchange, flex-exchange-serial, flex-ring, flex-ring-contiguous (default: flex-exchange flex-ring).
+IMPLS: flex-exchange[:FIELD=VALUE,...], flex-exchange-serial, flex-ring, flex-ring-contiguous (default:
+flex-exchange flex-ring).
 """
 import json, os, sys
 import torch, torch.distributed as dist
@@ -28,15 +32,20 @@ for name in cfgs:
     q, k, v = bd._inputs(cfg, cfg.seqlen, dev, torch.bfloat16)
     for impl in impls:
         if impl == "flex-exchange-serial":
-            import longattn
+            impl = "flex-exchange:concurrent=0"
+        if impl.startswith("flex-exchange:"):
+            import dataclasses
             from longattn import tuning
             from longattn.flex import exchange
             from longattn.flex.exchange_run import ExchangeFlex
             from longattn.bench.patterns import flex_mask
-            fn0, (ql, kl, vl) = flex_dist_build(cfg, "flex-exchange", q, k, v)
+            _, (ql, kl, vl) = flex_dist_build(cfg, "flex-exchange", q, k, v)
             mask = flex_mask(cfg, dev)
-            tune = tuning.FlexExchangeTuning(concurrent=False)
-            def fn(a, b_, c):
+            types = {f.name: f.type for f in dataclasses.fields(tuning.FlexExchangeTuning)}
+            conv = {"bool": lambda x: bool(int(x)), "int": int, "float": float}
+            tune = tuning.FlexExchangeTuning(**{f: conv[types[f]](x) for f, x in
+                                               (kv.split("=") for kv in impl.split(":", 1)[1].split(","))})
+            def fn(a, b_, c, tune=tune):
                 plan = exchange.plan_for(a, b_, mask, None, "zigzag", a.shape[-1] ** -0.5, dist.group.WORLD, "auto", "exchange", tune)
                 return ExchangeFlex.apply(a, b_, c, plan, dist.group.WORLD)[0]
         else:
@@ -69,7 +78,9 @@ for name in cfgs:
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         dist.barrier(); torch.cuda.synchronize()
         if os.environ.get('PROFILE', '1') == '0':
-            res[f'{name}/{impl}'] = {'fwd_ms': ts[mid][0], 'fwd_bwd_ms': ts[mid][1], 'peak_mib': peak, 'all': ts}
+            key = f'{name}/{impl}'
+            while key in res: key += '+'
+            res[key] = {'fwd_ms': ts[mid][0], 'fwd_bwd_ms': ts[mid][1], 'peak_mib': peak, 'all': ts}
             if rank == 0: print(f'{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f}', flush=True)
             del fn, ql, kl, vl
             continue
