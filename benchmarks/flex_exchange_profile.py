@@ -23,6 +23,7 @@ from longattn.bench.configs import CONFIGS
 from longattn.bench.torch_cp import flex_dist_build
 
 out_dir = sys.argv[1]
+os.makedirs(out_dir, exist_ok=True)
 cfgs = sys.argv[2:] or ["flex_swg_128k", "flex_doc_128k"]
 impls = os.environ.get("IMPLS", "flex-exchange flex-ring").split()
 rank, world, dev = bd._init()
