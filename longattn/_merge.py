@@ -40,6 +40,19 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: tor
     lse.copy_(new_lse)
 
 
+def merge_stack(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """c partial results over disjoint key sets merged at once: out (c, ..., D),
+    lse (c, ...) aligned with out's leading dims -> (out (..., D) float32,
+    lse (...) float32). The c-way form of :func:`merge_` (one pass instead of a
+    chain of c - 1 pairwise merges): lse = logsumexp over c (shifted by the
+    max, as logsigmoid is), out = sum_j exp(lse_j - lse) out_j; rows where no
+    partial saw a key: lse -inf, out 0."""
+    lse = lse.float()
+    total = torch.logsumexp(lse, 0)  # -inf where every partial is -inf
+    w = torch.exp(lse - total).nan_to_num_(0.0)  # -inf - -inf -> NaN -> weight 0
+    return (out.float() * w.unsqueeze(-1)).sum(0), total
+
+
 def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
                use_triton: bool) -> None:
     """:func:`merge_` for an ``out`` of any floating dtype: float32 arithmetic, the

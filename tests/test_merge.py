@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from longattn._merge import merge_
+from longattn._merge import merge_, merge_stack
 
 
 def _case():
@@ -32,6 +32,28 @@ def test_merge_matches_logaddexp_and_handles_empty_rows():
     assert torch.equal(torch.isneginf(l), ~fin)
     assert torch.allclose(l[fin].double(), want_l[fin], atol=1e-5)
     assert torch.allclose(o.double(), want_o, atol=1e-6)
+
+
+def test_merge_stack_matches_pairwise_merges():
+    """The c-way merge (one pass) against logaddexp in float64 and the chain of
+    pairwise merges, with rows empty in some partials and in all of them."""
+    c = 4
+    o, l = torch.randn(c, 2, 5, 3, 4), torch.randn(c, 2, 5, 3) * 30
+    l[:2, 0, 0, 0] = float("-inf")   # some partials saw nothing
+    l[:, 1, 1, 1] = float("-inf")    # none saw anything
+    o[:2, 0, 0, 0] = o[:, 1, 1, 1] = 0.0
+    out, lse = merge_stack(o, l)
+    want_l = torch.logsumexp(l.double(), 0)
+    fin = torch.isfinite(want_l)
+    want_o = (o.double() * torch.exp(l.double() - want_l).nan_to_num(0.0)[..., None]).sum(0)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), ~fin) and out[~fin].abs().max() == 0
+    assert torch.allclose(lse[fin].double(), want_l[fin], atol=1e-5)
+    assert torch.allclose(out.double(), want_o, atol=1e-6)
+    po, pl = o[0].clone(), l[0].clone()
+    for j in range(1, c):
+        merge_(po, pl, o[j], l[j])
+    assert torch.allclose(out, po, atol=1e-5) and torch.equal(torch.isneginf(pl), torch.isneginf(lse))
 
 
 def test_triton_merge_on_strided_views():

@@ -245,10 +245,9 @@ class ExchangeFlex(torch.autograd.Function):
                          ([[q[:, r]] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)
         # the own piece first: the GPU runs it while the host issues the rest and the halos and shipped rows
-        # arrive; the side stream is set up after it, so here the other pieces follow it (as measured; the
-        # backward runs them beside its own piece)
-        own = plan.own.forward(q, k, v) if plan.own is not None else None
+        # arrive; the other pieces run beside it on the side stream
         side = Side(dev, plan.concurrent)
+        own = plan.own.forward(q, k, v) if plan.own is not None else None
         with side:
             halos, shipped = sent.wait()
             qs = _cat([x[0] for x in shipped])

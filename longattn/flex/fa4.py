@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import backends as bk
-from .._merge import merge_
+from .._merge import merge_stack
 from ..backends import _fa4_api
 from ..distributed.plan import Call
 from . import blocks
@@ -338,26 +338,33 @@ class RingStep:
 
 
 class SplitStep:
-    """A step run on a view of its long side as ``c`` batch rows (batch 1):
-    ``axis="keys"``, few query rows against many keys (view row j: key chunk
-    j, the queries repeated; the partials merged by lse in float32), or
-    ``axis="rows"``, many rows against few keys (view row j: row chunk j, the
-    keys repeated; dK/dV summed). ``step`` holds the chunks' tables (batch c)
-    and the form at positions with the split side's (c, n) table. FA4 runs
-    one program per query tile forward and per key tile backward: one long
-    side alone leaves most SMs idle behind a chain of tiles (the global
-    tokens' rows against a shard, a shard's rows against them); the view
-    gives c times the programs. Same results as one call.
+    """A piece whose one long side makes a chain of tiles in one direction,
+    run in that direction on a view of the long side as ``c`` batch rows
+    (batch 1), in the other as one call (``whole``). FA4 runs one program per
+    query tile forward and per key tile backward, each over the tiles of the
+    other side it sees:
 
-    Equivalent PyTorch (keys)::
+    * ``axis="keys"``, few query rows against many keys: the forward is a few
+      programs each over every key tile; it runs on view row j = key chunk j,
+      the queries repeated, the partials merged by lse in float32. Its
+      backward has a program per key tile already: one call;
+    * ``axis="rows"``, many rows against few keys (the global keys): the
+      backward is a few programs each over every row tile; it runs on view row
+      j = row chunk j, the keys repeated, dK/dV summed in float32. Its
+      forward: one call.
+
+    ``split`` holds the chunks' tables (batch c) and the form at positions
+    with the split side's (c, n) table. Same results as one call.
+
+    Equivalent PyTorch (keys, forward)::
 
         o, l = zip(*(attend(q, k[:, j*m:(j+1)*m], v[:, j*m:(j+1)*m]) for j in range(c)))
-        lse = torch.logsumexp(torch.stack(l), 0)  # merged as the ring merges (longattn._merge.merge_)
+        lse = torch.logsumexp(torch.stack(l), 0)  # longattn._merge.merge_stack
         out = sum(oj * (lj - lse).exp().transpose(1, 2)[..., None] for oj, lj in zip(o, l))
     """
 
-    def __init__(self, step: Step, scale: float, c: int, axis: str, lq: int, lk: int):
-        self.step, self.scale, self.c, self.axis = step, scale, c, axis
+    def __init__(self, whole: Step, split: Step, scale: float, c: int, axis: str, lq: int, lk: int):
+        self.whole, self.split, self.scale, self.c, self.axis = whole, split, scale, c, axis
         self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)
 
     def _rep(self, x):
@@ -368,29 +375,24 @@ class SplitStep:
 
     def forward(self, q, k, v):
         with torch.no_grad():
-            if self.axis == "keys":
-                o, l_ = step_forward(self.step, self._rep(q), self._chunks(k), self._chunks(v), self.scale)
-                l_ = l_.transpose(1, 2)  # (c, n, H), aligned with o's rows
-                out, lse = o[:1].float(), l_[:1].contiguous()
-                for j in range(1, self.c):
-                    merge_(out, lse, o[j:j + 1].float(), l_[j:j + 1])
-                return out.to(q.dtype), lse.transpose(1, 2).contiguous()
-            o, l_ = step_forward(self.step, self._chunks(q), self._rep(k), self._rep(v), self.scale)
-            return o.reshape(1, -1, *o.shape[2:]), l_.transpose(0, 1).reshape(1, l_.shape[1], -1)
+            if self.axis == "rows":
+                return step_forward(self.whole, q, k, v, self.scale)
+            o, l_ = step_forward(self.split, self._rep(q), self._chunks(k), self._chunks(v), self.scale)
+            # the c partials at once (a chain of pairwise merges costs a few launches per chunk)
+            out, lse = merge_stack(o, l_.transpose(1, 2))  # (n, H, D), (n, H)
+            out, lse = out[None], lse.t().contiguous()[None]
+            return out.to(q.dtype), lse
 
     def record(self, q, k, v):
         out, lse = self.forward(q, k, v)
         return out, lse, None
 
     def backward(self, dout, q, k, v, out, lse, dlse, graph=None):
-        rep, chunks = self._rep, self._chunks
         if self.axis == "keys":
-            g = step_backward(self.step, rep(dout), rep(q), chunks(k), chunks(v), rep(out), rep(lse), self.scale,
-                              None if dlse is None else rep(dlse))
-            return (g[0].float().sum(0, keepdim=True).to(q.dtype), g[1].reshape(k.shape),
-                    g[2].reshape(v.shape))
+            return step_backward(self.whole, dout, q, k, v, out, lse, self.scale, dlse)
+        chunks, rep = self._chunks, self._rep
         rows = lambda x: x[0].reshape(x.shape[1], self.c, -1).transpose(0, 1).contiguous()  # (1, H, L) -> (c, H, m)
-        g = step_backward(self.step, chunks(dout), chunks(q), rep(k), rep(v), chunks(out), rows(lse), self.scale,
+        g = step_backward(self.split, chunks(dout), chunks(q), rep(k), rep(v), chunks(out), rows(lse), self.scale,
                           None if dlse is None else rows(dlse))
         return (g[0].reshape(q.shape), g[1].float().sum(0, keepdim=True).to(k.dtype),
                 g[2].float().sum(0, keepdim=True).to(v.dtype))

@@ -67,10 +67,12 @@ def rows_of(idx: torch.Tensor, block: int, length: int) -> torch.Tensor:
 
 def split_for(rows: int, keys: int, batch: int, heads: int, kv_heads: int, cap: Optional[int],
                tuning: tn.FlexExchangeTuning) -> Optional[tuple]:
-    """(c, axis) where FA4 runs a piece as c view rows (:class:`fa4.SplitStep`),
-    else None: its forward (query tiles x heads) or backward (key tiles x kv
-    heads) has fewer programs than ``tuning.split_programs``, and its long
-    side splits into c equal chunks of whole tiles, each at least
+    """(c, axis) where FA4 runs a piece's forward (axis "keys": few rows, many
+    keys) or backward (axis "rows": many rows, few keys) on c view rows of its
+    long side (:class:`fa4.SplitStep`), else None: that pass has fewer
+    programs (query tiles x heads forward, key tiles x kv heads backward,
+    each a chain over the long side) than ``tuning.split_programs``, and the
+    long side splits into c equal chunks of whole tiles, each at least
     ``split_min_blocks`` tiles; c the fewest that reach the programs (batch 1)."""
     if cap is None or batch != 1:
         return None
@@ -111,20 +113,19 @@ def executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clea
     # no mask: an unbounded window is true at every position (FA4's block sparsity, which the cleared blocks
     # need, runs with a mask); the table's blocks are all full, so it is never evaluated
     inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
+    step = lambda t, f: fa4.Step(t, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(t), False)
+    whole = step(table, blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,)))
     if split is None:
-        f = blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
-        step = fa4.Step(table, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(table), False)
-        return fa4.RingStep(step, scale, len(qpos), len(kpos))
+        return fa4.RingStep(whole, scale, len(qpos), len(kpos))
     c, axis = split
     if axis == "keys":  # the chunks' tables: the whole one cut along its key blocks (batch 1: Bm = 1)
-        f = blocks.form("at_positions", c, tensors=(qpos, kpos.view(c, -1)), parts=(inner,))
+        fc = blocks.form("at_positions", c, tensors=(qpos, kpos.view(c, -1)), parts=(inner,))
         parts = [x.reshape(*x.shape[1:3], c, -1).movedim(2, 0) for x in (table.partial, table.full)]
     else:
-        f = blocks.form("at_positions", c, tensors=(qpos.view(c, -1), kpos), parts=(inner,))
+        fc = blocks.form("at_positions", c, tensors=(qpos.view(c, -1), kpos), parts=(inner,))
         parts = [x.reshape(x.shape[1], c, -1, x.shape[3]).movedim(1, 0) for x in (table.partial, table.full)]
-    table = fp.BlockTable(*(x.contiguous() for x in parts))
-    step = fa4.Step(table, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(table), False)
-    return fa4.SplitStep(step, scale, c, axis, len(qpos), len(kpos))
+    split_step = step(fp.BlockTable(*(x.contiguous() for x in parts)), fc)
+    return fa4.SplitStep(whole, split_step, scale, c, axis, len(qpos), len(kpos))
 
 
 def _cleared(table: fp.BlockTable, clear) -> fp.BlockTable:
