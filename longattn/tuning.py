@@ -367,18 +367,27 @@ class FlexExchangeTuning:
               "fwd+bwd ms (two alternating runs, side stream / serial): window + global 10.77, 10.37 / 11.38, "
               "11.31; documents 10.52, 10.90 / 10.53, 11.06; peak 798 / 886 MiB (the own piece's outputs become "
               "the sums before the others arrive). 2 ranks: 14.44 / 13.79 and 19.68 / 19.91, within the run's "
-              "noise. In the forward the side stream starts after the own piece (the pieces follow it there; "
-              "beside it is not measured)",
-        "flex_exchange_side_4xh100_3d96269.json")
+              "noise. The forward's side stream set up before the own piece or after it (so its pieces follow "
+              "it), 4 H200, two alternating runs each: 2 ranks window + global 14.04, 14.10 / 14.19, 14.10, "
+              "documents 19.13, 18.97 / 18.97, 19.03; 4 ranks 10.13, 9.75 / 10.82, 8.79 and 10.64, 10.39 / "
+              "10.85, 10.24: a tie, kept beside as in the backward. FA4's persistent kernels hold every SM, so "
+              "the side pieces mostly run after the own piece's launch ends",
+        "flex_exchange_side_4xh100_3d96269.json, flex_exchange_fwd_side_4xh200_261a205.json")
     split_programs: int = measured(
-        0, "an FA4 piece of the exchange whose forward (query tiles x heads) or backward (key tiles x kv heads) has "
-           "fewer programs than this runs on a view of its long side as batch rows (longattn.flex.fa4.SplitStep: "
-           "the global tokens' rows against a shard, a shard's rows against the global keys); 0: never. Off until "
-           "measured on a GPU (tested on CPU through the FA4 stand-in; 264 = 2 programs per SM of an H100 is the "
-           "candidate): python benchmarks/flex_split_pieces.py")
+        264, "an FA4 piece of the exchange whose forward (query tiles x heads; few rows against many keys) or "
+             "backward (key tiles x kv heads; many rows against few keys) has fewer programs than this runs that "
+             "pass on a view of its long side as c batch rows (longattn.flex.fa4.SplitStep: the global tokens' rows "
+             "served against a shard, a shard's rows against the global keys), c the fewest reaching it; 0: never. "
+             "264 = 2 programs per SM. Kernels alone, 64K shard, H=16, D=128, ms by c (1 = one call), one H200: "
+             "128 served rows forward 0.80 / c=2 0.72, 4 0.40, 8 0.37, 16 0.38, 32 0.43 (their backward one call, "
+             "0.66); a shard's rows against 1152 halo keys backward 2.56 / 1.73, 1.26, 1.29, 1.49, 1.92. The "
+             "exchange, window + global, fwd+bwd ms, off / 264 / 528 in one run: 2 ranks 14.00 and 13.77 / 13.47 / "
+             "12.87, 4 ranks 9.35 and 9.69 / 8.86 / 10.00 (documents within 2%: nothing to split)",
+        "flex_split_pieces_h200_e900875.json, flex_exchange_split_4xh200_e900875.json")
     split_min_blocks: int = measured(
         4, "each view row keeps at least this many tiles of the long side (fewer: the repeated short side and the "
-           "merge cost more than the programs gain); pending measurement with python benchmarks/flex_split_pieces.py")
+           "merge cost more than the programs gain: the served rows' forward at c=32, 4 key tiles a view, 0.43 ms "
+           "against 0.37 at 8); flex_split_pieces_h200_e900875.json")
     max_traffic: float = measured(
         0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
