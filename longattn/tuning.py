@@ -382,8 +382,12 @@ class FlexExchangeTuning:
              "128 served rows forward 0.80 / c=2 0.72, 4 0.40, 8 0.37, 16 0.38, 32 0.43 (their backward one call, "
              "0.66); a shard's rows against 1152 halo keys backward 2.56 / 1.73, 1.26, 1.29, 1.49, 1.92. The "
              "exchange, window + global, fwd+bwd ms, off / 264 / 528 in one run: 2 ranks 14.00 and 13.77 / 13.47 / "
-             "12.87, 4 ranks 9.35 and 9.69 / 8.86 / 10.00 (documents within 2%: nothing to split)",
-        "flex_split_pieces_h200_e900875.json, flex_exchange_split_4xh200_e900875.json")
+             "12.87, 4 ranks 9.35 and 9.69 / 8.86 / 10.00; a second 4-rank run 10.00, 9.84 / 10.58, 10.43 / 10.45, "
+             "10.30 (documents within 2%: nothing to split). Kept at 264 for the 2-rank gain; at 4 ranks the two "
+             "runs disagree by more than the difference (the shards' chains are half as long there and the "
+             "forward is host-bound: 6.2 ms of host time for 5.1 of GPU time, dist_flex_exchange_4xh200_76484d1)",
+        "flex_split_pieces_h200_e900875.json, flex_exchange_split_4xh200_e900875.json, "
+        "flex_exchange_split_4xh200_76484d1.json")
     split_min_blocks: int = measured(
         4, "each view row keeps at least this many tiles of the long side (fewer: the repeated short side and the "
            "merge cost more than the programs gain: the served rows' forward at c=32, 4 key tiles a view, 0.43 ms "
