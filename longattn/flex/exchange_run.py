@@ -75,7 +75,7 @@ class Transfer:
             self.work = dist.all_to_all_single(self.buf, src, out_splits, in_splits, group=group, async_op=True)
 
     def wait(self) -> list:
-        """Per group, per peer, the received tensors (B, n, ...) of its specs."""
+        """Per group, per spec, the rows every peer sent, in rank order: (B, sum(counts), ...) (:func:`unpack`)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -84,18 +84,28 @@ class Transfer:
 
 def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
     """A :class:`Transfer`'s received bytes ``buf`` as its groups' tensors
-    (``layout``: (counts, specs) per group)."""
-    res, off = [[] for _ in layout], 0
-    for p in range(len(layout[0][0])):
-        for got, (counts, specs) in zip(res, layout):
-            n, w = counts[p], _width(specs, batch)
-            rows, col, ts = buf[off:off + n * w].view(n, w), 0, []
-            for tail, dt in specs:
-                tw = _width([(tail, dt)], batch)
-                ts.append(fp.default_strides(rows[:, col:col + tw]).view(dt).view(n, batch, *tail).transpose(0, 1).contiguous())
-                col += tw
-            got.append(ts)
-            off += n * w
+    (``layout``: (counts, specs) per group): per group, per spec, one tensor
+    (B, sum(counts), ...) of every peer's rows in rank order. Each is one
+    copy out of the buffer whatever the number of peers (its consumers take
+    every peer's rows at once: one launch per tensor, not one per peer)."""
+    peers, widths = len(layout[0][0]), [_width(specs, batch) for _, specs in layout]
+    starts, off = [], 0
+    for p in range(peers):
+        starts.append([])
+        for (counts, _), w in zip(layout, widths):
+            starts[p].append(off)
+            off += counts[p] * w
+    res = []
+    for g, ((counts, specs), w) in enumerate(zip(layout, widths)):
+        col, ts = 0, []
+        for tail, dt in specs:
+            tw = _width([(tail, dt)], batch)
+            parts = [buf[starts[p][g]:starts[p][g] + counts[p] * w].view(counts[p], w)[:, col:col + tw]
+                     for p in range(peers) if counts[p]]
+            rows = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous() if parts else buf.new_empty(0, tw)
+            ts.append(rows.view(dt).view(sum(counts), batch, *tail).transpose(0, 1).contiguous())
+            col += tw
+        res.append(ts)
     return res
 
 
@@ -223,8 +233,9 @@ def _tensors(xs) -> list:
     return [t for x in (xs or ()) if x is not None for t in _tensors(x)]
 
 
-def _cat(xs: list) -> torch.Tensor:
-    return xs[0] if len(xs) == 1 else torch.cat(xs, 1)
+def _cat0(xs: list) -> torch.Tensor:
+    """Per-peer index lists in rank order, as the rows a transfer delivers them."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
 
 
 def _per_peer(x: torch.Tensor, counts: list) -> list:
@@ -249,8 +260,7 @@ class ExchangeFlex(torch.autograd.Function):
         side = Side(dev, plan.concurrent)
         own = plan.own.forward(q, k, v) if plan.own is not None else None
         with side:
-            halos, shipped = sent.wait()
-            qs = _cat([x[0] for x in shipped])
+            (kh, vh), (qs,) = sent.wait()
             if plan.serve is not None:
                 o, l_ = plan.serve.forward(qs, k, v)
             else:
@@ -260,8 +270,6 @@ class ExchangeFlex(torch.autograd.Function):
                                                   _per_peer(l_.float().transpose(1, 2), _n(plan.q_in)))]
             back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
                             plan.moves_q, dev)
-            if plan.halo:
-                kh, vh = _cat([x[0] for x in halos]), _cat([x[1] for x in halos])
             pieces = [(x.run.forward(q[:, x.r0:x.r1], kh[:, x.k0:x.k1], vh[:, x.k0:x.k1]), x) for x in plan.halo]
         acc = OutSum(q, plan.heavy, plan.out_pieces)
         if own is not None:
@@ -269,8 +277,11 @@ class ExchangeFlex(torch.autograd.Function):
         side.join(_tensors([p[0] for p in pieces]) + [back.buf])
         for res, x in pieces:
             acc.add(*res, x.r0, x.at)
-        for pos, (o, l_) in zip(plan.heavy_pos, back.wait()[0]):
-            acc.add_rows(pos, o, l_)
+        # peer by peer: a row shipped to several peers (global tokens) merges each partial into the last merge's
+        # result (the gradients' index_add_ below takes every peer's rows at once)
+        o, l_ = back.wait()[0]
+        for pos, (o_p,), (l_p,) in zip(plan.heavy_pos, _per_peer(o, _n(plan.ship)), _per_peer(l_, _n(plan.ship))):
+            acc.add_rows(pos, o_p, l_p)
         out, lse = acc.result()
         side.close()
         ctx.save_for_backward(q, k, v, out, lse, sent.buf)
@@ -298,13 +309,11 @@ class ExchangeFlex(torch.autograd.Function):
         if side.side is not None:  # first, beside the rest; serially last, while the gradients travel back
             own = own_grads()
         with side:
-            halos, shipped_q = unpack(buf, ctx.layout, b)
-            halo_dq, gk, gv = [], None, None
-            if plan.halo:
-                kh, vh = _cat([x[0] for x in halos]), _cat([x[1] for x in halos])
-                whole = len(plan.halo) == 1 and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
-                if not whole:
-                    gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
+            (kh, vh), (qs,) = unpack(buf, ctx.layout, b)
+            halo_dq = []
+            whole = len(plan.halo) == 1 and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
+            if not whole:  # halo keys no piece covers (none, where no halo piece runs) return zeros
+                gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
             for x in plan.halo:
                 rows, keys = slice(x.r0, x.r1), slice(x.k0, x.k1)
                 dl = None if dlse is None else dlse[:, :, rows].contiguous()
@@ -316,11 +325,8 @@ class ExchangeFlex(torch.autograd.Function):
                 else:
                     gk[:, keys], gv[:, keys] = g[1], g[2]
             counts = _n(plan.halo_in)
-            halo_grads = [[a[0], c[0]] for a, c in zip(_per_peer(gk, counts), _per_peer(gv, counts))] if plan.halo \
-                else [[torch.zeros_like(x[0]), torch.zeros_like(x[1])] for x in halos]
-            qs = _cat([x[0] for x in shipped_q])
-            got = rows_out.wait()[0]
-            do, o, st = (_cat([x[i] for x in got]) for i in range(3))
+            halo_grads = [[a[0], c[0]] for a, c in zip(_per_peer(gk, counts), _per_peer(gv, counts))]
+            do, o, st = rows_out.wait()[0]
             served = None
             if plan.serve is not None:
                 ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
@@ -345,12 +351,10 @@ class ExchangeFlex(torch.autograd.Function):
         if served is not None:
             dk.add(served[0], 0, plan.kv_at)
             dv.add(served[1], 0, plan.kv_at)
-        kv_back, dq_in = back.wait()
-        for pos, (gk_, gv_) in zip(plan.sent_pos, kv_back):
-            dk.add_rows(pos, gk_)
-            dv.add_rows(pos, gv_)
-        for pos, (g,) in zip(plan.heavy_pos, dq_in):
-            dq.add_rows(pos, g)
+        (gk_, gv_), (g,) = back.wait()
+        dk.add_rows(_cat0(plan.sent_pos), gk_)
+        dv.add_rows(_cat0(plan.sent_pos), gv_)
+        dq.add_rows(_cat0(plan.heavy_pos), g)
         res = dq.result(), dk.result(), dv.result()
         side.close()
         return (*res, None, None)
