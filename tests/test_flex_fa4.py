@@ -524,6 +524,36 @@ def test_ring_step_through_stand_in(stand_in):
     assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, "ring steps")
 
 
+@pytest.mark.parametrize("axis", ["keys", "rows"])
+def test_split_step_runs_the_chained_pass_on_views(stand_in, axis):
+    """fa4.SplitStep runs on c view rows only the pass whose programs chain along the long side (keys: the
+    forward of few rows against many keys; rows: the backward of many rows against few keys), the other as one
+    call; out, lse and gradients (from a given lse gradient) equal one call's."""
+    from longattn.flex import pieces
+
+    m = masks.local_global(64, 16)
+    few, many = torch.arange(128, dtype=torch.int32), torch.arange(512, 1024, dtype=torch.int32)
+    qpos, kpos = (few, many) if axis == "keys" else (many, few)
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    q, do, dl = mk(1, len(qpos), 4, 16), mk(1, len(qpos), 4, 16), mk(1, 4, len(qpos))
+    k, v = mk(1, len(kpos), 2, 16), mk(1, len(kpos), 2, 16)
+    one = pieces.executor(m, qpos, kpos, 1, 4, 0.25, 9)
+    split = pieces.executor(m, qpos, kpos, 1, 4, 0.25, 9, split=(4, axis))
+    assert isinstance(split, fa4.SplitStep) and isinstance(one, fa4.RingStep)
+    batches = []
+    for name in ("_flash_attn_fwd", "_flash_attn_bwd"):
+        real = getattr(stand_in.interface, name)
+        setattr(stand_in.interface, name, lambda q, *a, _f=real, _n=name, **kw: batches.append((_n, q.shape[0]))
+                or _f(q, *a, **kw))
+    res = []
+    for run in (one, split):
+        out, lse = run.forward(q, k, v)
+        res.append(dict(out=out, lse=lse, **dict(zip(("dq", "dk", "dv"), run.backward(do, q, k, v, out, lse, dl)))))
+    assert batches[2:] == ([("_flash_attn_fwd", 4), ("_flash_attn_bwd", 1)] if axis == "keys" else
+                           [("_flash_attn_fwd", 1), ("_flash_attn_bwd", 4)]), batches
+    assert_close(res[1], res[0], 1e-6, f"split {axis}")
+
+
 def _ring_worker(rank, world):
     """Every pattern of test_flex_ring around a gloo ring with FA4's steps
     (through the stand-in; FlexAttention where a score_mod is given), against float64."""

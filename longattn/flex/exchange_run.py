@@ -102,7 +102,9 @@ def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
             tw = _width([(tail, dt)], batch)
             parts = [buf[starts[p][g]:starts[p][g] + counts[p] * w].view(counts[p], w)[:, col:col + tw]
                      for p in range(peers) if counts[p]]
-            rows = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous() if parts else buf.new_empty(0, tw)
+            # a fresh tensor at offset 0 (view(dt) needs an offset aligned to dt; a lone peer's slice may not be)
+            rows = torch.cat(parts) if len(parts) > 1 else \
+                fp.default_strides(parts[0]) if parts else buf.new_empty(0, tw)
             ts.append(rows.view(dt).view(sum(counts), batch, *tail).transpose(0, 1).contiguous())
             col += tw
         res.append(ts)
