@@ -57,21 +57,22 @@ class Transfer:
         self.layout = [(counts, specs) for _, counts, specs in groups]
         self.batch, self.work = batch, None
         widths = [_width(specs, batch) for _, specs in self.layout]
-        send, in_splits = [], []
-        for p in range(len(groups[0][1])):
-            size = 0
-            for (parts, _, _), w in zip(groups, widths):
-                ts = parts[p]
-                if ts and ts[0].shape[1]:
-                    rows = [fp.default_strides(t.transpose(0, 1)).view(torch.uint8).reshape(t.shape[1], -1) for t in ts]
-                    send.append(torch.cat(rows, 1).flatten())
-                    size += ts[0].shape[1] * w
-            in_splits.append(size)
+        in_splits = [sum(parts[p][0].shape[1] * w for (parts, _, _), w in zip(groups, widths) if parts[p])
+                     for p in range(len(groups[0][1]))]
         out_splits = [sum(counts[p] * w for (counts, _), w in zip(self.layout, widths))
                       for p in range(len(in_splits))]
         self.buf = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-        if active:
-            src = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8, device=device)
+        if active:  # each tensor's rows copied once into its columns of the send buffer
+            src, off = torch.empty(sum(in_splits), dtype=torch.uint8, device=device), 0
+            for p in range(len(in_splits)):
+                for (parts, _, _), w in zip(groups, widths):
+                    n = parts[p][0].shape[1] if parts[p] else 0
+                    region, col = src[off:off + n * w].view(n, w), 0
+                    for t in parts[p] if n else ():
+                        x = _row_bytes(t)
+                        region[:, col:col + x.shape[1]].copy_(x)
+                        col += x.shape[1]
+                    off += n * w
             self.work = dist.all_to_all_single(self.buf, src, out_splits, in_splits, group=group, async_op=True)
 
     def wait(self) -> list:
@@ -80,6 +81,15 @@ class Transfer:
             self.work.wait()
             self.work = None
         return unpack(self.buf, self.layout, self.batch)
+
+
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """t (B, n, ...) as (n, bytes of its rows) uint8: a view where its rows are laid out contiguously, else a
+    copy (``view(uint8)`` needs the last dim's stride 1, which a size-1 dim may not have)."""
+    x = t.transpose(0, 1).reshape(t.shape[1], -1)
+    if x.stride(-1) != 1 or not x.is_contiguous():
+        x = fp.default_strides(x)
+    return x.view(torch.uint8)
 
 
 def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
