@@ -5,7 +5,9 @@ timeline from torch.profiler. ``flex-exchange:FIELD=VALUE,...`` is the
 exchange under ``FlexExchangeTuning(FIELD=VALUE, ...)`` (e.g.
 ``concurrent=0``: no side stream; ``split_programs=264``: the pieces with one
 long side as views in batch rows): the measurements behind those fields.
-``flex-exchange-serial`` is ``flex-exchange:concurrent=0``. An impl may be
+``flex-exchange-serial`` is ``flex-exchange:concurrent=0``. GRAPH=1 (with
+PROFILE=0) also times each impl's forward + backward captured in one CUDA
+graph and replayed (no host time: what the host costs). An impl may be
 listed twice (timed twice, alternating). One JSON per rank in OUTDIR; rank 0
 prints a line per (config, impl).
 
@@ -83,6 +85,29 @@ for name in cfgs:
             while key in res: key += '+'
             res[key] = {'fwd_ms': ts[mid][0], 'fwd_bwd_ms': ts[mid][1], 'peak_mib': peak, 'all': ts}
             if rank == 0: print(f'{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f}', flush=True)
+            if os.environ.get('GRAPH') == '1':  # the same fwd+bwd captured in one CUDA graph: no host time at all
+                try:
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        step(); step()
+                    torch.cuda.current_stream().wait_stream(side)
+                    dist.barrier(); torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        step()
+                    gt = []
+                    for _ in range(int(os.environ.get('REPS', 5))):
+                        dist.barrier(); torch.cuda.synchronize()
+                        ev[2].record(); graph.replay(); ev[3].record(); torch.cuda.synchronize()
+                        gt.append(ev[2].elapsed_time(ev[3]))
+                    gt.sort()
+                    res[key]['graphed_fwd_bwd_ms'] = gt[len(gt) // 2]
+                    if rank == 0: print(f'{name} {impl} x{world}: captured in a CUDA graph fwd+bwd {gt[len(gt) // 2]:.2f}', flush=True)
+                    del graph
+                except Exception as e:  # noqa: BLE001 - recorded: whether it captures is part of the answer
+                    res[key]['graphed_error'] = f'{type(e).__name__}: {str(e)[:300]}'
+                    if rank == 0: print(f'{name} {impl} x{world}: capture failed: {res[key]["graphed_error"]}', flush=True)
             del fn, ql, kl, vl
             continue
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
