@@ -3,7 +3,7 @@ times (median of REPS calls, each after a barrier), the peak above the
 inputs, and (PROFILE=1, the default) one forward + backward's kernel
 timeline from torch.profiler. ``flex-exchange:FIELD=VALUE,...`` is the
 exchange under ``FlexExchangeTuning(FIELD=VALUE, ...)`` (e.g.
-``concurrent=0``: no side stream; ``split_programs=264``: the pieces with one
+``concurrent=0``: no side stream; ``split_chain=64``: the pieces with one
 long side as views in batch rows): the measurements behind those fields.
 ``flex-exchange-serial`` is ``flex-exchange:concurrent=0``. GRAPH=1 (with
 PROFILE=0) also times each impl's forward + backward captured in one CUDA

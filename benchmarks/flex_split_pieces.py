@@ -2,7 +2,7 @@
 views of that side in batch rows (``longattn.flex.fa4.SplitStep``): forward
 and backward ms (CUDA events, median after warm-up) and the bf16 difference
 between the two (outputs, lse, gradients), for the measurement behind
-``FlexExchangeTuning.split_programs`` / ``split_min_blocks``.
+``FlexExchangeTuning.split_chain`` / ``split_programs`` / ``split_min_blocks``.
 
 Shapes (window ±1024 + 128 global tokens, H=16, D=128, bf16, batch 1; a 2-rank
 contiguous shard of 64K tokens):
@@ -25,7 +25,8 @@ import torch
 
 from longattn import masks, tuning
 from longattn.bench import measure
-from longattn.flex import fa4, pieces
+from longattn.flex import blocks, fa4, pieces
+from longattn.flex import plan as fp
 
 
 def _time(fn) -> float:
@@ -47,11 +48,12 @@ def run(name, qpos, kpos, cs, heads=16, kv_heads=16, d=128):
     do = torch.randn_like(q)
     cap = fa4.KERNEL.capability(dev)[0]
     scale = d ** -0.5
-    auto = pieces.split_for(len(qpos), len(kpos), 1, heads, kv_heads, cap, tuning.FLEX_EXCHANGE)
+    table = fp.block_table(mask, 1, heads, qpos, kpos, blocks.sparse_block(cap, len(qpos)))
+    auto = pieces.split_for(table, len(qpos), len(kpos), 1, heads, kv_heads, cap, tuning.FLEX_EXCHANGE)
     rows, base = [], None
     for c in [None] + cs:
         split = None if c is None else (c, auto[1] if auto else ("keys" if len(qpos) < len(kpos) else "rows"))
-        run_ = pieces.executor(mask, qpos, kpos, 1, heads, scale, cap, split=split)
+        run_ = pieces.executor(mask, qpos, kpos, 1, heads, scale, cap, split=lambda *_, s=split: s)
         out, lse = run_.forward(q, k, v)
         grads = run_.backward(do, q, k, v, out, lse, None)
         fwd = _time(lambda: run_.forward(q, k, v))

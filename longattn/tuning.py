@@ -378,21 +378,23 @@ class FlexExchangeTuning:
                f"(forward: the rows a rank serves, their partials sent back; backward: the halo and served pieces, "
                f"their gradients sent back), so a peer's own piece does not end waiting on them; else the own "
                f"piece first, the others beside it; measure with {_EXCHANGE_CMD}")
+    split_chain: int = measured(
+        64, "an FA4 piece of the exchange runs a pass on a view of that pass's long side as c batch rows "
+            "(longattn.flex.fa4.SplitStep: the global tokens' rows served against a shard, forward; a shard's rows "
+            "against the global keys, backward) where a program of the pass (a query tile forward, a key tile "
+            "backward) sees more than this many tiles of the other side, c the fewest that bring every view to "
+            "this many or fewer. Kernels alone, 64K shard, H=16, D=128, ms by c (1 = one call), one H200: 128 "
+            "served rows against 512 key tiles, forward 0.80 / c=2 0.72, 4 0.40, 8 0.37, 16 0.38, 32 0.43 (best: "
+            "64 tiles a view); a 32K shard's rows (256 tiles) against 1152 halo keys, backward 2.56 / 1.73, 1.26, "
+            "1.29, 1.49, 1.92 (64 to 32). The exchange at 2 ranks, window + global, where the halo's 272 programs "
+            "(one of 17 key tiles the global keys', 512 query tiles long) escaped a programs-only rule: fwd+bwd ms "
+            "14.00, 13.77 unsplit / 12.87 at c=2 in one run",
+        "flex_split_pieces_h200_e900875.json, flex_exchange_split_4xh200_e900875.json")
     split_programs: int = measured(
-        264, "an FA4 piece of the exchange whose forward (query tiles x heads; few rows against many keys) or "
-             "backward (key tiles x kv heads; many rows against few keys) has fewer programs than this runs that "
-             "pass on a view of its long side as c batch rows (longattn.flex.fa4.SplitStep: the global tokens' rows "
-             "served against a shard, a shard's rows against the global keys), c the fewest reaching it; 0: never. "
-             "264 = 2 programs per SM. Kernels alone, 64K shard, H=16, D=128, ms by c (1 = one call), one H200: "
-             "128 served rows forward 0.80 / c=2 0.72, 4 0.40, 8 0.37, 16 0.38, 32 0.43 (their backward one call, "
-             "0.66); a shard's rows against 1152 halo keys backward 2.56 / 1.73, 1.26, 1.29, 1.49, 1.92. The "
-             "exchange, window + global, fwd+bwd ms, off / 264 / 528 in one run: 2 ranks 14.00 and 13.77 / 13.47 / "
-             "12.87, 4 ranks 9.35 and 9.69 / 8.86 / 10.00; a second 4-rank run 10.00, 9.84 / 10.58, 10.43 / 10.45, "
-             "10.30 (documents within 2%: nothing to split). Kept at 264 for the 2-rank gain; at 4 ranks the two "
-             "runs disagree by more than the difference (the shards' chains are half as long there and the "
-             "forward is host-bound: 6.2 ms of host time for 5.1 of GPU time, dist_flex_exchange_4xh200_76484d1)",
-        "flex_split_pieces_h200_e900875.json, flex_exchange_split_4xh200_e900875.json, "
-        "flex_exchange_split_4xh200_76484d1.json")
+        264, "a pass is split (split_chain) only where fewer of its programs than this have chains longer than "
+             "split_chain: more keep every SM busy whatever their length (264 = 2 programs per SM); 0: never. "
+             "Documents at 2 and 4 ranks (many long programs where a document spans a shard edge) ran within 2% "
+             "split or not; flex_exchange_split_4xh200_e900875.json, flex_exchange_split_4xh200_76484d1.json")
     split_min_blocks: int = measured(
         4, "each view row keeps at least this many tiles of the long side (fewer: the repeated short side and the "
            "merge cost more than the programs gain: the served rows' forward at c=32, 4 key tiles a view, 0.43 ms "
@@ -415,7 +417,7 @@ class FlexExchangeTuning:
             raise ValueError(f"FlexExchangeTuning.min_world must be an int >= 2, got {self.min_world!r}")
         if not self.max_traffic >= 0:
             raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
-        for name, least in (("split_programs", 0), ("split_min_blocks", 1)):
+        for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise ValueError(f"FlexExchangeTuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
 

@@ -121,7 +121,7 @@ def _check_fa4_stand_in(rank, world, cap):
     _compare(f"world={world} sm_{cap}0 no mask, shipped", world, "zigzag", None, 2, op=_exchange_with(SHIP_ALL))
     # pieces on views of their long side (fa4.SplitStep): the global rows against a peer's keys, the rows against
     # the peers' global keys, both ways
-    split = tuning.FlexExchangeTuning(split_programs=12, split_min_blocks=1)  # the test's 4-block shards split
+    split = tuning.FlexExchangeTuning(split_chain=1, split_min_blocks=1)  # the test's 4-block shards split
     plan = _plan(torch.randn(B, L, H, D), masks.local_global(64, 16), layout="contiguous", tune=split,
                  k=torch.randn(B, L, 2, D))
     kinds = {(x.c, x.axis) for x in [plan.serve] + [p.run for p in plan.halo] if isinstance(x, fa4.SplitStep)}
@@ -147,6 +147,9 @@ def _plan(q, mask, layout="contiguous", engine="exchange", tune=tuning.FLEX_EXCH
 
 SHIP_ALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"))
 """Every query block over the threshold shipped, whatever the bytes."""
+
+SPLIT_SHORT = tuning.FlexExchangeTuning(split_chain=8)
+"""Pieces whose programs chain over more than 8 tiles run on views (the test's shards are short)."""
 
 
 def _exchange_with(tune):
@@ -286,22 +289,32 @@ def _check_gpu_fa4(rank, world):
         k, v = (torch.randn(1, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         ql = longattn.shard(q, layout="zigzag")
         if fa4.choose(ql, ql, ql, mask, None) == "fa4":
-            plan = exchange.plan_for(ql, longattn.shard(k, layout="zigzag"), mask, None, "zigzag", d ** -0.5,
-                                     dist.group.WORLD, "auto", "exchange")
+            kl = longattn.shard(k, layout="zigzag")
+            plan = exchange.plan_for(ql, kl, mask, None, "zigzag", d ** -0.5, dist.group.WORLD, "auto", "exchange")
             assert isinstance(plan.own, fa4.RingStep), type(plan.own)
+            # chains of 8 tiles: rank 1 serves the global rows on views of its keys and runs its rows against the
+            # global keys on views of its rows (the split pieces of 128K shards, at this size)
+            plan = exchange.plan_for(ql, kl, mask, None, "zigzag", d ** -0.5, dist.group.WORLD, "auto", "exchange",
+                                     SPLIT_SHORT)
+            axes = {x.axis for x in [plan.serve] + [p.run for p in plan.halo] if isinstance(x, fa4.SplitStep)}
+            assert rank != 1 or name != "local + global" or axes == {"keys", "rows"}, axes
         res = {}
-        for engine in ("exchange", "ring"):
-            us, out, lse, grads = run_sharded(longattn.ring_flex_attention, q, k, v, do, torch.zeros(1, h, s,
-                                              device="cuda"), "zigzag", mask_mod=mask, engine=engine)
+        ops = {"exchange": (longattn.ring_flex_attention, dict(engine="exchange")),
+               "ring": (longattn.ring_flex_attention, dict(engine="ring")), "split": (_exchange_with(SPLIT_SHORT), {})}
+        for engine, (op, kw) in ops.items():
+            us, out, lse, grads = run_sharded(op, q, k, v, do, torch.zeros(1, h, s, device="cuda"), "zigzag",
+                                              mask_mod=mask, **kw)
             res[engine] = [us(out.float()), us(lse, 2)] + [us(x.float()) for x in grads]
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         out, lse = longattn.flex_attention(*xs, mask_mod=mask, return_lse=True)
         (out.float() * do.float()).sum().backward()
         one = [out.float(), lse] + [x.grad.float() for x in xs]
-        for what, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), res["exchange"], res["ring"], one):
+        for what, a, b, a2, c in zip(("out", "lse", "dq", "dk", "dv"), res["exchange"], res["ring"], res["split"], one):
             err = lambda x, y: float((x - y).norm() / y.norm())
-            print(f"rank {rank} world {world} {name} {what}: exchange/one {err(a, c):.2e} ring/one {err(b, c):.2e}")
+            print(f"rank {rank} world {world} {name} {what}: exchange/one {err(a, c):.2e} split/one {err(a2, c):.2e} "
+                  f"ring/one {err(b, c):.2e}")
             assert err(a, c) <= max(2e-2, 2 * err(b, c)), (name, what, err(a, c), err(b, c))
+            assert err(a2, c) <= max(2e-2, 2 * err(b, c)), (name, what, err(a2, c), err(b, c))
 
 
 @pytest.mark.gpu

@@ -538,7 +538,7 @@ def test_split_step_runs_the_chained_pass_on_views(stand_in, axis):
     q, do, dl = mk(1, len(qpos), 4, 16), mk(1, len(qpos), 4, 16), mk(1, 4, len(qpos))
     k, v = mk(1, len(kpos), 2, 16), mk(1, len(kpos), 2, 16)
     one = pieces.executor(m, qpos, kpos, 1, 4, 0.25, 9)
-    split = pieces.executor(m, qpos, kpos, 1, 4, 0.25, 9, split=(4, axis))
+    split = pieces.executor(m, qpos, kpos, 1, 4, 0.25, 9, split=lambda table, rows, keys: (4, axis))
     assert isinstance(split, fa4.SplitStep) and isinstance(one, fa4.RingStep)
     batches = []
     for name in ("_flash_attn_fwd", "_flash_attn_bwd"):
@@ -744,3 +744,27 @@ def test_bench_rows(monkeypatch, name):
         assert why is None and (cfg.seqlen, cfg.heads) in ((32768, 16), (1024, 4))
     else:
         assert "head dims" in why
+
+
+def test_split_for_cuts_long_chains_only():
+    """pieces.split_for splits the pass whose programs chain over more than split_chain tiles, into the fewest
+    views that bring every chain to split_chain or below, and only where few programs have such chains: a 64K
+    shard's rows against the global keys' tile and 16 window-edge tiles (backward: rows); 128 served rows against
+    512 key tiles (forward: keys); a causal document spanning a shard (many long chains: none)."""
+    from longattn import tuning
+    from longattn.flex import pieces
+
+    t = tuning.FLEX_EXCHANGE
+    table = lambda vis: fp.BlockTable(torch.zeros_like(vis), vis)
+    halo = torch.zeros(1, 1, 512, 17, dtype=torch.bool)
+    halo[..., 0] = True  # every row sees the global keys
+    halo[..., :8, 1:9] = halo[..., -8:, 9:] = True  # the window's edges
+    assert pieces.split_for(table(halo), 512 * 128, 17 * 128, 1, 16, 16, 9, t) == (8, "rows")
+    served = torch.ones(1, 1, 1, 512, dtype=torch.bool)
+    assert pieces.split_for(table(served), 128, 512 * 128, 1, 16, 16, 9, t) == (8, "keys")
+    assert pieces.split_for(table(served[..., :64]), 128, 64 * 128, 1, 16, 16, 9, t) is None  # 64: short enough
+    doc = torch.ones(1, 1, 512, 512, dtype=torch.bool).tril()
+    assert pieces.split_for(table(doc), 512 * 128, 512 * 128, 1, 16, 16, 9, t) is None
+    assert pieces.split_for(table(halo), 512 * 128, 17 * 128, 2, 16, 16, 9, t) is None  # batch rows: no views
+    few = tuning.FlexExchangeTuning(split_min_blocks=128)  # views of at least 128 tiles: the most allowed, 4
+    assert pieces.split_for(table(halo), 512 * 128, 17 * 128, 1, 16, 16, 9, few) == (4, "rows")

@@ -179,11 +179,11 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
             need = max(need, (rank - p) % world + 1)
         heavy, keys = split(p, rank)  # p's rows against my keys
         q_in[p], halo_send[p] = pieces.rows_of(heavy, bq, length), pieces.rows_of(keys, fp.BLOCK_SIZE, length)
-    split = lambda rows, keys: pieces.split_for(rows, keys, b, h, hkv, cap, tuning)
+    split = lambda table, rows, keys: pieces.split_for(table, rows, keys, b, h, hkv, cap, tuning)
     halo = pieces.halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks, b, h,
                         scale, cap, bq, split)
     shipped = torch.cat([pos[p][q_in[p]] for p in range(world)])
-    serve = pieces.executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split(len(shipped), length))
+    serve = pieces.executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split)
     own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back

@@ -65,37 +65,47 @@ def rows_of(idx: torch.Tensor, block: int, length: int) -> torch.Tensor:
     return r[r < length]
 
 
-def split_for(rows: int, keys: int, batch: int, heads: int, kv_heads: int, cap: Optional[int],
-               tuning: tn.FlexExchangeTuning) -> Optional[tuple]:
-    """(c, axis) where FA4 runs a piece's forward (axis "keys": few rows, many
-    keys) or backward (axis "rows": many rows, few keys) on c view rows of its
-    long side (:class:`fa4.SplitStep`), else None: that pass has fewer
-    programs (query tiles x heads forward, key tiles x kv heads backward,
-    each a chain over the long side) than ``tuning.split_programs``, and the
-    long side splits into c equal chunks of whole tiles, each at least
-    ``split_min_blocks`` tiles; c the fewest that reach the programs (batch 1)."""
+def split_for(table: fp.BlockTable, rows: int, keys: int, batch: int, heads: int, kv_heads: int,
+              cap: Optional[int], tuning: tn.FlexExchangeTuning) -> Optional[tuple]:
+    """(c, axis) where FA4 runs a piece's forward (axis "keys") or backward
+    (axis "rows") on c view rows of that pass's long side
+    (:class:`fa4.SplitStep`), else None. FA4 runs a program per query tile
+    forward and per key tile backward, each a chain over the tiles of the
+    other side it sees (``table``, batch 1): a pass is split where its longest
+    chain exceeds ``tuning.split_chain`` tiles and fewer than
+    ``tuning.split_programs`` programs have such chains (more keep every SM
+    busy whatever their length): c the fewest that bring every view's chains
+    to ``split_chain`` or below (else the most allowed), the long side cut
+    into c equal chunks of whole tiles, each at least ``split_min_blocks``.
+    Of two passes that qualify, the one with the longer chain."""
     if cap is None or batch != 1:
         return None
     bq = blocks.sparse_block(cap, rows)[0]
-    for axis, short, long_, tile, heads_ in (("keys", rows, keys, fp.BLOCK_SIZE, heads),
-                                             ("rows", keys, rows, bq, kv_heads)):
-        have = -(-short // (bq if axis == "keys" else fp.BLOCK_SIZE)) * heads_
-        if have >= tuning.split_programs or long_ % tile:
+    vis = (table.partial | table.full).any(0)  # (Hm, query tiles, key tiles)
+    best = None
+    for axis, dim, long_, tile, heads_ in (("keys", 2, keys, fp.BLOCK_SIZE, heads), ("rows", 1, rows, bq, kv_heads)):
+        chains = vis.sum(dim)
+        longest = int(chains.max())
+        n_long = int((chains > tuning.split_chain).sum()) * max(heads_ // vis.shape[0], 1)
+        if longest <= tuning.split_chain or n_long >= tuning.split_programs or long_ % tile:
             continue
         n = long_ // tile
         ok = [d for d in range(2, n + 1) if n % d == 0 and n // d >= tuning.split_min_blocks
               and (axis == "keys" or blocks.sparse_block(cap, long_ // d)[0] == bq)]
-        if ok:
-            return next((d for d in ok if d * have >= tuning.split_programs), ok[-1]), axis
-    return None
+        if not ok or (best is not None and best[0] >= longest):
+            continue
+        chunk = lambda d: int(vis.unflatten(dim, (d, n // d)).sum(dim + 1).max())  # a view's longest chain
+        best = longest, next((d for d in ok if chunk(d) <= tuning.split_chain), ok[-1]), axis
+    return None if best is None else best[1:]
 
 
-def executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=(), split=None):
+def executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear=(),
+             split: Optional[Callable[[fp.BlockTable, int, int], Optional[tuple]]] = None):
     """The executor of (queries at global ``qpos``) x (keys at ``kpos``), the
     blocks ``clear`` = [(query blocks of the plan's query block, first key
     block, end key block)] removed; FA4 where ``cap`` (its major compute
-    capability) is given, as ``split`` = (c, axis) view rows where given
-    (:func:`split_for`); None where nothing is visible."""
+    capability) is given, on (c, axis) view rows where ``split(table, rows,
+    keys)`` gives them (:func:`split_for`); None where nothing is visible."""
     if len(qpos) == 0 or len(kpos) == 0:
         return None
     block = blocks.sparse_block(cap, len(qpos)) if cap is not None else fp.BLOCK_SIZE
@@ -115,6 +125,7 @@ def executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clea
     inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
     step = lambda t, f: fa4.Step(t, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(t), False)
     whole = step(table, blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,)))
+    split = split(table, len(qpos), len(kpos)) if split is not None else None
     if split is None:
         return fa4.RingStep(whole, scale, len(qpos), len(kpos))
     c, axis = split
@@ -155,8 +166,7 @@ def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int]
     if cap is not None and blocks.sparse_block(cap, r1 - r0)[0] != bq:  # the cleared blocks would not line up
         b0, b1, r0, r1 = 0, (len(qpos) + bq - 1) // bq, 0, len(qpos)
     keep = [(qb[(qb >= b0) & (qb < b1)] - b0, kb0, kb1) for qb, kb0, kb1 in clear]
-    return executor(mask_mod, qpos[r0:r1], kpos, batch, heads, scale, cap, clear=keep,
-                     split=split(r1 - r0, len(kpos))), r0, r1
+    return executor(mask_mod, qpos[r0:r1], kpos, batch, heads, scale, cap, clear=keep, split=split), r0, r1
 
 
 def halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale, cap, bq: int, split) -> list:
