@@ -373,11 +373,6 @@ class FlexExchangeTuning:
               "10.85, 10.24: a tie, kept beside as in the backward. FA4's persistent kernels hold every SM, so "
               "the side pieces mostly run after the own piece's launch ends",
         "flex_exchange_side_4xh100_3d96269.json, flex_exchange_fwd_side_4xh200_261a205.json")
-    others_first: bool = measured(
-        False, f"pending measurement: the pieces whose results the peers wait on are issued before the own piece "
-               f"(forward: the rows a rank serves, their partials sent back; backward: the halo and served pieces, "
-               f"their gradients sent back), so a peer's own piece does not end waiting on them; else the own "
-               f"piece first, the others beside it; measure with {_EXCHANGE_CMD}")
     split_chain: int = measured(
         64, "an FA4 piece of the exchange runs a pass on a view of that pass's long side as c batch rows "
             "(longattn.flex.fa4.SplitStep: the global tokens' rows served against a shard, forward; a shard's rows "

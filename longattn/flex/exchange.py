@@ -104,11 +104,9 @@ class ExchangePlan:
     ``own_at`` / ``kv_at``: (positions, rows) of ``heavy`` / ``sent`` in a
     full-size piece; ``out_pieces`` / ``kv_pieces``: the most pieces a row /
     key row gets (own, halos / own, served rows); ``concurrent``: the other
-    pieces run beside the own one on CUDA; ``others_first``: the pieces whose
-    results the peers wait on (served rows, returned gradients) are issued
-    before the own one (:class:`longattn.tuning.FlexExchangeTuning`).
-    ``traffic``: (most bytes a rank sends, the ring's per rank), forward +
-    backward; ``moves_q`` /
+    pieces run beside the own one on CUDA
+    (:class:`longattn.tuning.FlexExchangeTuning`). ``traffic``: (most bytes a
+    rank sends, the ring's per rank), forward + backward; ``moves_q`` /
     ``moves_kv``: any rank ships query rows / K/V; ``dense``: why the
     executors would be the dense PyTorch ones on a GPU (empty: FA4 runs them,
     or the CPU); ``cannot``: why the ranks' plans do not fit together
@@ -130,7 +128,6 @@ class ExchangePlan:
     out_pieces: int
     kv_pieces: int
     concurrent: bool
-    others_first: bool
     traffic: tuple
     moves_q: bool
     moves_kv: bool
@@ -196,8 +193,8 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     spans = [(0, length)] * (own is not None) + [(x.r0, x.r1) for x in halo]
     plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos,
                         pieces.within(heavy, 0, length), pieces.within(sent_rows, 0, length), sent_rows, sent_pos,
-                        most_cover(spans), (own is not None) + (serve is not None), tuning.concurrent,
-                        tuning.others_first, (), False, False, [], [])
+                        most_cover(spans), (own is not None) + (serve is not None), tuning.concurrent, (), False,
+                        False, [], [])
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 

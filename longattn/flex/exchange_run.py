@@ -267,7 +267,11 @@ class ExchangeFlex(torch.autograd.Function):
         sent = Transfer([([[k[:, r], v[:, r]] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
                          ([[q[:, r]] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)
-        def serve():  # the rows the peers shipped me, against my keys; their partials go back
+        # the own piece first: the GPU runs it while the host issues the rest and the halos and shipped rows
+        # arrive; the other pieces run beside it on the side stream
+        side = Side(dev, plan.concurrent)
+        own = plan.own.forward(q, k, v) if plan.own is not None else None
+        with side:
             (kh, vh), (qs,) = sent.wait()
             if plan.serve is not None:
                 o, l_ = plan.serve.forward(qs, k, v)
@@ -276,19 +280,8 @@ class ExchangeFlex(torch.autograd.Function):
                 l_ = torch.full((b, h, qs.shape[1]), float("-inf"), device=dev)
             parts = [[x[0], y[0]] for x, y in zip(_per_peer(o.to(q.dtype), _n(plan.q_in)),
                                                   _per_peer(l_.float().transpose(1, 2), _n(plan.q_in)))]
-            return kh, vh, Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b,
-                                    group, plan.moves_q, dev)
-        # others_first: the served rows before the own piece, so the peers waiting on their partials get them
-        # while this rank computes its own; else the own piece first (the GPU runs it while the halos and
-        # shipped rows arrive). The other pieces run beside it on the side stream.
-        first = plan.others_first and plan.serve is not None
-        if first:
-            kh, vh, back = serve()
-        side = Side(dev, plan.concurrent)
-        own = plan.own.forward(q, k, v) if plan.own is not None else None
-        with side:
-            if not first:
-                kh, vh, back = serve()
+            back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
+                            plan.moves_q, dev)
             pieces = [(x.run.forward(q[:, x.r0:x.r1], kh[:, x.k0:x.k1], vh[:, x.k0:x.k1]), x) for x in plan.halo]
         acc = OutSum(q, plan.heavy, plan.out_pieces)
         if own is not None:
@@ -325,10 +318,7 @@ class ExchangeFlex(torch.autograd.Function):
 
         def own_grads():
             return plan.own.backward(dout, q, k, v, out, lse, dlse) if plan.own is not None else None
-        # beside the rest, issued first (or after them where others_first: the peers wait on the gradients they
-        # make); serially last, while the gradients travel back
-        own_first = side.side is not None and not plan.others_first
-        if own_first:
+        if side.side is not None:  # first, beside the rest; serially last, while the gradients travel back
             own = own_grads()
         with side:
             (kh, vh), (qs,) = unpack(buf, ctx.layout, b)
@@ -359,7 +349,7 @@ class ExchangeFlex(torch.autograd.Function):
             back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]),
                              (_per_peer(dq_s, _n(plan.q_in)), _n(plan.ship), [_spec(q)])],
                             b, group, plan.moves_kv or plan.moves_q, dev)
-        if not own_first:
+        if side.side is None:
             own = own_grads()
         dq = GradSum(q, plan.heavy, plan.out_pieces)
         dk, dv = (GradSum(x, plan.sent, plan.kv_pieces) for x in (k, v))

@@ -394,8 +394,9 @@ class SplitStep:
         rows = lambda x: x[0].reshape(x.shape[1], self.c, -1).transpose(0, 1).contiguous()  # (1, H, L) -> (c, H, m)
         g = step_backward(self.split, chunks(dout), chunks(q), rep(k), rep(v), chunks(out), rows(lse), self.scale,
                           None if dlse is None else rows(dlse))
-        return (g[0].reshape(q.shape), g[1].float().sum(0, keepdim=True).to(k.dtype),
-                g[2].float().sum(0, keepdim=True).to(v.dtype))
+        # summed in float32 by the reduction itself (no float32 copy of the c views' gradients first)
+        return (g[0].reshape(q.shape), g[1].sum(0, keepdim=True, dtype=torch.float32).to(k.dtype),
+                g[2].sum(0, keepdim=True, dtype=torch.float32).to(v.dtype))
 
 
 def ring_executor(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, heads: int,
