@@ -381,10 +381,10 @@ class FlexExchangeTuning:
             "this many or fewer. Kernels alone, 64K shard, H=16, D=128, ms by c (1 = one call), one H200: 128 "
             "served rows against 512 key tiles, forward 0.80 / c=2 0.72, 4 0.40, 8 0.37, 16 0.38, 32 0.43 (best: "
             "64 tiles a view); a 32K shard's rows (256 tiles) against 1152 halo keys, backward 2.56 / 1.73, 1.26, "
-            "1.29, 1.49, 1.92 (64 to 32). The exchange at 2 ranks, window + global, where the halo's 272 programs "
-            "(one of 17 key tiles the global keys', 512 query tiles long) escaped a programs-only rule: fwd+bwd ms "
-            "14.00, 13.77 unsplit / 12.87 at c=2 in one run",
-        "flex_split_pieces_h200_e900875.json, flex_exchange_split_4xh200_e900875.json")
+            "1.29, 1.49, 1.92 (64 to 32). The exchange at 2 ranks, window + global (a shard's rows against 17 "
+            "halo key tiles, the global keys' 512 query tiles long: 8 views), fwd+bwd ms alternating in one run, "
+            "2 H100: 13.59, 13.73 / 14.89, 14.56 unsplit (documents within noise: nothing to split)",
+        "flex_split_pieces_h200_e900875.json, flex_exchange_split_chain_2xh100_7a2a346.json")
     split_programs: int = measured(
         264, "a pass is split (split_chain) only where fewer of its programs than this have chains longer than "
              "split_chain: more keep every SM busy whatever their length (264 = 2 programs per SM); 0: never. "
