@@ -8,6 +8,7 @@ input checks."""
 import os
 import sys
 import traceback
+import types
 
 import pytest
 import torch
@@ -348,3 +349,17 @@ def test_one_device_calls_never_evict_plans_across_ranks():
         q = torch.randn(1, 8 + n, 1, 8)
         longattn.flex_attention(q, q, q, mask_mod=longattn.masks.causal())
     assert schedule.RING_PLANS.get_or(("test-sentinel",), lambda: None) is sentinel
+
+
+def test_planning_refused_under_cuda_graph_capture(monkeypatch):
+    """A flex call plans a new (shape, pattern) on the host (block tables; across ranks with collectives): under
+    CUDA graph capture that raises a ValueError naming the fix (call once before capturing), on CUDA tensors only."""
+    from longattn.flex.checks import plan_outside_capture
+
+    cuda_like = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    plan_outside_capture(cuda_like, "flex_attention")  # not capturing: nothing to say
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="call it once with these shapes and this pattern before capturing"):
+        plan_outside_capture(cuda_like, "ring_flex_attention")
+    plan_outside_capture(torch.zeros(1), "flex_attention")  # CPU tensors are never captured

@@ -64,3 +64,14 @@ def check_call(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seq
                          "pad them with zeros to 16 (pass softmax_scale=1/sqrt(original head dim)) and slice the "
                          "output, or run on CPU")
     return bk.default_scale(q.shape[-1], softmax_scale)
+
+
+def plan_outside_capture(x: torch.Tensor, what: str) -> None:
+    """Raise where ``what`` would plan a (shape, pattern) under CUDA graph
+    capture: planning reads the mask's block table on the host (across ranks,
+    also the results of collectives), which a capture cannot run. Plans are
+    cached, so a call made once outside the capture replays inside it."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"{what} plans each (shape, pattern) on its first call, reading the mask's blocks on the "
+                         f"host (across ranks: with collectives), which CUDA graph capture cannot run: call it once "
+                         f"with these shapes and this pattern before capturing")

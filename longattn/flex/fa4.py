@@ -38,6 +38,7 @@ from ..backends import _fa4_api
 from ..distributed.plan import Call
 from . import blocks
 from . import plan as fp
+from .checks import plan_outside_capture
 
 KERNELS = ("auto", "fa4", "flex")
 
@@ -246,6 +247,7 @@ def single_step(q, k, mask_mod) -> Step:
     key = (pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device))
     hit = _STEPS.get(key)
     if hit is None:
+        plan_outside_capture(q, "flex_attention")
         dev = q.device
         qpos = torch.arange(q.shape[1], dtype=torch.int32, device=dev)
         kpos = torch.arange(k.shape[1], dtype=torch.int32, device=dev)

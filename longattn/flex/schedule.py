@@ -16,6 +16,7 @@ from ..distributed.plan import Call
 from ..distributed.ring import RingSchedule
 from . import fa4
 from . import plan as fp
+from .checks import plan_outside_capture
 from .step import FlexStep, compile_backend
 
 
@@ -78,6 +79,8 @@ def single_step(q, k, mask_mod, score_mod, scale) -> Optional[FlexStep]:
         return _make_step(table, mask_mod, score_mod, scale, ident, kmap, q, k)
     key = ("single", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
            str(q.device))
+    if key not in _PLANS:
+        plan_outside_capture(q, "flex_attention")
     return _PLANS.get_or(key, make)
 
 
@@ -130,4 +133,6 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
         return RingSchedule(steps, lambda src: calls[(rank - src) % world])
     key = ("ring", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
            str(q.device), layout, checks.group_name(group), dist.get_world_size(group), dist.get_rank(group), kernel)
+    if key not in RING_PLANS:
+        plan_outside_capture(q, "ring_flex_attention")
     return RING_PLANS.get_or(key, make)
