@@ -363,3 +363,23 @@ def test_planning_refused_under_cuda_graph_capture(monkeypatch):
     with pytest.raises(ValueError, match="call it once with these shapes and this pattern before capturing"):
         plan_outside_capture(cuda_like, "ring_flex_attention")
     plan_outside_capture(torch.zeros(1), "flex_attention")  # CPU tensors are never captured
+
+
+def test_agreement_refused_under_cuda_graph_capture(monkeypatch):
+    """A distributed call's first agreement on its arguments (a collective on the GPU under NCCL, read on the
+    host) under CUDA graph capture: a ValueError naming the fix before any collective, or the rank's own problem;
+    an agreed signature skips it (a captured call of an agreed shape runs)."""
+    from longattn.distributed import checks
+
+    monkeypatch.setattr(checks, "_device_for", lambda group: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    group = object()
+    with pytest.raises(ValueError, match="ring_attention: a first call .* call it once with these arguments before"):
+        checks.handshake(group, "ring_attention", once=True, q=(1, 8, 2, 4))
+    with pytest.raises(TypeError, match="bad q"):
+        checks.handshake(group, "ring_attention", TypeError("bad q"), q=(1, 8, 2, 4))
+    checks._checked.add((id(group), "ring_attention", (("q", (1, 8, 2, 4)),)))
+    try:
+        checks.handshake(group, "ring_attention", once=True, q=(1, 8, 2, 4))  # agreed before: nothing runs
+    finally:
+        checks._checked.discard((id(group), "ring_attention", (("q", (1, 8, 2, 4)),)))

@@ -121,7 +121,13 @@ def _handshake(group, what, problem, once, fields) -> None:
         return
     if isinstance(problem, str):
         problem = ValueError(problem)
-    t = torch.tensor([digest(fields), problem is not None], dtype=torch.int64, device=_device_for(group))
+    dev = _device_for(group)
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # every rank captures the same calls, so every rank raises here alike (no rank waits in a collective)
+        raise problem or ValueError(f"{what}: a first call with these arguments agrees on them across ranks with a "
+                                    f"collective read on the host, which CUDA graph capture cannot run: call it once "
+                                    f"with these arguments before capturing")
+    t = torch.tensor([digest(fields), problem is not None], dtype=torch.int64, device=dev)
     got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, t, group=group)
     vals = torch.stack(got).cpu().tolist()  # one device-to-host copy
