@@ -117,7 +117,10 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     skipped, a step with no visible key is not computed, and the ring ends
     after the last step any rank needs (a sliding window or documents that
     stay within a shard end it early). Block masks are built on the first call
-    per (shape, pattern) and cached (two small collectives then).
+    per (shape, pattern) and cached (two small collectives then). A call
+    whose arguments and plan a first call made can be captured in a CUDA
+    graph (its transfers and side stream inside the graph); planning or
+    agreeing under capture raises ValueError.
 
     Runs outside ``torch.compile`` graphs (a graph break). With ``kernel="auto"`` each step runs the
     pattern's FA4 form where :func:`explain_flex` would choose FA4 for these shards (a named pattern, FA4
