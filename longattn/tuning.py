@@ -417,6 +417,35 @@ class FlexExchangeTuning:
                 raise ValueError(f"FlexExchangeTuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class FlexFa4Tuning:
+    """How a one-device ``flex_attention`` call on FA4 runs a pattern with a
+    few long chains (:class:`longattn.flex.pieces.CarvedStep`)."""
+
+    split_chain: int = measured(
+        64, "FA4 runs a program per query tile forward and per key tile backward, each a chain over the tiles of the "
+            "other side it sees, and its backward grid runs key tiles head by head, so a key tile every query tile "
+            "sees (global tokens' keys) starts its chain late for the last heads and outlasts the pass. Tiles whose "
+            "chain exceeds this many tiles run apart on views of the other side (c the fewest that bring each view "
+            "to this many; longattn.flex.fa4.SplitStep), the rest in one call with them cleared: the forward's rows "
+            "written in place, the backward's dK/dV columns written and dQ summed. One H100, fwd / bwd ms, one "
+            "call / carved (python benchmarks/flex_chains.py): block-sparse 32K 0.863 / 0.714 (c=4), 2.687 / 2.514; "
+            "window + global 32K 1.382 / 1.293, 4.026 / 4.023; 128K (c=16) 5.652 / 5.526, 16.572 / 16.647",
+        "flex_chains_h100_3118328.json, flex_chains_h100_3277dc9.json")
+    split_programs: int = measured(
+        264, "tiles are carved only where fewer programs than this (tiles x heads) have chains over split_chain: more "
+             "keep every SM busy whatever their length (264 = 2 programs per SM); 0: never carve. Prefix-LM and "
+             "causal documents at 32K have none to carve (flex_chains_h100_3277dc9.json)")
+    split_min_blocks: int = measured(
+        4, "each view keeps at least this many tiles of the long side (FlexExchangeTuning.split_min_blocks: the same "
+           "views, flex_split_pieces_h200_e900875.json)")
+
+    def __post_init__(self):
+        for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
+                raise ValueError(f"FlexFa4Tuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
+
+
 DILATED = DilatedTuning()
 VARLEN = VarlenTuning()
 DECODE = DecodeTuning()
@@ -424,7 +453,8 @@ RING_VARLEN = RingVarlenTuning()
 ULYSSES = UlyssesTuning()
 DOC_SHARD = DocShardTuning()
 FLEX_EXCHANGE = FlexExchangeTuning()
-TUNINGS = (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD, FLEX_EXCHANGE)
+FLEX_FA4 = FlexFa4Tuning()
+TUNINGS = (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD, FLEX_EXCHANGE, FLEX_FA4)
 """Every tuning object (``describe`` lists their fields)."""
 
 

@@ -38,7 +38,6 @@ from ..backends import _fa4_api
 from ..distributed.plan import Call
 from . import blocks
 from . import plan as fp
-from .checks import plan_outside_capture
 
 KERNELS = ("auto", "fa4", "flex")
 
@@ -247,7 +246,6 @@ def single_step(q, k, mask_mod) -> Step:
     key = (pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device))
     hit = _STEPS.get(key)
     if hit is None:
-        plan_outside_capture(q, "flex_attention")
         dev = q.device
         qpos = torch.arange(q.shape[1], dtype=torch.int32, device=dev)
         kpos = torch.arange(k.shape[1], dtype=torch.int32, device=dev)
@@ -292,28 +290,32 @@ def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
 
 
 class Fa4Flex(torch.autograd.Function):
-    """(out, lse) of one step, FA4's backward from its own out and lse."""
+    """(out, lse) of a one-device call through its executor (:class:`RingStep`,
+    or :class:`longattn.flex.pieces.CarvedStep`), the backward from its own out
+    and lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, step: Step, scale: float):
+    def forward(ctx, q, k, v, run):
         ctx.set_materialize_grads(False)  # an unused lse reaches the backward as None: FA4 skips its dlse path
-        out, lse = step_forward(step, q, k, v, scale)
+        out, lse = run.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.step, ctx.scale = step, scale
+        ctx.run = run
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = step_backward(ctx.step, dout, q, k, v, out, lse, ctx.scale, dlse)
-        return dq, dk, dv, None, None
+        dq, dk, dv = ctx.run.backward(dout, q, k, v, out, lse, dlse)
+        return dq, dk, dv, None
 
 
 def attend(q, k, v, mask_mod, scale: float):
     """(out, lse) of a one-device flex call through FA4; None where no query sees a key."""
-    step = single_step(q, k, mask_mod)
-    return None if step.empty else Fa4Flex.apply(q, k, v, step, scale)
+    from . import pieces  # pieces builds on this module: imported at the call
+
+    run = pieces.single_executor(q, k, mask_mod, scale)
+    return None if run is None else Fa4Flex.apply(q, k, v, run)
 
 
 class RingStep:

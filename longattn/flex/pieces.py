@@ -1,5 +1,6 @@
-"""The exchange's executors (:mod:`.exchange` plans them, :mod:`.exchange_run`
-runs them): FA4 per piece where it runs the pattern (the pattern's form at
+"""FA4 executors made of pieces: a one-device call's with long chains carved
+out (:class:`CarvedStep`), and the exchange's (:mod:`.exchange` plans them,
+:mod:`.exchange_run` runs them): FA4 per piece where it runs the pattern (the pattern's form at
 the pieces' global positions, the block table with cleared blocks; on a view
 of a long side in batch rows where :func:`split_for` says so), else
 :class:`TorchPiece`; the halo's pieces (:func:`halo_pieces`): my rows x the
@@ -15,6 +16,7 @@ import torch
 from .. import tuning as tn
 from . import blocks, fa4
 from . import plan as fp
+from .checks import plan_outside_capture
 
 
 class TorchPiece:
@@ -65,6 +67,19 @@ def rows_of(idx: torch.Tensor, block: int, length: int) -> torch.Tensor:
     return r[r < length]
 
 
+def _long_chains(vis: torch.Tensor, dim: int, heads: int, tuning) -> Optional[torch.Tensor]:
+    """The tiles (ascending) whose programs chain over more than
+    ``tuning.split_chain`` tiles of the other side, in the pass over ``dim``
+    of ``vis`` (Hm, query tiles, key tiles): 2, a query tile's forward over
+    key tiles; 1, a key tile's backward over query tiles. None where no tile
+    does, or where ``tuning.split_programs`` programs or more (tiles x
+    ``heads``) do: those keep every SM busy whatever their length."""
+    chains = vis.sum(dim) > tuning.split_chain  # (Hm, tiles)
+    if not chains.any() or int(chains.sum()) * max(heads // vis.shape[0], 1) >= tuning.split_programs:
+        return None
+    return chains.any(0).nonzero().flatten()
+
+
 def split_for(table: fp.BlockTable, rows: int, keys: int, batch: int, heads: int, kv_heads: int,
               cap: Optional[int], tuning: tn.FlexExchangeTuning) -> Optional[tuple]:
     """(c, axis) where FA4 runs a piece's forward (axis "keys") or backward
@@ -84,10 +99,8 @@ def split_for(table: fp.BlockTable, rows: int, keys: int, batch: int, heads: int
     vis = (table.partial | table.full).any(0)  # (Hm, query tiles, key tiles)
     best = None
     for axis, dim, long_, tile, heads_ in (("keys", 2, keys, fp.BLOCK_SIZE, heads), ("rows", 1, rows, bq, kv_heads)):
-        chains = vis.sum(dim)
-        longest = int(chains.max())
-        n_long = int((chains > tuning.split_chain).sum()) * max(heads_ // vis.shape[0], 1)
-        if longest <= tuning.split_chain or n_long >= tuning.split_programs or long_ % tile:
+        longest = int(vis.sum(dim).max())
+        if _long_chains(vis, dim, heads_, tuning) is None or long_ % tile:
             continue
         n = long_ // tile
         ok = [d for d in range(2, n + 1) if n % d == 0 and n // d >= tuning.split_min_blocks
@@ -225,3 +238,99 @@ def within(rows: torch.Tensor, r0: int, r1: int) -> tuple:
     """(positions in ``rows`` of the rows in [r0, r1), those rows - r0)."""
     sel = ((rows >= r0) & (rows < r1)).nonzero().flatten()
     return sel, rows[sel] - r0
+
+
+class CarvedStep:
+    """A one-device FA4 call whose pattern has a few long chains (global
+    tokens: a key tile every query tile sees, a query tile that sees every
+    key tile), run as pieces: forward, the chained query tiles' rows apart
+    (``rows_run``, on views of the keys) and every other row in one call
+    with them cleared (``fwd``), the rows written in place; backward, the
+    chained key tiles apart (``keys_run``, on views of the rows) and the rest
+    in one call with them cleared (``bwd``), their dK/dV written in place
+    and dQ summed. Every pair is computed once per pass: the results of one
+    call (:class:`fa4.RingStep`'s interface), without a chain that starts
+    late and outlasts the pass (:class:`longattn.tuning.FlexFa4Tuning`).
+
+    Equivalent PyTorch (forward; ``rows``: the chained tiles' rows)::
+
+        out, lse = attend(q, k, v, mask without rows)
+        out[:, rows], lse[:, :, rows] = attend(q[:, rows], k, v, mask at rows)
+    """
+
+    def __init__(self, fwd, rows: Optional[torch.Tensor], rows_run, bwd, keys: Optional[torch.Tensor], keys_run):
+        self.fwd, self.rows, self.rows_run = fwd, rows, rows_run
+        self.bwd, self.keys, self.keys_run = bwd, keys, keys_run
+
+    def forward(self, q, k, v):
+        out, lse = self.fwd.forward(q, k, v)
+        if self.rows_run is not None:
+            out[:, self.rows], lse[:, :, self.rows] = self.rows_run.forward(q[:, self.rows], k, v)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, dlse):
+        dq, dk, dv = self.bwd.backward(dout, q, k, v, out, lse, dlse)
+        if self.keys_run is not None:
+            gq, dk[:, self.keys], dv[:, self.keys] = self.keys_run.backward(
+                dout, q, k[:, self.keys], v[:, self.keys], out, lse, dlse)
+            dq = dq.add_(gq)
+        return dq, dk, dv
+
+
+_SINGLE: dict = {}
+"""Executors of one-device FA4 calls per (pattern, shapes, device, scale, tuning): a training loop builds them once."""
+_SINGLE_MAX = 32
+
+
+def single_executor(q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_FA4):
+    """The FA4 executor of a one-device flex call (cached): a
+    :class:`fa4.RingStep` of the whole call, or a :class:`CarvedStep` where
+    the pattern has tiles with long chains that views would cut (batch 1,
+    :func:`split_for` with ``tuning``); None where no query sees a key."""
+    from .schedule import pattern_key  # schedule imports this module's neighbours: imported at the call
+
+    key = (pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device), scale, tuning)
+    if key not in _SINGLE:
+        plan_outside_capture(q, "flex_attention")
+        if len(_SINGLE) >= _SINGLE_MAX:
+            _SINGLE.clear()
+        _SINGLE[key] = _single(q, k, mask_mod, scale, tuning)
+    return _SINGLE[key]
+
+
+def _single(q, k, mask_mod, scale, tuning):
+    b, lq, h, _ = q.shape
+    lk, hkv, dev = k.shape[1], k.shape[2], q.device
+    step = fa4.single_step(q, k, mask_mod)
+    if step.empty:
+        return None
+    whole = fa4.RingStep(step, scale, lq, lk)
+    vis = (step.table.partial | step.table.full).any(0)
+    rows, keys = _long_chains(vis, 2, h, tuning), _long_chains(vis, 1, hkv, tuning)
+    if b != 1 or (rows is None and keys is None):
+        return whole
+    cap = fa4.KERNEL.capability(dev)[0]
+    qpos, kpos = (torch.arange(n, dtype=torch.int32, device=dev) for n in (lq, lk))
+    split = lambda table, r, c: split_for(table, r, c, b, h, hkv, cap, tuning)
+    cleared = lambda t: fa4.RingStep(fa4.Step(t, step.block, step.form, step.aux, blocks.sparse_tensors(t), t.empty),
+                                     scale, lq, lk)
+    fwd = bwd = whole
+    qrows = krows = rows_run = keys_run = None
+    if rows is not None:  # the chained query tiles' rows against every key, on views of the keys
+        qrows = rows_of(rows, step.block[0], lq)
+        rows_run = executor(mask_mod, qpos[qrows], kpos, b, h, scale, cap, split=split)
+        if isinstance(rows_run, fa4.SplitStep):
+            fwd = cleared(_cleared(step.table, [(rows, 0, vis.shape[2])]))
+        else:
+            qrows = rows_run = None
+    if keys is not None:  # every row against the chained key tiles, on views of the rows
+        krows = rows_of(keys, step.block[1], lk)
+        keys_run = executor(mask_mod, qpos, kpos[krows], b, h, scale, cap, split=split)
+        if isinstance(keys_run, fa4.SplitStep):
+            every = torch.arange(vis.shape[1], device=dev)
+            bwd = cleared(_cleared(step.table, [(every, int(t), int(t) + 1) for t in keys.tolist()]))
+        else:
+            krows = keys_run = None
+    if rows_run is None and keys_run is None:
+        return whole
+    return CarvedStep(fwd, qrows, rows_run, bwd, krows, keys_run)
