@@ -668,6 +668,35 @@ def test_patterns_through_fa4_on_gpu(on_fa4, name, d, hkv):
         assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, f"{kernel} {name}")
 
 
+@pytest.mark.gpu
+def test_carved_call_on_gpu(on_fa4):
+    """A one-device call carved (pieces.CarvedStep) at a tuning whose threshold the global tokens' tiles pass at 16
+    tiles: FA4's pieces against float64, out and dq/dk/dv within 2x SDPA's bf16 error with the same mask, lse
+    within 1e-3 (an lse gradient too)."""
+    from longattn import tuning
+    from longattn.flex import pieces
+
+    s, d = 2048, 128
+    m = masks.local_global(128, 32)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    mk = lambda *sh, sc=1.0: (torch.randn(*sh, device=dev, generator=g) * sc).bfloat16()
+    q, k, v, do = mk(1, s, 4, d), mk(1, s, 2, d), mk(1, s, 2, d), mk(1, s, 4, d)
+    dl = mk(1, 4, s, sc=0.3).float()
+    run = pieces.single_executor(q, k, m, d ** -0.5, tuning.FlexFa4Tuning(split_chain=8))
+    assert isinstance(run, pieces.CarvedStep) and run.rows_run is not None and run.keys_run is not None
+    cpu = lambda xs: [x.double().cpu() for x in xs]
+    want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=d ** -0.5), cpu((q, k, v)), do.cpu(), dl.cpu())
+    want = {n: (t.to(dev) if t is not None else None) for n, t in want.items()}
+    bar = results(_sdpa_bar(dense_mask(m, 1, 4, s).to(dev)), [q, k, v], do)
+    bar_want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=d ** -0.5), cpu((q, k, v)), do.cpu())
+    tol = {n: 2 * max(rel_err(bar[n], bar_want[n].to(dev)), 1e-3) for n in ("out", "dq", "dk", "dv")}
+    got = results(lambda q, k, v: fa4.Fa4Flex.apply(q, k, v, run), [q, k, v], do, dl)
+    errs = {n: rel_err(got[n], want[n]) for n in tol}
+    assert all(errs[n] <= tol[n] for n in tol), (errs, tol)
+    assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, "carved")
+
+
 def _sub_ref(m, qpos):
     """flex_ref of queries at global positions ``qpos`` against every key."""
     return lambda q, k, v: flex_ref(q, k, v, lambda b, h, i, j: m(b, h, qpos.long()[i], j), scale=q.shape[-1] ** -0.5)
