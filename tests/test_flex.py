@@ -345,7 +345,7 @@ def test_one_device_calls_never_evict_plans_across_ranks():
 
     sentinel = object()
     schedule.RING_PLANS.get_or(("test-sentinel",), lambda: sentinel)
-    for n in range(schedule._PLANS.size + 6):  # more distinct shapes than the one-device cache holds
+    for n in range(schedule.PLANS.size + 6):  # more distinct shapes than the one-device cache holds
         q = torch.randn(1, 8 + n, 1, 8)
         longattn.flex_attention(q, q, q, mask_mod=longattn.masks.causal())
     assert schedule.RING_PLANS.get_or(("test-sentinel",), lambda: None) is sentinel

@@ -41,7 +41,6 @@ from .. import tuning as tn
 from ..distributed import checks
 from ..distributed.accumulate import most_cover
 from . import blocks, fa4, pieces
-from .checks import plan_outside_capture
 from . import plan as fp
 from .schedule import RING_PLANS, pattern_key
 
@@ -248,9 +247,7 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
 
     def facts():
         nonlocal plan
-        if key not in RING_PLANS:
-            plan_outside_capture(q, "ring_flex_attention")
-        plan = RING_PLANS.get_or(key, make)
+        plan = RING_PLANS.get_or(key, make, q, "ring_flex_attention")
         return (plan.cannot, plan.dense, *plan.traffic)
     if choose_engine(engine, cannot, facts, tuning, dist.get_world_size(group)) == "ring":
         return None

@@ -234,26 +234,13 @@ def ring_step(mask_mod, qpos: torch.Tensor, kpos: torch.Tensor, batch: int, head
     return make_step(mask_mod, batch, heads, qpos, kpos, cap_major, f)
 
 
-_STEPS: dict = {}
-"""Steps of one-device calls per (pattern, shapes, device): a training loop builds them once."""
-_STEPS_MAX = 32
-
-
 def single_step(q, k, mask_mod) -> Step:
-    """The step of a one-device call (cached per shape and pattern)."""
-    from .schedule import pattern_key  # schedule may import this module: imported at the call
-
-    key = (pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device))
-    hit = _STEPS.get(key)
-    if hit is None:
-        dev = q.device
-        qpos = torch.arange(q.shape[1], dtype=torch.int32, device=dev)
-        kpos = torch.arange(k.shape[1], dtype=torch.int32, device=dev)
-        hit = make_step(mask_mod, q.shape[0], q.shape[2], qpos, kpos, KERNEL.capability(dev)[0])
-        if len(_STEPS) >= _STEPS_MAX:
-            _STEPS.clear()
-        _STEPS[key] = hit
-    return hit
+    """The step of a one-device call: every query against every key (cached
+    with its executor by :func:`longattn.flex.pieces.single_executor`)."""
+    dev = q.device
+    qpos = torch.arange(q.shape[1], dtype=torch.int32, device=dev)
+    kpos = torch.arange(k.shape[1], dtype=torch.int32, device=dev)
+    return make_step(mask_mod, q.shape[0], q.shape[2], qpos, kpos, KERNEL.capability(dev)[0])
 
 
 def _mask(step: Step):

@@ -14,9 +14,8 @@ from typing import Callable, Optional
 import torch
 
 from .. import tuning as tn
-from . import blocks, fa4
+from . import blocks, fa4, schedule
 from . import plan as fp
-from .checks import plan_outside_capture
 
 
 class TorchPiece:
@@ -277,25 +276,14 @@ class CarvedStep:
         return dq, dk, dv
 
 
-_SINGLE: dict = {}
-"""Executors of one-device FA4 calls per (pattern, shapes, device, scale, tuning): a training loop builds them once."""
-_SINGLE_MAX = 32
-
-
 def single_executor(q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_FA4):
-    """The FA4 executor of a one-device flex call (cached): a
-    :class:`fa4.RingStep` of the whole call, or a :class:`CarvedStep` where
-    the pattern has tiles with long chains that views would cut (batch 1,
-    :func:`split_for` with ``tuning``); None where no query sees a key."""
-    from .schedule import pattern_key  # schedule imports this module's neighbours: imported at the call
-
-    key = (pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device), scale, tuning)
-    if key not in _SINGLE:
-        plan_outside_capture(q, "flex_attention")
-        if len(_SINGLE) >= _SINGLE_MAX:
-            _SINGLE.clear()
-        _SINGLE[key] = _single(q, k, mask_mod, scale, tuning)
-    return _SINGLE[key]
+    """The FA4 executor of a one-device flex call (cached in
+    :data:`.schedule.PLANS`): a :class:`fa4.RingStep` of the whole call, or a
+    :class:`CarvedStep` where the pattern has tiles with long chains that
+    views would cut (batch 1, :func:`split_for` with ``tuning``); None where
+    no query sees a key."""
+    key = ("fa4", schedule.pattern_key(mask_mod), tuple(q.shape), tuple(k.shape), str(q.device), scale, tuning)
+    return schedule.PLANS.get_or(key, lambda: _single(q, k, mask_mod, scale, tuning), q, "flex_attention")
 
 
 def _single(q, k, mask_mod, scale, tuning):

@@ -25,22 +25,28 @@ class _LRU(collections.OrderedDict):
         super().__init__()
         self.size = size
 
-    def get_or(self, key, make):
+    def get_or(self, key, make, x: Optional[torch.Tensor] = None, what: str = "a flex call"):
+        """The plan of ``key``, made by ``make()`` on a miss; a miss under CUDA
+        graph capture raises (:func:`.checks.plan_outside_capture`, ``x`` the
+        call's query tensor)."""
         if key in self:
             self.move_to_end(key)
             return self[key]
+        if x is not None:
+            plan_outside_capture(x, what)
         val = self[key] = make()
         if len(self) > self.size:
             self.popitem(last=False)
         return val
 
 
-_PLANS = _LRU(64)
-"""Block masks and executors of one-device calls per (shape, pattern): a training loop builds them once."""
+PLANS = _LRU(64)
+"""Block masks and executors of one-device calls per (shape, pattern), FlexAttention's and FA4's
+(:func:`longattn.flex.pieces.single_executor`): a training loop builds them once."""
 
 RING_PLANS = _LRU(64)
 """Plans of calls across ranks (the ring's schedules, the exchange's plans),
-whose building runs collectives: kept apart from :data:`_PLANS`, so that
+whose building runs collectives: kept apart from :data:`PLANS`, so that
 one-device calls on one rank alone (an evaluation on rank 0) never evict a
 plan on that rank only, which would then plan again, with collectives the
 other ranks skip. Every rank makes the same distributed calls in the same
@@ -79,9 +85,7 @@ def single_step(q, k, mask_mod, score_mod, scale) -> Optional[FlexStep]:
         return _make_step(table, mask_mod, score_mod, scale, ident, kmap, q, k)
     key = ("single", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
            str(q.device))
-    if key not in _PLANS:
-        plan_outside_capture(q, "flex_attention")
-    return _PLANS.get_or(key, make)
+    return PLANS.get_or(key, make, q, "flex_attention")
 
 
 def _ring_steps(need: int, group, device) -> int:
@@ -133,6 +137,4 @@ def ring_schedule(q, k, *, mask_mod=None, score_mod=None, layout: str = "zigzag"
         return RingSchedule(steps, lambda src: calls[(rank - src) % world])
     key = ("ring", pattern_key(mask_mod), pattern_key(score_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype,
            str(q.device), layout, checks.group_name(group), dist.get_world_size(group), dist.get_rank(group), kernel)
-    if key not in RING_PLANS:
-        plan_outside_capture(q, "ring_flex_attention")
-    return RING_PLANS.get_or(key, make)
+    return RING_PLANS.get_or(key, make, q, "ring_flex_attention")
