@@ -6,11 +6,8 @@ transfers and the side stream inside it) replay to the eager results, and a
 shape never called refuses to plan inside a capture (ValueError).
 tests/test_flex_exchange.py runs it on GPU machines.
 
-The test harness's spawned ranks (tests/dist_utils.py) are not used here: in
-them (one intra-op thread, the rank's device as default device) the same
-capture fails on 2 H100 with cudaErrorStreamCaptureImplicit inside the
-autograd engine, while ranks started by torchrun or by a plain
-``torch.multiprocessing`` spawn capture it.
+On 2 H100 (torch 2.11) this capture fails with cudaErrorStreamCaptureImplicit
+inside the autograd engine (the test marks it xfail, with what is known).
 """
 import os
 import sys
