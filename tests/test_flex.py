@@ -280,6 +280,27 @@ def test_input_checks():
         longattn.flex_attention(q, k, v, return_lse=1)
 
 
+def test_signature_read_once_per_function(monkeypatch):
+    """A mask function's arity is read on its first call as a mask (reading a signature is a third of a call's
+    own host time); a wrong one is refused on every call, and the same function as a score_mod is checked."""
+    from longattn.flex import checks
+
+    reads = []
+    real = checks.inspect.signature
+    monkeypatch.setattr(checks.inspect, "signature", lambda fn: reads.append(fn) or real(fn))
+    mask = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+    for _ in range(3):
+        checks.check_mod(mask, "mask_mod")
+    assert reads == [mask]
+    with pytest.raises(TypeError, match="score_mod must take 5"):
+        checks.check_mod(mask, "score_mod")
+    bad = lambda q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+    for _ in range(2):
+        with pytest.raises(TypeError, match="mask_mod must take 4"):
+            checks.check_mod(bad, "mask_mod")
+    assert reads == [mask, mask, bad, bad]
+
+
 @pytest.mark.parametrize("name,fn,want", [
     ("mask_mod", lambda q_idx, kv_idx: kv_idx <= q_idx, r"mask_mod must take 4 positional arguments, "
                                                         r"mask_mod\(b, h, q_idx, kv_idx\)"),
