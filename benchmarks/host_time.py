@@ -4,8 +4,9 @@ interface (``_flash_attn_fwd`` / ``_flash_attn_bwd``), ``attention`` (FA4 and
 cuDNN), ``attention_varlen`` (4 documents; with and without ``max_seqlen``) and
 ``flex_attention`` on FA4 (window + global tokens, block-sparse). Per path: the
 mean host time of 40 calls queued back to back (forward, and forward +
-backward where it has one), the same with the GPU's work waited for, and
-cProfile of 10 calls (by own time and cumulative).
+backward where it has one; ``fwd_*`` is the call itself, FA4's backward for
+``fa4_interface_bwd``), the same with the GPU's work waited for, and cProfile
+of 10 calls (by own time and cumulative).
 
     python benchmarks/host_time.py --json OUT.json
 """
