@@ -171,6 +171,26 @@ def test_varlen_bf16(backend):
     assert all(x < 1e-2 for x in got), got
 
 
+@pytest.mark.parametrize("backend", ["auto", "cudnn"])
+def test_varlen_host_cu_seqlens_never_waits_for_the_gpu(backend):
+    """cu_seqlens on the host: read there for free, copied to the device
+    without a blocking copy, the document loop slicing on the host: a forward
+    and backward make no synchronizing call (torch's sync debug mode raises on one)."""
+    lens = [700, 33, 1500, 1, 400]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    q, k, v, do = (x[0] for x in _inputs(1, sum(lens), 8, 2, 64))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    step = lambda: longattn.attention_varlen(q, k, v, cu, causal=True, backend=backend).backward(do)
+    step()  # compiles and allocates
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(x.grad is not None and x.grad.isfinite().all() for x in (q, k, v))
+
+
 def test_auto_picks_fa4_then_cudnn_on_hopper():
     from longattn import backends as bk
 

@@ -108,6 +108,24 @@ def backward(kind: str, dout, q, k, v, out, lse, dlse, cu: torch.Tensor, max_seq
     return dq, dk, dv
 
 
+def op_cu_seqlens(kind: str, cu_seqlens: torch.Tensor, values, device: torch.device) -> torch.Tensor:
+    """The cu_seqlens a call hands its kernel ``kind`` (forward and backward),
+    from the tensor given and its ``values`` already read: a document loop
+    slices on the host, so a host tensor (reading one waits for nothing);
+    one launch takes it on the device, so a host tensor is copied without
+    waiting for the device (a blocking copy waits for every kernel queued,
+    and the host then cannot run ahead of the GPU)."""
+    if kind == "loop":
+        return cu_seqlens if cu_seqlens.device.type == "cpu" else torch.tensor(values, dtype=torch.int32)
+    return cu_seqlens if cu_seqlens.device == device else cu_seqlens.to(device, non_blocking=True)
+
+
+def kernel_cu(kind: str, cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Inside the op: ``cu`` where ``kind`` reads it (see :func:`op_cu_seqlens`;
+    a no-op for what it made)."""
+    return cu if kind == "loop" else cu.to(device)
+
+
 def _docs(cu: torch.Tensor):
     bounds = cu.tolist()
     return [(a, e) for a, e in zip(bounds[:-1], bounds[1:]) if e > a]

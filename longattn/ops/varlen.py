@@ -25,7 +25,8 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     spec = bk.BlockSpec(scale, causal, (window_left, window_right), 0, softcap)
-    return _varlen.forward(kernel, q, k, v, cu_seqlens.to(q.device), max_seqlen, spec, backend)
+    return _varlen.forward(kernel, q, k, v, _varlen.kernel_cu(kernel, cu_seqlens, q.device), max_seqlen, spec,
+                           backend)
 
 
 @torch.library.custom_op("longattn::varlen_bwd", mutates_args=(), device_types=None)
@@ -34,8 +35,8 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = bk.BlockSpec(scale, causal, (window_left, window_right), 0, softcap)
-    return _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, cu_seqlens.to(q.device), max_seqlen, spec,
-                            backend)
+    return _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, _varlen.kernel_cu(kernel, cu_seqlens, q.device),
+                            max_seqlen, spec, backend)
 
 
 # softcap last and defaulted, as in ops/attention.py
@@ -53,7 +54,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Args:
         q: ``(total_tokens, nheads, headdim)``; k, v: ``(total_tokens, nheads_kv, headdim)``.
-        cu_seqlens: int32 ``(ndocs + 1,)`` cumulative document lengths, ``[0, ..., total_tokens]``.
+        cu_seqlens: int32 ``(ndocs + 1,)`` cumulative document lengths, ``[0, ..., total_tokens]``,
+            best kept on the host: every call reads it there (its checks, the
+            kernel's choice), which for a CUDA tensor waits for the work queued
+            before it, so the host cannot run ahead of the GPU; a host tensor is
+            copied to the device without waiting.
         max_seqlen: the longest document (computed when None).
         causal, softmax_scale, window_size: as :func:`longattn.attention`, in
             positions inside each document.
@@ -72,7 +77,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     left, right = check_attention_call(q, k, v, causal, return_lse, softmax_scale, window_size, same_seqlen=True,
                                        ndim=3)
-    cu = check_cu_seqlens(cu_seqlens, q.shape[0])  # the call's one read of cu_seqlens
+    cu = check_cu_seqlens(cu_seqlens, q.shape[0])  # the call's one read of cu_seqlens (a wait if on a GPU)
     softcap = check_softcap_sinks(softcap, sinks, q)
     backend = bk.resolve(backend)
     longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
@@ -82,8 +87,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document ({longest})")
     scale = bk.default_scale(q.shape[-1], softmax_scale)
     kernel = _kernel(q, backend, cu_seqlens.numel() - 1, softcap)
-    out, lse = _varlen_op(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, left, right, backend, kernel,
-                          softcap)
+    # made once here, what the forward and backward both take: no further read or blocking copy
+    op_cu = _varlen.op_cu_seqlens(kernel, cu_seqlens, cu, q.device)
+    out, lse = _varlen_op(q, k, v, op_cu, int(max_seqlen), scale, causal, left, right, backend, kernel, softcap)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks, varlen=True)
     return (out, lse) if return_lse else out
