@@ -37,6 +37,10 @@ def main() -> int:
 
     out = step()
     want = [out.detach().clone()] + [x.grad.clone() for x in xs]
+    # Release the eager call's graph before capturing: while it lives, so do the leaves' gradient
+    # accumulators it made, and an accumulator runs on the stream current when it was made (here the
+    # legacy default stream), which a capture cannot wait on (cudaErrorStreamCaptureImplicit).
+    del out
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs asks

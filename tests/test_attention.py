@@ -56,6 +56,8 @@ def test_auto_picks_and_explains():
     # a window on CPU: flash refuses, auto falls back to math
     assert bk.select_backend(q, q, bk.BlockSpec(1.0, window=(2, 2))).name == "math"
     assert bk.select_backend(q.double(), q.double(), spec).name in ("flash", "math")
+    one = torch.randn(1, 1, 2, 8)  # cuDNN's frontend refuses a single query over a single key
+    assert any("seqlen_q = seqlen_k = 1" in r for r in bk.explain(one, one, spec)["cudnn"])
 
 
 def test_forced_backend_errors_list_reasons():

@@ -176,7 +176,7 @@ def test_varlen_host_cu_seqlens_never_waits_for_the_gpu(backend):
     """cu_seqlens on the host: read there for free, copied to the device
     without a blocking copy, the document loop slicing on the host: a forward
     and backward make no synchronizing call (torch's sync debug mode raises on one)."""
-    lens = [700, 33, 1500, 1, 400]
+    lens = [700, 33, 1500, 2, 400]
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     q, k, v, do = (x[0] for x in _inputs(1, sum(lens), 8, 2, 64))
     q, k, v = (x.requires_grad_() for x in (q, k, v))

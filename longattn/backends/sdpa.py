@@ -99,6 +99,8 @@ class CudnnBackend(Backend):
             r.append("cuDNN not available")
         if not is_top_left(spec, q.shape[1], k.shape[1]):
             r.append("cuDNN path supports only top-left causal with seqlen_q == seqlen_k")
+        if q.shape[1] == 1 and k.shape[1] == 1:  # cuDNN 9.19's frontend raises "s_q = s_kv = 1 is not supported"
+            r.append("cuDNN takes no call with seqlen_q = seqlen_k = 1")
         return r
 
     def forward(self, q, k, v, spec):
