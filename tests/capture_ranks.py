@@ -6,8 +6,11 @@ transfers and the side stream inside it) replay to the eager results, and a
 shape never called refuses to plan inside a capture (ValueError).
 tests/test_flex_exchange.py runs it on GPU machines.
 
-On 2 H100 (torch 2.11) this capture fails with cudaErrorStreamCaptureImplicit
-inside the autograd engine (the test marks it xfail, with what is known).
+Before capturing, the eager call's graph is released: a graph kept alive
+keeps the gradient accumulators of the leaves it made, each bound to the
+stream current when it was made, and the capture then fails with
+cudaErrorStreamCaptureImplicit in the autograd engine (any autograd graph
+does this in torch; ``ring_flex_attention``'s docstring says it).
 """
 import os
 import sys
@@ -69,8 +72,12 @@ def main() -> int:
     except ValueError as e:
         if "before capturing" not in str(e):
             bad.append(f"ValueError without the fix: {e}")
+    print(f"rank {rank} new shape inside a capture: {'refused' if not bad else bad}", flush=True)
+    # the graphs hold NCCL work of the group: destroyed before it is
+    del graph, out
     torch.cuda.synchronize()
-    dist.barrier()
+    dist.barrier(device_ids=[torch.cuda.current_device()])
+    print(f"rank {rank} barrier passed", flush=True)
     dist.destroy_process_group()
     if bad:
         print(f"rank {rank} FAILED: {bad}", flush=True)

@@ -325,12 +325,6 @@ def test_exchange_fa4_on_gpus(world):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason=(
-    "on 2 H100 (torch 2.11, NCCL) this capture of fwd+bwd fails with cudaErrorStreamCaptureImplicit inside the "
-    "autograd engine in ranks started by torchrun (OMP_NUM_THREADS=1) and by the test harness (one intra-op "
-    "thread), while a fresh torch.multiprocessing spawn with default threads, a process that captured other "
-    "graphs first, and benchmarks/flex_exchange_profile.py GRAPH=1 at 128K capture and replay it; cause not "
-    "isolated (candidate: NCCL connecting lazily inside the capture; docs/performance.md, section 8)"))
 def test_exchange_captures_in_cuda_graph():
     """2 GPUs (NCCL): ring_flex_attention's exchange replays from a CUDA graph after its first call, on ranks
     started by torchrun (tests/capture_ranks.py)."""
