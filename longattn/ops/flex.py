@@ -122,9 +122,11 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     per (shape, pattern) and cached (two small collectives then). A call
     whose arguments and plan a first call made can be captured in a CUDA
     graph (its transfers and side stream inside the graph); planning or
-    agreeing under capture raises ValueError. Known failure: on 2 H100 a
-    fresh process whose first capture is the exchange's forward + backward
-    (16K) fails with cudaErrorStreamCaptureImplicit (docs/performance.md, 8).
+    agreeing under capture raises ValueError. Release the outputs of eager
+    calls before capturing a backward (torch's rule for any autograd graph:
+    a graph still alive binds its leaves' gradient accumulators to the stream
+    it ran on, and the capture fails with cudaErrorStreamCaptureImplicit);
+    ``tests/capture_ranks.py`` captures the exchange's forward and backward.
 
     Runs outside ``torch.compile`` graphs (a graph break). With ``kernel="auto"`` each step runs the
     pattern's FA4 form where :func:`explain_flex` would choose FA4 for these shards (a named pattern, FA4
