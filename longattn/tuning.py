@@ -439,8 +439,17 @@ class FlexFa4Tuning:
     split_min_blocks: int = measured(
         4, "each view keeps at least this many tiles of the long side (FlexExchangeTuning.split_min_blocks: the same "
            "views, flex_split_pieces_h200_e900875.json)")
+    documents_varlen: bool = measured(
+        True, "documents alone or with causal and windows, each document one contiguous run, run as FA4's varlen "
+              "kernel (one launch over every document's own tiles, no mask calls, no block tables) instead of the "
+              "mask_mod with block sparsity: the same 9 causal documents at 32K (H=16, D=128), one H100, kernels "
+              "under the profiler: varlen 2.07 + 5.79 ms fwd / bwd (cold_gaps_h100_ab8626a.json, varlen_mix_32k), "
+              "mask_mod 2.24 + 6.28 (same file, flex_doc_32k)",
+        "cold_gaps_h100_ab8626a.json")
 
     def __post_init__(self):
+        if not isinstance(self.documents_varlen, bool):
+            raise ValueError(f"FlexFa4Tuning.documents_varlen must be a bool, got {self.documents_varlen!r}")
         for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise ValueError(f"FlexFa4Tuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")

@@ -470,7 +470,14 @@ class _MaskInterface:
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    ns = types.SimpleNamespace(interface=_MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
+    """FA4's mask calls on :class:`_MaskInterface`, its varlen calls (contiguous
+    documents, pieces.DocumentsStep) on test_fa4's math stand-in (``.varlen``: its calls)."""
+    from test_fa4 import _MathInterface
+
+    varlen = _MathInterface()
+    monkeypatch.setattr(_fa4_api, "_interface", lambda: varlen)
+    ns = types.SimpleNamespace(interface=_MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw),
+                               varlen=varlen)
     monkeypatch.setattr(fa4, "_fa4", lambda: ns)
     monkeypatch.setattr(fa4, "cute_mask", lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(
         f, blocks.TorchOps)[0]: _body(b, h, q, k, aux)))
@@ -490,6 +497,41 @@ def test_call_through_stand_in(stand_in, name, hkv):
     got = results(lambda q, k, v: fa4.attend(q, k, v, m, 0.25), [q, k, v], do, dl)
     want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do, dl)
     assert_close(got, want, 1e-6, name)  # lse float32, as FA4 keeps it
+
+
+@pytest.mark.parametrize("name", ["document_cu", "document_rows", "and", "comes_back"])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_documents_run_as_varlen(stand_in, name, hkv):
+    """Contiguous documents (with causal and a window: "and") run as FA4's
+    varlen kernel over every batch row's documents in one call, forward and
+    backward with dlse; documents whose ids come back later ("comes_back"),
+    or with ``documents_varlen=False``, keep the mask and block sparsity. All
+    against the pattern in float64."""
+    from longattn import tuning
+    from longattn.flex import pieces
+
+    m = PATTERNS.get(name) or masks.and_(masks.causal(), masks.document(torch.arange(S) // 50 % 3))
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    q, k, v, do, dl = mk(2, S, 4, 16), mk(2, S, hkv, 16), mk(2, S, hkv, 16), mk(2, S, 4, 16), mk(2, 4, S)
+    want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do, dl)
+    assert_close(results(lambda q, k, v: fa4.attend(q, k, v, m, 0.25), [q, k, v], do, dl), want, 1e-6, name)
+    assert [c["varlen"] for c in stand_in.varlen.calls] == ([] if name == "comes_back" else [True])
+    masked = tuning.FlexFa4Tuning(documents_varlen=False)
+    run = lambda q, k, v: fa4.Fa4Flex.apply(q, k, v, pieces.single_executor(q, k, m, 0.25, masked))
+    assert_close(results(run, [q, k, v], do, dl), want, 1e-6, name)
+    assert len(stand_in.varlen.calls) == (0 if name == "comes_back" else 1)  # the mask path made no varlen call
+
+
+def test_documents_form():
+    docs = masks.document(DOCS)
+    ids, causal, window = blocks.documents_form(masks.and_(masks.sliding_window(30, 5), masks.causal(), docs).fa4)
+    assert ids is docs.fa4.tensors[0] and causal and window == (30, 0)
+    nested = masks.and_(masks.and_(docs, masks.sliding_window(-1, 9)), masks.sliding_window(12, 20))
+    assert blocks.documents_form(nested.fa4)[1:] == (False, (12, 9))
+    assert blocks.documents_form(docs.fa4)[1:] == (False, (-1, -1))
+    for other in (masks.causal(), masks.and_(docs, masks.prefix_lm(4)), masks.or_(docs, masks.causal()),
+                  masks.and_(docs, masks.document(DOCS.flip(0)))):
+        assert blocks.documents_form(other.fa4) is None
 
 
 def test_ring_step_through_stand_in(stand_in):

@@ -77,6 +77,37 @@ def form(kind: str, *consts, tensors=(), parts=()) -> Form:
     return Form(kind, tuple(int(c) for c in consts), tuple(tensors), tuple(parts))
 
 
+def documents_form(f: Optional[Form]) -> Optional[tuple]:
+    """``(doc ids, causal, (left, right))`` where ``f`` is a document pattern
+    alone or and-ed with causal and sliding windows (any nesting of ``and``):
+    the attention of each document with flash-attn's window, what a varlen
+    kernel runs; None for any other form. Whether the documents are
+    contiguous runs (a varlen kernel's condition) depends on the ids' values:
+    the caller checks."""
+    if f is None:
+        return None
+    parts, todo = [], [f]
+    while todo:
+        p = todo.pop()
+        if p.kind == "and":
+            todo.extend(p.parts)
+        elif p.kind in ("document", "causal", "window"):
+            parts.append(p)
+        else:
+            return None
+    docs = [p for p in parts if p.kind == "document"]
+    if len(docs) != 1:
+        return None
+    tighter = lambda a, b: b if a < 0 else a if b < 0 else min(a, b)  # -1: unbounded
+    left = right = -1
+    for p in parts:
+        if p.kind == "window":
+            left, right = tighter(left, p.consts[0]), tighter(right, p.consts[1])
+        elif p.kind == "causal":
+            right = tighter(right, 0)
+    return docs[0].tensors[0], right == 0, (left, right)
+
+
 def combine(op: str, mods) -> Optional[Form]:
     """The form of ``and_`` / ``or_`` of masks: None unless every part has one."""
     parts = [getattr(m, "fa4", None) for m in mods]

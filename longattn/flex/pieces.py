@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import tuning as tn
+from ..backends import _fa4_api
 from . import blocks, fa4, schedule
 from . import plan as fp
 
@@ -276,9 +277,65 @@ class CarvedStep:
         return dq, dk, dv
 
 
+class DocumentsStep:
+    """The executor of a one-device call whose pattern is documents, alone or
+    with causal and windows (:func:`.blocks.documents_form`), each document
+    one contiguous run in every batch row: FA4's varlen kernel over the rows'
+    documents in one launch, which computes only each document's own tiles
+    and calls no mask (``FlexFa4Tuning.documents_varlen``). Its needs (CUDA,
+    fp16/bf16, sm_90 / sm_100, head dims 64 to 128) are within those of
+    FA4's masks that chose it. ``forward(q, k, v)`` -> (out, lse (B, H, S));
+    ``backward`` from the given out, lse and dlse."""
+
+    def __init__(self, cu: torch.Tensor, max_seqlen: int, scale: float, causal: bool, window: tuple):
+        self.cu, self.max_seqlen, self.scale, self.causal, self.window = cu, max_seqlen, scale, causal, window
+
+    @classmethod
+    def of(cls, q, k, mask_mod, scale: float) -> Optional["DocumentsStep"]:
+        """The step of this call, or None where its pattern is not such
+        documents (the ids are read on the host once: plans are cached)."""
+        form = blocks.documents_form(getattr(mask_mod, "fa4", None))
+        b, s = q.shape[:2]
+        if form is None or k.shape[1] != s:
+            return None
+        ids, causal, window = form
+        if ids.shape[-1] < s or (ids.dim() == 2 and ids.shape[0] != b):
+            return None  # the mask path reports what is wrong with them
+        rows = ids[..., :s].cpu()
+        rows = rows.expand(b, s) if rows.dim() == 1 else rows
+        cu, longest = [0], 0
+        for r in range(b):
+            row = rows[r]
+            starts = [0] + (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
+            if row[starts].unique().numel() != len(starts):  # a document that comes back: no varlen form
+                return None
+            ends = starts[1:] + [s]
+            longest = max(longest, max(e - a for a, e in zip(starts, ends)))
+            cu += [r * s + e for e in ends]
+        return cls(torch.tensor(cu, dtype=torch.int32, device=q.device), longest, scale, causal, window)
+
+    def forward(self, q, k, v):
+        b, s, h, _ = q.shape
+        flat = lambda x: x.reshape(b * s, *x.shape[2:])
+        with torch.no_grad():
+            out, lse = _fa4_api.forward(flat(q), flat(k), flat(v), self.scale, self.causal, self.window, self.cu,
+                                        self.max_seqlen)
+        return out.view(b, s, h, -1), lse.view(h, b, s).transpose(0, 1).contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, dlse, graph=None):
+        b, s, h, _ = q.shape
+        flat = lambda x: x.reshape(b * s, *x.shape[2:])
+        packed = lambda x: None if x is None else x.transpose(0, 1).reshape(h, b * s)  # varlen lse: (H, T)
+        dq, dk, dv = _fa4_api.backward(flat(dout), flat(q), flat(k), flat(v), flat(out), packed(lse), self.scale,
+                                       self.causal, self.window, packed(dlse), self.cu, self.max_seqlen)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
 def single_executor(q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_FA4):
     """The FA4 executor of a one-device flex call (cached in
-    :data:`.schedule.PLANS`): a :class:`fa4.RingStep` of the whole call, or a
+    :data:`.schedule.PLANS`): a :class:`DocumentsStep` (FA4's varlen kernel)
+    where the pattern is contiguous documents with causal or windows, a
+    :class:`fa4.RingStep` of the whole call, or a
     :class:`CarvedStep` where the pattern has tiles with long chains that
     views would cut (batch 1, :func:`split_for` with ``tuning``); None where
     no query sees a key."""
@@ -289,6 +346,9 @@ def single_executor(q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.
 def _single(q, k, mask_mod, scale, tuning):
     b, lq, h, _ = q.shape
     lk, hkv, dev = k.shape[1], k.shape[2], q.device
+    docs = DocumentsStep.of(q, k, mask_mod, scale) if tuning.documents_varlen else None
+    if docs is not None:
+        return docs
     step = fa4.single_step(q, k, mask_mod)
     if step.empty:
         return None
