@@ -444,8 +444,10 @@ class FlexFa4Tuning:
               "kernel (one launch over every document's own tiles, no mask calls, no block tables) instead of the "
               "mask_mod with block sparsity: the same 9 causal documents at 32K (H=16, D=128), one H100, kernels "
               "under the profiler: varlen 2.07 + 5.79 ms fwd / bwd (cold_gaps_h100_ab8626a.json, varlen_mix_32k), "
-              "mask_mod 2.24 + 6.28 (same file, flex_doc_32k)",
-        "cold_gaps_h100_ab8626a.json")
+              "mask_mod 2.24 + 6.28 (same file, flex_doc_32k); flex_doc_32k fwd+bwd against torch's compiled "
+              "FlexAttention in one run, one H100: 8.69 vs 13.86 ms cold, 8.82 vs 13.48 batched (the mask path: "
+              "1.47x / 1.41x in other runs, run_flex_fa4_h100_07d4664.json, run_flex_fa4_batched_h100_ab8626a.json)",
+        "cold_gaps_h100_ab8626a.json, run_flex_doc_fa4_h100_4b282da.json, run_flex_doc_fa4_batched_h100_4b282da.json")
 
     def __post_init__(self):
         if not isinstance(self.documents_varlen, bool):

@@ -55,7 +55,9 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mo
     sparsity of the pattern (full blocks without the mask, empty ones
     skipped), in forward and backward; at batch 1 a few tiles seen by (or
     seeing) every other, global tokens, run apart on views
-    (``longattn.tuning.FLEX_FA4``). On CUDA FlexAttention is compiled (once per shape and pattern; block masks
+    (``longattn.tuning.FLEX_FA4``). Documents that are contiguous runs (alone,
+    or with causal and sliding windows) run as FA4's varlen kernel, one launch
+    over every document's own tiles. On CUDA FlexAttention is compiled (once per shape and pattern; block masks
     cached per pattern, see :mod:`longattn.masks`); elsewhere torch's eager
     FlexAttention runs (dense scores: small shapes). Runs outside ``torch.compile``
     graphs (a graph break).
