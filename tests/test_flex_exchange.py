@@ -98,9 +98,15 @@ def test_exchange_other_masks():
 
 def _check_fa4_stand_in(rank, world, cap):
     """The FA4 executors (cleared tables, FA4's block-sparse tensors, the pattern's form at positions) through
-    test_flex_fa4's stand-in for FA4's interface, at sm_90's 128-row and sm_100's 256-row query blocks."""
+    test_flex_fa4's stand-in for FA4's interface, at sm_90's 128-row and sm_100's 256-row query blocks; causal
+    documents' own piece through FA4's varlen kernel (test_fa4's stand-in for it)."""
     import test_flex_fa4 as F
-    from longattn.flex import blocks, fa4
+    from test_fa4 import _MathInterface
+    from longattn.backends import _fa4_api
+    from longattn.flex import blocks, fa4, pieces
+
+    varlen = _MathInterface()
+    _fa4_api._interface = lambda: varlen
 
     ns = types.SimpleNamespace(interface=F._MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
     fa4._fa4 = lambda: ns
@@ -116,6 +122,15 @@ def _check_fa4_stand_in(rank, world, cap):
     _compare(f"world={world} sm_{cap}0 local + global", world, "zigzag", mask, H)  # the plan above
     for name, mask, hkv in patterns(world)[1:2] + [("no mask", None, 2)]:
         _compare(f"world={world} sm_{cap}0 {name}", world, "zigzag", mask, hkv)
+    docs = patterns(world)[1][1]
+    assert isinstance(_plan(torch.randn(B, L, H, D), docs, layout="zigzag").own, pieces.DocumentsStep)
+    assert varlen.calls and all(c["varlen"] for c in varlen.calls)  # the documents' own pieces ran as varlen
+    # a window: only the last rank's zigzag chunks are adjacent; the others' shards have a gap, where local offsets
+    # are not global ones, so their own pieces keep the mask
+    windowed = masks.and_(masks.sliding_window(300, 0), docs)
+    own = _plan(torch.randn(B, L, H, D), windowed, layout="zigzag").own
+    assert isinstance(own, pieces.DocumentsStep) == (rank == world - 1)
+    _compare(f"world={world} sm_{cap}0 windowed documents", world, "zigzag", windowed, 4)
     _compare(f"world={world} sm_{cap}0 no mask, shipped", world, "zigzag", None, 2, op=_exchange_with(SHIP_ALL))
     # pieces on views of their long side (fa4.SplitStep): the global rows against a peer's keys, the rows against
     # the peers' global keys, both ways

@@ -181,7 +181,9 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
                         scale, cap, bq, split)
     shipped = torch.cat([pos[p][q_in[p]] for p in range(world)])
     serve = pieces.executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split)
-    own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
+    own = pieces.DocumentsStep.at(mask_mod, pos[rank], b, scale) if cap is not None else None
+    if own is None:
+        own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
     sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row

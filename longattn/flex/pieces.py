@@ -278,33 +278,52 @@ class CarvedStep:
 
 
 class DocumentsStep:
-    """The executor of a one-device call whose pattern is documents, alone or
-    with causal and windows (:func:`.blocks.documents_form`), each document
-    one contiguous run in every batch row: FA4's varlen kernel over the rows'
-    documents in one launch, which computes only each document's own tiles
-    and calls no mask (``FlexFa4Tuning.documents_varlen``). Its needs (CUDA,
-    fp16/bf16, sm_90 / sm_100, head dims 64 to 128) are within those of
-    FA4's masks that chose it. ``forward(q, k, v)`` -> (out, lse (B, H, S));
-    ``backward`` from the given out, lse and dlse."""
+    """The executor of queries and keys at the same global positions whose
+    pattern is documents, alone or with causal and windows
+    (:func:`.blocks.documents_form`), each document one contiguous run in
+    every batch row: FA4's varlen kernel over the rows' documents in one
+    launch, which computes only each document's own tiles and calls no mask
+    (``FlexFa4Tuning.documents_varlen``): a one-device call, and the
+    exchange's own piece (a rank's zigzag chunks keep documents contiguous).
+    Its needs (CUDA, fp16/bf16, sm_90 / sm_100, head dims 64 to 128) are
+    within those of FA4's masks that chose FA4. ``forward(q, k, v)`` -> (out,
+    lse (B, H, S)); ``backward`` from the given out, lse and dlse."""
 
     def __init__(self, cu: torch.Tensor, max_seqlen: int, scale: float, causal: bool, window: tuple):
         self.cu, self.max_seqlen, self.scale, self.causal, self.window = cu, max_seqlen, scale, causal, window
 
     @classmethod
-    def of(cls, q, k, mask_mod, scale: float) -> Optional["DocumentsStep"]:
-        """The step of this call, or None where its pattern is not such
-        documents (the ids are read on the host once: plans are cached)."""
-        form = blocks.documents_form(getattr(mask_mod, "fa4", None))
-        b, s = q.shape[:2]
-        if form is None or k.shape[1] != s:
+    def of(cls, q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_FA4) -> Optional["DocumentsStep"]:
+        """The step of a one-device call, or None (see :meth:`at`)."""
+        if k.shape[1] != q.shape[1]:
+            return None
+        pos = torch.arange(q.shape[1], device=q.device)
+        return cls.at(mask_mod, pos, q.shape[0], scale, tuning)
+
+    @classmethod
+    def at(cls, mask_mod, pos: torch.Tensor, batch: int, scale: float,
+           tuning: tn.FlexFa4Tuning = tn.FLEX_FA4) -> Optional["DocumentsStep"]:
+        """The step of queries and keys at ``pos`` (increasing global
+        positions), or None where the pattern is not such documents there
+        (the ids are read on the host once: plans are cached). Where ``pos``
+        has gaps (a zigzag shard), local offsets are not global ones, so a
+        window bound other than causal's leaves the pattern to its mask."""
+        form = blocks.documents_form(getattr(mask_mod, "fa4", None)) if tuning.documents_varlen else None
+        if form is None or len(pos) == 0:
             return None
         ids, causal, window = form
-        if ids.shape[-1] < s or (ids.dim() == 2 and ids.shape[0] != b):
+        p = pos.cpu()
+        s, last = len(p), int(p[-1])
+        if bool((p[1:] <= p[:-1]).any()):
+            return None
+        if last - int(p[0]) + 1 != s and (window[0] >= 0 or window[1] > 0):
+            return None
+        if ids.shape[-1] <= last or (ids.dim() == 2 and ids.shape[0] != batch):
             return None  # the mask path reports what is wrong with them
-        rows = ids[..., :s].cpu()
-        rows = rows.expand(b, s) if rows.dim() == 1 else rows
+        rows = ids.cpu()[..., p]
+        rows = rows.expand(batch, s) if rows.dim() == 1 else rows
         cu, longest = [0], 0
-        for r in range(b):
+        for r in range(batch):
             row = rows[r]
             starts = [0] + (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
             if row[starts].unique().numel() != len(starts):  # a document that comes back: no varlen form
@@ -312,7 +331,7 @@ class DocumentsStep:
             ends = starts[1:] + [s]
             longest = max(longest, max(e - a for a, e in zip(starts, ends)))
             cu += [r * s + e for e in ends]
-        return cls(torch.tensor(cu, dtype=torch.int32, device=q.device), longest, scale, causal, window)
+        return cls(torch.tensor(cu, dtype=torch.int32, device=pos.device), longest, scale, causal, window)
 
     def forward(self, q, k, v):
         b, s, h, _ = q.shape
@@ -346,7 +365,7 @@ def single_executor(q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.
 def _single(q, k, mask_mod, scale, tuning):
     b, lq, h, _ = q.shape
     lk, hkv, dev = k.shape[1], k.shape[2], q.device
-    docs = DocumentsStep.of(q, k, mask_mod, scale) if tuning.documents_varlen else None
+    docs = DocumentsStep.of(q, k, mask_mod, scale, tuning)
     if docs is not None:
         return docs
     step = fa4.single_step(q, k, mask_mod)
