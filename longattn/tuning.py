@@ -419,8 +419,10 @@ class FlexExchangeTuning:
 
 @dataclasses.dataclass(frozen=True)
 class FlexFa4Tuning:
-    """How a one-device ``flex_attention`` call on FA4 runs a pattern with a
-    few long chains (:class:`longattn.flex.pieces.CarvedStep`)."""
+    """How ``flex_attention`` on FA4 runs contiguous documents (as varlen, one
+    device and the exchange's own piece: :class:`longattn.flex.pieces.DocumentsStep`)
+    and, on one device, a pattern with a few long chains
+    (:class:`longattn.flex.pieces.CarvedStep`)."""
 
     split_chain: int = measured(
         64, "FA4 runs a program per query tile forward and per key tile backward, each a chain over the tiles of the "
