@@ -102,15 +102,20 @@ def check_dilated_call(q, k, v, segment_lengths, dilation_rates, causal, return_
     return segs, rates
 
 
-def check_cu_seqlens(cu_seqlens, total: Optional[int], name: str = "cu_seqlens") -> list:
-    """Checks ``cu_seqlens`` against ``total`` tokens (None: its own last entry)
-    and returns its values as a host list: the one read of the tensor a call
-    makes (a read of a CUDA tensor waits for the work queued before it)."""
+def check_cu_seqlens_tensor(cu_seqlens, name: str = "cu_seqlens") -> None:
+    """What can be checked of ``cu_seqlens`` without reading its values: type, dtype, shape."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (int32), got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must be a 1-D int32 tensor of cumulative lengths (ndocs + 1 entries, starting at 0), "
                          f"got dtype {cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens, total: Optional[int], name: str = "cu_seqlens") -> list:
+    """Checks ``cu_seqlens`` against ``total`` tokens (None: its own last entry)
+    and returns its values as a host list: the one read of the tensor a call
+    makes (a read of a CUDA tensor waits for the work queued before it)."""
+    check_cu_seqlens_tensor(cu_seqlens, name)
     vals = cu_seqlens.tolist()
     if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
         raise ValueError(f"{name} must start at 0 and be non-decreasing, got {vals[:8]}...")

@@ -191,6 +191,43 @@ def test_varlen_host_cu_seqlens_never_waits_for_the_gpu(backend):
     assert all(x.grad is not None and x.grad.isfinite().all() for x in (q, k, v))
 
 
+@pytest.mark.parametrize("backend", ["auto", "flash"])
+def test_varlen_captured_in_cuda_graph(backend):
+    """attention_varlen's forward and backward captured in one CUDA graph
+    (cu_seqlens on the device with max_seqlen: nothing read on the host)
+    replay to the eager results; a host cu_seqlens inside a capture raises
+    ValueError with the fix."""
+    lens = [700, 33, 1500, 2, 400]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEV)
+    q, k, v, do = (x[0] for x in _inputs(1, sum(lens), 8, 2, 64))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    step = lambda: longattn.attention_varlen(q, k, v, cu, max_seqlen=1500, causal=True, backend=backend)
+    out = step()
+    out.backward(do)
+    want = [out.detach().clone()] + [x.grad.clone() for x in (q, k, v)]
+    del out  # a graph kept alive would bind the leaves' gradient accumulators to this stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in (q, k, v):
+            x.grad = None
+        step().backward(do)
+    torch.cuda.current_stream().wait_stream(side)
+    for x in (q, k, v):
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+        out.backward(do)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [out] + [x.grad for x in (q, k, v)]
+    assert all(rel_err(a, b) < 1e-2 for a, b in zip(got, want)), [rel_err(a, b) for a, b in zip(got, want)]
+    with pytest.raises(ValueError, match="under CUDA graph capture.*q's device"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            longattn.attention_varlen(q.detach(), k.detach(), v.detach(), cu.cpu(), max_seqlen=1500, causal=True)
+
+
 def test_auto_picks_fa4_then_cudnn_on_hopper():
     from longattn import backends as bk
 

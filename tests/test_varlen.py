@@ -46,6 +46,20 @@ def test_varlen_bad_inputs():
         longattn.attention_varlen(q, q, q, torch.tensor([0, 10], dtype=torch.int32), max_seqlen=4)
 
 
+def test_varlen_kernel_without_the_loop():
+    """Under CUDA graph capture (``loop_ok=False``) the per-document loop, which
+    reads cu_seqlens on the host, is never chosen: a forced dense backend and a
+    call no varlen kernel takes raise ValueError with the fix."""
+    from longattn.backends import varlen as _varlen
+
+    q = torch.randn(10, 2, 8)
+    assert _varlen.choose(q, "cudnn", 3) == "loop"
+    with pytest.raises(ValueError, match="one call per document.*capture.*backend='auto'"):
+        _varlen.choose(q, "cudnn", 3, loop_ok=False)
+    with pytest.raises(ValueError, match="no varlen kernel takes this call.*capture"):
+        _varlen.choose(q, "auto", 3, loop_ok=False)
+
+
 def test_varlen_reads_cu_seqlens_each_call():
     """cu_seqlens is read at every call (no cache that a write outside autograd's
     version counter, e.g. a broadcast into the buffer, would leave stale), also

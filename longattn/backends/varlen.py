@@ -19,7 +19,7 @@ _ONE_LAUNCH = ("fa4", "flash", "triton")
 
 
 def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuning = _tuning.VARLEN,
-           softcap: float = 0.0) -> str:
+           softcap: float = 0.0, loop_ok: bool = True) -> str:
     """The kernel for a call on ``q`` (T, H, D) with ``ndocs`` documents:
     ``backend="fa4"`` / ``"triton"`` / ``"flash"`` their varlen kernels
     (ValueError when they cannot run it), another backend name a loop over
@@ -30,7 +30,9 @@ def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuni
     refuses, and the loop's dense backend is chosen from capabilities that
     include it. ``backend`` is already resolved
     (:func:`longattn.backends.resolve`): a name forced with
-    :func:`longattn.use_backend` arrives as that name."""
+    :func:`longattn.use_backend` arrives as that name. ``loop_ok=False``
+    (under CUDA graph capture, where the loop's host read of the documents
+    cannot run): a varlen kernel or ValueError."""
     if backend in _ONE_LAUNCH:
         why = refusals(backend, q, softcap)
         if why:
@@ -38,6 +40,9 @@ def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuni
                              "backend='auto' or a dense backend's name (one call per document)")
         return backend
     if backend != "auto":
+        if not loop_ok:
+            raise ValueError(f"backend={backend!r} runs one call per document, which reads cu_seqlens on the host: "
+                             f"not under CUDA graph capture; use backend='auto' or a varlen kernel {_ONE_LAUNCH}")
         return "loop"
     # FA4 in one launch beat the cuDNN loop on long documents too (one H200, 128K
     # tokens, causal, fwd+bwd: 33 documents 42.8 -> 34.6 ms, 114 documents 26.7 -> 16.1)
@@ -45,12 +50,16 @@ def choose(q: torch.Tensor, backend: str, ndocs: int, tuning: _tuning.VarlenTuni
         return "fa4"
     triton_why, flash_why = refusals("triton", q, softcap), refusals("flash", q, softcap)
     long_docs = q.shape[0] >= tuning.loop_min_mean_tokens * max(ndocs, 1)
-    if long_docs and q.device.type == "cuda":
+    if long_docs and q.device.type == "cuda" and loop_ok:
         return "loop"
     if not flash_why:
         return "flash"
     if not triton_why and q.device.type == "cuda":
         return "triton"
+    if not loop_ok:
+        raise ValueError("no varlen kernel takes this call (fa4: " + "; ".join(refusals("fa4", q, softcap)) +
+                         "; flash: " + "; ".join(flash_why) + "), and one call per document reads cu_seqlens on the "
+                         "host, which CUDA graph capture cannot run: call it outside the capture")
     return "loop"
 
 
