@@ -284,8 +284,21 @@ def test_memory_peak(tmp_path):
     the allocation events on gloo ranks: send buffers go at their wait, two
     head groups travel at most, and backward holds only what the local call
     saved, so the peaks stay at the pinned number of shards (a GPU adds the
-    local kernel's own workspace while it runs)."""
-    run_world(_check_memory, 2, str(tmp_path))
+    local kernel's own workspace while it runs). A rank killed by SIGSEGV
+    (seen once in a full CPU run, while torch's CPU profiler recorded
+    allocations; eleven runs of this test alone passed) is retried once; a
+    failed check is never retried."""
+    import warnings
+
+    import torch.multiprocessing as mp
+
+    for attempt in (1, 2):
+        try:
+            return run_world(_check_memory, 2, str(tmp_path))
+        except mp.ProcessExitedException as e:
+            if attempt == 2 or e.signal_name != "SIGSEGV":
+                raise
+            warnings.warn(f"a rank crashed under torch's profiler, measuring again: {e}")
 
 
 @pytest.mark.dist
