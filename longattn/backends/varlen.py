@@ -76,7 +76,10 @@ def _dense_name(backend: str) -> str:
 
 
 def forward(kind: str, q, k, v, cu: torch.Tensor, max_seqlen: int, spec: BlockSpec, backend: str):
-    """out (T, H, D) and lse (H, T); ``cu`` on q's device."""
+    """out (T, H, D) and lse (H, T); ``cu`` as :func:`op_cu_seqlens` makes it
+    (the loop reads it on the host, the kernels take it on q's device)."""
+    if kind in _ONE_LAUNCH:
+        cu = cu.to(q.device)
     if kind == "triton":
         from ..kernels import launch
 
@@ -98,6 +101,8 @@ def forward(kind: str, q, k, v, cu: torch.Tensor, max_seqlen: int, spec: BlockSp
 
 def backward(kind: str, dout, q, k, v, out, lse, dlse, cu: torch.Tensor, max_seqlen: int, spec: BlockSpec,
              backend: str):
+    if kind in _ONE_LAUNCH:
+        cu = cu.to(q.device)
     if kind == "triton":
         from ..kernels import launch
 
@@ -127,12 +132,6 @@ def op_cu_seqlens(kind: str, cu_seqlens: torch.Tensor, values, device: torch.dev
     if kind == "loop":
         return cu_seqlens if cu_seqlens.device.type == "cpu" else torch.tensor(values, dtype=torch.int32)
     return cu_seqlens if cu_seqlens.device == device else cu_seqlens.to(device, non_blocking=True)
-
-
-def kernel_cu(kind: str, cu: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Inside the op: ``cu`` where ``kind`` reads it (see :func:`op_cu_seqlens`;
-    a no-op for what it made)."""
-    return cu if kind == "loop" else cu.to(device)
 
 
 def _docs(cu: torch.Tensor):

@@ -322,16 +322,14 @@ class DocumentsStep:
             return None  # the mask path reports what is wrong with them
         rows = ids.cpu()[..., p]
         rows = rows.expand(batch, s) if rows.dim() == 1 else rows
-        cu, longest = [0], 0
-        for r in range(batch):
-            row = rows[r]
-            starts = [0] + (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
-            if row[starts].unique().numel() != len(starts):  # a document that comes back: no varlen form
+        lengths = []
+        for row in rows:
+            runs, counts = torch.unique_consecutive(row, return_counts=True)
+            if runs.unique().numel() != runs.numel():  # a document that comes back: no varlen form
                 return None
-            ends = starts[1:] + [s]
-            longest = max(longest, max(e - a for a, e in zip(starts, ends)))
-            cu += [r * s + e for e in ends]
-        return cls(torch.tensor(cu, dtype=torch.int32, device=pos.device), longest, scale, causal, window)
+            lengths += counts.tolist()
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        return cls(cu.to(pos.device), max(lengths), scale, causal, window)
 
     def forward(self, q, k, v):
         b, s, h, _ = q.shape

@@ -25,8 +25,7 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     spec = bk.BlockSpec(scale, causal, (window_left, window_right), 0, softcap)
-    return _varlen.forward(kernel, q, k, v, _varlen.kernel_cu(kernel, cu_seqlens, q.device), max_seqlen, spec,
-                           backend)
+    return _varlen.forward(kernel, q, k, v, cu_seqlens, max_seqlen, spec, backend)
 
 
 @torch.library.custom_op("longattn::varlen_bwd", mutates_args=(), device_types=None)
@@ -35,8 +34,7 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 scale: float, causal: bool, window_left: int, window_right: int, backend: str, kernel: str,
                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = bk.BlockSpec(scale, causal, (window_left, window_right), 0, softcap)
-    return _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, _varlen.kernel_cu(kernel, cu_seqlens, q.device),
-                            max_seqlen, spec, backend)
+    return _varlen.backward(kernel, dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, spec, backend)
 
 
 # softcap last and defaulted, as in ops/attention.py
