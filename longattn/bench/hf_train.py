@@ -248,22 +248,27 @@ def _torch_cp_setup(args, world, dev, ids, pos, shift, num_items, info):
     return stack, dict(input_ids=ids_b, position_ids=pos_full), shift_b, num_items
 
 
-def _pick_rotate(step, world, dev, info, steps: int = 2) -> None:
+def _pick_rotate(step, world, dev, info, steps: int = 2) -> list:
     """Time torch's two rotate methods (``steps`` steps each after one untimed)
-    and keep the faster; the slowest rank's time decides, so all ranks agree."""
+    and keep the faster; the slowest rank's time decides, so all ranks agree.
+    Returns the probe steps' losses, in order: they train the model, so the
+    row's initial loss is the first of them."""
     from torch.distributed.tensor.experimental._attention import set_rotate_method
 
     from .torch_cp import ROTATE_METHODS
 
-    probe = {}
+    probe, losses = {}, []
     for method in ROTATE_METHODS:
         set_rotate_method(method)
-        step()
-        t = torch.tensor([statistics.median(_timed_steps(step, dev, steps)[0])], dtype=torch.float64, device=dev)
+        losses.append(step())
+        times, timed = _timed_steps(step, dev, steps)
+        losses += timed
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         probe[method] = round(t.item(), 3)
     info.update(rotate_probe_ms=probe, rotate_method=min(ROTATE_METHODS, key=lambda m: probe[m]))
     set_rotate_method(info["rotate_method"])
+    return losses
 
 
 def _timed_steps(step, dev, n):
@@ -334,7 +339,7 @@ def run(args, world, dev, attn: Optional[str] = None):
                                                                       num_items, info)
         with ctx:
             if attn == "torch_cp":
-                _pick_rotate(step, world, dev, info)
+                losses += _pick_rotate(step, world, dev, info)
                 info["sdpa_backends"] = "cudnn, flash, efficient (first that fits)"
             losses += [step() for _ in range(args.warmup)]
             if cuda:
