@@ -14,6 +14,7 @@ same executors without autograd, back to back only.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -76,8 +77,10 @@ def main() -> None:
             print(f"{name:18s} {n:11s} " + " ".join(f"{t} {med[t]['gpu_ms']:.3f} (host {med[t]['host_ms']:.3f})"
                                                       for t in med), flush=True)
     if a.json:
-        measure.write_json(a.json, {"kind": "flex_carve_timing", "results": res, "env": measure.environment(
-            dev, " ".join(["python", "benchmarks/flex_carve_timing.py", *sys.argv[1:]]))})
+        with open(measure.result_path(a.json), "w") as fh:
+            json.dump({"kind": "flex_carve_timing", "env": measure.environment(
+                dev, " ".join(["python", "benchmarks/flex_carve_timing.py", *sys.argv[1:]])), "results": res}, fh,
+                indent=1)
 
 
 if __name__ == "__main__":
