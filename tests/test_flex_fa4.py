@@ -841,17 +841,19 @@ def test_split_for_cuts_long_chains_only():
     assert pieces.split_for(table(halo), 512 * 128, 17 * 128, 1, 16, 16, 9, few) == (4, "rows")
 
 
-def test_carved_call_through_stand_in(stand_in):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_carved_call_through_stand_in(stand_in, dtype):
     """A one-device call whose global tokens' tiles chain past the tuning's threshold runs as pieces.CarvedStep
     (the global rows apart on views of the keys, the global keys apart on views of the rows, each cleared from
     the call over the rest): out, lse and every gradient (from an lse gradient too) of the float64 definition,
-    GQA; batch 2, or the default tuning on these 8 tiles, run one call."""
+    GQA; batch 2, or the default tuning on these 8 tiles, run one call. float32 (under TRITON_INTERPRET=1)
+    merges the rows' views and sums the keys' gradients with the fused Triton launches, float64 with torch."""
     from longattn import tuning
     from longattn.flex import pieces
 
     m = masks.local_global(64, 16)
     t = tuning.FlexFa4Tuning(split_chain=4, split_min_blocks=1)  # tile 0's chains: 8 tiles; the others' 4 or fewer
-    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    mk = lambda *s: torch.randn(*s, dtype=dtype)
     q, k, v, do, dl = mk(1, 1024, 4, 16), mk(1, 1024, 2, 16), mk(1, 1024, 2, 16), mk(1, 1024, 4, 16), mk(1, 4, 1024)
     run = pieces.single_executor(q, k, m, 0.25, t)
     assert isinstance(run, pieces.CarvedStep), type(run)
@@ -859,7 +861,7 @@ def test_carved_call_through_stand_in(stand_in):
     assert (run.rows_run.axis, run.keys_run.axis) == ("keys", "rows")
     got = results(lambda q, k, v: fa4.Fa4Flex.apply(q, k, v, run), [q, k, v], do, dl)
     want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do, dl)
-    assert_close(got, want, 1e-6, "carved")
+    assert_close(got, want, 1e-6 if dtype == torch.float64 else 1e-4, "carved")
     assert isinstance(pieces.single_executor(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), m, 0.25, t),
                       fa4.RingStep)
     assert isinstance(pieces.single_executor(q, k, m, 0.25), fa4.RingStep)

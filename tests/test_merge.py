@@ -177,3 +177,40 @@ def test_gradient_adds_of_gqa_views():
         assert torch.equal(d, s)
         d.zero_()
         assert (buf == 0).all()  # nothing written outside the view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_stack_and_sum_rows_into_listed_rows(dtype):
+    """The carved one-device flex call's two fused launches (longattn.flex.fa4.SplitStep):
+    c partials merged by lse into listed rows of (S, H, D) / (H, S) buffers (rows no partial saw: 0 and -inf),
+    and c partial gradients summed into listed rows, float32 arithmetic, one rounding; the other rows untouched.
+    Against merge_stack and torch's float32 sum."""
+    from longattn.kernels import merge as kmerge
+
+    if not kmerge.usable(torch.empty(1)):
+        pytest.skip("Triton kernels unavailable here (CPU needs TRITON_INTERPRET=1)")
+    torch.manual_seed(0)
+    c, m, s, h, d = 3, 5, 12, 2, 8
+    rows = torch.tensor([7, 0, 3, 11, 4])
+    parts = torch.randn(c, m, h, d).to(dtype)
+    parts_lse = torch.randn(c, h, m) * 30
+    parts_lse[:2, 0, 1] = float("-inf")  # some partials saw nothing
+    parts_lse[:, 1, 2] = float("-inf")   # none did
+    parts[:2, 1, 0] = parts[:, 2, 1] = 0
+    out, lse = torch.full((s, h, d), 7.0, dtype=dtype), torch.full((h, s), 7.0)
+    kmerge.stack_into(out, lse, parts, parts_lse, rows)
+    want_o, want_l = merge_stack(parts, parts_lse.transpose(1, 2))
+    assert torch.equal(torch.isneginf(lse[:, rows]), torch.isneginf(want_l.t()))
+    fin = torch.isfinite(want_l.t())
+    assert torch.allclose(lse[:, rows][fin], want_l.t()[fin], atol=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(out[rows].float(), want_o, rtol=tol, atol=tol)
+    assert out[rows][2, 1].abs().max() == 0
+    others = torch.ones(s, dtype=torch.bool)
+    others[rows] = False
+    assert (out[others] == 7.0).all() and (lse[:, others] == 7.0).all()
+    dst = torch.full((s, h, d), 7.0, dtype=dtype)
+    kmerge.sum_rows_into(dst, parts, rows)
+    # one rounding of a float32 sum (the order of its adds, and the interpreter's rounding, may move the last bit)
+    assert torch.allclose(dst[rows].float(), parts.sum(0, dtype=torch.float32), rtol=tol, atol=tol)
+    assert (dst[others] == 7.0).all()

@@ -34,6 +34,7 @@ import torch
 
 from .. import backends as bk
 from .._merge import merge_stack
+from ..kernels import merge as kmerge
 from ..backends import _fa4_api
 from ..distributed.plan import Call
 from . import blocks
@@ -377,6 +378,42 @@ class SplitStep:
     def record(self, q, k, v):
         out, lse = self.forward(q, k, v)
         return out, lse, None
+
+    def forward_into(self, q, rows, rows_rep, k, v, out, lse) -> None:
+        """Axis "keys", batch 1: the rows ``rows`` (int64, on q's device) of q
+        against every key, written into ``out[:, rows]`` and ``lse[:, :, rows]``
+        (``rows_rep``: ``rows`` repeated c times, so one gather builds the c
+        views' queries): ``out[:, rows], lse[:, :, rows] = self.forward(q[:,
+        rows], k, v)`` in a gather, the FA4 call and one merge launch (a
+        one-device call carved: :class:`longattn.flex.pieces.CarvedStep`,
+        whose calls are short enough for the host's launches to count)."""
+        with torch.no_grad():
+            qr = q[0, rows_rep].view(self.c, len(rows), *q.shape[2:])
+            o, l_ = step_forward(self.split, qr, self._chunks(k), self._chunks(v), self.scale)
+            if kmerge.usable(o):
+                kmerge.stack_into(out[0], lse[0], o, l_, rows)
+            else:
+                mo, ml = merge_stack(o, l_.transpose(1, 2))
+                out[0, rows], lse[0, :, rows] = mo.to(out.dtype), ml.t()
+
+    def backward_into(self, dout, q, k, v, keys, keys_rep, out, lse, dlse, dq, dk, dv) -> None:
+        """Axis "rows", batch 1: every row against the keys ``keys`` (int64),
+        from the given out, lse and dlse: ``dq += `` their dQ, ``dk[:, keys]``,
+        ``dv[:, keys]`` <- their dK, dV summed over the views in float32
+        (``keys_rep``: ``keys`` repeated c times, one gather each for the views'
+        K and V): :meth:`backward` of ``k[:, keys], v[:, keys]`` and those
+        writes, in fewer launches."""
+        rows = lambda x: x[0].reshape(x.shape[1], self.c, -1).transpose(0, 1).contiguous()  # (1, H, L) -> (c, H, m)
+        kr, vr = (x[0, keys_rep].view(self.c, len(keys), *x.shape[2:]) for x in (k, v))
+        chunks = self._chunks
+        g = step_backward(self.split, chunks(dout), chunks(q), kr, vr, chunks(out), rows(lse), self.scale,
+                          None if dlse is None else rows(dlse))
+        dq.add_(g[0].reshape(dq.shape))
+        for dst, part in ((dk, g[1]), (dv, g[2])):
+            if kmerge.usable(part):
+                kmerge.sum_rows_into(dst[0], part, keys)
+            else:
+                dst[0, keys] = part.sum(0, dtype=torch.float32).to(dst.dtype)
 
     def backward(self, dout, q, k, v, out, lse, dlse, graph=None):
         if self.axis == "keys":

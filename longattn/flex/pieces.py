@@ -261,19 +261,20 @@ class CarvedStep:
     def __init__(self, fwd, rows: Optional[torch.Tensor], rows_run, bwd, keys: Optional[torch.Tensor], keys_run):
         self.fwd, self.rows, self.rows_run = fwd, rows, rows_run
         self.bwd, self.keys, self.keys_run = bwd, keys, keys_run
+        # the carved tiles' rows once per view: one gather builds the views' inputs
+        self.rows_rep = None if rows_run is None else rows.repeat(rows_run.c)
+        self.keys_rep = None if keys_run is None else keys.repeat(keys_run.c)
 
     def forward(self, q, k, v):
         out, lse = self.fwd.forward(q, k, v)
         if self.rows_run is not None:
-            out[:, self.rows], lse[:, :, self.rows] = self.rows_run.forward(q[:, self.rows], k, v)
+            self.rows_run.forward_into(q, self.rows, self.rows_rep, k, v, out, lse)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, dlse):
         dq, dk, dv = self.bwd.backward(dout, q, k, v, out, lse, dlse)
         if self.keys_run is not None:
-            gq, dk[:, self.keys], dv[:, self.keys] = self.keys_run.backward(
-                dout, q, k[:, self.keys], v[:, self.keys], out, lse, dlse)
-            dq = dq.add_(gq)
+            self.keys_run.backward_into(dout, q, k, v, self.keys, self.keys_rep, out, lse, dlse, dq, dk, dv)
         return dq, dk, dv
 
 

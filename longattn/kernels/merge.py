@@ -72,6 +72,53 @@ if HAS_TRITON:
         if NPAIR > 2:
             _pair_tile(X2 + hc * s22, Y2 + hc * t22, s20, s2r, s21, t20, t2r, t21, n, c, r64, offs_d, msk, ADD)
 
+    @triton.jit
+    def _stack_kernel(O, L, DST, DL, ROWS, C, M, so0, so1, so2, sl0, sl1, sl2, sd1, sd2, sdl1, sdl2,
+                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        # rows i of head h: the C partials O[j, i, h] merged by their lse L[j, h, i], the result stored at row
+        # ROWS[i] of DST (S, H, D) and DL (H, S); the weights from the largest lse, as logsumexp takes them
+        h = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        rm = rows < M
+        r64 = rows.to(tl.int64)
+        offs_d = tl.arange(0, D_PAD)
+        msk = rm[:, None] & (offs_d < D)[None, :]
+        mx = tl.full([BLOCK], float("-inf"), tl.float32)
+        for j in range(C):
+            mx = tl.maximum(mx, tl.load(L + j * sl0 + h * sl1 + r64 * sl2, mask=rm, other=float("-inf")))
+        shift = tl.where(mx == float("-inf"), 0.0, mx)
+        tot = tl.zeros([BLOCK], tl.float32)
+        acc = tl.zeros([BLOCK, D_PAD], tl.float32)
+        for j in range(C):
+            w = tl.exp(tl.load(L + j * sl0 + h * sl1 + r64 * sl2, mask=rm, other=float("-inf")) - shift)
+            tot += w
+            o = tl.load(O + j * so0 + r64[:, None] * so1 + h * so2 + offs_d[None, :], mask=msk, other=0.0)
+            acc += w[:, None] * o.to(tl.float32)
+        seen = tot > 0
+        den = tl.where(seen, tot, 1.0)
+        lse = tl.where(seen, shift + tl.log(den), float("-inf"))  # rows no partial saw: output 0, lse -inf
+        dst = tl.load(ROWS + r64, mask=rm, other=0).to(tl.int64)
+        tl.store(DST + dst[:, None] * sd1 + h * sd2 + offs_d[None, :], (acc / den[:, None]).to(DST.dtype.element_ty),
+                 mask=msk)
+        tl.store(DL + h * sdl1 + dst * sdl2, lse, mask=rm)
+
+    @triton.jit
+    def _sum_rows_kernel(G, DST, ROWS, C, M, sg0, sg1, sg2, sd1, sd2, D: tl.constexpr, D_PAD: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        # DST[ROWS[i], h] <- sum over j of G[j, i, h], in float32, one rounding
+        h = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        rm = rows < M
+        r64 = rows.to(tl.int64)
+        offs_d = tl.arange(0, D_PAD)
+        msk = rm[:, None] & (offs_d < D)[None, :]
+        acc = tl.zeros([BLOCK, D_PAD], tl.float32)
+        for j in range(C):
+            acc += tl.load(G + j * sg0 + r64[:, None] * sg1 + h * sg2 + offs_d[None, :], mask=msk,
+                           other=0.0).to(tl.float32)
+        dst = tl.load(ROWS + r64, mask=rm, other=0).to(tl.int64)
+        tl.store(DST + dst[:, None] * sd1 + h * sd2 + offs_d[None, :], acc.to(DST.dtype.element_ty), mask=msk)
+
 
 def usable(x: torch.Tensor) -> bool:
     return HAS_TRITON and available(x.device) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -146,3 +193,38 @@ def copy_into(dsts, srcs) -> None:
     """dst <- src for up to three pairs, as :func:`add_into`: the dilated path
     gathers a branch's strided rows into dense blocks with it (one launch)."""
     _pairs(dsts, srcs, False)
+
+
+def stack_into(out: torch.Tensor, lse: torch.Tensor, parts: torch.Tensor, parts_lse: torch.Tensor,
+               rows: torch.Tensor) -> None:
+    """In place: ``out[rows]``, ``lse[:, rows]`` <- the c partial results over
+    disjoint key sets merged (:func:`longattn._merge.merge_stack`'s result,
+    float32 arithmetic, one rounding into ``out``'s dtype), in one launch.
+
+    out: (S, H, D), unit stride in D; lse: (H, S) float32; parts: (c, m, H, D),
+    unit stride in D; parts_lse: (c, H, m) float32; rows: (m,) int64 on their
+    device, the rows of ``out`` that the parts' m rows are. Equivalent PyTorch::
+
+        o, l = merge_stack(parts, parts_lse.transpose(1, 2))
+        out[rows], lse[:, rows] = o.to(out.dtype), l.t()
+    """
+    c, m, h, d = parts.shape
+    assert out.stride(-1) == parts.stride(-1) == 1 and out.shape[1:] == (h, d) and parts_lse.shape == (c, h, m)
+    block = 16 if out.device.type == "cpu" else 32
+    _stack_kernel[(triton.cdiv(m, block), h)](
+        parts, parts_lse, out, lse, rows, c, m, *parts.stride()[:3], *parts_lse.stride(), *out.stride()[:2],
+        *lse.stride(), D=d, D_PAD=d_pad(d), BLOCK=block, num_warps=4)
+
+
+def sum_rows_into(dst: torch.Tensor, parts: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: ``dst[rows]`` <- ``parts.sum(0)`` (float32 sum, one rounding
+    into ``dst``'s dtype), in one launch. dst: (S, H, D), parts: (c, m, H, D),
+    both unit stride in D; rows: (m,) int64 on their device. Equivalent PyTorch::
+
+        dst[rows] = parts.sum(0, dtype=torch.float32).to(dst.dtype)
+    """
+    c, m, h, d = parts.shape
+    assert dst.stride(-1) == parts.stride(-1) == 1 and dst.shape[1:] == (h, d)
+    block = 16 if dst.device.type == "cpu" else 32
+    _sum_rows_kernel[(triton.cdiv(m, block), h)](parts, dst, rows, c, m, *parts.stride()[:3], *dst.stride()[:2],
+                                                 D=d, D_PAD=d_pad(d), BLOCK=block, num_warps=4)
