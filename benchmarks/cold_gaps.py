@@ -54,6 +54,22 @@ def timeline(f) -> dict:
                 host_before_first=host[:30])
 
 
+def row_call(row: str, dev):
+    """(the bench row's function, its inputs (q, k, v, dout) in bf16, one
+    fwd+bwd step that clears the gradients) of ``CONFIG:IMPL``."""
+    name, impl = row.split(":")
+    cfg = CONFIGS[name]
+    fn = IMPLS[impl].build(cfg, dev)
+    q, k, v = make_inputs(cfg, dev, torch.bfloat16, True)
+    do = torch.randn_like(q)
+
+    def step():
+        fn(q, k, v).backward(do)
+        q.grad = k.grad = v.grad = None
+
+    return fn, (q, k, v, do), step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rows", nargs="+", help="CONFIG:IMPL, as python -m longattn.bench list names them")
@@ -63,15 +79,7 @@ def main() -> None:
     res = {}
     for row in a.rows:
         name, impl = row.split(":")
-        cfg = CONFIGS[name]
-        fn = IMPLS[impl].build(cfg, dev)
-        q, k, v = make_inputs(cfg, dev, torch.bfloat16, True)
-        do = torch.randn_like(q)
-
-        def step():
-            fn(q, k, v).backward(do)
-            q.grad = k.grad = v.grad = None
-
+        fn, (q, k, v, do), step = row_call(row, dev)
         graph = fn(q, k, v)
 
         def bwd():

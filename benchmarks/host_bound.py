@@ -24,11 +24,8 @@ import warnings
 
 import torch
 
-from cold_gaps import timeline
+from cold_gaps import row_call, timeline
 from longattn.bench import measure
-from longattn.bench.configs import CONFIGS
-from longattn.bench.impls import IMPLS
-from longattn.bench.single import make_inputs
 
 
 def _events(f, n: int = 15, reps: int = 1, sleep_cycles: int = 0) -> dict:
@@ -68,15 +65,7 @@ def _host_profile(step) -> tuple[str, str]:
 
 
 def diagnose(row: str, dev) -> dict:
-    name, impl = row.split(":")
-    cfg = CONFIGS[name]
-    fn = IMPLS[impl].build(cfg, dev)
-    q, k, v = make_inputs(cfg, dev, torch.bfloat16, True)
-    do = torch.randn_like(q)
-
-    def step():
-        fn(q, k, v).backward(do)
-        q.grad = k.grad = v.grad = None
+    fn, (q, k, v, _), step = row_call(row, dev)
 
     def fwd():
         with torch.no_grad():

@@ -73,16 +73,19 @@ if HAS_TRITON:
             _pair_tile(X2 + hc * s22, Y2 + hc * t22, s20, s2r, s21, t20, t2r, t21, n, c, r64, offs_d, msk, ADD)
 
     @triton.jit
+    def _listed_tile(M, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        # (head, this program's rows as int64, their mask, the head dim's offsets, the tile's mask)
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        rm = rows < M
+        offs_d = tl.arange(0, D_PAD)
+        return tl.program_id(1).to(tl.int64), rows.to(tl.int64), rm, offs_d, rm[:, None] & (offs_d < D)[None, :]
+
+    @triton.jit
     def _stack_kernel(O, L, DST, DL, ROWS, C, M, so0, so1, so2, sl0, sl1, sl2, sd1, sd2, sdl1, sdl2,
                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
         # rows i of head h: the C partials O[j, i, h] merged by their lse L[j, h, i], the result stored at row
         # ROWS[i] of DST (S, H, D) and DL (H, S); the weights from the largest lse, as logsumexp takes them
-        h = tl.program_id(1).to(tl.int64)
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        rm = rows < M
-        r64 = rows.to(tl.int64)
-        offs_d = tl.arange(0, D_PAD)
-        msk = rm[:, None] & (offs_d < D)[None, :]
+        h, r64, rm, offs_d, msk = _listed_tile(M, D, D_PAD, BLOCK)
         mx = tl.full([BLOCK], float("-inf"), tl.float32)
         for j in range(C):
             mx = tl.maximum(mx, tl.load(L + j * sl0 + h * sl1 + r64 * sl2, mask=rm, other=float("-inf")))
@@ -106,12 +109,7 @@ if HAS_TRITON:
     def _sum_rows_kernel(G, DST, ROWS, C, M, sg0, sg1, sg2, sd1, sd2, D: tl.constexpr, D_PAD: tl.constexpr,
                          BLOCK: tl.constexpr):
         # DST[ROWS[i], h] <- sum over j of G[j, i, h], in float32, one rounding
-        h = tl.program_id(1).to(tl.int64)
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        rm = rows < M
-        r64 = rows.to(tl.int64)
-        offs_d = tl.arange(0, D_PAD)
-        msk = rm[:, None] & (offs_d < D)[None, :]
+        h, r64, rm, offs_d, msk = _listed_tile(M, D, D_PAD, BLOCK)
         acc = tl.zeros([BLOCK, D_PAD], tl.float32)
         for j in range(C):
             acc += tl.load(G + j * sg0 + r64[:, None] * sg1 + h * sg2 + offs_d[None, :], mask=msk,
