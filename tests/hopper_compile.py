@@ -1,10 +1,12 @@
-"""Compile the dilated Triton kernels for sm_90 (Hopper) on a machine without a GPU.
+"""Compile the dilated Triton kernels, and the merge kernels beside them, for sm_90 (Hopper) on a machine
+without a GPU.
 
 The CPU interpreter runs the kernels' Python and lets through what Triton's
 compiler refuses (a reassigned constexpr, a call missing an argument), so
 tests/test_dilated.py runs this in a subprocess without TRITON_INTERPRET:
 ``python tests/hopper_compile.py`` exits 0 when every variant compiles to
-a cubin whose key (or query) tile loads are pipelined asynchronous copies,
+a cubin (the attention kernels' key or query tile loads pipelined
+asynchronous copies; the merge kernels have no tile loop),
 prints ``skip: ...`` and exits 3 where this Triton has no CUDA backend to
 compile with.
 
@@ -58,8 +60,18 @@ def main():
                              ACCUM=False)),
         (aj._fwd_kernel, dict(base, CAUSAL=True, DEDUP=False, NH=0, HR=0, BLOCK_M=128, BLOCK_N=128, MERGE=False)),
     ]
+    from longattn.kernels import merge as km
+
+    tile = dict(D=128, D_PAD=128, BLOCK=32)
+    variants += [  # the carved flex call's merge and gradient sums (pointer types as it launches them)
+        (km._stack_kernel, dict(tile, _ptr={"O": "*bf16", "L": "*fp32", "DST": "*bf16", "DL": "*fp32",
+                                            "ROWS": "*i64"})),
+        (km._sum_rows_kernel, dict(tile, _ptr={"G": "*bf16", "DST": "*bf16", "ROWS": "*i64"})),
+    ]
     for fn, consts in variants:
-        signature = sig(fn, consts)
+        ptr = consts.pop("_ptr", None)
+        signature = sig(fn, consts) if ptr is None else {n: "constexpr" if n in consts else ptr.get(n, "i32")
+                                                          for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs(fn, signature))
         try:
             out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
@@ -69,8 +81,9 @@ def main():
                 return 3
             raise
         assert "cubin" in out.asm, fn.__name__
-        # the inner loops' tile loads pipelined (cp.async into shared memory, waited on stages ahead)
-        assert "cp.async" in out.asm["ptx"], f"{fn.__name__}: no pipelined tile loads"
+        # the attention kernels' inner loops' tile loads pipelined (cp.async into shared memory, waited on stages
+        # ahead)
+        assert ptr is not None or "cp.async" in out.asm["ptx"], f"{fn.__name__}: no pipelined tile loads"
     print(f"compiled {len(variants)} kernel variants for sm_90")
     return 0
 
