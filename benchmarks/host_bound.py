@@ -106,7 +106,7 @@ def main() -> None:
         res[row] = diagnose(row, dev)
         torch.cuda.empty_cache()
         if a.json:
-            with open(a.json, "w") as fh:
+            with open(measure.result_path(a.json), "w") as fh:
                 json.dump({"kind": "host_bound", "env": measure.environment(
                     dev, "python benchmarks/host_bound.py " + " ".join(a.rows)), "results": res}, fh, indent=1)
 

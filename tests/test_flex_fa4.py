@@ -865,3 +865,30 @@ def test_carved_call_through_stand_in(stand_in, dtype):
     assert isinstance(pieces.single_executor(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), m, 0.25, t),
                       fa4.RingStep)
     assert isinstance(pieces.single_executor(q, k, m, 0.25), fa4.RingStep)
+
+
+@pytest.mark.parametrize("nq,nk,see", [(8, 8, 5), (16, 8, 6), (10, 8, 6), (8, 16, -6), (8, 10, -6)])
+def test_carved_call_either_axis(stand_in, nq, nk, see):
+    """Carved calls whose chained rows' views cut the keys and whose chained keys' views cut the rows, or the
+    other way round (few heads, unequal lengths: split_for picks the pass with the longer chain), run each
+    piece in its own direction: out, lse and gradients of the float64 definition (float32, under
+    TRITON_INTERPRET=1 through the fused launches where they apply)."""
+    from longattn import tuning
+    from longattn.flex import pieces
+
+    torch.manual_seed(0)
+    lay = torch.eye(nq, nk, dtype=torch.bool)
+    if see > 0:
+        lay[: nq - 2, :see] = True  # key tiles most query tiles see
+    else:
+        lay[:-see, : nk - 2] = True  # query tiles that see most key tiles
+    m = masks.block_sparse(lay, 128)
+    t = tuning.FlexFa4Tuning(split_chain=4, split_min_blocks=1)
+    mk = lambda *s: torch.randn(*s, dtype=torch.float32)
+    q, k, v, do = mk(1, nq * 128, 1, 16), mk(1, nk * 128, 1, 16), mk(1, nk * 128, 1, 16), mk(1, nq * 128, 1, 16)
+    dl = mk(1, 1, nq * 128)
+    run = pieces.single_executor(q, k, m, 0.25, t)
+    assert isinstance(run, pieces.CarvedStep), type(run)
+    got = results(lambda q, k, v: fa4.Fa4Flex.apply(q, k, v, run), [q, k, v], do, dl)
+    want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do, dl)
+    assert_close(got, want, 1e-4, f"carved {nq}x{nk}")

@@ -380,14 +380,17 @@ class SplitStep:
         return out, lse, None
 
     def forward_into(self, q, rows, rows_rep, k, v, out, lse) -> None:
-        """Axis "keys", batch 1: the rows ``rows`` (int64, on q's device) of q
+        """Batch 1: the rows ``rows`` (int64, on q's device) of q
         against every key, written into ``out[:, rows]`` and ``lse[:, :, rows]``
         (``rows_rep``: ``rows`` repeated c times, so one gather builds the c
         views' queries): ``out[:, rows], lse[:, :, rows] = self.forward(q[:,
-        rows], k, v)`` in a gather, the FA4 call and one merge launch (a
-        one-device call carved: :class:`longattn.flex.pieces.CarvedStep`,
+        rows], k, v)``; on axis "keys" in a gather, the FA4 call and one merge
+        launch (a one-device call carved: :class:`longattn.flex.pieces.CarvedStep`,
         whose calls are short enough for the host's launches to count)."""
         with torch.no_grad():
+            if self.axis == "rows":  # its forward is one call (the views cut the backward's chains)
+                out[:, rows], lse[:, :, rows] = step_forward(self.whole, q[:, rows], k, v, self.scale)
+                return
             qr = q[0, rows_rep].view(self.c, len(rows), *q.shape[2:])
             o, l_ = step_forward(self.split, qr, self._chunks(k), self._chunks(v), self.scale)
             if kmerge.usable(o):
@@ -397,12 +400,17 @@ class SplitStep:
                 out[0, rows], lse[0, :, rows] = mo.to(out.dtype), ml.t()
 
     def backward_into(self, dout, q, k, v, keys, keys_rep, out, lse, dlse, dq, dk, dv) -> None:
-        """Axis "rows", batch 1: every row against the keys ``keys`` (int64),
+        """Batch 1: every row against the keys ``keys`` (int64),
         from the given out, lse and dlse: ``dq += `` their dQ, ``dk[:, keys]``,
         ``dv[:, keys]`` <- their dK, dV summed over the views in float32
         (``keys_rep``: ``keys`` repeated c times, one gather each for the views'
         K and V): :meth:`backward` of ``k[:, keys], v[:, keys]`` and those
-        writes, in fewer launches."""
+        writes; on axis "rows" in fewer launches."""
+        if self.axis == "keys":  # its backward is one call (the views cut the forward's chains)
+            gq, dk[:, keys], dv[:, keys] = step_backward(self.whole, dout, q, k[:, keys], v[:, keys], out, lse,
+                                                         self.scale, dlse)
+            dq.add_(gq)
+            return
         rows = lambda x: x[0].reshape(x.shape[1], self.c, -1).transpose(0, 1).contiguous()  # (1, H, L) -> (c, H, m)
         kr, vr = (x[0, keys_rep].view(self.c, len(keys), *x.shape[2:]) for x in (k, v))
         chunks = self._chunks

@@ -86,17 +86,24 @@ if HAS_TRITON:
         # rows i of head h: the C partials O[j, i, h] merged by their lse L[j, h, i], the result stored at row
         # ROWS[i] of DST (S, H, D) and DL (H, S); the weights from the largest lse, as logsumexp takes them
         h, r64, rm, offs_d, msk = _listed_tile(M, D, D_PAD, BLOCK)
+        # the partials' pointers step by their stride (64-bit pointer arithmetic: j * stride in int32 would wrap
+        # past 2**31 elements)
+        l_ptr = L + h * sl1 + r64 * sl2
         mx = tl.full([BLOCK], float("-inf"), tl.float32)
-        for j in range(C):
-            mx = tl.maximum(mx, tl.load(L + j * sl0 + h * sl1 + r64 * sl2, mask=rm, other=float("-inf")))
+        for _ in range(C):
+            mx = tl.maximum(mx, tl.load(l_ptr, mask=rm, other=float("-inf")))
+            l_ptr += sl0
         shift = tl.where(mx == float("-inf"), 0.0, mx)
         tot = tl.zeros([BLOCK], tl.float32)
         acc = tl.zeros([BLOCK, D_PAD], tl.float32)
-        for j in range(C):
-            w = tl.exp(tl.load(L + j * sl0 + h * sl1 + r64 * sl2, mask=rm, other=float("-inf")) - shift)
+        l_ptr = L + h * sl1 + r64 * sl2
+        o_ptr = O + r64[:, None] * so1 + h * so2 + offs_d[None, :]
+        for _ in range(C):
+            w = tl.exp(tl.load(l_ptr, mask=rm, other=float("-inf")) - shift)
             tot += w
-            o = tl.load(O + j * so0 + r64[:, None] * so1 + h * so2 + offs_d[None, :], mask=msk, other=0.0)
-            acc += w[:, None] * o.to(tl.float32)
+            acc += w[:, None] * tl.load(o_ptr, mask=msk, other=0.0).to(tl.float32)
+            l_ptr += sl0
+            o_ptr += so0
         seen = tot > 0
         den = tl.where(seen, tot, 1.0)
         lse = tl.where(seen, shift + tl.log(den), float("-inf"))  # rows no partial saw: output 0, lse -inf
@@ -111,9 +118,10 @@ if HAS_TRITON:
         # DST[ROWS[i], h] <- sum over j of G[j, i, h], in float32, one rounding
         h, r64, rm, offs_d, msk = _listed_tile(M, D, D_PAD, BLOCK)
         acc = tl.zeros([BLOCK, D_PAD], tl.float32)
-        for j in range(C):
-            acc += tl.load(G + j * sg0 + r64[:, None] * sg1 + h * sg2 + offs_d[None, :], mask=msk,
-                           other=0.0).to(tl.float32)
+        g_ptr = G + r64[:, None] * sg1 + h * sg2 + offs_d[None, :]
+        for _ in range(C):  # stepping the pointer: 64-bit arithmetic (see _stack_kernel)
+            acc += tl.load(g_ptr, mask=msk, other=0.0).to(tl.float32)
+            g_ptr += sg0
         dst = tl.load(ROWS + r64, mask=rm, other=0).to(tl.int64)
         tl.store(DST + dst[:, None] * sd1 + h * sd2 + offs_d[None, :], acc.to(DST.dtype.element_ty), mask=msk)
 
@@ -208,6 +216,7 @@ def stack_into(out: torch.Tensor, lse: torch.Tensor, parts: torch.Tensor, parts_
     """
     c, m, h, d = parts.shape
     assert out.stride(-1) == parts.stride(-1) == 1 and out.shape[1:] == (h, d) and parts_lse.shape == (c, h, m)
+    assert lse.dtype == parts_lse.dtype == torch.float32
     block = 16 if out.device.type == "cpu" else 32
     _stack_kernel[(triton.cdiv(m, block), h)](
         parts, parts_lse, out, lse, rows, c, m, *parts.stride()[:3], *parts_lse.stride(), *out.stride()[:2],
