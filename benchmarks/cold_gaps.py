@@ -70,11 +70,16 @@ def row_call(row: str, dev):
     return fn, (q, k, v, do), step
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def rows_args(doc: str, what: str) -> argparse.Namespace:
+    """``rows`` (CONFIG:IMPL ...) and ``--json`` from the command line of a script whose docstring is ``doc``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("rows", nargs="+", help="CONFIG:IMPL, as python -m longattn.bench list names them")
-    ap.add_argument("--json", help="write the timelines here")
-    a = ap.parse_args()
+    ap.add_argument("--json", help=f"write the {what} here")
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = rows_args(__doc__, "timelines")
     dev = torch.device("cuda")
     res = {}
     for row in a.rows:

@@ -13,7 +13,6 @@ after-sleep time, waits for the host.
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -24,7 +23,7 @@ import warnings
 
 import torch
 
-from cold_gaps import row_call, timeline
+from cold_gaps import row_call, rows_args, timeline
 from longattn.bench import measure
 
 
@@ -96,10 +95,7 @@ def diagnose(row: str, dev) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("rows", nargs="+", help="CONFIG:IMPL, as python -m longattn.bench list names them")
-    ap.add_argument("--json", help="write the results here")
-    a = ap.parse_args()
+    a = rows_args(__doc__, "results")
     dev = torch.device("cuda")
     res = {}
     for row in a.rows:
