@@ -2,13 +2,16 @@
 (``DilatedTuning.gather_max_rows``, passed as ``tuning=``): both settings alternate in one process
 (host time moves between processes), cold forward and backward times (CUDA
 events around one call, the GPU idle before it) and host times, LongNet
-config, B=1 H=16 D=128 bf16, plus the relative difference of the two results.
+config, B=1, D=128 bf16 (H=16, or ``--heads 32 --kv-heads 8`` for GQA), plus the relative
+difference of the two results.
 
     python benchmarks/dilated_gather_ab.py --rows 262144 0 --json out.json
+    python benchmarks/dilated_gather_ab.py --heads 32 --kv-heads 8 --json out.json
 """
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -20,6 +23,9 @@ from longattn.tuning import DilatedTuning
 p = argparse.ArgumentParser()
 p.add_argument("--rows", type=int, nargs=2, default=[DilatedTuning().gather_max_rows, 0])
 p.add_argument("--rounds", type=int, default=4)
+p.add_argument("--heads", type=int, default=16)
+p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+p.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
 p.add_argument("--json")
 a = p.parse_args()
 segs, rates = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
@@ -37,8 +43,10 @@ def timed(fn):
 
 
 rows_out = []
-for S, causal in [(32768, True), (131072, True), (131072, False), (32768, False)]:
-    q, k, v = (torch.randn(1, S, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+hkv = a.kv_heads or a.heads
+for S, causal in [(s, c) for s in a.seqlens for c in (True, False)]:
+    q = torch.randn(1, S, a.heads, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, S, hkv, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     g = torch.randn_like(q)
     f = lambda: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, causal=causal,
                                            tuning=tuning)
@@ -60,12 +68,12 @@ for S, causal in [(32768, True), (131072, True), (131072, False), (32768, False)
     diff = [((s - t).norm() / t.norm()).item() for s, t in zip(x, y)]
     for rows in a.rows:
         ft, bt, fh, bh = (statistics.median(v) for v in acc[rows])
-        rows_out.append(dict(gather_max_rows=rows, seqlen=S, causal=causal, fwd_ms=ft, bwd_ms=bt, fwd_host_ms=fh,
-                             bwd_host_ms=bh, rel_diff_out_dq_dk_dv=diff))
-    use(a.rows[0])
+        rows_out.append(dict(gather_max_rows=rows, seqlen=S, heads=a.heads, kv_heads=hkv, causal=causal, fwd_ms=ft,
+                             bwd_ms=bt, fwd_host_ms=fh, bwd_host_ms=bh, rel_diff_out_dq_dk_dv=diff))
 if a.json:
-    json.dump({"env": environment(torch.device("cuda")), "command": "python benchmarks/dilated_gather_ab.py", "rows": rows_out},
-              open(a.json, "w"), indent=1)
+    json.dump({"env": environment(torch.device("cuda")), "command": "python benchmarks/dilated_gather_ab.py "
+               + " ".join(sys.argv[1:]), "rows": rows_out}, open(a.json, "w"), indent=1)
 for r in rows_out:
-    print(f"rows {r['gather_max_rows']:7d} {r['seqlen'] // 1024:4d}K causal={int(r['causal'])} fwd {r['fwd_ms']:.3f} "
+    print(f"rows {r['gather_max_rows']:7d} {r['seqlen'] // 1024:4d}K {r['heads']}q/{r['kv_heads']}kv "
+          f"causal={int(r['causal'])} fwd {r['fwd_ms']:.3f} "
           f"(host {r['fwd_host_ms']:.2f}) bwd {r['bwd_ms']:.3f} (host {r['bwd_host_ms']:.2f})")

@@ -74,7 +74,10 @@ class DilatedTuning:
         128 * 2048, "a branch of at most this many (row, head) pairs (S * H / r) whose classes do not stack "
                     "into one view runs as one call on gathered copies: at 32K a call's host time (100-300 us) "
                     "outweighs copying 1/r of q, k, v; gathering rate 4 at 128K too cost more in copies "
-                    "(32K causal fwd 1.78 vs 2.23 ms)", "dilated_gather_ab_h200_d28c735.json")
+                    "(32K causal fwd 1.78 vs 2.23 ms). Measured on MHA; GQA branches (whose classes never stack "
+                    "as views) are gathered under the same bound, as they copy as many or fewer kv bytes per "
+                    "(row, head) pair: LongNet 32q/8kv calls per pass 31 -> 6 at 32K, 31 -> 16 at 128K (GQA "
+                    "A/B on a GPU pending)", "dilated_gather_ab_h200_d28c735.json")
     gather_noncausal_backward: bool = measured(
         False, "the non-causal backward is GPU-bound: gathered 6.59 vs 6.35 ms at 32K, 24.52 vs 24.42 at 128K",
         "dilated_gather_ab_h200_d28c735.json")
@@ -106,8 +109,9 @@ class DilatedTuning:
                "0.82 against 0.75 / 0.79, causal 0.63 / 0.62 against 0.61 / 0.59)",
         "dilated_short_seq_d64_h200_2cf2fd6.json")
     graph_max_tokens_gqa: int = measured(
-        32768, "GQA (31 calls per pass): graphed views at 32K 0.69 / 0.79 x dense against 0.47 / 0.60 eager, "
-               "causal 0.56 / 0.55 against 0.34 / 0.42 (64K not measured)", "dilated_short_seq_h100_5ebe4f0.json")
+        32768, "GQA: graphed views at 32K 0.69 / 0.79 x dense against 0.47 / 0.60 eager, causal 0.56 / 0.55 "
+               "against 0.34 / 0.42 (64K not measured), measured with every class its own call (31 per pass; "
+               "gather_max_rows now gathers the small branches: 6)", "dilated_short_seq_h100_5ebe4f0.json")
     concurrent_calls: str = measured(
         "graphs", "when the views path launches its calls on side streams at once: 'graphs' (inside the "
                   "captured passes only), 'always', 'never'. Graphed, concurrent against in order: 8K causal "

@@ -463,8 +463,9 @@ def test_triton_ops_under_torch_compile(s, segs, schedule):
     assert all(torch.equal(got[n], want[n]) for n in ("out", "dq", "dk", "dv"))
 
 
+@pytest.mark.parametrize("gather_rows", [0, DilatedTuning().gather_max_rows])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gqa_views_path(causal):
+def test_gqa_views_path(causal, gather_rows):
     """GQA parts as strided views of K/V: rates that are multiples of the
     group size (2, 8 with g=4: one kv head per query head of the class) or
     divisors (1, 2 with g=4: every kv head, g/r query heads each); partial
@@ -486,7 +487,33 @@ def test_gqa_views_path(causal):
     q, do = torch.randn(2, s, h, 16), torch.randn(2, s, h, 16)
     k, v = torch.randn(2, s, hkv, 16), torch.randn(2, s, hkv, 16)
     dl = torch.randn(2, h, s)
-    _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math")
+    _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math",
+                        DilatedTuning(schedule="views", gather_max_rows=gather_rows))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,hkv,rates", [(8, 2, [1, 2, 4]), (16, 2, [1, 4, 16]), (8, 4, [1, 2, 8])])
+def test_gqa_small_branches_gathered(h, hkv, rates, causal):
+    """A small GQA branch runs as one call on gathered copies, as MHA's: every
+    class reads every kv head (g % r == 0, 5-D views) or class c = g*a + b
+    reads kv heads a, a + r/g, ... (r % g == 0, 6-D views). The stacked kv
+    view reads the rows and heads each class's own view reads; results and
+    gradients against float64, batch 2."""
+    s, segs = 64, [8, 32, 64]
+    us = dsched.units(s, segs, rates, h, DilatedTuning().gather_max_rows, mha=False)
+    assert [u.r for u in us if u.gathered] == rates[1:] and sum(u.part is not None for u in us) == 1
+    k_ids = torch.arange(hkv, dtype=torch.float64).view(1, 1, hkv, 1).expand(2, s, hkv, 1)
+    tagged = torch.arange(2 * s, dtype=torch.float64).view(2, s, 1, 1) * 100 + k_ids  # (row + s * batch) * 100 + head
+    for u in (u for u in us if u.gathered):
+        got = u.view(tagged, 1, h).reshape(u.n, s // u.nseg // u.r, -1)  # (nseg * r, m, Hk): the gathered order
+        parts = [p for p in dsched.schedule(s, [u.w], [u.r], h)]
+        want = torch.stack([p.kv_view(tagged, h, 1)[..., 0] for p in parts], 1).reshape(got.shape)
+        assert torch.equal(got, want)
+    torch.manual_seed(0)
+    q, do = torch.randn(2, s, h, 16), torch.randn(2, s, h, 16)
+    k, v = torch.randn(2, s, hkv, 16), torch.randn(2, s, hkv, 16)
+    dl = torch.randn(2, h, s)
+    _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math", DilatedTuning(schedule="views"))
 
 
 def test_views_pieces_land_one_at_a_time(monkeypatch):

@@ -62,8 +62,8 @@ def _dilated_ref_grads(q, k, v, do, segs, rates, causal, chunk=2):
 @pytest.mark.parametrize("backend", ["triton", "auto", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
 # triton: per-branch launches (512 to 2048 keys per segment class); GQA: cuDNN on strided kv views under auto from
-# 8K tokens, fused Triton below (hkv=2: group 4, so the rate-2 and rate-4 classes read every kv
-# head); MHA: cuDNN on strided views
+# 8K tokens, small branches on gathered copies, fused Triton below (hkv=2: group 4, so the rate-2 and rate-4 classes
+# read every kv head); MHA: cuDNN on strided views
 @pytest.mark.parametrize("hkv", [2, 4, 8])
 # 6000 tokens: partial segments (8192 > seqlen); 8192: the views path stacks offset classes per
 # segment (4096, r=4) and per branch (8192, r=8 = heads), and the rate-1 branch's result is the output
@@ -103,6 +103,16 @@ def test_dilated_views_ungathered_bf16(causal):
     """The MHA views path with no branch gathered: offset classes stacked per
     segment (4096, r=4) and per class (1024, r=2) on strided views."""
     test_dilated_bf16("cudnn", causal, 8, [512, 1024, 4096, 8192], 8192, tuning=DilatedTuning(gather_max_rows=0))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [2, 4])
+def test_dilated_views_gqa_ungathered_bf16(causal, hkv):
+    """The GQA views path with no branch gathered: one call per offset class on
+    strided kv views (with the defaults, test_dilated_bf16's branches at 8192
+    tokens run gathered: 5-D kv copies where every class reads every kv head,
+    6-D where r is a multiple of the group size)."""
+    test_dilated_bf16("cudnn", causal, hkv, [512, 1024, 4096, 8192], 8192, tuning=DilatedTuning(gather_max_rows=0))
 
 
 @pytest.mark.parametrize("causal", [False, True])

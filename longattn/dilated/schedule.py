@@ -150,7 +150,8 @@ class Unit:
     (row, head) pairs, see :class:`longattn.tuning.DilatedTuning`),
     its rows are copied into dense (nseg * r, m, Hc, D) blocks, one call: on
     short sequences a call's host time (100-300 us on the H200 hosts) outweighs
-    copying 1/r of q, k and v.
+    copying 1/r of q, k and v. GQA branches are only ever gathered: their
+    classes' kv heads do not step with the class (see :meth:`kv_view`).
     """
 
     part: Optional[Part] = None
@@ -178,13 +179,36 @@ class Unit:
         sb, sh, ss = x.stride()
         return x.as_strided((self.nseg, r, m, hc), (w * ss, ss + sh, r * ss, r * sh), x.storage_offset() + bi * sb)
 
+    def kv_view(self, x: torch.Tensor, bi: int, h: int) -> torch.Tensor:
+        """A gathered GQA branch's keys or values (B, S, Hkv, D): the rows and
+        kv heads each class reads (as :meth:`Part.kv_view`), stacked in the
+        classes' order so their dense copy lines up with the queries'. With
+        g = h / Hkv: g % r == 0, every class reads every kv head: (nseg, r, m,
+        Hkv, D); r % g == 0, class c = g*a + b reads kv heads a, a + r/g, ...
+        at rows b + g*a + i*r, linear in (a, b) but not in c: (nseg, r/g, g, m,
+        Hc, D)."""
+        w, r, m, hkv = self.w, self.r, self.w // self.r, x.shape[2]
+        g = h // hkv
+        sb, ss, sh, sd = x.stride()
+        first = x.storage_offset() + bi * sb
+        if g % r == 0:
+            return x.as_strided((self.nseg, r, m, hkv, x.shape[3]), (w * ss, ss, r * ss, sh, sd), first)
+        if r % g:
+            raise ValueError(f"rate {r} and group size {g}: neither divides the other (see kv_views_ok)")
+        a = r // g
+        return x.as_strided((self.nseg, a, g, m, h // r, x.shape[3]), (w * ss, g * ss + sh, ss, r * ss, a * sh, sd),
+                            first)
+
     def view(self, x: torch.Tensor, bi: int, h: int) -> torch.Tensor:
         """The call's (N, M, Hc, D) / (N, M, Hc) view; a gathered unit's is the
-        5-D (nseg, r, m, Hc, D) / (nseg, r, m, Hc) one its copies are made from."""
+        5-D (nseg, r, m, Hc, D) / (nseg, r, m, Hc) one its copies are made from
+        (GQA keys and values: :meth:`kv_view`)."""
         if self.part is not None:
             if x.dim() == 3:
                 return self.part.lse_view(x, bi)
             return self.part.q_view(x, bi) if x.shape[2] == h else self.part.kv_view(x, h, bi)
+        if x.dim() == 4 and x.shape[2] != h:
+            return self.kv_view(x, bi, h)
         v = self._five(x, bi, h)
         if self.gathered:
             return v
@@ -198,12 +222,19 @@ def units(seqlen: int, segment_lengths, dilation_rates, nheads: int, gather_max_
     """The views path's calls: each branch's full segments as few stacked views
     as its shape allows (see :class:`Unit`), other parts (partial last
     segments, classes of unequal size) one call each. GQA (``mha`` False):
-    one call per part (a class's kv heads do not step with the class, so
-    classes do not stack)."""
+    a small branch gathered as MHA's (the same ``gather_max_rows``: a class
+    reads as many kv as query (row, head) pairs where r % g == 0, fewer where
+    g % r == 0), else one call per part (a class's kv heads do not step with
+    the class, so classes do not stack as views)."""
     out = []
     for part in schedule(seqlen, segment_lengths, dilation_rates, nheads):
         w, r = part.w, part.r
-        stack = mha and part.start == 0 and part.seg_len == w and w % r == 0 and nheads % r == 0 and r > 1
+        full = part.start == 0 and part.seg_len == w and w % r == 0 and nheads % r == 0 and r > 1
+        if full and not mha and part.nseg * w * (nheads // r) <= gather_max_rows:
+            if part.c == 0:  # the branch's first class stands for all of them
+                out.append(Unit(w=w, r=r, nseg=part.nseg, gathered=True))
+            continue
+        stack = mha and full
         if not stack:
             out.append(Unit(part))
         elif part.c == 0:  # the branch's first class stands for all of them

@@ -4,8 +4,8 @@ local backend layer.
 Views (MHA; GQA whose rates and group size divide each other): every part is
 a strided view of q/k/v (no copies; GQA: the kv heads the class reads, see
 :meth:`Part.kv_view`), for MHA a branch's classes stacked into few calls
-(:class:`Unit`; small branches whose classes do not stack are copied into one
-dense block: calls cost host time), and each result merges into the output in
+(:class:`Unit`; small branches whose classes do not stack, MHA or GQA, are
+copied into one dense block: calls cost host time), and each result merges into the output in
 place (one Triton pass on CUDA, float32 arithmetic, the output kept in its
 dtype). Gather (GQA with other rates): parts copied into dense blocks, merged
 into float32 accumulators.
@@ -68,16 +68,21 @@ def _cut(sl: Optional[slice], *xs: torch.Tensor):
 
 
 def _gather_views(*xs: torch.Tensor) -> list[torch.Tensor]:
-    """5-D (nseg, r, m, Hc, D) views -> dense (nseg * r, m, Hc, D) copies (one
-    Triton launch for up to three on CUDA)."""
+    """5-D (nseg, r, m, Hc, D) views (GQA keys and values: 6-D, see
+    :meth:`Unit.kv_view`) -> dense (N, m, Hc, D) copies: on CUDA one Triton
+    launch per shape for up to three 5-D views, torch's copy for the rest."""
     dense = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
-    if xs[0].is_cuda and kmerge.usable(xs[0]) and all(x.stride(-1) == 1 for x in xs):
-        for a in range(0, len(xs), 3):
-            kmerge.copy_into(dense[a:a + 3], xs[a:a + 3])
-    else:
-        for d, x in zip(dense, xs):
+    fused = xs[0].is_cuda and kmerge.usable(xs[0])
+    same: dict = {}
+    for d, x in zip(dense, xs):
+        if fused and x.dim() == 5 and x.stride(-1) == 1:
+            same.setdefault(x.shape, []).append((d, x))
+        else:
             d.copy_(x)
-    return [d.view(-1, *d.shape[2:]) for d in dense]
+    for pairs in same.values():
+        for a in range(0, len(pairs), 3):
+            kmerge.copy_into([d for d, _ in pairs[a:a + 3]], [x for _, x in pairs[a:a + 3]])
+    return [d.view(-1, *d.shape[-3:]) for d in dense]
 
 
 # ------------------------------------------------------------------------ forward
@@ -127,7 +132,7 @@ def _unit_calls(u: Unit, bi: int, q, k, v, out, lse, spec, backend, piece_bytes:
     qv, kv, vv, ov, lv = (u.view(x, bi, h) for x in (q, k, v, out, lse))  # (N, M, Hc, D) / (N, M, Hc)
 
     def run():
-        if u.gathered:  # 5-D views; one call on dense copies
+        if u.gathered:  # 5-D (GQA keys and values: 6-D) views; one call on dense copies
             ob, lb = bk.block_forward(*_gather_views(qv, kv, vv), spec, backend)
             yield ov, lv, ob.view(ov.shape), lb.transpose(1, 2).view(lv.shape)
             return
@@ -274,7 +279,7 @@ def _unit_grads(u: Unit, bi: int, tensors, grads, spec, backend, piece_bytes: in
             qg, kg, vg, dog, og = _gather_views(qv, kv, vv, dov, ov)
             lb, dlb = (None if x is None else x.reshape(u.n, *x.shape[2:]).transpose(1, 2) for x in (lv, dlv))
             gb = bk.block_backward(dog, qg, kg, vg, og, lb, spec, backend, dlse=dlb)
-            yield gvs, [g.view(qv.shape) for g in gb]
+            yield gvs, [g.view(gv.shape) for g, gv in zip(gb, gvs)]
             return
         for sl in _pieces(u, qv, q.element_size(), piece_bytes):
             dos, qs, ks, vs, os_, ls = _cut(sl, dov, qv, kv, vv, ov, lv)
@@ -288,14 +293,16 @@ def _unit_grads(u: Unit, bi: int, tensors, grads, spec, backend, piece_bytes: in
 def add_grads(dsts, srcs, fused: bool) -> None:
     """dst += src for dQ, dK, dV views: one vectorised launch for the pairs of
     one shape (GQA: a class's kv view can have fewer heads than its query
-    view, then dQ goes alone and dK/dV together)."""
-    if fused and all(g.stride(-1) == 1 for g in srcs):
-        for shape in dict.fromkeys(d.shape for d in dsts):
-            pairs = [(d, g) for d, g in zip(dsts, srcs) if d.shape == shape]
-            kmerge.add_into([d for d, _ in pairs], [g for _, g in pairs])
-    else:
-        for d, g in zip(dsts, srcs):
+    view, then dQ goes alone and dK/dV together); torch's add for the 6-D
+    views of a gathered GQA branch's keys and values (:meth:`Unit.kv_view`)."""
+    same: dict = {}
+    for d, g in zip(dsts, srcs):
+        if fused and d.dim() <= 5 and d.stride(-1) == g.stride(-1) == 1:
+            same.setdefault(d.shape, []).append((d, g))
+        else:
             d.add_(g)
+    for pairs in same.values():
+        kmerge.add_into([d for d, _ in pairs], [g for _, g in pairs])
 
 
 def _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend):
