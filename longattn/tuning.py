@@ -74,10 +74,17 @@ class DilatedTuning:
         128 * 2048, "a branch of at most this many (row, head) pairs (S * H / r) whose classes do not stack "
                     "into one view runs as one call on gathered copies: at 32K a call's host time (100-300 us) "
                     "outweighs copying 1/r of q, k, v; gathering rate 4 at 128K too cost more in copies "
-                    "(32K causal fwd 1.78 vs 2.23 ms). Measured on MHA; GQA branches (whose classes never stack "
-                    "as views) are gathered under the same bound, as they copy as many or fewer kv bytes per "
-                    "(row, head) pair: LongNet 32q/8kv calls per pass 31 -> 6 at 32K, 31 -> 16 at 128K (GQA "
-                    "A/B on a GPU pending)", "dilated_gather_ab_h200_d28c735.json")
+                    "(32K causal fwd 1.78 vs 2.23 ms). GQA branches (whose classes never stack as views) under the "
+                    "same bound, in passes not replayed from graphs (gather_gqa_graphed): LongNet 32q/8kv at 128K, "
+                    "31 -> 16 calls per pass, one H100 on cuDNN, alternating: causal fwd 10.02 vs 10.07 ms (host "
+                    "4.27 vs 5.86), bwd 33.14 vs 33.34 (host 10.19 vs 12.28); non-causal fwd 15.79 vs 16.02 (host "
+                    "6.38 vs 10.39); out, dK, dV bit-identical",
+        "dilated_gather_ab_h200_d28c735.json, dilated_gather_ab_gqa_h100_cb382ff.json")
+    gather_gqa_graphed: bool = measured(
+        False, "gather small GQA branches inside passes replayed from CUDA graphs too: there the host time they "
+               "save is already gone and their copies remain; LongNet 32q/8kv at 32K (graphed), one H100 on "
+               "cuDNN, gathered vs one call per class, alternating: causal fwd 3.37 vs 3.21 ms, bwd 9.51 vs "
+               "9.16; non-causal fwd 4.78 vs 4.62", "dilated_gather_ab_gqa_h100_cb382ff.json")
     gather_noncausal_backward: bool = measured(
         False, "the non-causal backward is GPU-bound: gathered 6.59 vs 6.35 ms at 32K, 24.52 vs 24.42 at 128K",
         "dilated_gather_ab_h200_d28c735.json")

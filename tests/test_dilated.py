@@ -516,6 +516,16 @@ def test_gqa_small_branches_gathered(h, hkv, rates, causal):
     _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math", DilatedTuning(schedule="views"))
 
 
+def test_gqa_gathering_bound():
+    """GQA branches are gathered in eager passes only (unless
+    gather_gqa_graphed); MHA's bound holds either way."""
+    from longattn.dilated.plan import gather_rows
+    t = DilatedTuning()
+    assert gather_rows(t, graphs=False, mha=False) == gather_rows(t, graphs=True, mha=True) == t.gather_max_rows
+    assert gather_rows(t, graphs=True, mha=False) == 0
+    assert gather_rows(DilatedTuning(gather_gqa_graphed=True), graphs=True, mha=False) == t.gather_max_rows
+
+
 def test_views_pieces_land_one_at_a_time(monkeypatch):
     """In order (no side streams), each piece of a unit cut by ``piece_bytes``
     is landed before the next piece's backend call: at most the piece being

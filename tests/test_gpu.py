@@ -62,7 +62,7 @@ def _dilated_ref_grads(q, k, v, do, segs, rates, causal, chunk=2):
 @pytest.mark.parametrize("backend", ["triton", "auto", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
 # triton: per-branch launches (512 to 2048 keys per segment class); GQA: cuDNN on strided kv views under auto from
-# 8K tokens, small branches on gathered copies, fused Triton below (hkv=2: group 4, so the rate-2 and rate-4 classes
+# 8K tokens (small branches on gathered copies in eager passes), fused Triton below (hkv=2: group 4, so the rate-2 and rate-4 classes
 # read every kv head); MHA: cuDNN on strided views
 @pytest.mark.parametrize("hkv", [2, 4, 8])
 # 6000 tokens: partial segments (8192 > seqlen); 8192: the views path stacks offset classes per
@@ -107,12 +107,14 @@ def test_dilated_views_ungathered_bf16(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [2, 4])
-def test_dilated_views_gqa_ungathered_bf16(causal, hkv):
-    """The GQA views path with no branch gathered: one call per offset class on
-    strided kv views (with the defaults, test_dilated_bf16's branches at 8192
-    tokens run gathered: 5-D kv copies where every class reads every kv head,
-    6-D where r is a multiple of the group size)."""
-    test_dilated_bf16("cudnn", causal, hkv, [512, 1024, 4096, 8192], 8192, tuning=DilatedTuning(gather_max_rows=0))
+@pytest.mark.parametrize("gathered", [False, True])
+def test_dilated_views_gqa_bf16(causal, hkv, gathered):
+    """The GQA views path eagerly (no graphs), one call per offset class on
+    strided kv views or the small branches gathered: 5-D kv copies where every
+    class reads every kv head (Triton copy and add), 6-D where r is a multiple
+    of the group size (torch's)."""
+    t = DilatedTuning(gather_max_rows=DilatedTuning().gather_max_rows if gathered else 0).graphs_up_to(0)
+    test_dilated_bf16("cudnn", causal, hkv, [512, 1024, 4096, 8192], 8192, tuning=t)
 
 
 @pytest.mark.parametrize("causal", [False, True])

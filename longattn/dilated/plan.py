@@ -30,7 +30,7 @@ class DilatedPlan:
     q/k/v), ``"gather"`` (parts copied into dense blocks), ``"fused"`` (our
     Triton kernels, launched per ``fused_schedule``). The views path gathers
     stacked branches of at most ``gather_max_rows`` (row, head) pairs
-    (``gather_max_rows_bwd`` in the backward), cuts calls at ``piece_bytes``
+    (``gather_max_rows_bwd`` in the backward; GQA: 0 in graphed passes), cuts calls at ``piece_bytes``
     of output and adopts the base branch's gradients whole up to
     ``adopt_bwd_max_elems`` elements. ``autotune``: the fused kernels' tile
     mode (see :class:`longattn.kernels.autotune.Autotuner`; '' the environment's).
@@ -159,6 +159,13 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
     return plan
 
 
+def gather_rows(tuning: _tuning.DilatedTuning, graphs: bool, mha: bool) -> int:
+    """The views path's gathering bound: ``tuning.gather_max_rows``, except
+    GQA in passes replayed from graphs (``tuning.gather_gqa_graphed``), where
+    gathering has no host time left to save."""
+    return 0 if graphs and not mha and not tuning.gather_gqa_graphed else tuning.gather_max_rows
+
+
 def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
     views_ok = kv_views_ok(rates, q.shape[2], k.shape[2])
     cuda = q.device.type == "cuda"
@@ -168,9 +175,10 @@ def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
         why = fused_refusals(q)
         if why:
             raise ValueError(f"the fused Triton dilated kernels cannot run this call: {'; '.join(why)}")
+    rows = gather_rows(tuning, graphs, q.shape[2] == k.shape[2])
     return DilatedPlan(
         fwd=fwd, bwd=bwd, fused_schedule=_fused_schedule(q.shape[1], segs, rates, q.shape[-1], tuning),
-        gather_max_rows=tuning.gather_max_rows,
-        gather_max_rows_bwd=tuning.gather_max_rows if causal or tuning.gather_noncausal_backward else 0,
+        gather_max_rows=rows,
+        gather_max_rows_bwd=rows if causal or tuning.gather_noncausal_backward else 0,
         piece_bytes=tuning.piece_bytes, adopt_bwd_max_elems=tuning.adopt_bwd_max_elems, autotune=tuning.autotune,
         concurrent=cuda and tuning.concurrent(graphs), graphs=graphs)
