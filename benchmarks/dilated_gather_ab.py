@@ -26,6 +26,9 @@ p.add_argument("--rounds", type=int, default=4)
 p.add_argument("--heads", type=int, default=16)
 p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
 p.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
+p.add_argument("--gqa-graphed", action="store_true",
+               help="GQA: gather in passes replayed from graphs too (DilatedTuning.gather_gqa_graphed); without it "
+                    "both arms of a graphed GQA pass run ungathered")
 p.add_argument("--json")
 a = p.parse_args()
 segs, rates = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
@@ -54,7 +57,7 @@ for S, causal in [(s, c) for s in a.seqlens for c in (True, False)]:
     res = {}
     for _ in range(a.rounds):
         for rows in a.rows:
-            tuning = DilatedTuning(gather_max_rows=rows)
+            tuning = DilatedTuning(gather_max_rows=rows, gather_gqa_graphed=a.gqa_graphed)
             for _ in range(2):
                 torch.autograd.grad(f(), (q, k, v), g)
             torch.cuda.synchronize()
@@ -71,8 +74,9 @@ for S, causal in [(s, c) for s in a.seqlens for c in (True, False)]:
         rows_out.append(dict(gather_max_rows=rows, seqlen=S, heads=a.heads, kv_heads=hkv, causal=causal, fwd_ms=ft,
                              bwd_ms=bt, fwd_host_ms=fh, bwd_host_ms=bh, rel_diff_out_dq_dk_dv=diff))
 if a.json:
-    json.dump({"env": environment(torch.device("cuda")), "command": "python benchmarks/dilated_gather_ab.py "
-               + " ".join(sys.argv[1:]), "rows": rows_out}, open(a.json, "w"), indent=1)
+    command = "python benchmarks/dilated_gather_ab.py " + " ".join(sys.argv[1:])
+    json.dump({"env": dict(environment(torch.device("cuda")), command=command), "command": command, "rows": rows_out},
+              open(a.json, "w"), indent=1)
 for r in rows_out:
     print(f"rows {r['gather_max_rows']:7d} {r['seqlen'] // 1024:4d}K {r['heads']}q/{r['kv_heads']}kv "
           f"causal={int(r['causal'])} fwd {r['fwd_ms']:.3f} "

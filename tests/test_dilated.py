@@ -516,6 +516,21 @@ def test_gqa_small_branches_gathered(h, hkv, rates, causal):
     _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math", DilatedTuning(schedule="views"))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_gathered_from_strided_inputs(causal):
+    """Gathered GQA and MQA branches read q/k/v that are views of larger
+    tensors (a fused projection's slices, a sequence slice: storage offsets
+    and strides of their own); against float64."""
+    s, segs, rates = 48, [8, 16, 48], [1, 2, 8]
+    for h, hkv in ((8, 2), (8, 1)):
+        torch.manual_seed(0)
+        qkv = torch.randn(2, s + 5, h + 2 * hkv, 16)[:, 3:s + 3]  # (B, S, H + 2 Hkv, D) fused, offset rows
+        q, k, v = qkv.split([h, hkv, hkv], dim=2)
+        assert any(u.gathered for u in dsched.units(s, segs, rates, h, DilatedTuning().gather_max_rows, mha=False))
+        do, dl = torch.randn(2, s, h, 16), torch.randn(2, h, s)
+        _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math", DilatedTuning(schedule="views"))
+
+
 def test_gqa_gathering_bound():
     """GQA branches are gathered in eager passes only (unless
     gather_gqa_graphed); MHA's bound holds either way."""

@@ -30,7 +30,7 @@ class DilatedPlan:
     q/k/v), ``"gather"`` (parts copied into dense blocks), ``"fused"`` (our
     Triton kernels, launched per ``fused_schedule``). The views path gathers
     stacked branches of at most ``gather_max_rows`` (row, head) pairs
-    (``gather_max_rows_bwd`` in the backward; GQA: 0 in graphed passes), cuts calls at ``piece_bytes``
+    (``gather_max_rows_bwd`` in the backward; see :func:`gather_rows`), cuts calls at ``piece_bytes``
     of output and adopts the base branch's gradients whole up to
     ``adopt_bwd_max_elems`` elements. ``autotune``: the fused kernels' tile
     mode (see :class:`longattn.kernels.autotune.Autotuner`; '' the environment's).
@@ -161,8 +161,10 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
 
 def gather_rows(tuning: _tuning.DilatedTuning, graphs: bool, mha: bool) -> int:
     """The views path's gathering bound: ``tuning.gather_max_rows``, except
-    GQA in passes replayed from graphs (``tuning.gather_gqa_graphed``), where
-    gathering has no host time left to save."""
+    GQA where the plan's passes are graphed (``tuning.gather_gqa_graphed``):
+    replayed, gathering has no host time left to save. (A graphed plan's
+    first call of a shape, and calls inside a caller's capture, run eagerly
+    with the same bound.)"""
     return 0 if graphs and not mha and not tuning.gather_gqa_graphed else tuning.gather_max_rows
 
 

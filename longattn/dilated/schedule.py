@@ -78,7 +78,7 @@ class Part:
         if g == 1:
             return self.q_view(x, bi)
         sb, ss, sh, sd = x.stride()
-        if self.r % g == 0:
+        if _class_steps_kv(self.r, g):
             head0, step, count = self.c // g, self.r // g, self.nheads(nheads)
         else:
             head0, step, count = 0, 1, hkv
@@ -113,6 +113,18 @@ def schedule(seqlen: int, segment_lengths, dilation_rates, nheads: int) -> list[
     return parts
 
 
+def _class_steps_kv(r: int, g: int) -> bool:
+    """True where rate ``r`` is a multiple of the group size ``g`` (class c
+    reads kv heads c // g, c // g + r / g, ...: one per query head), False
+    where r divides g (every kv head); ValueError where neither (no view: see
+    :func:`kv_views_ok`)."""
+    if r % g == 0:
+        return True
+    if g % r == 0:
+        return False
+    raise ValueError(f"rate {r} and group size {g}: neither divides the other (see kv_views_ok)")
+
+
 def kv_views_ok(dilation_rates, nheads: int, nheads_kv: int) -> bool:
     """Every part's kv heads are a strided view (see :meth:`Part.kv_view`):
     with g = nheads / nheads_kv, each rate is a multiple or a divisor of g
@@ -136,7 +148,7 @@ def kv_heads_for(part: Part, nheads: int, nheads_kv: int) -> tuple[list[int], bo
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One local-backend call of the MHA views path: a (N, M, Hc, D) strided
+    """One local-backend call of the views path: a (N, M, Hc, D) strided
     view of every (B, S, H, D) tensor and (N, M, Hc) of every (B, H, S) one.
 
     ``part`` set: the part's (nseg, m, Hc, D) rows. Otherwise the full segments
@@ -150,8 +162,9 @@ class Unit:
     (row, head) pairs, see :class:`longattn.tuning.DilatedTuning`),
     its rows are copied into dense (nseg * r, m, Hc, D) blocks, one call: on
     short sequences a call's host time (100-300 us on the H200 hosts) outweighs
-    copying 1/r of q, k and v. GQA branches are only ever gathered: their
-    classes' kv heads do not step with the class (see :meth:`kv_view`).
+    copying 1/r of q, k and v. GQA branches never stack as views (their
+    classes' kv heads do not step with the class); a small one is gathered
+    (:meth:`kv_view`).
     """
 
     part: Optional[Part] = None
@@ -191,10 +204,8 @@ class Unit:
         g = h // hkv
         sb, ss, sh, sd = x.stride()
         first = x.storage_offset() + bi * sb
-        if g % r == 0:
+        if g % r == 0 or not _class_steps_kv(r, g):  # r == g: both forms are this one
             return x.as_strided((self.nseg, r, m, hkv, x.shape[3]), (w * ss, ss, r * ss, sh, sd), first)
-        if r % g:
-            raise ValueError(f"rate {r} and group size {g}: neither divides the other (see kv_views_ok)")
         a = r // g
         return x.as_strided((self.nseg, a, g, m, h // r, x.shape[3]), (w * ss, g * ss + sh, ss, r * ss, a * sh, sd),
                             first)
@@ -230,18 +241,14 @@ def units(seqlen: int, segment_lengths, dilation_rates, nheads: int, gather_max_
     for part in schedule(seqlen, segment_lengths, dilation_rates, nheads):
         w, r = part.w, part.r
         full = part.start == 0 and part.seg_len == w and w % r == 0 and nheads % r == 0 and r > 1
-        if full and not mha and part.nseg * w * (nheads // r) <= gather_max_rows:
-            if part.c == 0:  # the branch's first class stands for all of them
-                out.append(Unit(w=w, r=r, nseg=part.nseg, gathered=True))
-            continue
-        stack = mha and full
-        if not stack:
+        small = full and part.nseg * w * (nheads // r) <= gather_max_rows
+        if not (mha and full or small):
             out.append(Unit(part))
         elif part.c == 0:  # the branch's first class stands for all of them
             nseg = part.nseg
-            if nheads == r:
+            if mha and nheads == r:
                 out.append(Unit(w=w, r=r, nseg=nseg))
-            elif nseg * w * (nheads // r) <= gather_max_rows:
+            elif small:
                 out.append(Unit(w=w, r=r, nseg=nseg, gathered=True))
             elif nseg < r:
                 out += [Unit(w=w, r=r, nseg=nseg, seg=i) for i in range(nseg)]

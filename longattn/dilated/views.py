@@ -75,7 +75,7 @@ def _gather_views(*xs: torch.Tensor) -> list[torch.Tensor]:
     fused = xs[0].is_cuda and kmerge.usable(xs[0])
     same: dict = {}
     for d, x in zip(dense, xs):
-        if fused and x.dim() == 5 and x.stride(-1) == 1:
+        if fused and x.dim() <= 5 and x.stride(-1) == 1:
             same.setdefault(x.shape, []).append((d, x))
         else:
             d.copy_(x)
@@ -275,7 +275,7 @@ def _unit_grads(u: Unit, bi: int, tensors, grads, spec, backend, piece_bytes: in
     gvs = [u.view(x, bi, h) for x in grads]
 
     def run():
-        if u.gathered:  # 5-D views; one call on dense copies, its gradients added back
+        if u.gathered:  # 5-D (GQA keys and values: 6-D) views; one call on dense copies, its gradients added back
             qg, kg, vg, dog, og = _gather_views(qv, kv, vv, dov, ov)
             lb, dlb = (None if x is None else x.reshape(u.n, *x.shape[2:]).transpose(1, 2) for x in (lv, dlv))
             gb = bk.block_backward(dog, qg, kg, vg, og, lb, spec, backend, dlse=dlb)
