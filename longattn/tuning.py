@@ -117,8 +117,8 @@ class DilatedTuning:
         "dilated_short_seq_d64_h200_2cf2fd6.json")
     graph_max_tokens_gqa: int = measured(
         32768, "GQA: graphed views at 32K 0.69 / 0.79 x dense against 0.47 / 0.60 eager, causal 0.56 / 0.55 "
-               "against 0.34 / 0.42 (64K not measured), measured with every class its own call (31 per pass, as graphed passes still "
-               "run: gather_gqa_graphed)", "dilated_short_seq_h100_5ebe4f0.json")
+               "against 0.34 / 0.42 (64K not measured), measured with every class its own call (31 per pass, as "
+               "graphed passes still run: gather_gqa_graphed)", "dilated_short_seq_h100_5ebe4f0.json")
     concurrent_calls: str = measured(
         "graphs", "when the views path launches its calls on side streams at once: 'graphs' (inside the "
                   "captured passes only), 'always', 'never'. Graphed, concurrent against in order: 8K causal "
@@ -144,6 +144,9 @@ class DilatedTuning:
                              "or 'never'")
         if self.autotune not in ("", "0", "1"):
             raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
+        for f in ("gather_noncausal_backward", "gather_gqa_graphed"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"DilatedTuning.{f} must be a bool, got {getattr(self, f)!r}")
         for f in ("views_min_tokens", "grouped_max_keys", "dedup_max_head_dim", "gather_max_rows",
                   "adopt_bwd_max_elems", "piece_bytes", "graph_max_tokens", "graph_max_tokens_causal",
                   "graph_max_tokens_d64", "graph_max_tokens_gqa"):

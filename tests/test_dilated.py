@@ -539,6 +539,8 @@ def test_gqa_gathering_bound():
     assert gather_rows(t, graphs=False, mha=False) == gather_rows(t, graphs=True, mha=True) == t.gather_max_rows
     assert gather_rows(t, graphs=True, mha=False) == 0
     assert gather_rows(DilatedTuning(gather_gqa_graphed=True), graphs=True, mha=False) == t.gather_max_rows
+    with pytest.raises(ValueError, match="gather_gqa_graphed must be a bool"):
+        DilatedTuning(gather_gqa_graphed=1)
 
 
 def test_views_pieces_land_one_at_a_time(monkeypatch):

@@ -30,8 +30,8 @@ class DilatedPlan:
     q/k/v), ``"gather"`` (parts copied into dense blocks), ``"fused"`` (our
     Triton kernels, launched per ``fused_schedule``). The views path gathers
     stacked branches of at most ``gather_max_rows`` (row, head) pairs
-    (``gather_max_rows_bwd`` in the backward; see :func:`gather_rows`), cuts calls at ``piece_bytes``
-    of output and adopts the base branch's gradients whole up to
+    (``gather_max_rows_bwd`` in the backward; see :func:`gather_rows`), cuts
+    calls at ``piece_bytes`` of output and adopts the base branch's gradients whole up to
     ``adopt_bwd_max_elems`` elements. ``autotune``: the fused kernels' tile
     mode (see :class:`longattn.kernels.autotune.Autotuner`; '' the environment's).
     ``concurrent``: the views path launches its calls on side streams at once

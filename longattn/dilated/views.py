@@ -5,9 +5,9 @@ Views (MHA; GQA whose rates and group size divide each other): every part is
 a strided view of q/k/v (no copies; GQA: the kv heads the class reads, see
 :meth:`Part.kv_view`), for MHA a branch's classes stacked into few calls
 (:class:`Unit`; small branches whose classes do not stack, MHA or GQA, are
-copied into one dense block: calls cost host time), and each result merges into the output in
-place (one Triton pass on CUDA, float32 arithmetic, the output kept in its
-dtype). Gather (GQA with other rates): parts copied into dense blocks, merged
+copied into one dense block: calls cost host time), and each result merges
+into the output in place (one Triton pass on CUDA, float32 arithmetic, the
+output kept in its dtype). Gather (GQA with other rates): parts copied into dense blocks, merged
 into float32 accumulators.
 
 The backward reruns each part's local backward with the *merged* output and
@@ -72,17 +72,23 @@ def _gather_views(*xs: torch.Tensor) -> list[torch.Tensor]:
     :meth:`Unit.kv_view`) -> dense (N, m, Hc, D) copies: on CUDA one Triton
     launch per shape for up to three 5-D views, torch's copy for the rest."""
     dense = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
-    fused = xs[0].is_cuda and kmerge.usable(xs[0])
+    _pairwise(dense, xs, xs[0].is_cuda and kmerge.usable(xs[0]), kmerge.copy_into, torch.Tensor.copy_)
+    return [d.view(-1, *d.shape[-3:]) for d in dense]
+
+
+def _pairwise(dsts, srcs, fused: bool, launch, each) -> None:
+    """``each(dst, src)`` for every pair, where ``fused`` in one ``launch`` of
+    :mod:`longattn.kernels.merge` per shape and up to three pairs (tensors of
+    at most 5 dims, unit stride in D); torch's op for the rest."""
     same: dict = {}
-    for d, x in zip(dense, xs):
-        if fused and x.dim() <= 5 and x.stride(-1) == 1:
-            same.setdefault(x.shape, []).append((d, x))
+    for d, s in zip(dsts, srcs):
+        if fused and d.dim() <= 5 and d.stride(-1) == s.stride(-1) == 1:
+            same.setdefault(d.shape, []).append((d, s))
         else:
-            d.copy_(x)
+            each(d, s)
     for pairs in same.values():
         for a in range(0, len(pairs), 3):
-            kmerge.copy_into([d for d, _ in pairs[a:a + 3]], [x for _, x in pairs[a:a + 3]])
-    return [d.view(-1, *d.shape[-3:]) for d in dense]
+            launch([d for d, _ in pairs[a:a + 3]], [s for _, s in pairs[a:a + 3]])
 
 
 # ------------------------------------------------------------------------ forward
@@ -295,14 +301,7 @@ def add_grads(dsts, srcs, fused: bool) -> None:
     one shape (GQA: a class's kv view can have fewer heads than its query
     view, then dQ goes alone and dK/dV together); torch's add for the 6-D
     views of a gathered GQA branch's keys and values (:meth:`Unit.kv_view`)."""
-    same: dict = {}
-    for d, g in zip(dsts, srcs):
-        if fused and d.dim() <= 5 and d.stride(-1) == g.stride(-1) == 1:
-            same.setdefault(d.shape, []).append((d, g))
-        else:
-            d.add_(g)
-    for pairs in same.values():
-        kmerge.add_into([d for d, _ in pairs], [g for _, g in pairs])
+    _pairwise(dsts, srcs, fused, kmerge.add_into, torch.Tensor.add_)
 
 
 def _gather_backward(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, causal, scale, backend):
