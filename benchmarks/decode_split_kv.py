@@ -12,7 +12,9 @@ kernel on views of the cache, and SDPA (flash, cuDNN) over a whole
 preallocated cache, each ``cold`` (one isolated step, host time counts) and
 ``batched``; with ``--batch`` above 1 also attention over rows of different
 lengths (n down to about n / 2): one split-KV launch against one flash call
-per row. Outputs are checked
+per row. ``--layout token head``: the cache stored token-major (B, S, Hkv, D)
+or head-major (B, Hkv, S, D), the kernel reading both as (B, S, Hkv, D) views
+(SDPA always gets its own best, head-major contiguous). Outputs are checked
 against the flash kernel's.
 
     python benchmarks/decode_split_kv.py --json out.json
@@ -45,6 +47,8 @@ p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
 p.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 4, 8])
 p.add_argument("--heads-fastest", type=int, nargs="+", default=[0, 1], help="launch orders (0: splits, 1: heads)")
 p.add_argument("--min-split", type=int, default=256)
+p.add_argument("--layout", nargs="+", default=["token"], choices=["token", "head"],
+               help="cache storage: token-major (B, S, Hkv, D) or head-major (B, Hkv, S, D), read as (B, S, Hkv, D) views")
 p.add_argument("--iters", type=int, default=30)
 p.add_argument("--json")
 a = p.parse_args()
@@ -70,10 +74,13 @@ def graphed(fn):
     return _captured(reps)
 
 
-def case(n, b):
+def case(n, b, layout):
     h, hkv, d = a.heads, a.kv_heads, a.head_dim
     g = torch.Generator(device=dev).manual_seed(0)
-    kc, vc = (torch.randn(b, n + 4096, hkv, d, device=dev, dtype=dt, generator=g) for _ in range(2))
+    if layout == "head":
+        kc, vc = (torch.randn(b, hkv, n + 4096, d, device=dev, dtype=dt, generator=g).transpose(1, 2) for _ in range(2))
+    else:
+        kc, vc = (torch.randn(b, n + 4096, hkv, d, device=dev, dtype=dt, generator=g) for _ in range(2))
     q = torch.randn(b, 1, h, d, device=dev, dtype=dt, generator=g)
     kn, vn = (torch.randn(b, 1, hkv, d, device=dev, dtype=dt, generator=g) for _ in range(2))
     scale = d ** -0.5
@@ -88,12 +95,12 @@ def case(n, b):
             err = ((out.float() - want.float()).abs().max().item(), (lse - want_lse).abs().max().item())
             ms = time_ms(graphed(lambda: dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)), dev,
                          warmup=2, iters=a.iters)["median_ms"] / REPS
-            rows.append(dict(kind="tile", context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
+            rows.append(dict(kind="tile", layout=layout, context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
                              heads_fastest=hf, ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
         except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is recorded
-            rows.append(dict(kind="tile", context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
+            rows.append(dict(kind="tile", layout=layout, context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
                              heads_fastest=hf, status=_failure(e)))
-        log(f"context {n} batch {b}: tile {i + 1}/{len(grid)} {rows[-1].get('ms', rows[-1].get('status'))}")
+        log(f"context {n} batch {b} {layout}: tile {i + 1}/{len(grid)} {rows[-1].get('ms', rows[-1].get('status'))}")
     ok = [r for r in rows if "ms" in r]
     best = min(ok, key=lambda r: r["ms"])
     t_best = tuning(best["block_n"], best["warps"], best["stages"], best["programs_per_sm"], best["heads_fastest"])
@@ -129,9 +136,9 @@ def case(n, b):
     for name, fn in steps.items():
         for timing in ("cold", "batched"):
             r = time_ms(fn, dev, warmup=3, iters=a.iters, batched=timing == "batched")
-            rows.append(dict(kind="step", context=n, batch=b, impl=name, timing=timing, ms=r["median_ms"],
+            rows.append(dict(kind="step", layout=layout, context=n, batch=b, impl=name, timing=timing, ms=r["median_ms"],
                              host_ms=r["host_ms"]))
-        log(f"context {n} batch {b}: step {name} {rows[-2]['ms']:.3f} cold / {rows[-1]['ms']:.3f} batched ms")
+        log(f"context {n} batch {b} {layout}: step {name} {rows[-2]['ms']:.3f} cold / {rows[-1]['ms']:.3f} batched ms")
     del kc, vc, kt, vt
     torch.cuda.empty_cache()
     return rows, best
@@ -140,11 +147,11 @@ def case(n, b):
 res = []
 table = []
 for n in a.context:
-    for b in a.batch:
-        rows, best = case(n, b)
+    for b, layout in itertools.product(a.batch, a.layout):
+        rows, best = case(n, b, layout)
         res += rows
         steps = {(r["impl"], r["timing"]): r for r in rows if r["kind"] == "step"}
-        table.append(f"| {n} | {b} | {best['block_n']}/{best['warps']}/{best['stages']}/{best['programs_per_sm']}{'/heads first' if best['heads_fastest'] else ''} | "
+        table.append(f"| {n} | {b} | {layout} | {best['block_n']}/{best['warps']}/{best['stages']}/{best['programs_per_sm']}{'/heads first' if best['heads_fastest'] else ''} | "
                      f"{best['ms']:.3f} ({best['gb_s']:.0f} GB/s) | "
                      + " | ".join(f"{steps[(i, 'cold')]['ms']:.3f} / {steps[(i, 'batched')]['ms']:.3f}"
                                   for i in ("split_kv_best", "split_kv_default", "flash", "sdpa_flash", "sdpa_cudnn"))
@@ -153,7 +160,7 @@ env = environment(dev, command=" ".join(["python", "benchmarks/decode_split_kv.p
 if a.json:  # json.dump, not measure.write_json: that would put a CSV of the rows beside it
     with open(result_path(a.json), "w") as f:
         json.dump(dict(kind="decode_split_kv", env=env, results=res), f, indent=1)
-print("| context | batch | best tile (block_n/warps/stages/programs per SM) | kernel ms | step ms cold / batched: "
+print("| context | batch | cache | best tile (block_n/warps/stages/programs per SM) | kernel ms | step ms cold / batched: "
       "split-KV best | split-KV default | flash (ours) | SDPA flash | SDPA cuDNN |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(table))
