@@ -7,7 +7,9 @@ exchange under ``FlexExchangeTuning(FIELD=VALUE, ...)`` (e.g.
 long side as views in batch rows): the measurements behind those fields.
 ``flex-exchange-serial`` is ``flex-exchange:concurrent=0``. GRAPH=1 (with
 PROFILE=0) also times each impl's forward + backward captured in one CUDA
-graph and replayed (no host time: what the host costs). An impl may be
+graph and replayed (no host time: what the host costs). HOSTPROF=1 (with
+PROFILE=0) also records cProfile of 5 forward + backward calls queued back to
+back (host time by function, own and cumulative). An impl may be
 listed twice (timed twice, alternating). One JSON per rank in OUTDIR; rank 0
 prints a line per (config, impl).
 
@@ -17,7 +19,7 @@ prints a line per (config, impl).
 IMPLS: flex-exchange[:FIELD=VALUE,...], flex-exchange-serial, flex-ring, flex-ring-contiguous (default:
 flex-exchange flex-ring).
 """
-import json, os, sys
+import cProfile, io, json, os, pstats, sys
 import torch, torch.distributed as dist
 from torch.profiler import profile, ProfilerActivity
 from longattn.bench import dist as bd
@@ -85,6 +87,19 @@ for name in cfgs:
             while key in res: key += '+'
             res[key] = {'fwd_ms': ts[mid][0], 'fwd_bwd_ms': ts[mid][1], 'peak_mib': peak, 'all': ts}
             if rank == 0: print(f'{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f}', flush=True)
+            if os.environ.get('HOSTPROF') == '1':
+                dist.barrier(); torch.cuda.synchronize()
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(5):
+                    step()
+                pr.disable()
+                torch.cuda.synchronize()
+                for order in ('tottime', 'cumulative'):
+                    buf = io.StringIO()
+                    pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(45)
+                    res[key][f'host_profile_{order}'] = buf.getvalue()
+                if rank == 0: print(res[key]['host_profile_tottime'][:2500], flush=True)
             if os.environ.get('GRAPH') == '1':  # the same fwd+bwd captured in one CUDA graph: no host time at all
                 try:
                     side = torch.cuda.Stream()
