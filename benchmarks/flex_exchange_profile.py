@@ -9,7 +9,10 @@ long side as views in batch rows): the measurements behind those fields.
 PROFILE=0) also times each impl's forward + backward captured in one CUDA
 graph and replayed (no host time: what the host costs). HOSTPROF=1 (with
 PROFILE=0) also records cProfile of 5 forward + backward calls queued back to
-back (host time by function, own and cumulative). An impl may be
+back (host time by function, own and cumulative), and times 10 forward +
+backward calls each queued behind a 40 ms GPU sleep: the call's host time
+(what issuing it costs; longer if it waits on the GPU) and its GPU time
+alone (from the end of the sleep). An impl may be
 listed twice (timed twice, alternating). One JSON per rank in OUTDIR; rank 0
 prints a line per (config, impl).
 
@@ -19,7 +22,7 @@ prints a line per (config, impl).
 IMPLS: flex-exchange[:FIELD=VALUE,...], flex-exchange-serial, flex-ring, flex-ring-contiguous (default:
 flex-exchange flex-ring).
 """
-import cProfile, io, json, os, pstats, sys
+import cProfile, io, json, os, pstats, sys, time
 import torch, torch.distributed as dist
 from torch.profiler import profile, ProfilerActivity
 from longattn.bench import dist as bd
@@ -99,7 +102,21 @@ for name in cfgs:
                     buf = io.StringIO()
                     pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(45)
                     res[key][f'host_profile_{order}'] = buf.getvalue()
-                if rank == 0: print(res[key]['host_profile_tottime'][:2500], flush=True)
+                cyc = int(2e7)  # GPU sleep calibrated: cycles per ms
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record(); torch.cuda._sleep(cyc); e1.record(); torch.cuda.synchronize()
+                per_ms = cyc / e0.elapsed_time(e1)
+                hs, gs = [], []
+                for _ in range(10):
+                    dist.barrier(); torch.cuda.synchronize()
+                    torch.cuda._sleep(int(40 * per_ms))
+                    ev[2].record()
+                    t0 = time.perf_counter(); step(); hs.append((time.perf_counter() - t0) * 1e3)
+                    ev[3].record(); torch.cuda.synchronize()
+                    gs.append(ev[2].elapsed_time(ev[3]))
+                res[key]['after_sleep'] = {'host_ms': sorted(hs)[5], 'gpu_ms': sorted(gs)[5], 'all': list(zip(hs, gs))}
+                if rank == 0: print(f"{name} {impl} x{world}: behind a 40 ms GPU sleep: host {sorted(hs)[5]:.2f} ms, "
+                                    f"GPU alone {sorted(gs)[5]:.2f} ms", flush=True)
             if os.environ.get('GRAPH') == '1':  # the same fwd+bwd captured in one CUDA graph: no host time at all
                 try:
                     side = torch.cuda.Stream()
