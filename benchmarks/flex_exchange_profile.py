@@ -22,10 +22,10 @@ prints a line per (config, impl).
 IMPLS: flex-exchange[:FIELD=VALUE,...], flex-exchange-serial, flex-ring, flex-ring-contiguous (default:
 flex-exchange flex-ring).
 """
-import cProfile, io, json, os, pstats, sys, time
+import json, os, sys, time
 import torch, torch.distributed as dist
 from torch.profiler import profile, ProfilerActivity
-from longattn.bench import dist as bd
+from longattn.bench import dist as bd, measure
 from longattn.bench.configs import CONFIGS
 from longattn.bench.torch_cp import flex_dist_build
 
@@ -92,16 +92,8 @@ for name in cfgs:
             if rank == 0: print(f'{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f}', flush=True)
             if os.environ.get('HOSTPROF') == '1':
                 dist.barrier(); torch.cuda.synchronize()
-                pr = cProfile.Profile()
-                pr.enable()
-                for _ in range(5):
-                    step()
-                pr.disable()
-                torch.cuda.synchronize()
-                for order in ('tottime', 'cumulative'):
-                    buf = io.StringIO()
-                    pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(45)
-                    res[key][f'host_profile_{order}'] = buf.getvalue()
+                for order, text in measure.host_profile(step, 5, dev).items():
+                    res[key][f'host_profile_{order}'] = text
                 cyc = int(2e7)  # GPU sleep calibrated: cycles per ms
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record(); torch.cuda._sleep(cyc); e1.record(); torch.cuda.synchronize()

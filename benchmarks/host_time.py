@@ -13,10 +13,7 @@ of 10 calls (by own time and cumulative).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import time
 
 import torch
@@ -83,16 +80,8 @@ def main() -> None:
             t2 = time.perf_counter()
             r[what + "_host_us"] = (t1 - t0) / n * 1e6
             r[what + "_with_gpu_us"] = (t2 - t0) / n * 1e6
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(10):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        for key, order, rows in (("profile_tottime", "tottime", 22), ("profile_cum", "cumulative", 40)):
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(rows)
-            r[key] = text.getvalue()[-7000:]
+        prof = measure.host_profile(step, 10, dev, (("tottime", 22), ("cumulative", 40)))
+        r["profile_tottime"], r["profile_cum"] = prof["tottime"][-7000:], prof["cumulative"][-7000:]
         res[name] = r
         print(f"{name:20s} " + " ".join(f"{k}={x:.0f}" for k, x in r.items() if k.endswith("us")), flush=True)
     if a.json:

@@ -190,6 +190,28 @@ def profile_top_kernels(fn: Callable[[], object], device: torch.device, top: int
     return rows
 
 
+def host_profile(fn: Callable[[], object], calls: int, device: torch.device,
+                 orders: tuple = (("tottime", 45), ("cumulative", 45))) -> dict:
+    """cProfile of ``calls`` calls of ``fn`` queued back to back (the host's
+    time by function; the GPU's work waited for after the profile stops):
+    {order: the ``pstats`` listing of its first ``rows`` lines}."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    sync(device)
+    res = {}
+    for order, rows in orders:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(rows)
+        res[order] = text.getvalue()
+    return res
+
+
 def git_commit() -> Optional[str]:
     """HEAD (with -dirty), or $LONGATTN_COMMIT where the tree was copied without .git."""
     if os.environ.get("LONGATTN_COMMIT"):
