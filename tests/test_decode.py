@@ -147,7 +147,8 @@ triton_ok = pytest.mark.skipif(not longattn.kernels_available(),
 def test_split_kv_kernel_matches_reference(h, hkv, lq):
     """The split-KV decode kernel (backend="triton"): rows of different
     lengths in one launch (lengths on the host and as a tensor), equal lengths,
-    several splits per row, causal and not, an empty row, a strided cache."""
+    several splits per row, causal and not, an empty row, a strided cache, a
+    head-major one."""
     from longattn.kernels import decode as kdec
     from longattn.decode.engine import dense_engine
 
@@ -183,6 +184,13 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
                                programs_per_sm=64, min_split=16, lens_tensor=big[:, 0])
         _rows(dev_only, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, causal), lens,
               f"triton device lengths h={h}/{hkv} lq={lq} causal={causal}")
+    # a cache stored head-major (B, Hkv, S, D), as SDPA's, read through (B, S, Hkv, D) views
+    kh, vh = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    lens = [77, lq, 40]
+    got = longattn.decode_attention(q, kh, vh, cache_seqlens=torch.tensor(lens, dtype=I32), causal=True,
+                                    return_lse=True, backend="triton")
+    _rows(got, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, True), lens,
+          f"triton head-major cache h={h}/{hkv} lq={lq}")
     over = kdec.decode(q, k, v, None, False, d ** -0.5, block_n=16, num_warps=1, num_stages=1, programs_per_sm=4,
                        min_split=16, lens_tensor=torch.tensor([cap + 7, 3, cap], dtype=I32))
     _rows(over, lambda i, n: _dense_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], n, False), [cap, 3, cap],
