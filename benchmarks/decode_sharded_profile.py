@@ -17,11 +17,15 @@ gloo on the host. A sharded step's checks travel in its one all-gather.
 Timing: each sample is ``--steps-per-sample`` steps (default one, from an idle
 GPU; ranks aligned by a barrier), CUDA events around them, host time beside
 (perf_counter to the last launch), per step; the median of ``--iters``. The caches hold random K/V (no prefill: this script
-times the step). Rank 0 writes the JSON and prints a table.
+times the step). Rank 0 writes the JSON and prints a table. The step runs
+with its checks as ``DecodeTuning.sharded_checks`` picks (``sharded_step``),
+then apart and in the partials' all-gather (apart needs a group with a CPU
+backend: under ``nccl`` alone its checks travel on the GPU too).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -88,13 +92,18 @@ def build(a, dev, dt, rank: int, world: int):
 
 
 def variants(a, caches, kn, vn, qn, n: int, cuda: bool) -> dict:
-    """The sharded step, and the same attention on this rank's part alone (no collective)."""
+    """The sharded step (its checks as ``DecodeTuning.sharded_checks`` picks, then each way: exchanged apart on
+    the host, or in the partials' all-gather), and the same attention on this rank's part alone (no
+    collective)."""
     lens = torch.tensor([n], dtype=torch.int32)
 
-    def step():
-        for c in caches:
-            c.append(kn, vn)
-            c.attend(qn, backend=a.backend)
+    def stepper(mode):
+        def step():
+            for c in caches:
+                c.tuning = dataclasses.replace(c.tuning, sharded_checks=mode)
+                c.append(kn, vn)
+                c.attend(qn, backend=a.backend)
+        return step
 
     def local():
         for c in caches:
@@ -108,7 +117,8 @@ def variants(a, caches, kn, vn, qn, n: int, cuda: bool) -> dict:
                 torch.nn.functional.scaled_dot_product_attention(
                     qn.transpose(1, 2), c.k[:, :n].transpose(1, 2), c.v[:, :n].transpose(1, 2), enable_gqa=True)
 
-    return dict(sharded_step=step, local_decode_attention=local, local_sdpa_flash=sdpa)
+    steps = {f"sharded_step_checks_{m}": stepper(m) for m in ("apart", "with_partials")}
+    return dict(sharded_step=stepper("auto"), **steps, local_decode_attention=local, local_sdpa_flash=sdpa)
 
 
 def profiled(step, layers: int, cuda: bool):
@@ -138,7 +148,7 @@ def report(a, dev, world: int, n: int, rows: dict, kernels, hosts) -> None:
     print(f"context {a.context} over {world} ranks ({n} local), {a.layers} layers, pg {a.pg_backend}, "
           f"backend {a.backend}: ms per layer (host)")
     for k, r in rows.items():
-        print(f"  {k:24s} {r['ms_per_layer']:.3f} ({r['host_ms_per_layer']:.3f})")
+        print(f"  {k:34s} {r['ms_per_layer']:.3f} ({r['host_ms_per_layer']:.3f})")
     for k in kernels or []:
         print(f"  kernel {k['name'][:60]:60s} {k['calls_per_layer']:.1f}/layer {k['device_us_per_layer']:.0f} us")
     print(json.dumps(rows))

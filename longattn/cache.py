@@ -20,7 +20,7 @@ from .decode.checks import check_cache_tensors, describe, no_capture
 from .decode.dilated import dilated_part
 from .decode.engine import dense_engine, dense_part
 from .decode.graph_steps import StepGraphs
-from .decode.sharded import gather_partials
+from .decode.sharded import checks_apart, gather_partials
 
 __all__ = ["KVCache"]
 
@@ -357,19 +357,28 @@ class KVCache:
                           ragged=len(set(lens)) > 1, softcap=softcap)
 
     def _attend_sharded(self, q, fields: dict, problem: Optional[Exception], part):
-        """The merged (out, lse) of every rank's ``part()``: one all-gather that
-        also carries each rank's digest of the call and of its placement and
-        its problems, judged alike on every rank (:meth:`_judge`)."""
+        """The merged (out, lse) of every rank's ``part()``, with each rank's
+        digest of the call and of its placement and its problems judged alike
+        on every rank (:meth:`_judge`): exchanged in the header of the
+        partials' one all-gather, or apart before it, on the host
+        (:func:`.decode.sharded.checks_apart`)."""
         call = checks.digest(fields)
+        if checks_apart(self.group, self.k.device, self.tuning):
+            result = None
+            if problem is None and self._pending is None:
+                result, problem = checks.local_problem(part)
+            heads = checks.gather_ints(self.group, self._header(call, problem, True))
+            self._judge(heads, problem, fields)
+            merge = gather_partials(result, tuple(q.shape), [], self.group, self.k.device)[1]
+            self._since_attend = None
+            return merge()
         shape = tuple(q.shape) if problem is None else None
         same = problem is None and self._pending is None and self._agreed == (call, shape)
         result = None
         if same:  # a part that raises (a forced backend refusing this rank's keys) is this rank's problem
             result, problem = checks.local_problem(part)
             same = problem is None
-        placed = self.layout.digest()
-        header = [call & _MASK, call >> 28, placed & _MASK, placed >> 28, int(problem is not None),
-                  int(self._pending is not None), int(not same)]
+        header = self._header(call, problem, same)
         agreed_shape = None if self._agreed is None else self._agreed[1]
         heads, merge = gather_partials(result, agreed_shape, header, self.group, self.k.device)
         self._judge(heads, problem, fields)
@@ -380,6 +389,12 @@ class KVCache:
             checks.raise_flagged("KVCache.attend", problem, [r for r, h in enumerate(heads) if h[0]])
         self._since_attend = None
         return merge()
+
+    def _header(self, call: int, problem: Optional[Exception], same: bool) -> list:
+        """This rank's checks of an attend, as ints in [0, 2**31) (:meth:`_judge` reads them)."""
+        placed = self.layout.digest()
+        return [call & _MASK, call >> 28, placed & _MASK, placed >> 28, int(problem is not None),
+                int(self._pending is not None), int(not same)]
 
     def _judge(self, heads: list, problem: Optional[Exception], fields: dict) -> None:
         """Raise alike on every rank (they all read the same ``heads``) when an

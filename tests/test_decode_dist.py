@@ -6,12 +6,15 @@ from a contiguous or zigzag prefill shard or from the whole prompt, and the
 raw decode_attention over parts; LongNetLM greedy generation from a sharded
 cache gives the one-device tokens; a step is one collective; bad inputs
 raise on every rank."""
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longattn
+from longattn.decode.sharded import checks_apart
 from longattn.distributed.cache import CacheLayout
 from dist_utils import assert_group_usable, generator, run_world
 from reference import assert_close, attention_ref, dilated_ref
@@ -54,6 +57,8 @@ def _check_steps(rank, world):
                                                           longattn.shard(v, layout=layout), seqlens=lens,
                                                           layout=layout, group=g, reserve=3, block=2),
             "from_sequence": longattn.KVCache.from_sequence(k, v, seqlens=lens, layout=layout, group=g, block=1),
+            "from_sequence, checks apart": _checks(longattn.KVCache.from_sequence(
+                k, v, seqlens=lens, layout=layout, group=g, block=1), "apart"),
         }
         ks = [k[i:i + 1, :n] for i, n in enumerate(lens)]
         vs = [v[i:i + 1, :n] for i, n in enumerate(lens)]
@@ -95,16 +100,29 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _checks(cache, mode):
+    """``cache`` with its step's checks exchanged as ``mode`` says (DecodeTuning.sharded_checks)."""
+    cache.tuning = dataclasses.replace(cache.tuning, sharded_checks=mode)
+    return cache
+
+
 def _check_one_collective_per_step(rank, world):
-    # a decode step (append, then attend) meets the other ranks once: the partial results' all-gather, which also
-    # carries the checks; a query of a new shape first exchanges the checks alone (one more)
-    cache = longattn.KVCache.from_prefill(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), group=dist.group.WORLD,
-                                          reserve=8)
-    for lq, want in ((1, 2), (1, 1), (1, 1), (2, 2), (2, 1)):
-        with _Collectives() as seen:
-            cache.append(torch.randn(1, lq, 2, 8), torch.randn(1, lq, 2, 8))
-            cache.attend(torch.randn(1, lq, 4, 8))
-        assert len(seen.names) == want, (lq, seen.names)
+    # with the checks in the partials' header (auto on CPU tensors), a decode step (append, then attend) meets
+    # the other ranks once: the partial results' all-gather; a query of a new shape first exchanges the checks
+    # alone (one more). Apart (auto where the partials are on a GPU and the group has a CPU backend): the checks'
+    # all-gather, then the partials', every step
+    one, two = (2, 1, 1, 2, 1), (2,) * 5
+    auto = two if checks_apart(dist.group.WORLD, torch.empty(0).device, longattn.tuning.DECODE) else one
+    for mode, counts in (("auto", auto), ("with_partials", one), ("apart", two)):
+        cache = _checks(longattn.KVCache.from_prefill(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8),
+                                                      group=dist.group.WORLD, reserve=8), mode)
+        for lq, want in zip((1, 1, 1, 2, 2), counts):
+            with _Collectives() as seen:
+                cache.append(torch.randn(1, lq, 2, 8), torch.randn(1, lq, 2, 8))
+                cache.attend(torch.randn(1, lq, 4, 8))
+            assert len(seen.names) == want, (mode, lq, seen.names)
+    with pytest.raises(ValueError, match="sharded_checks"):
+        _checks(cache, "late").attend(torch.randn(1, 1, 4, 8))
 
 
 def _check_empty_part(rank, world):
@@ -208,7 +226,7 @@ def _check_errors(rank, world):
     call = lambda **kw: longattn.decode_attention(**{**dict(q=q, k_cache=k, v_cache=k, cache_seqlens=lens,
                                                             group=g), **kw})
     call()
-    # lengths out of range on one rank (a per-call value): every rank raises after the merge's all-gather
+    # lengths out of range on one rank (a per-call value): every rank raises at the agreement, before the merge
     bad = torch.tensor([7 if rank == 0 else 4], dtype=torch.int32)
     _raises_everywhere(world, r"\[0, 6\]" if rank == 0 else "rank\\(s\\) \\[0\\]", lambda: call(cache_seqlens=bad))
     # a problem on one rank only, after every rank passed a good call of the same shapes: the check
@@ -228,9 +246,15 @@ def _check_errors(rank, world):
     # the cache: a prefill whose shard differs, an append of the wrong shape on one rank
     kl = torch.randn(1, 4 + 2 * rank, 2, 8)
     _raises_everywhere(world, "differ across ranks", lambda: longattn.KVCache.from_prefill(kl, kl, group=g))
+    for mode in ("with_partials", "apart"):
+        _check_cache_errors(rank, world, mode, q, call)
+
+
+def _check_cache_errors(rank, world, mode, q, call):
+    g = dist.group.WORLD
     # appends run no collective: one of the wrong shape on one rank is raised by the next attend on every rank,
     # and the appends since the previous attend are undone (the cache stays usable)
-    cache = longattn.KVCache.from_prefill(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), group=g)
+    cache = _checks(longattn.KVCache.from_prefill(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), group=g), mode)
     kn = torch.randn(1, 1, 2 if rank != 1 else 3, 8)
     assert (cache.append(kn, kn) is None) == (rank == 1)
     _raises_everywhere(world, "nheads_kv=2" if rank == 1 else r"rank\(s\) \[1\]", lambda: cache.attend(q))

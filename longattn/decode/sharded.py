@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
-from .._merge import empty_state, merge_
+from .._merge import merge_
 from .._sinks import apply_sinks, sinks_meta
 from ..distributed import checks as dist_checks
 from .checks import check_decode_args, check_lengths, describe, no_capture
@@ -59,21 +59,30 @@ def gather_partials(part: Optional[tuple[torch.Tensor, torch.Tensor]], shape: Op
     return heads, merge
 
 
-def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group, problem: Optional[Exception] = None,
-                     check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+SHARDED_CHECKS = ("auto", "apart", "with_partials")
+
+
+def checks_apart(group, device: torch.device, tuning) -> bool:
+    """Whether a sharded step exchanges its checks on their own before the
+    partials' all-gather (two collectives, the checks read without waiting for
+    the GPU) rather than in its header (one collective, read back: a device
+    sync where the partials are on a GPU). ``tuning.sharded_checks``
+    (:class:`longattn.tuning.DecodeTuning`): "auto" apart where the partials
+    are on a GPU and the group has a CPU backend."""
+    mode = tuning.sharded_checks
+    if mode not in SHARDED_CHECKS:
+        raise ValueError(f"DecodeTuning.sharded_checks={mode!r}: choose one of {SHARDED_CHECKS}")
+    if mode == "auto":
+        return device.type == "cuda" and dist_checks.checks_on_host(group)
+    return mode == "apart"
+
+
+def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's partial (out ``(B, Lq, H, D)``, lse ``(B, H, Lq)``) merged by
     lse in float32, the same on every rank: one all-gather of
-    ``B * Lq * H * (D + 1)`` floats per rank, whatever the context length.
-
-    ``check``: the gathered block also carries a flag per rank, and every rank
-    raises when one reported a ``problem`` (that rank joins the all-gather
-    with zeros first, so no rank waits); reading the flags costs a device sync.
-    """
-    heads, merge = gather_partials((out, lse), tuple(out.shape), [int(problem is not None)] if check else [], group,
-                                   out.device)
-    if check:
-        dist_checks.raise_flagged("decode_attention", problem, [r for r, f in enumerate(heads) if f[0]])
-    return merge()
+    ``B * Lq * H * (D + 1)`` floats per rank, whatever the context length,
+    nothing read back (the ranks agreed on the call before)."""
+    return gather_partials((out, lse), tuple(out.shape), [], group, out.device)[1]()
 
 
 def decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, return_lse, backend: str, group,
@@ -81,29 +90,29 @@ def decode_call(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, retur
     """:func:`longattn.decode_attention` with ``group``: the call agreed on
     every rank (the capacity and the lengths may differ; everything else may
     not), each rank's part, merged; (out in q's dtype, lse), the same on every
-    rank. A rank whose lengths are out of range joins the merge with zeros and
-    every rank raises. The sinks merge once, after the ranks' parts."""
+    rank. A rank whose lengths are out of range (or whose arguments are bad)
+    makes every rank raise before the merge. The sinks merge once, after the ranks' parts.
+
+    Each rank checks its arguments and lengths and queues its part first, then
+    the ranks agree (one small all-gather, read on the host where the group
+    has a CPU backend: no device sync) and every rank raises where one had a
+    problem or the calls differ; then one all-gather of the partials."""
     no_capture(q, "decode_attention(..., group=...)")
     g = dist_checks.resolve_group(group)
-    problem = None
+    problem = out = lse = None
     try:
         softcap = check_decode_args(q, k_cache, v_cache, cache_seqlens, causal, return_lse, softmax_scale, backend,
                                     softcap, sinks)
-    except (TypeError, ValueError) as e:
+        lens = cache_seqlens.tolist()
+        check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
+        out, lse = dense_part(q, k_cache, v_cache, lens, causal, bk.default_scale(q.shape[-1], softmax_scale),
+                              backend, on_device(cache_seqlens, q), softcap=softcap)
+    except (TypeError, ValueError) as e:  # a part that raises (a forced backend refusing) is this rank's problem
         problem = e
     dist_checks.agree(g, "decode_attention", problem, q=describe(q), k=describe(k_cache, capacity=False),
                       v=describe(v_cache, capacity=False), seqlens=describe(cache_seqlens), scale=softmax_scale,
                       lse=return_lse, backend=backend, softcap=softcap, sinks=sinks_meta(sinks))
-    scale = bk.default_scale(q.shape[-1], softmax_scale)
-    lens = cache_seqlens.tolist()
-    try:
-        check_lengths(lens, k_cache.shape[1], q.shape[1], causal)
-        out, lse = dense_part(q, k_cache, v_cache, lens, causal, scale, backend, on_device(cache_seqlens, q),
-                              softcap=softcap)
-    except ValueError as e:
-        problem = e
-        out, lse = empty_state(q, q.dtype)
-    out, lse = merge_over_ranks(out, lse, g, problem, check=True)
+    out, lse = merge_over_ranks(out, lse, g)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return out.to(q.dtype), lse

@@ -84,6 +84,23 @@ def _device_for(group) -> torch.device:
     return torch.device("cpu")
 
 
+def checks_on_host(group) -> bool:
+    """Whether ``group`` has a CPU backend (``gloo``, ``"cpu:gloo,cuda:nccl"``):
+    its small check tensors travel and are read without waiting for the GPU."""
+    return _device_for(group).type == "cpu"
+
+
+def gather_ints(group, values: Sequence[int], device: Optional[torch.device] = None) -> list[list[int]]:
+    """Every rank's ``values`` (the same count of int64 on every rank), as host
+    ints, rank order: one small all-gather on ``device`` (default: where the
+    group's checks travel, :func:`checks_on_host`), one device-to-host copy."""
+    dev = _device_for(group) if device is None else device
+    t = torch.tensor(list(values), dtype=torch.int64, device=dev)
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, t, group=group)
+    return torch.stack(got).cpu().tolist()
+
+
 def handshake(group, what: str, problem: Union[None, str, Exception] = None, once: bool = False,
               **fields) -> None:
     """The cross-rank agreement every distributed call makes before its
@@ -127,10 +144,7 @@ def _handshake(group, what, problem, once, fields) -> None:
         raise problem or ValueError(f"{what}: a first call with these arguments agrees on them across ranks with a "
                                     f"collective read on the host, which CUDA graph capture cannot run: call it once "
                                     f"with these arguments before capturing")
-    t = torch.tensor([digest(fields), problem is not None], dtype=torch.int64, device=dev)
-    got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, t, group=group)
-    vals = torch.stack(got).cpu().tolist()  # one device-to-host copy
+    vals = gather_ints(group, [digest(fields), int(problem is not None)], dev)
     if problem is not None:
         raise problem
     me = dist.get_rank(group)
