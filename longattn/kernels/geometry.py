@@ -4,6 +4,8 @@ dilated branch; :class:`GroupedPlan` for the grouped dilated schedule) and the
 built-in tile table."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # (kind, headdim bucket) -> launch config; kinds: fwd, dkdv (BLOCK_M query
@@ -151,7 +153,24 @@ class GroupedPlan:
 
     def table(self, device) -> torch.Tensor:
         """int32: (w, r) per branch, then the class offsets from a head's own
-        class, by decreasing number of branches that select them."""
+        class, by decreasing number of branches that select them. On the
+        device once per branches and kept (a captured pass reads it at every
+        replay); inside a CUDA graph capture, copied from a kept pinned host
+        tensor (a pageable copy is illegal there; the copy is a graph node)."""
         order = sorted(range(self.r0), key=lambda o: -sum(o % r == 0 for r in self.rates))
-        return torch.tensor([x for wr in zip(self.segs, self.rates) for x in wr] + order, dtype=torch.int32,
-                            device=device)
+        values = tuple(int(x) for wr in zip(self.segs, self.rates) for x in wr) + tuple(order)
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return _pinned_table(values).to(device, non_blocking=True)
+        return _device_table(values, device)
+
+
+# never evicted: a graph captured over a table reads it at every replay (a few ints per set of branches)
+@functools.lru_cache(maxsize=None)
+def _device_table(values: tuple, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _pinned_table(values: tuple) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).pin_memory()
