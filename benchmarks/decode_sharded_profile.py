@@ -54,6 +54,9 @@ def parse(argv=None):
                    help="steps back to back in a sample (1: a step from an idle GPU; more: as a generation loop)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also cProfile 10 steps (as DecodeTuning.sharded_checks picks) queued back to back: the "
+                        "host's time by function, where it issues or waits")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -148,10 +151,12 @@ def report(a, dev, world: int, n: int, rows: dict, kernels, hosts) -> None:
     print(f"context {a.context} over {world} ranks ({n} local), {a.layers} layers, pg {a.pg_backend}, "
           f"backend {a.backend}: ms per layer (host)")
     for k, r in rows.items():
+        if "ms_per_layer" not in r:
+            continue
         print(f"  {k:34s} {r['ms_per_layer']:.3f} ({r['host_ms_per_layer']:.3f})")
     for k in kernels or []:
         print(f"  kernel {k['name'][:60]:60s} {k['calls_per_layer']:.1f}/layer {k['device_us_per_layer']:.0f} us")
-    print(json.dumps(rows))
+    print(json.dumps({k: r for k, r in rows.items() if "ms_per_layer" in r}))
 
 
 def main(argv=None):
@@ -171,6 +176,13 @@ def main(argv=None):
         t = timed(fn, a.iters, cuda, a.steps_per_sample)
         rows[name] = dict(ms_per_layer=t["ms"] / a.layers, host_ms_per_layer=t["host_ms"] / a.layers)
     kernels, hosts = (None, None) if a.no_profile else profiled(fns["sharded_step"], a.layers, cuda)
+    if a.host_profile:
+        from longattn.bench.measure import host_profile
+
+        dist.barrier()
+        rows["host_profile"] = host_profile(fns["sharded_step"], 10, dev, (("tottime", 30), ("cumulative", 40)))
+        if rank == 0:
+            print(rows["host_profile"]["tottime"])
     if rank == 0:
         report(a, dev, world, n, rows, kernels, hosts)
     dist.destroy_process_group()
