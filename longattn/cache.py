@@ -20,7 +20,7 @@ from .decode.checks import check_cache_tensors, describe, no_capture
 from .decode.dilated import dilated_part
 from .decode.engine import dense_engine, dense_part
 from .decode.graph_steps import StepGraphs
-from .decode.sharded import checks_apart, gather_partials
+from .decode.sharded import checks_apart, gather_checks, gather_partials
 
 __all__ = ["KVCache"]
 
@@ -360,14 +360,14 @@ class KVCache:
         """The merged (out, lse) of every rank's ``part()``, with each rank's
         digest of the call and of its placement and its problems judged alike
         on every rank (:meth:`_judge`): exchanged in the header of the
-        partials' one all-gather, or apart before it, on the host
+        partials' one all-gather, or apart before it
         (:func:`.decode.sharded.checks_apart`)."""
         call = checks.digest(fields)
-        if checks_apart(self.group, self.k.device, self.tuning):
+        if checks_apart(self.k.device, self.tuning):
             result = None
             if problem is None and self._pending is None:
                 result, problem = checks.local_problem(part)
-            heads = checks.gather_ints(self.group, self._header(call, problem, True))
+            heads = gather_checks(self._header(call, problem, True), self.group, self.k.device)
             self._judge(heads, problem, fields)
             merge = gather_partials(result, tuple(q.shape), [], self.group, self.k.device)[1]
             self._since_attend = None

@@ -279,13 +279,12 @@ class DecodeTuning:
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
     sharded_checks: str = measured(
-        "auto", "where a sharded KVCache step's cross-rank checks travel: \"with_partials\" in the all-gather of "
-                "the ranks' partial results (one collective, its header read on the host: a device sync per "
-                "attend where the partials are on a GPU), \"apart\" in a host all-gather before it (two "
-                "collectives, no device sync: the host issues the next layers while the GPU runs), \"auto\" "
-                "apart where the partials are on a GPU and the group has a CPU backend (cpu:gloo,cuda:nccl). "
-                "Measured in the sharded decode step against each rank's attention alone (section 9 of "
-                "docs/performance.md): pending", "")
+        "auto", "where a sharded KVCache step's cross-rank checks travel: \"with_partials\" in the header of the "
+                "all-gather of the ranks' partial results (one collective, read back after it: the host waits for "
+                "the step's attention), \"apart\" in a small all-gather of their own issued from a side stream "
+                "(two collectives; the host waits for the previous step's, up to one step ahead of the GPU), "
+                "\"auto\" apart where the partials are on a GPU. Measured in the sharded decode step against each "
+                "rank's attention alone (section 9 of docs/performance.md): pending", "")
 
     def kernel_args(self, interpreted: bool, head_dim: int = 128) -> dict:
         """The split kernel's tiles for ``head_dim``; the CPU interpreter takes small ones (tests)."""

@@ -156,21 +156,23 @@ def test_dilated_passes_replayed_from_graphs(causal, hkv):
 @pytest.mark.parametrize("causal", [False, True])
 def test_dilated_fused_passes_replayed_from_graphs(causal):
     """The fused Triton kernels' passes (grouped schedule: a branch table on
-    the device) captured on a shape's second call and replayed: each call
-    equals the eager pass; a capture copies nothing from pageable host memory
-    (torch refuses that under capture)."""
+    the device), as a call over ranks runs its local branches: captured on a
+    shape's second call and replayed, each call equal to the eager pass; a
+    capture copies nothing from pageable host memory (torch refuses that)."""
+    import longattn.dilated as dil
     from longattn.dilated import graphs
-    segs, rates = [512, 1024, 2048], [1, 2, 4]
-    eager, graphed = (DilatedTuning().graphs_up_to(n) for n in (0, 1 << 20))
-    f = lambda q, k, v, t: longattn.dilated_attention(q, k, v, segment_lengths=segs, dilation_rates=rates,
-                                                      causal=causal, backend="triton", tuning=t)
+    segs, rates, scale = [512, 1024, 2048], [1, 2, 4], 64 ** -0.5
     graphs.clear()
     for call in range(3):
         q, k, v, do = _inputs(1, 2048, 8, 8, 64, seed=call)
-        want, _, wg = grads_of(lambda q, k, v: f(q, k, v, eager), [q, k, v], do)
-        got, _, gg = grads_of(lambda q, k, v: f(q, k, v, graphed), [q, k, v], do)
-        assert rel_err(got, want) < 1e-6 and all(rel_err(a, b) < 1e-4 for a, b in zip(gg, wg)), call
-    assert len(graphs._graphs) == 2
+        res = []
+        for t in (DilatedTuning().graphs_up_to(0), DilatedTuning().graphs_up_to(1 << 20)):
+            plan = dil.choose(q, k, segs, rates, causal, "triton", t)
+            assert plan.fwd == plan.bwd == "fused" and plan.graphs == (len(res) == 1)
+            out, lse = dil.forward(plan, q, k, v, segs, rates, causal, scale)
+            res.append((out, lse, *dil.backward(plan, do, q, k, v, out, lse, None, segs, rates, causal, scale)))
+        assert all(rel_err(a, b) < 1e-6 for a, b in zip(*res)), call
+    assert len(graphs._graphs) == 2  # one forward, one backward
     graphs.clear()
 
 

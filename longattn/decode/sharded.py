@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .. import backends as bk
 from .._merge import merge_
+from .._streams import side_stream
 from .._sinks import apply_sinks, sinks_meta
 from ..distributed import checks as dist_checks
 from .checks import check_decode_args, check_lengths, describe, no_capture
@@ -62,19 +63,31 @@ def gather_partials(part: Optional[tuple[torch.Tensor, torch.Tensor]], shape: Op
 SHARDED_CHECKS = ("auto", "apart", "with_partials")
 
 
-def checks_apart(group, device: torch.device, tuning) -> bool:
-    """Whether a sharded step exchanges its checks on their own before the
-    partials' all-gather (two collectives, the checks read without waiting for
-    the GPU) rather than in its header (one collective, read back: a device
-    sync where the partials are on a GPU). ``tuning.sharded_checks``
-    (:class:`longattn.tuning.DecodeTuning`): "auto" apart where the partials
-    are on a GPU and the group has a CPU backend."""
+def checks_apart(device: torch.device, tuning) -> bool:
+    """Whether a sharded step exchanges its checks in an all-gather of their
+    own before the partials' (:func:`gather_checks`: the host waits for the
+    previous step's collectives, not this step's attention) rather than in the
+    header of the partials' one all-gather (read back after it: the host waits
+    for this step's attention). ``tuning.sharded_checks``
+    (:class:`longattn.tuning.DecodeTuning`): "auto" apart where the partials are
+    on a GPU (on the CPU nothing is waited for either way: one collective)."""
     mode = tuning.sharded_checks
     if mode not in SHARDED_CHECKS:
         raise ValueError(f"DecodeTuning.sharded_checks={mode!r}: choose one of {SHARDED_CHECKS}")
-    if mode == "auto":
-        return device.type == "cuda" and dist_checks.checks_on_host(group)
-    return mode == "apart"
+    return device.type == "cuda" if mode == "auto" else mode == "apart"
+
+
+def gather_checks(header: Sequence[int], group, device: torch.device) -> list[list[int]]:
+    """Every rank's ``header`` ints (rank order) on the host, without waiting
+    for the work this rank has queued: on CUDA the all-gather is issued from a
+    side stream that does not wait for the current one. The group's
+    collectives still run in issue order, so it lands after the previous
+    step's all-gather of partials: the host stays up to one step ahead of the
+    GPU instead of waiting for this step's attention."""
+    if device.type != "cuda":
+        return dist_checks.gather_ints(group, header, device)
+    with torch.cuda.stream(side_stream(device, "decode checks")):
+        return dist_checks.gather_ints(group, header, device)
 
 
 def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:

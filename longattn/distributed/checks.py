@@ -84,16 +84,10 @@ def _device_for(group) -> torch.device:
     return torch.device("cpu")
 
 
-def checks_on_host(group) -> bool:
-    """Whether ``group`` has a CPU backend (``gloo``, ``"cpu:gloo,cuda:nccl"``):
-    its small check tensors travel and are read without waiting for the GPU."""
-    return _device_for(group).type == "cpu"
-
-
 def gather_ints(group, values: Sequence[int], device: Optional[torch.device] = None) -> list[list[int]]:
     """Every rank's ``values`` (the same count of int64 on every rank), as host
     ints, rank order: one small all-gather on ``device`` (default: where the
-    group's checks travel, :func:`checks_on_host`), one device-to-host copy."""
+    group's checks travel, :func:`_device_for`), one device-to-host copy."""
     dev = _device_for(group) if device is None else device
     t = torch.tensor(list(values), dtype=torch.int64, device=dev)
     got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
