@@ -295,8 +295,10 @@ def _check_errors_and_bench(rank, world):
 
     res = run(parse(["--context", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--warmup", "1",
                      "--iters", "2", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2"]))
-    assert res["world"] == world and [r["status"] for r in res["results"]] == ["ok", "ok"], res["results"]
-    assert all(r["decode_ms_per_layer"] > 0 and r["prefill_ms"] > 0 for r in res["results"])
+    rows = res["results"]  # on CPU `auto` per impl; on a GPU also each backend, refused ones with their reason
+    assert res["world"] == world and [r["status"] for r in rows if r["backend"] == "auto"] == ["ok", "ok"], rows
+    assert all(r["status"] == "ok" or (r["status"] == "unsupported" and r["reason"]) for r in rows), rows
+    assert all(r["decode_ms_per_layer"] > 0 and r["prefill_ms"] > 0 for r in rows if r["status"] == "ok")
 
 
 def test_placements_of_different_appends_differ():

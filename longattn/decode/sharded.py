@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends as bk
-from .._merge import merge_
+from .._merge import merge_stack
 from .._streams import side_stream
 from .._sinks import apply_sinks, sinks_meta
 from ..distributed import checks as dist_checks
@@ -43,19 +43,18 @@ def gather_partials(part: Optional[tuple[torch.Tensor, torch.Tensor]], shape: Op
     else:
         pay[:n_out].copy_(part[0].reshape(-1))
         pay[n_out:].copy_(part[1].reshape(-1))
-    got = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, buf, group=group)
-    heads = torch.stack([x[:nh] for x in got]).tolist() if nh else [[] for _ in got]
+    world = dist.get_world_size(group)
+    got = buf.new_empty(world * buf.numel())  # one receive buffer: no per-rank tensors to copy out
+    dist.all_gather_into_tensor(got, buf, group=group)
+    got = got.view(world, -1)
+    heads = got[:, :nh].tolist() if nh else [[] for _ in range(world)]
 
     def merge() -> tuple[torch.Tensor, torch.Tensor]:
-        xs = [x[nh:].view(torch.float32) for x in got]
-        acc_out = xs[0][:n_out].view(b, lq, h, d).clone()
-        acc_lse = xs[0][n_out:].view(b, h, lq).clone()
-        for x in xs[1:]:  # the same order on every rank: bitwise the same result everywhere
-            # lse (B, H, Lq) as (B, Lq, H) views: merge_ aligns lse with out's leading dims
-            merge_(acc_out, acc_lse.transpose(1, 2), x[:n_out].view(b, lq, h, d),
-                   x[n_out:].view(b, h, lq).transpose(1, 2))
-        return acc_out, acc_lse
+        xs = got[:, nh:].view(torch.float32)
+        # every rank merges the same bits in the same order: the same result everywhere
+        out, lse = merge_stack(xs[:, :n_out].view(world, b, lq, h, d),
+                               xs[:, n_out:].view(world, b, h, lq).transpose(2, 3))
+        return out, lse.transpose(1, 2).contiguous()
 
     return heads, merge
 
