@@ -18,7 +18,7 @@ from .distributed.layout import check_layout
 from .decode.bounded import bounded_part, check_bounds
 from .decode.checks import check_cache_tensors, describe, no_capture
 from .decode.dilated import dilated_part
-from .decode.engine import dense_engine, dense_part
+from .decode.engine import dense_engine, dense_launch, dense_part
 from .decode.graph_steps import StepGraphs
 from .decode.sharded import checks_apart, gather_checks, gather_partials
 
@@ -311,14 +311,15 @@ class KVCache:
         except (TypeError, ValueError) as e:
             problem = e
         scale = bk.default_scale(q.shape[-1], softmax_scale) if problem is None else None
-        part = lambda: self._part(q, segs, rates, scale, backend, softcap, chunk, left)
+        launch = lambda: self._launch(q, segs, rates, scale, backend, softcap, chunk, left)
+        part = lambda: launch()()
         if self.group is not None:
             if isinstance(q, torch.Tensor):  # under capture on every rank alike: raised before any collective
                 no_capture(q, "KVCache.attend (sharded)")
             fields = dict(q=describe(q), segs=segs, rates=rates, scale=softmax_scale, lse=return_lse,
                           backend=backend, softcap=softcap, sinks=sinks_meta(sinks), chunk=chunk_size,
                           window=window_size)
-            return _returned(q, *self._attend_sharded(q, fields, problem, part), return_lse, sinks)
+            return _returned(q, *self._attend_sharded(q, fields, problem, launch), return_lse, sinks)
         if problem is not None:
             raise problem
         if dilated or chunk is not None or left >= 0:
@@ -332,19 +333,24 @@ class KVCache:
                              f"append ({self.layout.last_count} tokens); append their keys and values in one call "
                              f"first")
 
-    def _part(self, q, segs, rates, scale: float, backend: str, softcap: float, chunk: Optional[int], left: int):
-        """This rank's (out, lse) of the call: dense (each query from its
-        first seen key with ``chunk``/``left``), or dilated with ``segs``."""
+    def _launch(self, q, segs, rates, scale: float, backend: str, softcap: float, chunk: Optional[int], left: int):
+        """This rank's part of the call, dense (each query from its first seen
+        key with ``chunk``/``left``) or dilated with ``segs``, in two steps:
+        here what can refuse it (ValueError); the returned function queues
+        its kernels and returns (out, lse). Dense decoding decides first
+        (:func:`.decode.engine.dense_launch`); the others run here."""
         lay, me, lq = self.layout, self.rank, q.shape[1]
         if segs is None and (chunk is not None or left >= 0):
-            return bounded_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], chunk, left, scale,
-                                softcap, backend, self.tuning)
+            res = bounded_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], chunk, left, scale,
+                               softcap, backend, self.tuning)
+            return lambda: res
         if segs is None:
             lens = lay.local[me]
-            return dense_part(q, self.k, self.v, lens, me == lay.last_owner, scale, backend, tuning=self.tuning,
-                              ragged=len(set(lens)) > 1, softcap=softcap)
-        return dilated_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], segs, rates, scale,
-                            backend)
+            return dense_launch(q, self.k, self.v, lens, me == lay.last_owner, scale, backend, tuning=self.tuning,
+                                ragged=len(set(lens)) > 1, softcap=softcap)
+        res = dilated_part(q, self.k, self.v, lay.runs[me], [s - lq for s in lay.seqlens], segs, rates, scale,
+                           backend)
+        return lambda: res
 
     def _attend_dense(self, q, scale: float, backend: str, softcap: float):
         """One device: a step replayed from a CUDA graph where the engine allows."""
@@ -356,19 +362,30 @@ class KVCache:
         return dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning, engine=engine,
                           ragged=len(set(lens)) > 1, softcap=softcap)
 
-    def _attend_sharded(self, q, fields: dict, problem: Optional[Exception], part):
-        """The merged (out, lse) of every rank's ``part()``, with each rank's
-        digest of the call and of its placement and its problems judged alike
-        on every rank (:meth:`_judge`): exchanged in the header of the
-        partials' one all-gather, or apart before it
-        (:func:`.decode.sharded.checks_apart`)."""
+    def _attend_sharded(self, q, fields: dict, problem: Optional[Exception], launch):
+        """The merged (out, lse) of every rank's part (``launch()()``, see
+        :meth:`_launch`), with each rank's digest of the call and of its
+        placement and its problems judged alike on every rank
+        (:meth:`_judge`): exchanged in the header of the partials' one
+        all-gather, or apart before it, between the part's checks and its
+        kernels (:func:`.decode.sharded.checks_apart`)."""
         call = checks.digest(fields)
+        part = lambda: launch()()
         if checks_apart(self.k.device, self.tuning):
-            result = None
+            run = None
             if problem is None and self._pending is None:
-                result, problem = checks.local_problem(part)
+                run, problem = checks.local_problem(launch)
             heads = gather_checks(self._header(call, problem, True), self.group, self.k.device)
             self._judge(heads, problem, fields)
+            try:
+                result = run()
+            except Exception:
+                # not a refusal (those are raised before the checks went out): the other ranks are in the
+                # partials' all-gather; NaN partials make their result visibly invalid, then this rank raises
+                nan = torch.full_like(q, float("nan"))
+                gather_partials((nan, nan[..., 0].transpose(1, 2).float()), tuple(q.shape), [], self.group,
+                                self.k.device)
+                raise
             merge = gather_partials(result, tuple(q.shape), [], self.group, self.k.device)[1]
             self._since_attend = None
             return merge()

@@ -282,7 +282,8 @@ class DecodeTuning:
         "auto", "where a sharded KVCache step's cross-rank checks travel: \"with_partials\" in the header of the "
                 "all-gather of the ranks' partial results (one collective, read back after it: the host waits for "
                 "the step's attention), \"apart\" in a small all-gather of their own issued from a side stream "
-                "(two collectives; the host waits for the previous step's, up to one step ahead of the GPU), "
+                "before the step's attention kernels (two collectives; the host waits for the previous step's, up "
+                "to one step ahead of the GPU), "
                 "\"auto\" apart where the partials are on a GPU. Measured in the sharded decode step against each "
                 "rank's attention alone (section 9 of docs/performance.md): pending", "")
 

@@ -4,7 +4,7 @@
 the call under CUDA graph capture."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -100,7 +100,21 @@ def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
     row (views of the cache, never copies). ``engine`` (``"fa4"``,
     ``"split_kv"`` or ``"backend"``) and ``ragged`` (rows of different lengths), when the caller
     has decided them (:func:`dense_engine`); else decided here. ``softcap``:
-    logit soft-capping (in the block spec: only backends that apply it run)."""
+    logit soft-capping (in the block spec: only backends that apply it run).
+    ``dense_launch(...)()``."""
+    return dense_launch(q, k_cache, v_cache, lens, causal, scale, backend, lens_tensor, tuning, engine=engine,
+                        ragged=ragged, softcap=softcap)()
+
+
+def dense_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Sequence[int], causal: bool,
+                 scale: float, backend: str, lens_tensor: Optional[torch.Tensor] = None,
+                 tuning: _tuning.DecodeTuning = _tuning.DECODE, *, engine: Optional[str] = None,
+                 ragged: Optional[bool] = None, softcap: float = 0.0) -> Callable[[], tuple]:
+    """:func:`dense_part` in two steps: here every decision that can refuse
+    the call (the engine, each row's backend: ValueError), on the host; the
+    returned function queues the kernels and returns (out, lse). A sharded
+    step exchanges its checks between the two, before its attention takes
+    the GPU."""
     b, lq, h, _ = q.shape
     masked = causal and lq > 1  # one query sees every cached key
     if ragged is None:
@@ -110,37 +124,40 @@ def dense_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, le
                               softcap=softcap, keys=max(lens, default=0))
     if engine == "fa4":
         if max(lens, default=0) == 0:  # no key in any row (a rank of a sharded cache): nothing to launch
-            return empty_state(q, q.dtype)
+            return lambda: empty_state(q, q.dtype)
         dev_lens = (torch.tensor(lens, dtype=torch.int32, device=q.device) if lens_tensor is None
                     else lens_tensor.to(torch.int32).contiguous())
-        return _fa4_api.decode(q, k_cache, v_cache, dev_lens, max(lens, default=0), scale, masked, softcap,
-                               tuning.fa4_num_splits)
+        return lambda: _fa4_api.decode(q, k_cache, v_cache, dev_lens, max(lens, default=0), scale, masked, softcap,
+                                       tuning.fa4_num_splits)
     if engine == "split_kv":
-        return _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor, ragged=ragged,
-                            **tuning.kernel_args(q.device.type == "cpu", q.shape[-1]))
+        return lambda: _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor,
+                                    ragged=ragged, **tuning.kernel_args(q.device.type == "cpu", q.shape[-1]))
     if not ragged:
-        return _dense_rows(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning, softcap)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
-    for i, n in enumerate(lens):
-        out[i:i + 1], lse[i:i + 1] = _dense_rows(q[i:i + 1], k_cache[i:i + 1], v_cache[i:i + 1], n, masked, scale,
-                                                 backend, tuning, softcap)
-    return out, lse
+        return _rows_launch(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning, softcap)
+    rows = [_rows_launch(q[i:i + 1], k_cache[i:i + 1], v_cache[i:i + 1], n, masked, scale, backend, tuning, softcap)
+            for i, n in enumerate(lens)]
+
+    def launch():
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+        for i, row in enumerate(rows):
+            out[i:i + 1], lse[i:i + 1] = row()
+        return out, lse
+    return launch
 
 
-def _dense_rows(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend: str,
-                tuning: _tuning.DecodeTuning, softcap: float):
-    b, lq, h, _ = q.shape
+def _rows_launch(q, k_cache, v_cache, n: int, masked: bool, scale: float, backend: str,
+                 tuning: _tuning.DecodeTuning, softcap: float) -> Callable[[], tuple]:
     if n == 0:
-        return empty_state(q, q.dtype)
+        return lambda: empty_state(q, q.dtype)
     k, v = k_cache[:, :n], v_cache[:, :n]
     if masked:
-        spec = bk.BlockSpec(scale, True, (-1, -1), n - lq, softcap)
+        spec = bk.BlockSpec(scale, True, (-1, -1), n - q.shape[1], softcap)
         be = bk.select_backend(q, k, spec, backend, exclude=tuning.auto_excludes)
     else:
         spec = bk.BlockSpec(scale, softcap=softcap)
         be = unmasked_backend(q, k, spec, backend, tuning)
-    return be.forward(q, k, v, spec)
+    return lambda: be.forward(q, k, v, spec)
 
 
 def unmasked_backend(q, k, spec, backend: str, tuning: _tuning.DecodeTuning = _tuning.DECODE):

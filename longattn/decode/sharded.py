@@ -64,10 +64,10 @@ SHARDED_CHECKS = ("auto", "apart", "with_partials")
 
 def checks_apart(device: torch.device, tuning) -> bool:
     """Whether a sharded step exchanges its checks in an all-gather of their
-    own before the partials' (:func:`gather_checks`: the host waits for the
-    previous step's collectives, not this step's attention) rather than in the
-    header of the partials' one all-gather (read back after it: the host waits
-    for this step's attention). ``tuning.sharded_checks``
+    own between its part's checks and its kernels (:func:`gather_checks`: the
+    host waits for the previous step's collectives, not this step's
+    attention) rather than in the header of the partials' one all-gather
+    (read back after it: the host waits for this step's attention). ``tuning.sharded_checks``
     (:class:`longattn.tuning.DecodeTuning`): "auto" apart where the partials are
     on a GPU (on the CPU nothing is waited for either way: one collective)."""
     mode = tuning.sharded_checks
@@ -81,8 +81,9 @@ def gather_checks(header: Sequence[int], group, device: torch.device) -> list[li
     for the work this rank has queued: on CUDA the all-gather is issued from a
     side stream that does not wait for the current one. The group's
     collectives still run in issue order, so it lands after the previous
-    step's all-gather of partials: the host stays up to one step ahead of the
-    GPU instead of waiting for this step's attention."""
+    step's all-gather of partials. Issued before the step's attention kernels
+    (a kernel that fills every SM would hold it back until it ends), it lets
+    the host run up to one step ahead of the GPU."""
     if device.type != "cuda":
         return dist_checks.gather_ints(group, header, device)
     with torch.cuda.stream(side_stream(device, "decode checks")):
