@@ -264,6 +264,8 @@ def _single_row(cfg: Config, single_cfg: Config, base: dict, dt, run: _Run) -> t
                fwd_bwd_ms=single.get("fwd_bwd_ms"), fwd_host_ms=single.get("fwd_host_ms"),
                fwd_bwd_host_ms=single.get("fwd_bwd_host_ms"),
                peak_mem_bytes=single.get("fwd_bwd_peak_mem_bytes") or single.get("fwd_peak_mem_bytes"))
+    if single.get("bwd_status"):  # forward timed, backward not (e.g. out of memory): the efficiency says why
+        row.update(bwd_status=single["bwd_status"], bwd_reason=single.get("bwd_reason"))
     return single, row
 
 
@@ -399,7 +401,8 @@ def format_table(results) -> str:
         lines.append(f"| {r['config']} | {T.impl_label(r)} | {r['world_size']} | {r['seqlen']} | "
                      f"{T.num(r.get('fwd_ms'))} | {T.num(r.get('fwd_bwd_ms'))} | {eff(r.get('efficiency_fwd'))} | "
                      f"{eff(r.get('efficiency_fwd_bwd'))} | {T.num(mem and mem / 2**20)} | "
-                     f"{r['status']}{(': ' + r['reason']) if r.get('reason') else ''} |")
+                     f"{r['status']}{(': ' + r['reason']) if r.get('reason') else ''}"
+                     f"{'; bwd ' + r['bwd_status'] + ': ' + (r.get('bwd_reason') or '') if r.get('bwd_status') else ''} |")
     lines += T.not_run(results)
     lines += ["", "eff: efficiency = work x T(one device) / (ranks x T(ranks)); work = 1 for the same global "
               "problem (strong scaling), the FLOPs ratio with --weak."]
