@@ -164,15 +164,6 @@ class OutSum:
         return acc.result()
 
 
-def _add_at(acc: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
-    """``acc[:, pos] += x`` in float32 (acc (B, n, ...) float32; a position
-    may repeat): ``index_put_`` with accumulate, a pass over whole rows per
-    index (``index_add_`` along dim 1 ran these rows far below the memory's
-    rate on the GPU: ``benchmarks/flex_exchange_profile.py``'s timeline)."""
-    for b in range(acc.shape[0]):
-        acc[b].index_put_((pos,), x[b].float(), accumulate=True)
-
-
 class GradSum:
     """dQ, dK or dV of a rank: pieces over row ranges summed as the ring's
     (:class:`RowSums`: a full-size first piece is the accumulator, no zero
@@ -192,7 +183,7 @@ class GradSum:
     def add(self, x: torch.Tensor, r0: int, at: tuple) -> None:
         """A piece of the rows [r0, r0 + n); ``at`` as :meth:`OutSum.add`'s."""
         if len(at[0]):
-            _add_at(self._racc(x), at[0], x[:, at[1]])
+            self._racc(x).index_add_(1, at[0], x[:, at[1]].float())
         r1 = r0 + x.shape[1]
         if self.sums is None and (r0, r1) == (0, self.like.shape[1]):
             self.sums = RowSums(x.to(self.dtype), [(r0, r1)])
@@ -203,7 +194,7 @@ class GradSum:
 
     def add_rows(self, pos: torch.Tensor, x: torch.Tensor) -> None:
         if len(pos):
-            _add_at(self._racc(x), pos, x)
+            self._racc(x).index_add_(1, pos, x.float())
 
     def result(self) -> torch.Tensor:
         acc = torch.zeros_like(self.like, dtype=self.dtype) if self.sums is None else self.sums.zero_unwritten()
@@ -299,7 +290,7 @@ class ExchangeFlex(torch.autograd.Function):
         for res, x in pieces:
             acc.add(*res, x.r0, x.at)
         # peer by peer: a row shipped to several peers (global tokens) merges each partial into the last merge's
-        # result (the gradients' row sums below take every peer's rows at once)
+        # result (the gradients' index_add_ below takes every peer's rows at once)
         o, l_ = back.wait()[0]
         for pos, (o_p,), (l_p,) in zip(plan.heavy_pos, _per_peer(o, _n(plan.ship)), _per_peer(l_, _n(plan.ship))):
             acc.add_rows(pos, o_p, l_p)
