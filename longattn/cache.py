@@ -271,10 +271,12 @@ class KVCache:
         semantics), or dilated with ``segment_lengths``/``dilation_rates``
         (:func:`longattn.dilated_decode_attention` semantics: the last rows of
         ``dilated_attention(..., causal=True)``). Sharded: every rank calls it
-        with the same q and gets the same result, through one all-gather per
-        call (the partial results with each rank's check of the call and of its
-        cache's placement; a call whose shape differs from the last agreed one
-        agrees on it first).
+        with the same q and gets the same result: each rank's check of the
+        call and of its cache's placement, then the partial results, through
+        all-gathers (on a GPU two per call, the checks' issued before the
+        part's kernels; on the CPU one, the checks in its header, a call whose
+        shape differs from the last agreed one agreeing on it first:
+        ``DecodeTuning.sharded_checks``).
 
         Dense only: ``softcap`` and ``sinks`` as :func:`longattn.attention`
         (the sinks merge once, after every rank's part); ``chunk_size``:
