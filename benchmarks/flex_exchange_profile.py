@@ -1,7 +1,8 @@
 """ring_flex_attention's engines per rank: forward and forward + backward
 times (median of REPS calls, each after a barrier), the peak above the
 inputs, and (PROFILE=1, the default) one forward + backward's kernel
-timeline from torch.profiler. ``flex-exchange:FIELD=VALUE,...`` is the
+timeline from torch.profiler (STACK=1: also the ops that launched the most
+GPU time, each with the longattn lines that called it). ``flex-exchange:FIELD=VALUE,...`` is the
 exchange under ``FlexExchangeTuning(FIELD=VALUE, ...)`` (e.g.
 ``concurrent=0``: no side stream; ``split_chain=64``: the pieces with one
 long side as views in batch rows): the measurements behind those fields.
@@ -134,7 +135,11 @@ for name in cfgs:
                     if rank == 0: print(f'{name} {impl} x{world}: capture failed: {res[key]["graphed_error"]}', flush=True)
             del fn, ql, kl, vl
             continue
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        stacks = os.environ.get('STACK') == '1'
+        # verbose: the Python frames of each op are kept on its event (without it the stacks come back empty)
+        extra = dict(with_stack=True, experimental_config=torch.profiler._ExperimentalConfig(verbose=True)) \
+            if stacks else {}
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], **extra) as prof:
             step(); torch.cuda.synchronize()
         evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         t0 = min(e.time_range.start for e in evs) if evs else 0
@@ -148,6 +153,11 @@ for name in cfgs:
                                  "timeline": [t for t in tl if t[1] > 0.02], "top": top, "cpu_top": cpu,
                                  "gpu_busy_ms": sum(d for _, d, n in tl if "nccl" not in n.lower()),
                                  "span_ms": max(s + d for s, d, _ in tl) if tl else 0}
+        if stacks:  # the ops that launched the most GPU time, with the longattn lines that called them
+            ops = [e for e in prof.key_averages(group_by_stack_n=8) if e.self_device_time_total > 20]
+            res[f"{name}/{impl}"]["by_stack"] = [
+                (e.key, round(e.self_device_time_total / 1e3, 3), e.count, [f for f in e.stack if "longattn" in f][:4])
+                for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:30]]
         if rank == 0:
             print(f"{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f} span {res[f'{name}/{impl}']['span_ms']:.2f} busy {res[f'{name}/{impl}']['gpu_busy_ms']:.2f}", flush=True)
         del fn, ql, kl, vl
