@@ -287,6 +287,24 @@ def _check_cache_errors(rank, world, mode, q, call):
     for _ in range(2):
         _raises_everywhere(world, r"flash|rank\(s\)",
                            lambda: cache.attend(q, window_size=(0, -1), softcap=5.0, backend="flash"))
+    if mode == "apart":
+        # a failure after the checks went out (not a refusal: a kernel's error) on rank 1: it joins the partials'
+        # all-gather with NaN partials and raises; the other ranks get a visibly invalid (NaN) result, none hangs
+        cache.append(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))
+        if rank == 1:
+            def broken(*args):
+                def run():
+                    raise RuntimeError("the kernel failed")
+                return run
+            cache._launch = broken
+            with pytest.raises(RuntimeError, match="kernel failed"):
+                cache.attend(q)
+            del cache._launch
+        else:
+            assert torch.isnan(cache.attend(q)).all()
+        assert_group_usable(world)
+        cache.append(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))
+        assert torch.isfinite(cache.attend(q)).all()
 
 
 def _check_errors_and_bench(rank, world):
