@@ -503,3 +503,32 @@ def _check_batch_heads_zigzag(rank, world):
 @pytest.mark.parametrize("world", [3, 4])
 def test_exchange_batch_heads_zigzag(world):
     run_world(_check_batch_heads_zigzag, world)
+
+
+def test_transfer_blocks_read_back_in_place():
+    """A transfer's bytes: one 16-byte-aligned block per tensor and peer, rows
+    gathered straight in from (tensor, index) pairs; what arrives reads back
+    as views of the buffer where one peer sent rows, one concatenation where
+    several did (mixed dtypes, odd row counts, two batch rows)."""
+    from longattn.flex.exchange_run import pack, unpack
+    g = torch.Generator().manual_seed(0)
+    kv, q = torch.randn(2, 9, 3, 5, generator=g).bfloat16(), torch.randn(2, 9, 3, 5, generator=g)
+    lse = torch.randn(2, 3, 9, generator=g).transpose(1, 2)  # (B, 9, H) strided, as the exchange's
+    rows = [torch.tensor([0, 4, 7]), torch.tensor([], dtype=torch.long), torch.tensor([1, 2, 3, 8, 5])]
+    kv_parts = [[(kv, r), (kv * 2, r)] for r in rows]
+    q_parts = [[q[:, :1], lse[:, :1]], [q[:, 2:5], lse[:, 2:5]], []]
+    groups = [(kv_parts, [len(r) for r in rows], [_spec_of(kv)] * 2),
+              (q_parts, [1, 3, 0], [_spec_of(q), ((3,), torch.float32)])]
+    src, splits = pack(groups, 2, "cpu")
+    assert all(s % 16 == 0 for s in splits) and src.numel() == sum(splits)
+    (k_, v_), (q_, l_) = unpack(src, [(c, s) for _, c, s in groups], 2)
+    every = torch.cat(rows)
+    assert torch.equal(k_, kv[:, every]) and torch.equal(v_, 2 * kv[:, every])
+    assert torch.equal(q_, torch.cat([q[:, :1], q[:, 2:5]], 1))
+    assert torch.equal(l_, torch.cat([lse[:, :1], lse[:, 2:5]], 1))
+    lone = unpack(src, [([3, 0, 0], [_spec_of(kv)] * 2)], 2)[0][0]  # one peer's rows: a view, no copy
+    assert lone.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and torch.equal(lone, kv[:, rows[0]])
+
+
+def _spec_of(t):
+    return tuple(t.shape[2:]), t.dtype

@@ -31,48 +31,47 @@ import torch.distributed as dist
 from .._merge import empty_state, merge_
 from .._streams import has_side_stream, side_stream
 from ..distributed.accumulate import MergedRows, RowSums
-from . import plan as fp
 
 
 def _spec(t: torch.Tensor) -> tuple:
     return tuple(t.shape[2:]), t.dtype
 
 
-def _width(specs, batch: int) -> int:
-    return sum(batch * math.prod(tail) * dt.itemsize for tail, dt in specs)
+ALIGN = 16  # each block starts 16-byte aligned: a view of it is one FA4 reads in place and view(dtype) accepts
+
+
+def _block(n: int, tail: tuple, dt: torch.dtype, batch: int) -> int:
+    """The bytes of one tensor's n rows in a transfer, padded to ``ALIGN``."""
+    return -(-batch * n * math.prod(tail) * dt.itemsize // ALIGN) * ALIGN
 
 
 def _n(rows: list) -> list:
     return [len(r) for r in rows]
 
 
+def _rows(x) -> int:
+    return x[1].numel() if isinstance(x, tuple) else x.shape[1]
+
+
 class Transfer:
     """One ``all_to_all_single`` of row groups. ``groups``: (parts, counts,
-    specs) each; ``parts[p]``, tensors (B, n_p, ...) of ``specs`` sharing their
-    rows, go to peer p; ``counts[p]`` rows of the group come from p. Each
-    peer's bytes hold the groups in order (one collective whatever their
-    dtypes). Nothing runs where ``active`` is False (no rank moves a row)."""
+    specs) each; ``parts[p]``, what goes to peer p: per spec, a tensor (B,
+    n_p, ...) or a pair (tensor, long index of n_p rows along dim 1; gathered
+    straight into the send buffer); ``counts[p]`` rows of the group come from
+    p. Each peer's bytes hold, group by group and spec by spec, one block
+    (B, n, ...) per tensor (so what arrives is read in place, :func:`unpack`;
+    one collective whatever the dtypes). Nothing runs where ``active`` is
+    False (no rank moves a row)."""
 
     def __init__(self, groups: list, batch: int, group, active: bool, device):
         self.layout = [(counts, specs) for _, counts, specs in groups]
         self.batch, self.work = batch, None
-        widths = [_width(specs, batch) for _, specs in self.layout]
-        in_splits = [sum(parts[p][0].shape[1] * w for (parts, _, _), w in zip(groups, widths) if parts[p])
-                     for p in range(len(groups[0][1]))]
-        out_splits = [sum(counts[p] * w for (counts, _), w in zip(self.layout, widths))
-                      for p in range(len(in_splits))]
+        peers = len(groups[0][1])
+        out_splits = [sum(_block(counts[p], tail, dt, batch) for counts, specs in self.layout for tail, dt in specs)
+                      for p in range(peers)]
         self.buf = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-        if active:  # each tensor's rows copied once into its columns of the send buffer
-            src, off = torch.empty(sum(in_splits), dtype=torch.uint8, device=device), 0
-            for p in range(len(in_splits)):
-                for (parts, _, _), w in zip(groups, widths):
-                    n = parts[p][0].shape[1] if parts[p] else 0
-                    region, col = src[off:off + n * w].view(n, w), 0
-                    for t in parts[p] if n else ():
-                        x = _row_bytes(t)
-                        region[:, col:col + x.shape[1]].copy_(x)
-                        col += x.shape[1]
-                    off += n * w
+        if active:
+            src, in_splits = pack(groups, batch, device)
             self.work = dist.all_to_all_single(self.buf, src, out_splits, in_splits, group=group, async_op=True)
 
     def wait(self) -> list:
@@ -83,41 +82,49 @@ class Transfer:
         return unpack(self.buf, self.layout, self.batch)
 
 
-def _row_bytes(t: torch.Tensor) -> torch.Tensor:
-    """t (B, n, ...) as (n, bytes of its rows) uint8: a view where its rows are laid out contiguously, else a
-    copy (``view(uint8)`` needs the last dim's stride 1, which a size-1 dim may not have)."""
-    x = t.transpose(0, 1).reshape(t.shape[1], -1)
-    if x.stride(-1) != 1 or not x.is_contiguous():
-        x = fp.default_strides(x)
-    return x.view(torch.uint8)
+def pack(groups: list, batch: int, device) -> tuple[torch.Tensor, list]:
+    """A :class:`Transfer`'s send buffer (uint8) and its bytes per peer: each
+    tensor's rows written once, as a block (a pair's rows gathered straight
+    into it), in the order :func:`unpack` reads."""
+    peers = len(groups[0][1])
+    in_splits = [sum(_block(_rows(x), tail, dt, batch) for parts, _, specs in groups
+                     for x, (tail, dt) in zip(parts[p] or (), specs)) for p in range(peers)]
+    src, off = torch.empty(sum(in_splits), dtype=torch.uint8, device=device), 0
+    for p in range(peers):
+        for parts, _, specs in groups:
+            for x, (tail, dt) in zip(parts[p] or (), specs):
+                n = _rows(x)
+                block = src[off:off + batch * n * math.prod(tail) * dt.itemsize].view(dt).view(batch, n, *tail)
+                if isinstance(x, tuple):
+                    torch.index_select(x[0], 1, x[1], out=block)
+                else:
+                    block.copy_(x)
+                off += _block(n, tail, dt, batch)
+    return src, in_splits
 
 
 def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
     """A :class:`Transfer`'s received bytes ``buf`` as its groups' tensors
     (``layout``: (counts, specs) per group): per group, per spec, one tensor
-    (B, sum(counts), ...) of every peer's rows in rank order. Each is one
-    copy out of the buffer whatever the number of peers (its consumers take
-    every peer's rows at once: one launch per tensor, not one per peer)."""
-    peers, widths = len(layout[0][0]), [_width(specs, batch) for _, specs in layout]
-    starts, off = [], 0
+    (B, sum(counts), ...) of every peer's rows in rank order: a view of
+    ``buf`` where one peer sent rows, else one concatenation (its consumers
+    take every peer's rows at once: one launch per tensor, not one per
+    peer)."""
+    peers = len(layout[0][0])
+    blocks, off = [[[] for _ in specs] for _, specs in layout], 0
     for p in range(peers):
-        starts.append([])
-        for (counts, _), w in zip(layout, widths):
-            starts[p].append(off)
-            off += counts[p] * w
+        for g, (counts, specs) in enumerate(layout):
+            for i, (tail, dt) in enumerate(specs):
+                n = counts[p]
+                if n:
+                    blocks[g][i].append(buf[off:off + batch * n * math.prod(tail) * dt.itemsize].view(dt)
+                                        .view(batch, n, *tail))
+                off += _block(n, tail, dt, batch)
     res = []
-    for g, ((counts, specs), w) in enumerate(zip(layout, widths)):
-        col, ts = 0, []
-        for tail, dt in specs:
-            tw = _width([(tail, dt)], batch)
-            parts = [buf[starts[p][g]:starts[p][g] + counts[p] * w].view(counts[p], w)[:, col:col + tw]
-                     for p in range(peers) if counts[p]]
-            # a fresh tensor at offset 0 (view(dt) needs an offset aligned to dt; a lone peer's slice may not be)
-            rows = torch.cat(parts) if len(parts) > 1 else \
-                fp.default_strides(parts[0]) if parts else buf.new_empty(0, tw)
-            ts.append(rows.view(dt).view(sum(counts), batch, *tail).transpose(0, 1).contiguous())
-            col += tw
-        res.append(ts)
+    for g, (counts, specs) in enumerate(layout):
+        res.append([torch.cat(bs, 1) if len(bs) > 1 else bs[0] if bs else
+                    torch.empty(batch, 0, *tail, dtype=dt, device=buf.device)
+                    for bs, (tail, dt) in zip(blocks[g], specs)])
     return res
 
 
@@ -133,7 +140,13 @@ class OutSum:
         self.acc = MergedRows(q, q.dtype if pieces <= 2 else torch.promote_types(q.dtype, torch.float32))
         self.rout = self.rlse = None
 
-    def _rows(self, pos, o, l_) -> None:
+    def _rows(self, pos, o, l_, full: bool = False) -> None:
+        if full:  # every row, positions 0, 1, ...: merged in place; the first such piece is the accumulator
+            if self.rout is None:
+                self.rout, self.rlse = o.float(), l_.float().contiguous()
+            else:
+                merge_(self.rout, self.rlse, o.float(), l_)
+            return
         if self.rout is None:
             b, _, h, _ = self.q.shape
             self.rout = torch.zeros(b, len(self.rows), h, o.shape[-1], dtype=torch.float32, device=o.device)
@@ -146,7 +159,8 @@ class OutSum:
         """A piece of the rows [r0, r0 + n): o (B, n, H, D), l_ (B, H, n) float32;
         ``at``: (positions in ``rows``, rows in the piece) of the rows it covers."""
         if len(at[0]):
-            self._rows(at[0], o[:, at[1]], l_[:, :, at[1]].transpose(1, 2))
+            self._rows(at[0], o.index_select(1, at[1]), l_.index_select(2, at[1]).transpose(1, 2),
+                       full=len(at[0]) == len(self.rows))
         self.acc.add(r0, r0 + o.shape[1], o, l_)
 
     def add_rows(self, pos: torch.Tensor, o: torch.Tensor, l_: torch.Tensor) -> None:
@@ -182,7 +196,15 @@ class GradSum:
 
     def add(self, x: torch.Tensor, r0: int, at: tuple) -> None:
         """A piece of the rows [r0, r0 + n); ``at`` as :meth:`OutSum.add`'s."""
-        if len(at[0]):
+        if len(at[0]) == len(self.rows) and len(at[0]):
+            # the piece covers every row (positions ascending, so 0, 1, ...): a gather and an add, not index_add_'s
+            # atomics; the first such piece is the accumulator (no zero fill)
+            rows = x.index_select(1, at[1])
+            if self.racc is None:
+                self.racc = rows.float()
+            else:
+                self.racc.add_(rows)
+        elif len(at[0]):
             self._racc(x).index_add_(1, at[0], x[:, at[1]].float())
         r1 = r0 + x.shape[1]
         if self.sums is None and (r0, r1) == (0, self.like.shape[1]):
@@ -264,8 +286,8 @@ class ExchangeFlex(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         b, length, h, _ = q.shape
         dev, hv = q.device, v.shape[-1]
-        sent = Transfer([([[k[:, r], v[:, r]] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
-                         ([[q[:, r]] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
+        sent = Transfer([([[(k, r), (v, r)] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
+                         ([[(q, r)] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)
         # the own piece first: the GPU runs it while the host issues the rest and the halos and shipped rows
         # arrive; the other pieces run beside it on the side stream
@@ -311,7 +333,7 @@ class ExchangeFlex(torch.autograd.Function):
         has_dlse = dlse is not None
         dlse = dlse.float() if has_dlse else None
         stats = torch.stack([lse, dlse if has_dlse else torch.zeros_like(lse)], -1).transpose(1, 2)  # (B, L, H, 2)
-        rows_out = Transfer([([[dout[:, r], out[:, r], stats[:, r]] for r in plan.ship], _n(plan.q_in),
+        rows_out = Transfer([([[(dout, r), (out, r), (stats, r)] for r in plan.ship], _n(plan.q_in),
                               [_spec(dout), _spec(out), _spec(stats)])], b, group, plan.moves_q, dev)
         side = Side(dev, plan.concurrent)
         own = None

@@ -360,7 +360,8 @@ class SplitStep:
         self.calls = (Call(0, lq, 0, lk, bk.BlockSpec(scale)),)
 
     def _rep(self, x):
-        return x.expand(self.c, *x.shape[1:]).contiguous()
+        # a concatenation copies in wide vector stores; expand(...).contiguous() takes the strided elementwise path
+        return torch.cat([x] * self.c) if x.is_contiguous() else x.expand(self.c, *x.shape[1:]).contiguous()
 
     def _chunks(self, x):
         return x.reshape(self.c, x.shape[1] // self.c, *x.shape[2:])
