@@ -53,6 +53,25 @@ def _rows(x) -> int:
     return x[1].numel() if isinstance(x, tuple) else x.shape[1]
 
 
+class _Blocks:
+    """Typed blocks of a uint8 buffer: one dtype view per dtype, each block one
+    ``as_strided`` of it (a slice and two views per block would be three
+    dispatches of host time per tensor and peer, on every call)."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.typed = buf, {}
+
+    def at(self, off: int, batch: int, n: int, tail: tuple, dt: torch.dtype) -> torch.Tensor:
+        t = self.typed.get(dt)
+        if t is None:
+            t = self.typed[dt] = self.buf.view(dt)
+        shape = (batch, n, *tail)
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        return t.as_strided(shape, strides, off // dt.itemsize)
+
+
 class Transfer:
     """One ``all_to_all_single`` of row groups. ``groups``: (parts, counts,
     specs) each; ``parts[p]``, what goes to peer p: per spec, a tensor (B,
@@ -90,11 +109,14 @@ def pack(groups: list, batch: int, device) -> tuple[torch.Tensor, list]:
     in_splits = [sum(_block(_rows(x), tail, dt, batch) for parts, _, specs in groups
                      for x, (tail, dt) in zip(parts[p] or (), specs)) for p in range(peers)]
     src, off = torch.empty(sum(in_splits), dtype=torch.uint8, device=device), 0
+    blocks = _Blocks(src)
     for p in range(peers):
         for parts, _, specs in groups:
             for x, (tail, dt) in zip(parts[p] or (), specs):
                 n = _rows(x)
-                block = src[off:off + batch * n * math.prod(tail) * dt.itemsize].view(dt).view(batch, n, *tail)
+                if not n:  # nothing for this peer: no block (every view is host time on each call)
+                    continue
+                block = blocks.at(off, batch, n, tail, dt)
                 if isinstance(x, tuple):
                     torch.index_select(x[0], 1, x[1], out=block)
                 else:
@@ -111,14 +133,13 @@ def unpack(buf: torch.Tensor, layout: list, batch: int) -> list:
     take every peer's rows at once: one launch per tensor, not one per
     peer)."""
     peers = len(layout[0][0])
-    blocks, off = [[[] for _ in specs] for _, specs in layout], 0
+    blocks, off, typed = [[[] for _ in specs] for _, specs in layout], 0, _Blocks(buf)
     for p in range(peers):
         for g, (counts, specs) in enumerate(layout):
             for i, (tail, dt) in enumerate(specs):
                 n = counts[p]
                 if n:
-                    blocks[g][i].append(buf[off:off + batch * n * math.prod(tail) * dt.itemsize].view(dt)
-                                        .view(batch, n, *tail))
+                    blocks[g][i].append(typed.at(off, batch, n, tail, dt))
                 off += _block(n, tail, dt, batch)
     res = []
     for g, (counts, specs) in enumerate(layout):
