@@ -69,7 +69,7 @@ class _Blocks:
         strides = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * shape[i + 1]
-        return t.as_strided(shape, strides, off // dt.itemsize)
+        return t.as_strided(shape, strides, t.storage_offset() + off // dt.itemsize)
 
 
 class Transfer:
