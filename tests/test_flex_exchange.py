@@ -63,6 +63,10 @@ def _check_patterns(rank, world):
         plan = _plan(torch.randn(B, L, H, D), patterns(world)[0][1], layout, k=torch.randn(B, L, 2, D))
         assert plan.moves_q == (world > 2 or layout == "contiguous") and plan.moves_kv
         assert len(plan.halo) == 1, [(x.r0, x.r1, x.k0, x.k1) for x in plan.halo]  # global keys: every row, one launch
+        # the global rows go to every peer that takes them: their partials merged at once (the calls above ran it)
+        shipped = sum(1 for x in plan.ship if len(x))
+        assert plan.ship_same == (shipped > 1) and (shipped <= 1 or rank == 0), (rank, shipped, plan.ship_same)
+        assert shipped == (world - 1 if (layout, rank) == ("contiguous", 0) else shipped), (layout, rank, shipped)
         # a window's halo pieces run only the rows at the shard edges (one 128-row block each here: each chunk's
         # first, apart); their results and gradients above are merged into row ranges, not full-size buffers
         plan = _plan(torch.randn(B, L, H, D), patterns(world)[2][1], layout)

@@ -110,7 +110,8 @@ class ExchangePlan:
     ``moves_kv``: any rank ships query rows / K/V; ``dense``: why the
     executors would be the dense PyTorch ones on a GPU (empty: FA4 runs them,
     or the CPU); ``cannot``: why the ranks' plans do not fit together
-    (empty: they do)."""
+    (empty: they do); ``ship_same``: every peer I ship rows to takes the same
+    rows (global tokens), so their partials merge at once."""
 
     ship: list
     q_in: list
@@ -133,6 +134,7 @@ class ExchangePlan:
     moves_kv: bool
     dense: list
     cannot: list
+    ship_same: bool = False
 
 
 def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning, bq: int, ship_row: int, fetch_row: int):
@@ -197,6 +199,8 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
                         pieces.within(heavy, 0, length), pieces.within(sent_rows, 0, length), sent_rows, sent_pos,
                         most_cover(spans), (own is not None) + (serve is not None), tuning.concurrent, (), False,
                         False, [], [])
+    shipped = [x for x in ship if len(x)]
+    plan.ship_same = len(shipped) > 1 and all(torch.equal(x, shipped[0]) for x in shipped)
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 

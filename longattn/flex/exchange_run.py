@@ -28,7 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .._merge import empty_state, merge_
+from .._merge import empty_state, merge_, merge_stack
 from .._streams import has_side_stream, side_stream
 from ..distributed.accumulate import MergedRows, RowSums
 
@@ -332,11 +332,19 @@ class ExchangeFlex(torch.autograd.Function):
         side.join(_tensors([p[0] for p in pieces]) + [back.buf])
         for res, x in pieces:
             acc.add(*res, x.r0, x.at)
-        # peer by peer: a row shipped to several peers (global tokens) merges each partial into the last merge's
-        # result (the gradients' index_add_ below takes every peer's rows at once)
+        # a row shipped to several peers (global tokens): where every peer took the same rows, their partials merge
+        # at once; else peer by peer, each into the last merge's result (the gradients' index_add_ below takes every
+        # peer's rows at once)
         o, l_ = back.wait()[0]
-        for pos, (o_p,), (l_p,) in zip(plan.heavy_pos, _per_peer(o, _n(plan.ship)), _per_peer(l_, _n(plan.ship))):
-            acc.add_rows(pos, o_p, l_p)
+        if plan.ship_same:  # the same rows from c peers, in rank order: their partials merged in one pass
+            c = sum(1 for x in plan.ship if len(x))
+            pos = next(x for x in plan.heavy_pos if len(x))
+            acc.add_rows(pos, *merge_stack(o.unflatten(1, (c, -1)).movedim(1, 0),
+                                           l_.unflatten(1, (c, -1)).movedim(1, 0)))
+        else:
+            for pos, (o_p,), (l_p,) in zip(plan.heavy_pos, _per_peer(o, _n(plan.ship)),
+                                           _per_peer(l_, _n(plan.ship))):
+                acc.add_rows(pos, o_p, l_p)
         out, lse = acc.result()
         side.close()
         ctx.save_for_backward(q, k, v, out, lse, sent.buf)
