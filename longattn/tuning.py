@@ -403,8 +403,10 @@ class FlexExchangeTuning:
               "it), 4 H200, two alternating runs each: 2 ranks window + global 14.04, 14.10 / 14.19, 14.10, "
               "documents 19.13, 18.97 / 18.97, 19.03; 4 ranks 10.13, 9.75 / 10.82, 8.79 and 10.64, 10.39 / "
               "10.85, 10.24: a tie, kept beside as in the backward. FA4's persistent kernels hold every SM, so "
-              "the side pieces mostly run after the own piece's launch ends",
-        "flex_exchange_side_4xh100_3d96269.json, flex_exchange_fwd_side_4xh200_261a205.json")
+              "the side pieces mostly run after the own piece's launch ends. At f4c34bd, 2 H100 ranks, window + "
+              "global, slowest rank, two alternating rounds: 13.81, 13.55 / 13.48, 13.52: a tie",
+        "flex_exchange_side_4xh100_3d96269.json, flex_exchange_fwd_side_4xh200_261a205.json, "
+        "flex_exchange_side_2xh100_f4c34bd.json")
     split_chain: int = measured(
         64, "an FA4 piece of the exchange runs a pass on a view of that pass's long side as c batch rows "
             "(longattn.flex.fa4.SplitStep: the global tokens' rows served against a shard, forward; a shard's rows "
