@@ -10,10 +10,12 @@ long side as views in batch rows): the measurements behind those fields.
 PROFILE=0) also times each impl's forward + backward captured in one CUDA
 graph and replayed (no host time: what the host costs). HOSTPROF=1 (with
 PROFILE=0) also records cProfile of 5 forward + backward calls queued back to
-back (host time by function, own and cumulative), and times 10 forward +
-backward calls each queued behind a 40 ms GPU sleep: the call's host time
-(what issuing it costs; longer if it waits on the GPU) and its GPU time
-alone (from the end of the sleep). An impl may be
+back (host time by function, own and cumulative, including any time the host
+waits), times 10 forward + backward calls each queued behind a 40 ms GPU
+sleep: the call's host time (what issuing it costs; longer if it waits on
+the GPU) and its GPU time alone (from the end of the sleep), and records
+cProfile of 5 calls queued behind such a sleep (what issuing costs by
+function, with nothing to wait for). An impl may be
 listed twice (timed twice, alternating). One JSON per rank in OUTDIR; rank 0
 prints a line per (config, impl).
 
@@ -108,6 +110,14 @@ for name in cfgs:
                     ev[3].record(); torch.cuda.synchronize()
                     gs.append(ev[2].elapsed_time(ev[3]))
                 res[key]['after_sleep'] = {'host_ms': sorted(hs)[5], 'gpu_ms': sorted(gs)[5], 'all': list(zip(hs, gs))}
+                # the same calls profiled behind the sleep: the host's own cost by function, with nothing on the GPU
+                # it could wait for (the back-to-back profile above also holds any time the host blocks)
+                def queued():
+                    torch.cuda._sleep(int(40 * per_ms))
+                    step()
+                dist.barrier(); torch.cuda.synchronize()
+                for order, text in measure.host_profile(queued, 5, dev).items():
+                    res[key][f'host_profile_behind_sleep_{order}'] = text
                 if rank == 0: print(f"{name} {impl} x{world}: behind a 40 ms GPU sleep: host {sorted(hs)[5]:.2f} ms, "
                                     f"GPU alone {sorted(gs)[5]:.2f} ms", flush=True)
             if os.environ.get('GRAPH') == '1':  # the same fwd+bwd captured in one CUDA graph: no host time at all
