@@ -149,6 +149,12 @@ def _check_fa4_stand_in(rank, world, cap):
              masks.local_global(64, 16), 2, op=_exchange_with(split))
     _compare(f"world={world} sm_{cap}0 documents, split", world, "zigzag", patterns(world)[1][1], 4,
              op=_exchange_with(split))
+    # the halo keys joined to the own keys: one FA4 call per pass at the joined positions (documents keep varlen)
+    plan = _plan(torch.randn(B, L, H, D), masks.local_global(64, 16), layout="zigzag", tune=JOIN)
+    assert isinstance(plan.own, fa4.RingStep) and plan.joined and not plan.halo, (plan.joined, plan.halo)
+    assert not _plan(torch.randn(B, L, H, D), docs, layout="zigzag", tune=JOIN).joined  # the own piece is varlen
+    _compare(f"world={world} sm_{cap}0 local + global, joined", world, "zigzag", masks.local_global(64, 16), H,
+             op=_exchange_with(JOIN))
 
 
 @pytest.mark.dist
@@ -167,6 +173,10 @@ SHIP_ALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"))
 
 SPLIT_SHORT = tuning.FlexExchangeTuning(split_chain=8)
 """Pieces whose programs chain over more than 8 tiles run on views (the test's shards are short)."""
+
+
+JOIN = tuning.FlexExchangeTuning(join_halo=True)
+"""The halo keys joined to the own keys in one executor."""
 
 
 def _exchange_with(tune):
@@ -460,6 +470,37 @@ def _check_odd_rows(rank, world, h, dtype):
 @pytest.mark.parametrize("h,dtype", [(1, torch.float32), (3, torch.float64)])
 def test_exchange_shipped_row_packing(h, dtype):
     run_world(_check_odd_rows, 3, h, dtype)
+
+
+def _rows_of_rank_2(b, h, q_idx, kv_idx):
+    """16 more global rows, the first of rank 2 (contiguous): they see every key."""
+    return (q_idx >= 2 * L) & (q_idx < 2 * L + 16) & (kv_idx >= 0)
+
+
+def _check_joined(rank, world):
+    """join_halo: every peer's halo keys before mine in the own executor (one call per pass, no halo pieces);
+    outputs, lse and gradients as the reference, global rows shipped and cleared against the joined halo (4
+    ranks: zigzag alone, the suite's time)."""
+    for layout in ("zigzag", "contiguous")[:2 if world < 4 else 1]:
+        for name, mask, hkv in patterns(world):
+            plan, apart = (_plan(torch.randn(B, L, H, D), mask, layout, tune=t, k=torch.randn(B, L, hkv, D))
+                           for t in (JOIN, tuning.FLEX_EXCHANGE))
+            fetched = sum(len(x) for x in apart.halo_in)
+            # joined wherever halo pieces would run (the test's halos are whole key blocks), to the fetched keys
+            assert (plan.joined, len(plan.halo)) == ((fetched, 0) if apart.halo else (0, 0)), (name, plan.joined)
+            assert [len(x) for x in plan.ship] == [len(x) for x in apart.ship]
+            _compare(f"world={world} {layout} {name} joined", world, layout, mask, hkv, op=_exchange_with(JOIN))
+    # two batch rows, GQA, global rows shipped to every peer from two ranks: cleared in the joined table
+    mask = masks.or_(masks.local_global(64, 16), _rows_of_rank_2) if world > 2 else masks.local_global(64, 16)
+    plan = _plan(torch.randn(2, L, H, D), mask, tune=JOIN, k=torch.randn(2, L, 2, D))
+    assert plan.joined and (rank not in (0, 2) or sum(len(x) for x in plan.ship) >= 128 * (world - 1)), plan.ship
+    _compare(f"world={world} batch 2 joined", world, "contiguous", mask, 2, batch=2, op=_exchange_with(JOIN))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exchange_joined_halo(world):
+    run_world(_check_joined, world)
 
 
 def _rank_window(b, h, q_idx, kv_idx):

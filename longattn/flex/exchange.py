@@ -111,7 +111,10 @@ class ExchangePlan:
     executors would be the dense PyTorch ones on a GPU (empty: FA4 runs them,
     or the CPU); ``cannot``: why the ranks' plans do not fit together
     (empty: they do); ``ship_same``: every peer I ship rows to takes the same
-    rows (global tokens), so their partials merge at once."""
+    rows (global tokens), so their partials merge at once; ``joined``: the
+    halo keys (that many, every peer's in rank order) run before my keys in
+    ``own`` (``FlexExchangeTuning.join_halo``; ``halo`` then empty), 0 where
+    they run apart."""
 
     ship: list
     q_in: list
@@ -135,6 +138,7 @@ class ExchangePlan:
     dense: list
     cannot: list
     ship_same: bool = False
+    joined: int = 0
 
 
 def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning, bq: int, ship_row: int, fetch_row: int):
@@ -184,7 +188,17 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     shipped = torch.cat([pos[p][q_in[p]] for p in range(world)])
     serve = pieces.executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split)
     own = pieces.DocumentsStep.at(mask_mod, pos[rank], b, scale) if cap is not None else None
-    if own is None:
+    joined = 0
+    lens = [len(x) for x in halo_in]
+    if own is None and halo and tuning.join_halo and all(n % fp.BLOCK_SIZE == 0 for n in lens):
+        # the halo keys (every peer's, rank order, as they arrive) before my keys: one executor; my query blocks
+        # computed on p cleared against p's keys, as in the halo pieces
+        offs = [sum(lens[:p]) // fp.BLOCK_SIZE for p in range(world + 1)]
+        clear = [(heavy_blocks[p], offs[p], offs[p + 1]) for p in range(world) if len(heavy_blocks[p]) and lens[p]]
+        kpos = torch.cat([pos[p][halo_in[p]] for p in range(world)] + [pos[rank]])
+        own = pieces.executor(mask_mod, pos[rank], kpos, b, h, scale, cap, clear=clear)
+        halo, joined = [], sum(lens)
+    elif own is None:
         own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
@@ -198,7 +212,7 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos,
                         pieces.within(heavy, 0, length), pieces.within(sent_rows, 0, length), sent_rows, sent_pos,
                         most_cover(spans), (own is not None) + (serve is not None), tuning.concurrent, (), False,
-                        False, [], [])
+                        False, [], [], joined=joined)
     shipped = [x for x in ship if len(x)]
     plan.ship_same = len(shipped) > 1 and all(torch.equal(x, shipped[0]) for x in shipped)
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]

@@ -12,6 +12,10 @@ overlapping the largest piece that does not need it:
   pieces | send the halo dK/dV and the served rows' dQ back (one transfer) |
   own piece | add what came back.
 
+Where the plan joins the halo keys to the own piece (``ExchangePlan.joined``)
+that piece runs on [halo keys | my keys] after the halo arrives, and its
+backward comes first: its halo dK/dV are what travels back.
+
 Sums: the own piece's outputs (over all rows) are the accumulators, no zero
 fill; they keep the input dtype while a row gets at most two pieces (one merge
 or add in float32 arithmetic, one rounding, as a float32 accumulator's final
@@ -311,11 +315,17 @@ class ExchangeFlex(torch.autograd.Function):
                          ([[(q, r)] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)
         # the own piece first: the GPU runs it while the host issues the rest and the halos and shipped rows
-        # arrive; the other pieces run beside it on the side stream
+        # arrive; the other pieces run beside it on the side stream. Joined to the halo keys, it waits for them
+        # (the side stream's pieces then start after the transfer, not after the own piece)
+        got = sent.wait() if plan.joined else None
         side = Side(dev, plan.concurrent)
-        own = plan.own.forward(q, k, v) if plan.own is not None else None
+        if plan.joined:
+            (kh, vh), _ = got
+            own = plan.own.forward(q, torch.cat([kh, k], 1), torch.cat([vh, v], 1))
+        else:
+            own = plan.own.forward(q, k, v) if plan.own is not None else None
         with side:
-            (kh, vh), (qs,) = sent.wait()
+            (kh, vh), (qs,) = got or sent.wait()
             if plan.serve is not None:
                 o, l_ = plan.serve.forward(qs, k, v)
             else:
@@ -364,18 +374,29 @@ class ExchangeFlex(torch.autograd.Function):
         stats = torch.stack([lse, dlse if has_dlse else torch.zeros_like(lse)], -1).transpose(1, 2)  # (B, L, H, 2)
         rows_out = Transfer([([[(dout, r), (out, r), (stats, r)] for r in plan.ship], _n(plan.q_in),
                               [_spec(dout), _spec(out), _spec(stats)])], b, group, plan.moves_q, dev)
+        (kh, vh), (qs,) = unpack(buf, ctx.layout, b)  # before the side stream starts: its pieces read them
         side = Side(dev, plan.concurrent)
         own = None
 
         def own_grads():
-            return plan.own.backward(dout, q, k, v, out, lse, dlse) if plan.own is not None else None
-        if side.side is not None:  # first, beside the rest; serially last, while the gradients travel back
+            if plan.own is None:
+                return None
+            if plan.joined:  # dK/dV of the halo keys, then of mine
+                g = plan.own.backward(dout, q, torch.cat([kh, k], 1), torch.cat([vh, v], 1), out, lse, dlse)
+                return g[0], g[1][:, plan.joined:], g[2][:, plan.joined:], g[1][:, :plan.joined], g[2][:, :plan.joined]
+            return plan.own.backward(dout, q, k, v, out, lse, dlse)
+        # first, beside the rest; serially last, while the gradients travel back (joined: first, its halo dK/dV
+        # travel back)
+        if side.side is not None or plan.joined:
             own = own_grads()
         with side:
-            (kh, vh), (qs,) = unpack(buf, ctx.layout, b)
             halo_dq = []
             whole = len(plan.halo) == 1 and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
-            if not whole:  # halo keys no piece covers (none, where no halo piece runs) return zeros
+            if plan.joined:
+                gk, gv = own[3], own[4]
+                if side.side is not None:  # made on the main stream
+                    side.side.wait_stream(side.main)
+            elif not whole:  # halo keys no piece covers (none, where no halo piece runs) return zeros
                 gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
             for x in plan.halo:
                 rows, keys = slice(x.r0, x.r1), slice(x.k0, x.k1)
@@ -400,7 +421,7 @@ class ExchangeFlex(torch.autograd.Function):
             back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]),
                              (_per_peer(dq_s, _n(plan.q_in)), _n(plan.ship), [_spec(q)])],
                             b, group, plan.moves_kv or plan.moves_q, dev)
-        if side.side is None:
+        if side.side is None and not plan.joined:
             own = own_grads()
         dq = GradSum(q, plan.heavy, plan.out_pieces)
         dk, dv = (GradSum(x, plan.sent, plan.kv_pieces) for x in (k, v))
