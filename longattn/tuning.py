@@ -429,15 +429,18 @@ class FlexExchangeTuning:
            "merge cost more than the programs gain: the served rows' forward at c=32, 4 key tiles a view, 0.43 ms "
            "against 0.37 at 8); flex_split_pieces_h200_e900875.json")
     join_halo: bool = measured(
-        False, "pending measurement: where a rank's own piece runs the pattern's mask (not documents as varlen) "
-               "and its halo keys fill whole key blocks, the halo keys are joined to its own keys and both run "
-               "in the own piece's one FA4 call per pass (exchange.ExchangePlan.joined): a copy of the shard's "
-               "K/V per pass and the global keys' backward chains (not split on views) against one call fewer "
-               "per pass, its merge and its dQ sum; window + global's ranks without the global tokens make 6 FA4 "
-               "calls per fwd+bwd and take longer to issue than to run at 4 GPUs (flex_exchange_host_4xh100_"
+        False, "pending measurement: a rank's halo keys join its own piece, one FA4 call per pass for both: "
+               "causal documents as varlen with each run's earlier keys from the peers in its key segment "
+               "(pieces.JoinedDocuments, where no rows are shipped), other patterns on [halo keys | shard keys] "
+               "where the halo fills whole key blocks (pieces.JoinedKeys). It costs a copy of the shard's K/V per "
+               "pass (and, for documents, a scatter of their dK/dV) and, for global keys, backward chains not "
+               "split on views; it saves a call per pass, the halo's merge and dQ sum, and for documents the "
+               "halo's mask path. Window + global's ranks without the global tokens make 6 FA4 calls per "
+               "fwd+bwd and take longer to issue than to run at 4 GPUs; documents' ranks with two halo pieces "
+               "run 8.7-10.3 ms of GPU time against 8.6 for a quarter of one GPU (flex_exchange_host_4xh100_"
                "f4c34bd.json). Measure alternating: NCCL_NVLS_ENABLE=0 PROFILE=0 REPS=15 IMPLS=\"flex-exchange "
                "flex-exchange:join_halo=1 flex-exchange flex-exchange:join_halo=1\" torchrun --nproc_per_node={2,4} "
-               "benchmarks/flex_exchange_profile.py OUT flex_swg_128k")
+               "benchmarks/flex_exchange_profile.py OUT flex_swg_128k flex_doc_128k")
     max_traffic: float = measured(
         0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import longattn
 from dist_utils import _free_port, assert_group_usable, assert_unsharded_close, generator, run_sharded, run_world
 from longattn import masks, tuning
-from longattn.flex import exchange
+from longattn.flex import exchange, pieces
 from longattn.flex.exchange import choose_engine
 from longattn.flex.pieces import TorchPiece
 from longattn.flex.exchange_run import ExchangeFlex
@@ -149,11 +149,23 @@ def _check_fa4_stand_in(rank, world, cap):
              masks.local_global(64, 16), 2, op=_exchange_with(split))
     _compare(f"world={world} sm_{cap}0 documents, split", world, "zigzag", patterns(world)[1][1], 4,
              op=_exchange_with(split))
-    # the halo keys joined to the own keys: one FA4 call per pass at the joined positions (documents keep varlen)
+    # the halo keys joined to the own keys: one FA4 call per pass at the joined positions; causal documents: each
+    # run's earlier keys on the peers in its varlen key segment
     plan = _plan(torch.randn(B, L, H, D), masks.local_global(64, 16), layout="zigzag", tune=JOIN)
-    assert isinstance(plan.own, fa4.RingStep) and plan.joined and not plan.halo, (plan.joined, plan.halo)
-    assert not _plan(torch.randn(B, L, H, D), docs, layout="zigzag", tune=JOIN).joined  # the own piece is varlen
+    assert isinstance(plan.own, pieces.JoinedKeys) and isinstance(plan.own.run, fa4.RingStep), plan.own
+    assert plan.joined and not plan.halo, (plan.joined, plan.halo)
     _compare(f"world={world} sm_{cap}0 local + global, joined", world, "zigzag", masks.local_global(64, 16), H,
+             op=_exchange_with(JOIN))
+    plan, apart = (_plan(torch.randn(B, L, H, D), docs, layout="zigzag", tune=t) for t in (JOIN, tuning.FLEX_EXCHANGE))
+    assert isinstance(plan.own, pieces.JoinedDocuments) == bool(apart.halo) and not plan.halo, (rank, plan.own)
+    varlen.calls.clear()
+    _compare(f"world={world} sm_{cap}0 documents, joined", world, "zigzag", docs, 4, op=_exchange_with(JOIN))
+    assert varlen.calls and all(c["varlen"] for c in varlen.calls)
+    windowed_docs = masks.and_(masks.sliding_window(300, 0), masks.causal(), docs)
+    plan, apart = (_plan(torch.randn(B, L, H, D), windowed_docs, tune=t) for t in (JOIN, tuning.FLEX_EXCHANGE))
+    assert isinstance(plan.own, pieces.JoinedDocuments) == bool(apart.halo), (rank, plan.own)
+    assert not isinstance(plan.own, pieces.JoinedDocuments) or len(plan.own.halo_src) > 0
+    _compare(f"world={world} sm_{cap}0 windowed causal documents, joined", world, "contiguous", windowed_docs, 4,
              op=_exchange_with(JOIN))
 
 
@@ -325,9 +337,13 @@ def _check_gpu_fa4(rank, world):
                                      SPLIT_SHORT)
             axes = {x.axis for x in [plan.serve] + [p.run for p in plan.halo] if isinstance(x, fa4.SplitStep)}
             assert rank != 1 or name != "local + global" or axes == {"keys", "rows"}, axes
+            joined = exchange.plan_for(ql, kl, mask, None, "zigzag", d ** -0.5, dist.group.WORLD, "auto",
+                                       "exchange", JOIN).own
+            assert isinstance(joined, pieces.JoinedDocuments if name == "causal documents" else pieces.JoinedKeys)
         res = {}
         ops = {"exchange": (longattn.ring_flex_attention, dict(engine="exchange")),
-               "ring": (longattn.ring_flex_attention, dict(engine="ring")), "split": (_exchange_with(SPLIT_SHORT), {})}
+               "ring": (longattn.ring_flex_attention, dict(engine="ring")), "split": (_exchange_with(SPLIT_SHORT), {}),
+               "joined": (_exchange_with(JOIN), {})}
         for engine, (op, kw) in ops.items():
             us, out, lse, grads = run_sharded(op, q, k, v, do, torch.zeros(1, h, s, device="cuda"), "zigzag",
                                               mask_mod=mask, **kw)
@@ -336,12 +352,13 @@ def _check_gpu_fa4(rank, world):
         out, lse = longattn.flex_attention(*xs, mask_mod=mask, return_lse=True)
         (out.float() * do.float()).sum().backward()
         one = [out.float(), lse] + [x.grad.float() for x in xs]
-        for what, a, b, a2, c in zip(("out", "lse", "dq", "dk", "dv"), res["exchange"], res["ring"], res["split"], one):
+        for what, a, b, a2, a3, c in zip(("out", "lse", "dq", "dk", "dv"), res["exchange"], res["ring"],
+                                         res["split"], res["joined"], one):
             err = lambda x, y: float((x - y).norm() / y.norm())
             print(f"rank {rank} world {world} {name} {what}: exchange/one {err(a, c):.2e} split/one {err(a2, c):.2e} "
-                  f"ring/one {err(b, c):.2e}")
-            assert err(a, c) <= max(2e-2, 2 * err(b, c)), (name, what, err(a, c), err(b, c))
-            assert err(a2, c) <= max(2e-2, 2 * err(b, c)), (name, what, err(a2, c), err(b, c))
+                  f"joined/one {err(a3, c):.2e} ring/one {err(b, c):.2e}")
+            for x in (a, a2, a3):
+                assert err(x, c) <= max(2e-2, 2 * err(b, c)), (name, what, err(x, c), err(b, c))
 
 
 @pytest.mark.gpu

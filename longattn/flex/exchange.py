@@ -112,9 +112,10 @@ class ExchangePlan:
     or the CPU); ``cannot``: why the ranks' plans do not fit together
     (empty: they do); ``ship_same``: every peer I ship rows to takes the same
     rows (global tokens), so their partials merge at once; ``joined``: the
-    halo keys (that many, every peer's in rank order) run before my keys in
-    ``own`` (``FlexExchangeTuning.join_halo``; ``halo`` then empty), 0 where
-    they run apart."""
+    halo keys (that many, every peer's in rank order) run with my keys in
+    ``own`` (:class:`.pieces.JoinedKeys` or :class:`.pieces.JoinedDocuments`,
+    ``FlexExchangeTuning.join_halo``; ``halo`` then empty), 0 where they run
+    apart."""
 
     ship: list
     q_in: list
@@ -190,15 +191,20 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     own = pieces.DocumentsStep.at(mask_mod, pos[rank], b, scale) if cap is not None else None
     joined = 0
     lens = [len(x) for x in halo_in]
-    if own is None and halo and tuning.join_halo and all(n % fp.BLOCK_SIZE == 0 for n in lens):
+    hpos = torch.cat([pos[p][halo_in[p]] for p in range(world)])
+    if halo and tuning.join_halo and own is not None and not any(len(x) for x in heavy_blocks):
+        # documents: each run's earlier keys on the peers joined to its varlen key segment
+        docs = pieces.JoinedDocuments.at(mask_mod, pos[rank], hpos, b, scale)
+        if docs is not None:
+            own, halo, joined = docs, [], sum(lens)
+    elif halo and tuning.join_halo and own is None and all(n % fp.BLOCK_SIZE == 0 for n in lens):
         # the halo keys (every peer's, rank order, as they arrive) before my keys: one executor; my query blocks
         # computed on p cleared against p's keys, as in the halo pieces
         offs = [sum(lens[:p]) // fp.BLOCK_SIZE for p in range(world + 1)]
         clear = [(heavy_blocks[p], offs[p], offs[p + 1]) for p in range(world) if len(heavy_blocks[p]) and lens[p]]
-        kpos = torch.cat([pos[p][halo_in[p]] for p in range(world)] + [pos[rank]])
-        own = pieces.executor(mask_mod, pos[rank], kpos, b, h, scale, cap, clear=clear)
-        halo, joined = [], sum(lens)
-    elif own is None:
+        run = pieces.executor(mask_mod, pos[rank], torch.cat([hpos, pos[rank]]), b, h, scale, cap, clear=clear)
+        own, halo, joined = pieces.JoinedKeys(run, sum(lens)), [], sum(lens)
+    if own is None:
         own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back

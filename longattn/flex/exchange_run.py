@@ -321,7 +321,7 @@ class ExchangeFlex(torch.autograd.Function):
         side = Side(dev, plan.concurrent)
         if plan.joined:
             (kh, vh), _ = got
-            own = plan.own.forward(q, torch.cat([kh, k], 1), torch.cat([vh, v], 1))
+            own = plan.own.forward(q, kh, k, vh, v)
         else:
             own = plan.own.forward(q, k, v) if plan.own is not None else None
         with side:
@@ -381,9 +381,8 @@ class ExchangeFlex(torch.autograd.Function):
         def own_grads():
             if plan.own is None:
                 return None
-            if plan.joined:  # dK/dV of the halo keys, then of mine
-                g = plan.own.backward(dout, q, torch.cat([kh, k], 1), torch.cat([vh, v], 1), out, lse, dlse)
-                return g[0], g[1][:, plan.joined:], g[2][:, plan.joined:], g[1][:, :plan.joined], g[2][:, :plan.joined]
+            if plan.joined:  # (dq, dk, dv, the halo's dk, dv)
+                return plan.own.backward(dout, q, kh, k, vh, v, out, lse, dlse)
             return plan.own.backward(dout, q, k, v, out, lse, dlse)
         # first, beside the rest; serially last, while the gradients travel back (joined: first, its halo dK/dV
         # travel back)

@@ -349,6 +349,122 @@ class DocumentsStep:
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
+class JoinedKeys:
+    """An exchange rank's own executor over [halo keys | its keys] (every
+    peer's halo rows in rank order, as they arrive, then the shard's):
+    ``run`` takes the concatenation (its table at those keys' positions,
+    :func:`executor`), ``halo`` keys before the shard's.
+    ``forward(q, kh, k, vh, v)`` -> (out, lse); ``backward`` -> (dq, dk,
+    dv, dk of the halo, dv of the halo)."""
+
+    def __init__(self, run, halo: int):
+        self.run, self.halo = run, halo
+
+    def forward(self, q, kh, k, vh, v):
+        return self.run.forward(q, torch.cat([kh, k], 1), torch.cat([vh, v], 1))
+
+    def backward(self, dout, q, kh, k, vh, v, out, lse, dlse):
+        dq, dk, dv = self.run.backward(dout, q, torch.cat([kh, k], 1), torch.cat([vh, v], 1), out, lse, dlse)
+        n = self.halo
+        return dq, dk[:, n:], dv[:, n:], dk[:, :n], dv[:, :n]
+
+
+class JoinedDocuments:
+    """A rank's causal documents as FA4's varlen kernel with each
+    document's earlier keys from the peers (the halo) in its key segment:
+    query segments ``cu_q`` (the rank's runs of one document, as
+    :class:`DocumentsStep`), key segments ``cu_k`` (the halo keys of that
+    document, in position order, then the run's own keys; causal
+    bottom-right). The segments' keys are gathered into one buffer
+    (``own_dst`` / ``halo_dst``: rows of the flattened (batch x rows) shard /
+    used halo rows ``halo_src`` in it) and their gradients scattered back. The
+    interface of :class:`JoinedKeys`."""
+
+    def __init__(self, cu_q, cu_k, max_q: int, max_k: int, scale: float, window: tuple, own_dst, halo_src,
+                 halo_dst, total: int, halo: int):
+        self.cu_q, self.cu_k, self.max_q, self.max_k = cu_q, cu_k, max_q, max_k
+        self.scale, self.window = scale, window
+        self.own_dst, self.halo_src, self.halo_dst, self.total, self.halo = own_dst, halo_src, halo_dst, total, halo
+
+    @classmethod
+    def at(cls, mask_mod, pos: torch.Tensor, hpos: torch.Tensor, batch: int, scale: float,
+           tuning: tn.FlexFa4Tuning = tn.FLEX_FA4) -> Optional["JoinedDocuments"]:
+        """The executor of my rows at ``pos`` against the halo keys at
+        ``hpos`` (rank order) and my keys, or None where the pattern is not
+        causal documents in runs whose halo keys all come before them (and,
+        with a window, at consecutive positions through the run)."""
+        form = blocks.documents_form(getattr(mask_mod, "fa4", None)) if tuning.documents_varlen else None
+        if form is None or not form[1] or len(pos) == 0 or len(hpos) == 0:
+            return None
+        ids, _, window = form
+        p, hp = pos.cpu(), hpos.cpu()
+        last = int(max(p[-1], hp.max()))
+        if bool((p[1:] <= p[:-1]).any()) or ids.shape[-1] <= last or (ids.dim() == 2 and ids.shape[0] != batch):
+            return None
+        rows, hrows = (ids.cpu()[..., x] for x in (p, hp))
+        rows, hrows = (x.expand(batch, x.shape[-1]) if x.dim() == 1 else x for x in (rows, hrows))
+        h = len(hp)
+        cu_q, cu_k, own_dst, halo_src, halo_dst = [0], [0], [], [], []
+        for bi in range(batch):
+            runs, counts = torch.unique_consecutive(rows[bi], return_counts=True)
+            if runs.unique().numel() != runs.numel():  # a document that comes back: no varlen form
+                return None
+            a = 0
+            for d, n in zip(runs.tolist(), counts.tolist()):
+                mine = hrows[bi] == d
+                first = int(p[a])
+                if bool((mine & (hp > first)).any()):  # a later key of the run's document: not bottom-right
+                    return None
+                sel = mine.nonzero().flatten()
+                sel = sel[torch.argsort(hp[sel])]
+                kp = torch.cat([hp[sel], p[a:a + n]])
+                if (window[0] >= 0 or window[1] > 0) and bool((kp[1:] - kp[:-1] != 1).any()):
+                    return None  # a window bound counts offsets in the segment: positions must be consecutive
+                t = cu_k[-1]
+                halo_src += (bi * h + sel).tolist()
+                halo_dst += range(t, t + len(sel))
+                own_dst += range(t + len(sel), t + len(sel) + n)
+                cu_q.append(cu_q[-1] + n)
+                cu_k.append(t + len(sel) + n)
+                a += n
+        dev = pos.device
+        long_ = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        cu = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)
+        qlens, klens = (torch.tensor(x).diff() for x in (cu_q, cu_k))
+        return cls(cu(cu_q), cu(cu_k), int(qlens.max()), int(klens.max()), scale, window, long_(own_dst),
+                   long_(halo_src), long_(halo_dst), cu_k[-1], h)
+
+    def _keys(self, xh, x):
+        flat = lambda t: t.reshape(-1, *t.shape[2:])
+        out = x.new_empty(self.total, *x.shape[2:])
+        out.index_copy_(0, self.own_dst, flat(x))
+        out.index_copy_(0, self.halo_dst, flat(xh).index_select(0, self.halo_src))
+        return out
+
+    def forward(self, q, kh, k, vh, v):
+        b, s, h, _ = q.shape
+        with torch.no_grad():
+            out, lse = _fa4_api.forward(q.reshape(b * s, h, -1), self._keys(kh, k), self._keys(vh, v), self.scale,
+                                        True, self.window, self.cu_q, self.max_q, cu_k=self.cu_k,
+                                        max_seqlen_k=self.max_k)
+        return out.view(b, s, h, -1), lse.view(h, b, s).transpose(0, 1).contiguous()
+
+    def backward(self, dout, q, kh, k, vh, v, out, lse, dlse):
+        b, s, h, _ = q.shape
+        flat = lambda x: x.reshape(b * s, *x.shape[2:])
+        packed = lambda x: None if x is None else x.transpose(0, 1).reshape(h, b * s)  # varlen lse: (H, T)
+        dq, dk, dv = _fa4_api.backward(flat(dout), flat(q), self._keys(kh, k), self._keys(vh, v), flat(out),
+                                       packed(lse), self.scale, True, self.window, packed(dlse), self.cu_q,
+                                       self.max_q, cu_k=self.cu_k, max_seqlen_k=self.max_k)
+
+        def back(g, xh, x):  # the shard's rows in order; halo rows no segment used get 0
+            gh = g.new_zeros(xh.shape[0] * xh.shape[1], *g.shape[1:])
+            gh.index_copy_(0, self.halo_src, g.index_select(0, self.halo_dst))
+            return g.index_select(0, self.own_dst).view(x.shape), gh.view(xh.shape)
+        (dk_, dkh), (dv_, dvh) = back(dk, kh, k), back(dv, vh, v)
+        return dq.view(q.shape), dk_, dv_, dkh, dvh
+
+
 def single_executor(q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_FA4):
     """The FA4 executor of a one-device flex call (cached in
     :data:`.schedule.PLANS`): a :class:`DocumentsStep` (FA4's varlen kernel)
