@@ -161,6 +161,13 @@ def _check_fa4_stand_in(rank, world, cap):
     varlen.calls.clear()
     _compare(f"world={world} sm_{cap}0 documents, joined", world, "zigzag", docs, 4, op=_exchange_with(JOIN))
     assert varlen.calls and all(c["varlen"] for c in varlen.calls)
+    # two batch rows with documents of their own (ids (2, S)): segments per row, halo rows at per-row offsets
+    ids = torch.stack([torch.arange(world * L) * 5 // (world * L), torch.arange(world * L) * 3 // (world * L)])
+    rows_docs = masks.and_(masks.causal(), masks.document(ids))
+    plan = _plan(torch.randn(2, L, H, D), rows_docs, layout="zigzag", tune=JOIN)
+    assert isinstance(plan.own, pieces.JoinedDocuments) == bool(plan.joined) and (rank != 1 or plan.joined), plan.own
+    _compare(f"world={world} sm_{cap}0 documents per batch row, joined", world, "zigzag", rows_docs, 4, batch=2,
+             op=_exchange_with(JOIN))
     windowed_docs = masks.and_(masks.sliding_window(300, 0), masks.causal(), docs)
     plan, apart = (_plan(torch.randn(B, L, H, D), windowed_docs, tune=t) for t in (JOIN, tuning.FLEX_EXCHANGE))
     assert isinstance(plan.own, pieces.JoinedDocuments) == bool(apart.halo), (rank, plan.own)
