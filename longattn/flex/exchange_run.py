@@ -393,8 +393,6 @@ class ExchangeFlex(torch.autograd.Function):
             whole = len(plan.halo) == 1 and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
             if plan.joined:
                 gk, gv = own[3], own[4]
-                if side.side is not None:  # made on the main stream
-                    side.side.wait_stream(side.main)
             elif not whole:  # halo keys no piece covers (none, where no halo piece runs) return zeros
                 gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
             for x in plan.halo:
@@ -417,6 +415,8 @@ class ExchangeFlex(torch.autograd.Function):
                 served, dq_s = g[1:], g[0].to(q.dtype)
             else:
                 dq_s = torch.zeros_like(qs)
+            if plan.joined and side.side is not None:  # the halo's dK/dV are made on the main stream
+                side.side.wait_stream(side.main)
             back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]),
                              (_per_peer(dq_s, _n(plan.q_in)), _n(plan.ship), [_spec(q)])],
                             b, group, plan.moves_kv or plan.moves_q, dev)
