@@ -8,6 +8,7 @@ at least a dispatch) that the exchange adds to its pieces' FA4 calls; the
 Window ±(rows/16) + 128 global tokens, zigzag, one batch row, bf16:
 
     python benchmarks/flex_exchange_ops.py --world 2 4 --rows 4096 --heads 2 --json OUT.json
+    python benchmarks/flex_exchange_ops.py --tune join_halo=1   # under another FlexExchangeTuning
 
 Prints, per world size, the ops dispatched, those that copy or launch a
 kernel of their own, and the source lines that dispatch the most.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import socket
@@ -42,11 +44,11 @@ class _Zeros:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
-def _count(rank, world, rows, heads, port, out_dir):
+def _count(rank, world, rows, heads, port, out_dir, tune=()):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from longattn import masks
-    from longattn.flex import exchange
+    from longattn import masks, tuning
+    from longattn.flex import exchange, pieces
     from longattn.flex.exchange_run import ExchangeFlex
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -55,8 +57,11 @@ def _count(rank, world, rows, heads, port, out_dir):
     q = torch.randn(1, rows, heads, 16, dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     plan = exchange.plan_for(q, k, masks.local_global(rows // 16, 128), None, "zigzag", 0.25, dist.group.WORLD,
-                             "auto", "exchange")
-    plan.own = _Zeros() if plan.own is not None else None
+                             "auto", "exchange", tuning.FlexExchangeTuning(**dict(tune)))
+    if isinstance(plan.own, pieces.JoinedKeys):  # its concatenations are the exchange's work: kept
+        plan.own.run = _Zeros()
+    else:
+        plan.own = _Zeros() if plan.own is not None else None
     plan.serve = _Zeros() if plan.serve is not None else None
     for x in plan.halo:
         x.run = _Zeros()
@@ -79,7 +84,7 @@ def _count(rank, world, rows, heads, port, out_dir):
             return func(*args, **(kwargs or {}))
     with Count():
         step()
-    res = {"world": world, "rank": rank, "rows": rows, "heads": heads, "ops": sum(kinds.values()),
+    res = {"world": world, "rank": rank, "rows": rows, "heads": heads, "tune": dict(tune), "ops": sum(kinds.values()),
            "kernel_ops": sum(n for k_, n in kinds.items() if any(x in k_ for x in KERNELS)),
            "halo_pieces": len(plan.halo), "serve": plan.serve is not None,
            "top_lines": lines.most_common(12), "kinds": dict(kinds.most_common())}
@@ -98,12 +103,18 @@ def main(argv=None):
     p.add_argument("--world", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rows", type=int, default=4096, help="tokens per rank")
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--tune", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="FlexExchangeTuning fields, e.g. join_halo=1 (bool fields 0/1)")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    from longattn import tuning
+    types = {f.name: f.type for f in dataclasses.fields(tuning.FlexExchangeTuning)}
+    conv = {"bool": lambda x: bool(int(x)), "int": int, "float": float}
+    tune = tuple((f, conv[types[f]](x)) for f, x in (kv.split("=", 1) for kv in a.tune))
     results = []
     with tempfile.TemporaryDirectory() as d:
         for world in a.world:
-            mp.spawn(_count, args=(world, a.rows, a.heads, _port(), d), nprocs=world)
+            mp.spawn(_count, args=(world, a.rows, a.heads, _port(), d, tune), nprocs=world)
             per_rank = [json.load(open(os.path.join(d, f"{world}_{r}.json"))) for r in range(world)]
             results += per_rank
             worst = max(per_rank, key=lambda r: r["ops"])
