@@ -438,8 +438,8 @@ class FlexExchangeTuning:
                "halo's mask path, and the exchange's own dispatches per fwd+bwd (CPU stand-ins, window + global: "
                "135-157 per rank at 2 ranks, 161-213 at 4, against 164-188 and 190-244; flex_exchange_ops_join_"
                "cpu_9c847ff.json, flex_exchange_ops_cpu_37593cf.json). Window + global's ranks without the global tokens make 6 FA4 calls per "
-               "fwd+bwd and take longer to issue than to run at 4 GPUs; documents' ranks with two halo pieces "
-               "run 8.7-10.3 ms of GPU time against 8.6 for a quarter of one GPU (flex_exchange_host_4xh100_"
+               "fwd+bwd and take longer to issue than to run at 4 GPUs; documents' ranks run 8.7-10.3 ms of GPU "
+               "time (the two with two halo pieces 9.2-10.3) against 8.6 for a quarter of one GPU (flex_exchange_host_4xh100_"
                "f4c34bd.json). Measure alternating: NCCL_NVLS_ENABLE=0 PROFILE=0 REPS=15 IMPLS=\"flex-exchange "
                "flex-exchange:join_halo=1 flex-exchange flex-exchange:join_halo=1\" torchrun --nproc_per_node={2,4} "
                "benchmarks/flex_exchange_profile.py OUT flex_swg_128k flex_doc_128k")
