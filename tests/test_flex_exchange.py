@@ -156,6 +156,14 @@ def _check_fa4_stand_in(rank, world, cap):
     assert plan.joined and not plan.halo, (plan.joined, plan.halo)
     _compare(f"world={world} sm_{cap}0 local + global, joined", world, "zigzag", masks.local_global(64, 16), H,
              op=_exchange_with(JOIN))
+    # joined with the global keys' chains: the backward carved as a one-device call's (those key tiles on views)
+    join_split = tuning.FlexExchangeTuning(join_halo=True, split_chain=1, split_min_blocks=1)
+    plan = _plan(torch.randn(B, L, H, D), masks.local_global(64, 16), layout="contiguous", tune=join_split,
+                 k=torch.randn(B, L, 2, D))
+    carved = isinstance(plan.own.run, pieces.CarvedStep)
+    assert rank == 0 or (carved and plan.own.run.keys_run is not None), (rank, plan.own.run)
+    _compare(f"world={world} sm_{cap}0 local + global, joined and carved", world, "contiguous",
+             masks.local_global(64, 16), 2, op=_exchange_with(join_split))
     plan, apart = (_plan(torch.randn(B, L, H, D), docs, layout="zigzag", tune=t) for t in (JOIN, tuning.FLEX_EXCHANGE))
     assert isinstance(plan.own, pieces.JoinedDocuments) == bool(apart.halo) and not plan.halo, (rank, plan.own)
     varlen.calls.clear()

@@ -202,7 +202,11 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
         # computed on p cleared against p's keys, as in the halo pieces
         offs = [sum(lens[:p]) // fp.BLOCK_SIZE for p in range(world + 1)]
         clear = [(heavy_blocks[p], offs[p], offs[p + 1]) for p in range(world) if len(heavy_blocks[p]) and lens[p]]
-        run = pieces.executor(mask_mod, pos[rank], torch.cat([hpos, pos[rank]]), b, h, scale, cap, clear=clear)
+        kpos = torch.cat([hpos, pos[rank]])
+        # no rows shipped (nothing to clear): carved where the joined keys have long chains (global keys), as a
+        # one-device call
+        run = pieces.carved(mask_mod, pos[rank], kpos, b, h, hkv, scale, cap, tuning) if cap is not None and \
+            not clear else pieces.executor(mask_mod, pos[rank], kpos, b, h, scale, cap, clear=clear)
         own, halo, joined = pieces.JoinedKeys(run, sum(lens)), [], sum(lens)
     if own is None:
         own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)

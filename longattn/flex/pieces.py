@@ -478,36 +478,52 @@ def single_executor(q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.
 
 
 def _single(q, k, mask_mod, scale, tuning):
-    b, lq, h, _ = q.shape
-    lk, hkv, dev = k.shape[1], k.shape[2], q.device
     docs = DocumentsStep.of(q, k, mask_mod, scale, tuning)
     if docs is not None:
         return docs
-    step = fa4.single_step(q, k, mask_mod)
+    dev = q.device
+    qpos, kpos = (torch.arange(n, dtype=torch.int32, device=dev) for n in (q.shape[1], k.shape[1]))
+    return carved(mask_mod, qpos, kpos, q.shape[0], q.shape[2], k.shape[2], scale,
+                  fa4.KERNEL.capability(dev)[0], tuning, fa4.single_step(q, k, mask_mod))
+
+
+def carved(mask_mod, qpos, kpos, batch: int, heads: int, kv_heads: int, scale: float, cap: int, tuning,
+           step: Optional["fa4.Step"] = None):
+    """The FA4 executor of queries at ``qpos`` x keys at ``kpos`` (``step``:
+    its form there, made where not given): a :class:`fa4.RingStep`, or a
+    :class:`CarvedStep` where at batch 1 the pattern has tiles with long
+    chains that views would cut (:func:`split_for` with ``tuning``, which
+    holds ``split_chain``, ``split_programs`` and ``split_min_blocks``: a
+    one-device call's :class:`longattn.tuning.FlexFa4Tuning`, the exchange's
+    joined own piece's :class:`longattn.tuning.FlexExchangeTuning`); None
+    where no query sees a key."""
+    if step is None:
+        inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
+        f = blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
+        step = fa4.make_step(mask_mod, batch, heads, qpos, kpos, cap, f)
     if step.empty:
         return None
+    lq, lk, dev = len(qpos), len(kpos), qpos.device
     whole = fa4.RingStep(step, scale, lq, lk)
     vis = (step.table.partial | step.table.full).any(0)
-    rows, keys = _long_chains(vis, 2, h, tuning), _long_chains(vis, 1, hkv, tuning)
-    if b != 1 or (rows is None and keys is None):
+    rows, keys = _long_chains(vis, 2, heads, tuning), _long_chains(vis, 1, kv_heads, tuning)
+    if batch != 1 or (rows is None and keys is None):
         return whole
-    cap = fa4.KERNEL.capability(dev)[0]
-    qpos, kpos = (torch.arange(n, dtype=torch.int32, device=dev) for n in (lq, lk))
-    split = lambda table, r, c: split_for(table, r, c, b, h, hkv, cap, tuning)
+    split = lambda table, r, c: split_for(table, r, c, batch, heads, kv_heads, cap, tuning)
     cleared = lambda t: fa4.RingStep(fa4.Step(t, step.block, step.form, step.aux, blocks.sparse_tensors(t), t.empty),
                                      scale, lq, lk)
     fwd = bwd = whole
     qrows = krows = rows_run = keys_run = None
     if rows is not None:  # the chained query tiles' rows against every key, on views of the keys
         qrows = rows_of(rows, step.block[0], lq)
-        rows_run = executor(mask_mod, qpos[qrows], kpos, b, h, scale, cap, split=split)
+        rows_run = executor(mask_mod, qpos[qrows], kpos, batch, heads, scale, cap, split=split)
         if isinstance(rows_run, fa4.SplitStep):
             fwd = cleared(_cleared(step.table, [(rows, 0, vis.shape[2])]))
         else:
             qrows = rows_run = None
     if keys is not None:  # every row against the chained key tiles, on views of the rows
         krows = rows_of(keys, step.block[1], lk)
-        keys_run = executor(mask_mod, qpos, kpos[krows], b, h, scale, cap, split=split)
+        keys_run = executor(mask_mod, qpos, kpos[krows], batch, heads, scale, cap, split=split)
         if isinstance(keys_run, fa4.SplitStep):
             every = torch.arange(vis.shape[1], device=dev)
             bwd = cleared(_cleared(step.table, [(every, int(t), int(t) + 1) for t in keys.tolist()]))
