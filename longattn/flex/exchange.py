@@ -207,7 +207,8 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
         # one-device call
         run = pieces.carved(mask_mod, pos[rank], kpos, b, h, hkv, scale, cap, tuning) if cap is not None and \
             not clear else pieces.executor(mask_mod, pos[rank], kpos, b, h, scale, cap, clear=clear)
-        own, halo, joined = pieces.JoinedKeys(run, sum(lens)), [], sum(lens)
+        if run is not None:  # None: nothing visible in the joined table; the pieces stay apart
+            own, halo, joined = pieces.JoinedKeys(run, sum(lens)), [], sum(lens)
     if own is None:
         own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
