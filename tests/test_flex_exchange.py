@@ -169,6 +169,13 @@ def _check_fa4_stand_in(rank, world, cap):
     varlen.calls.clear()
     _compare(f"world={world} sm_{cap}0 documents, joined", world, "zigzag", docs, 4, op=_exchange_with(JOIN))
     assert varlen.calls and all(c["varlen"] for c in varlen.calls)
+    # two documents over every rank's two chunks: a run's earlier keys from two peers, out of position order in
+    # the halo (rank order) at rank 0, whose second chunk's document began on ranks 2 and 1 (3 ranks)
+    long_docs = masks.and_(masks.causal(), masks.document(torch.arange(world * L) * 2 // (world * L)))
+    plan = _plan(torch.randn(B, L, H, D), long_docs, layout="zigzag", tune=JOIN)
+    assert world != 3 or isinstance(plan.own, pieces.JoinedDocuments), (rank, plan.own, plan.ship)
+    _compare(f"world={world} sm_{cap}0 two long documents, joined", world, "zigzag", long_docs, 4,
+             op=_exchange_with(JOIN))
     # two batch rows with documents of their own (ids (2, S)): segments per row, halo rows at per-row offsets
     ids = torch.stack([torch.arange(world * L) * 5 // (world * L), torch.arange(world * L) * 3 // (world * L)])
     rows_docs = masks.and_(masks.causal(), masks.document(ids))
