@@ -133,11 +133,9 @@ def executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clea
                 m[:, :, rows_of(qb, fp.BLOCK_SIZE, len(qpos)), kb0 * fp.BLOCK_SIZE:kb1 * fp.BLOCK_SIZE] = False
             return m
         return TorchPiece(make_mask, scale)
-    # no mask: an unbounded window is true at every position (FA4's block sparsity, which the cleared blocks
-    # need, runs with a mask); the table's blocks are all full, so it is never evaluated
-    inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
+    inner, at = _at_positions(mask_mod, qpos, kpos)
     step = lambda t, f: fa4.Step(t, block, f, blocks.aux_tensors(f, qpos.device), blocks.sparse_tensors(t), False)
-    whole = step(table, blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,)))
+    whole = step(table, at)
     split = split(table, len(qpos), len(kpos)) if split is not None else None
     if split is None:
         return fa4.RingStep(whole, scale, len(qpos), len(kpos))
@@ -150,6 +148,14 @@ def executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clea
         parts = [x.reshape(x.shape[1], c, -1, x.shape[3]).movedim(1, 0) for x in (table.partial, table.full)]
     split_step = step(fp.BlockTable(*(x.contiguous() for x in parts)), fc)
     return fa4.SplitStep(whole, split_step, scale, c, axis, len(qpos), len(kpos))
+
+
+def _at_positions(mask_mod, qpos, kpos) -> tuple:
+    """(the pattern's FA4 form, that form at global positions ``qpos`` x ``kpos``). No mask: an unbounded window,
+    true at every position (FA4's block sparsity, which cleared blocks need, runs with a mask; with every block
+    full it is never evaluated)."""
+    inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
+    return inner, blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
 
 
 def _cleared(table: fp.BlockTable, clear) -> fp.BlockTable:
@@ -290,8 +296,10 @@ class DocumentsStep:
     within those of FA4's masks that chose FA4. ``forward(q, k, v)`` -> (out,
     lse (B, H, S)); ``backward`` from the given out, lse and dlse."""
 
-    def __init__(self, cu: torch.Tensor, max_seqlen: int, scale: float, causal: bool, window: tuple):
+    def __init__(self, cu: torch.Tensor, max_seqlen: int, scale: float, causal: bool, window: tuple,
+                 cu_k: Optional[torch.Tensor] = None, max_seqlen_k: int = 0):
         self.cu, self.max_seqlen, self.scale, self.causal, self.window = cu, max_seqlen, scale, causal, window
+        self.cu_k, self.max_seqlen_k = cu_k, max_seqlen_k  # key segments of their own (None: the queries')
 
     @classmethod
     def of(cls, q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_FA4) -> Optional["DocumentsStep"]:
@@ -333,19 +341,21 @@ class DocumentsStep:
         return cls(cu.to(pos.device), max(lengths), scale, causal, window)
 
     def forward(self, q, k, v):
+        """q (B, S, H, D); k, v (B, S, ...) or, with key segments of their own, (T, ...)."""
         b, s, h, _ = q.shape
-        flat = lambda x: x.reshape(b * s, *x.shape[2:])
+        flat = lambda x: x.reshape(-1, *x.shape[-2:])
         with torch.no_grad():
             out, lse = _fa4_api.forward(flat(q), flat(k), flat(v), self.scale, self.causal, self.window, self.cu,
-                                        self.max_seqlen)
+                                        self.max_seqlen, cu_k=self.cu_k, max_seqlen_k=self.max_seqlen_k)
         return out.view(b, s, h, -1), lse.view(h, b, s).transpose(0, 1).contiguous()
 
     def backward(self, dout, q, k, v, out, lse, dlse, graph=None):
         b, s, h, _ = q.shape
-        flat = lambda x: x.reshape(b * s, *x.shape[2:])
+        flat = lambda x: x.reshape(-1, *x.shape[-2:])
         packed = lambda x: None if x is None else x.transpose(0, 1).reshape(h, b * s)  # varlen lse: (H, T)
         dq, dk, dv = _fa4_api.backward(flat(dout), flat(q), flat(k), flat(v), flat(out), packed(lse), self.scale,
-                                       self.causal, self.window, packed(dlse), self.cu, self.max_seqlen)
+                                       self.causal, self.window, packed(dlse), self.cu, self.max_seqlen,
+                                       cu_k=self.cu_k, max_seqlen_k=self.max_seqlen_k)
         return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
@@ -372,19 +382,16 @@ class JoinedKeys:
 class JoinedDocuments:
     """A rank's causal documents as FA4's varlen kernel with each
     document's earlier keys from the peers (the halo) in its key segment:
-    query segments ``cu_q`` (the rank's runs of one document, as
-    :class:`DocumentsStep`), key segments ``cu_k`` (the halo keys of that
-    document, in position order, then the run's own keys; causal
+    ``step``, a :class:`DocumentsStep` whose query segments are the rank's
+    runs of one document and whose key segments hold the halo keys of that
+    document, in position order, then the run's own keys (causal
     bottom-right). The segments' keys are gathered into one buffer
     (``own_dst`` / ``halo_dst``: rows of the flattened (batch x rows) shard /
     used halo rows ``halo_src`` in it) and their gradients scattered back. The
     interface of :class:`JoinedKeys`."""
 
-    def __init__(self, cu_q, cu_k, max_q: int, max_k: int, scale: float, window: tuple, own_dst, halo_src,
-                 halo_dst, total: int, halo: int):
-        self.cu_q, self.cu_k, self.max_q, self.max_k = cu_q, cu_k, max_q, max_k
-        self.scale, self.window = scale, window
-        self.own_dst, self.halo_src, self.halo_dst, self.total, self.halo = own_dst, halo_src, halo_dst, total, halo
+    def __init__(self, step: DocumentsStep, own_dst, halo_src, halo_dst, total: int):
+        self.step, self.own_dst, self.halo_src, self.halo_dst, self.total = step, own_dst, halo_src, halo_dst, total
 
     @classmethod
     def at(cls, mask_mod, pos: torch.Tensor, hpos: torch.Tensor, batch: int, scale: float,
@@ -403,7 +410,6 @@ class JoinedDocuments:
             return None
         rows, hrows = (ids.cpu()[..., x] for x in (p, hp))
         rows, hrows = (x.expand(batch, x.shape[-1]) if x.dim() == 1 else x for x in (rows, hrows))
-        h = len(hp)
         cu_q, cu_k, own_dst, halo_src, halo_dst = [0], [0], [], [], []
         for bi in range(batch):
             runs, counts = torch.unique_consecutive(rows[bi], return_counts=True)
@@ -421,7 +427,7 @@ class JoinedDocuments:
                 if (window[0] >= 0 or window[1] > 0) and bool((kp[1:] - kp[:-1] != 1).any()):
                     return None  # a window bound counts offsets in the segment: positions must be consecutive
                 t = cu_k[-1]
-                halo_src += (bi * h + sel).tolist()
+                halo_src += (bi * len(hp) + sel).tolist()
                 halo_dst += range(t, t + len(sel))
                 own_dst += range(t + len(sel), t + len(sel) + n)
                 cu_q.append(cu_q[-1] + n)
@@ -431,8 +437,8 @@ class JoinedDocuments:
         long_ = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
         cu = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)
         qlens, klens = (torch.tensor(x).diff() for x in (cu_q, cu_k))
-        return cls(cu(cu_q), cu(cu_k), int(qlens.max()), int(klens.max()), scale, window, long_(own_dst),
-                   long_(halo_src), long_(halo_dst), cu_k[-1], h)
+        step = DocumentsStep(cu(cu_q), int(qlens.max()), scale, True, window, cu(cu_k), int(klens.max()))
+        return cls(step, long_(own_dst), long_(halo_src), long_(halo_dst), cu_k[-1])
 
     def _keys(self, xh, x):
         flat = lambda t: t.reshape(-1, *t.shape[2:])
@@ -442,27 +448,17 @@ class JoinedDocuments:
         return out
 
     def forward(self, q, kh, k, vh, v):
-        b, s, h, _ = q.shape
-        with torch.no_grad():
-            out, lse = _fa4_api.forward(q.reshape(b * s, h, -1), self._keys(kh, k), self._keys(vh, v), self.scale,
-                                        True, self.window, self.cu_q, self.max_q, cu_k=self.cu_k,
-                                        max_seqlen_k=self.max_k)
-        return out.view(b, s, h, -1), lse.view(h, b, s).transpose(0, 1).contiguous()
+        return self.step.forward(q, self._keys(kh, k), self._keys(vh, v))
 
     def backward(self, dout, q, kh, k, vh, v, out, lse, dlse):
-        b, s, h, _ = q.shape
-        flat = lambda x: x.reshape(b * s, *x.shape[2:])
-        packed = lambda x: None if x is None else x.transpose(0, 1).reshape(h, b * s)  # varlen lse: (H, T)
-        dq, dk, dv = _fa4_api.backward(flat(dout), flat(q), self._keys(kh, k), self._keys(vh, v), flat(out),
-                                       packed(lse), self.scale, True, self.window, packed(dlse), self.cu_q,
-                                       self.max_q, cu_k=self.cu_k, max_seqlen_k=self.max_k)
+        dq, dk, dv = self.step.backward(dout, q, self._keys(kh, k), self._keys(vh, v), out, lse, dlse)
 
         def back(g, xh, x):  # the shard's rows in order; halo rows no segment used get 0
             gh = g.new_zeros(xh.shape[0] * xh.shape[1], *g.shape[1:])
             gh.index_copy_(0, self.halo_src, g.index_select(0, self.halo_dst))
             return g.index_select(0, self.own_dst).view(x.shape), gh.view(xh.shape)
         (dk_, dkh), (dv_, dvh) = back(dk, kh, k), back(dv, vh, v)
-        return dq.view(q.shape), dk_, dv_, dkh, dvh
+        return dq, dk_, dv_, dkh, dvh
 
 
 def single_executor(q, k, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_FA4):
@@ -498,9 +494,7 @@ def carved(mask_mod, qpos, kpos, batch: int, heads: int, kv_heads: int, scale: f
     joined own piece's :class:`longattn.tuning.FlexExchangeTuning`); None
     where no query sees a key."""
     if step is None:
-        inner = blocks.form("window", -1, -1) if mask_mod is None else mask_mod.fa4
-        f = blocks.form("at_positions", tensors=(qpos, kpos), parts=(inner,))
-        step = fa4.make_step(mask_mod, batch, heads, qpos, kpos, cap, f)
+        step = fa4.make_step(mask_mod, batch, heads, qpos, kpos, cap, _at_positions(mask_mod, qpos, kpos)[1])
     if step.empty:
         return None
     lq, lk, dev = len(qpos), len(kpos), qpos.device
