@@ -466,6 +466,9 @@ class FlexExchangeTuning:
         for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise ValueError(f"FlexExchangeTuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
+        for name in ("concurrent", "join_halo"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FlexExchangeTuning.{name} must be True or False, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -294,6 +294,14 @@ def test_bad_engine_raises_before_any_collective():
     run_world(_check_bad_engine, 2)
 
 
+def test_exchange_tuning_rejects_bad_fields():
+    for bad, match in ((dict(join_halo="yes"), "join_halo must be True or False"),
+                       (dict(concurrent=1), "concurrent must be True or False"),
+                       (dict(split_chain=0), "split_chain must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            tuning.FlexExchangeTuning(**bad)
+
+
 def test_choose_engine():
     never = lambda: pytest.fail("planned where the choice does not need it")
     assert choose_engine("ring", [], never) == "ring"
