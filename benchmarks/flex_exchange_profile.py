@@ -15,7 +15,8 @@ waits), times 10 forward + backward calls each queued behind a 40 ms GPU
 sleep: the call's host time (what issuing it costs; longer if it waits on
 the GPU) and its GPU time alone (from the end of the sleep), and records
 cProfile of 5 calls queued behind such a sleep (what issuing costs by
-function, with nothing to wait for). An impl may be
+function, with nothing to wait for). BATCH=N (with PROFILE=0) also times N
+forward + backward calls queued back to back, 3 rounds (ms per call). An impl may be
 listed twice (timed twice, alternating). One JSON per rank in OUTDIR; rank 0
 prints a line per (config, impl).
 
@@ -44,23 +45,7 @@ for name in cfgs:
     for impl in impls:
         if impl == "flex-exchange-serial":
             impl = "flex-exchange:concurrent=0"
-        if impl.startswith("flex-exchange:"):
-            import dataclasses
-            from longattn import tuning
-            from longattn.flex import exchange
-            from longattn.flex.exchange_run import ExchangeFlex
-            from longattn.bench.patterns import flex_mask
-            _, (ql, kl, vl) = flex_dist_build(cfg, "flex-exchange", q, k, v)
-            mask = flex_mask(cfg, dev)
-            types = {f.name: f.type for f in dataclasses.fields(tuning.FlexExchangeTuning)}
-            conv = {"bool": lambda x: bool(int(x)), "int": int, "float": float}
-            tune = tuning.FlexExchangeTuning(**{f: conv[types[f]](x) for f, x in
-                                               (kv.split("=") for kv in impl.split(":", 1)[1].split(","))})
-            def fn(a, b_, c, tune=tune):
-                plan = exchange.plan_for(a, b_, mask, None, "zigzag", a.shape[-1] ** -0.5, dist.group.WORLD, "auto", "exchange", tune)
-                return ExchangeFlex.apply(a, b_, c, plan, dist.group.WORLD)[0]
-        else:
-            fn, (ql, kl, vl) = flex_dist_build(cfg, impl, q, k, v)
+        fn, (ql, kl, vl) = flex_dist_build(cfg, impl, q, k, v)
         ql, kl, vl = (x.detach().requires_grad_() for x in (ql, kl, vl))
         do = torch.randn_like(ql)
         def step():
@@ -93,6 +78,19 @@ for name in cfgs:
             while key in res: key += '+'
             res[key] = {'fwd_ms': ts[mid][0], 'fwd_bwd_ms': ts[mid][1], 'peak_mib': peak, 'all': ts}
             if rank == 0: print(f'{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f}', flush=True)
+            if int(os.environ.get('BATCH', 0)) > 0:  # BATCH calls queued back to back, 3 rounds: ms per call
+                nb, per = int(os.environ['BATCH']), []
+                for _ in range(3):
+                    dist.barrier(); torch.cuda.synchronize()
+                    ev[2].record()
+                    for _ in range(nb):
+                        step()
+                    ev[3].record(); torch.cuda.synchronize()
+                    per.append(ev[2].elapsed_time(ev[3]) / nb)
+                res[key]['batched_fwd_bwd_ms'] = sorted(per)[1]
+                res[key]['batched_all'] = per
+                if rank == 0: print(f'{name} {impl} x{world}: {nb} back to back, per call ' +
+                                    ' '.join(f'{x:.2f}' for x in per), flush=True)
             if os.environ.get('HOSTPROF') == '1':
                 dist.barrier(); torch.cuda.synchronize()
                 for order, text in measure.host_profile(step, 5, dev).items():
@@ -171,6 +169,11 @@ for name in cfgs:
         if rank == 0:
             print(f"{name} {impl} x{world}: peak {peak:.0f} MiB fwd {ts[mid][0]:.2f} fwd+bwd {ts[mid][1]:.2f} span {res[f'{name}/{impl}']['span_ms']:.2f} busy {res[f'{name}/{impl}']['gpu_busy_ms']:.2f}", flush=True)
         del fn, ql, kl, vl
+res["_meta"] = {"commit": measure.git_commit(),
+               "device": torch.cuda.get_device_name(dev), "world": world, "torch": torch.__version__,
+               "command": " ".join(f"{k}={os.environ[k]}" for k in ("IMPLS", "REPS", "BATCH", "PROFILE", "HOSTPROF", "GRAPH",
+                                                                  "STACK") if k in os.environ)
+               + f" torchrun --nproc_per_node={world} " + " ".join(sys.argv)}
 json.dump(res, open(os.path.join(out_dir, f"prof_r{rank}.json"), "w"), indent=0)
 dist.barrier()
 dist.destroy_process_group()

@@ -156,6 +156,18 @@ def test_torch_cp_says_why_not():
 
 
 # ------------------------------------------------------------------ results and README
+def test_flex_exchange_impl_takes_tuning_fields():
+    from longattn import tuning
+    from longattn.bench.torch_cp import exchange_tuning, flex_dist_reason
+
+    assert exchange_tuning("flex-exchange") is None
+    assert exchange_tuning("flex-exchange:join_halo=1,split_chain=64") == tuning.FlexExchangeTuning(
+        join_halo=True, split_chain=64)
+    cfg, cpu = C.get("flex_swg_128k"), torch.device("cpu")
+    assert "no field 'bogus'" in flex_dist_reason(cfg, "flex-exchange:bogus=1", cpu)
+    assert "flex configs run" in flex_dist_reason(cfg, "flex-ring:join_halo=1", cpu)
+
+
 def test_result_path_carries_the_commit(monkeypatch):
     from longattn.bench.measure import result_path, short_commit
 

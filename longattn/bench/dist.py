@@ -79,7 +79,7 @@ def _init(one_rank: bool = False):
 def _reason(cfg: Config, impl: str, dev) -> Optional[str]:
     if cfg.kind == "flex":
         return flex_dist_reason(cfg, impl, dev)
-    if impl in FLEX_DIST_IMPLS:
+    if impl.partition(":")[0] in FLEX_DIST_IMPLS:
         return f"{impl} runs flex configs (kind flex: `python -m longattn.bench list`) only"
     if cfg.kind == "dilated" and impl.partition("+")[0] != "ring-contiguous":
         return "dilated configs run as dilated-over-ranks (ring-contiguous: contiguous shards) only"

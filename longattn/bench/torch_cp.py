@@ -179,16 +179,45 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
 
 FLEX_DIST_IMPLS = ("flex-ring", "flex-ring-contiguous", "flex-exchange", "torch-cp-flex")
 """`dist` rows of flex configs: ring_flex_attention's ring (zigzag, contiguous), its exchange
-engine (zigzag: sparse K/V halos and shipped dense query rows) and torch's
+engine (zigzag: sparse K/V halos and shipped dense query rows; ``flex-exchange:FIELD=VALUE,...``
+under a FlexExchangeTuning of those fields) and torch's
 context_parallel with FlexAttention; T_single is the fastest one-device form (FA4 with the
 pattern's mask where it runs, else torch's compiled FlexAttention)."""
+
+
+def exchange_tuning(impl: str):
+    """``flex-exchange:FIELD=VALUE,...``: the exchange under
+    ``FlexExchangeTuning(FIELD=VALUE, ...)`` (bools as 0/1), the measurement
+    behind a field; ``flex-exchange``: ``None`` (the library's tuning).
+    Raises ValueError naming a field that is not one or a value that does not parse."""
+    import dataclasses
+
+    from .. import tuning
+
+    name, _, spec = impl.partition(":")
+    if name != "flex-exchange" or not spec:
+        return None
+    types = {f.name: f.type for f in dataclasses.fields(tuning.FlexExchangeTuning)}
+    conv = {"bool": lambda x: bool(int(x)), "int": int, "float": float}
+    fields = {}
+    for item in spec.split(","):
+        field, _, value = item.partition("=")
+        if field not in types:
+            raise ValueError(f"{impl}: FlexExchangeTuning has no field {field!r}; fields: {', '.join(types)}")
+        t = types[field]
+        fields[field] = conv[getattr(t, "__name__", t)](value)
+    return tuning.FlexExchangeTuning(**fields)
 
 
 def flex_dist_reason(cfg: Config, impl: str, dev) -> Optional[str]:
     import torch.distributed as dist
 
-    if impl not in FLEX_DIST_IMPLS:
-        return f"flex configs run {', '.join(FLEX_DIST_IMPLS)}"
+    if impl.partition(":")[0] not in FLEX_DIST_IMPLS or (":" in impl and not impl.startswith("flex-exchange:")):
+        return f"flex configs run {', '.join(FLEX_DIST_IMPLS)} (flex-exchange:FIELD=VALUE,... a FlexExchangeTuning)"
+    try:
+        exchange_tuning(impl)
+    except (ValueError, TypeError) as e:
+        return str(e)
     if impl == "torch-cp-flex":
         if dev.type != "cuda":
             return "torch's context-parallel FlexAttention compiles FlexAttention with a backward: CUDA only"
@@ -205,9 +234,23 @@ def flex_dist_build(cfg: Config, impl: str, q, k, v):
     if impl == "torch-cp-flex":
         return _torch_cp_flex(cfg, q, k, v)
     layout = "contiguous" if impl == "flex-ring-contiguous" else "zigzag"
-    engine = "exchange" if impl == "flex-exchange" else "ring"
+    engine = "exchange" if impl.startswith("flex-exchange") else "ring"
     mask = flex_mask(cfg, q.device)
     shards = tuple(longattn.shard(x, layout=layout) for x in (q, k, v))
+    tune = exchange_tuning(impl)
+    if tune is not None:
+        import torch.distributed as dist
+
+        from ..flex import exchange
+        from ..flex.exchange_run import ExchangeFlex
+
+        def run(q_, k_, v_):
+            plan = exchange.plan_for(q_, k_, mask, None, layout, q_.shape[-1] ** -0.5, dist.group.WORLD, "auto",
+                                     engine, tune)
+            if plan is None:
+                raise ValueError(f"{impl}: the exchange does not take this pattern at {dist.get_world_size()} ranks")
+            return ExchangeFlex.apply(q_, k_, v_, plan, dist.group.WORLD)[0]
+        return run, shards
     return (lambda q_, k_, v_: longattn.ring_flex_attention(q_, k_, v_, mask_mod=mask, layout=layout,
                                                             engine=engine)), shards
 
