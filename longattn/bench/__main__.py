@@ -99,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                         formatter_class=raw)
     pd.add_argument("--config", nargs="+", required=True, help=_CONFIG_HELP)
     pd.add_argument("--impl", nargs="+", help=f"from {', '.join(DIST_IMPLS)}; flex configs: "
-                                              f"{', '.join(FLEX_DIST_IMPLS)} (default: the ring's and torch's)")
+                                              f"{', '.join(FLEX_DIST_IMPLS)} (default: the ring's and torch's; "
+                                              f"flex-exchange:FIELD=VALUE,... runs the exchange under those "
+                                              f"longattn.tuning.FlexExchangeTuning fields, e.g. join_halo=1)")
     pd.add_argument("--mesh", help="UxR: the hybrid's mesh, U ulysses ranks (consecutive, one node) x R ring ranks; "
                                    "or name it per impl, hybrid:UxR")
     pd.add_argument("--weak", action="store_true", help="global seqlen = N x config seqlen")
