@@ -10,7 +10,7 @@ import torch
 
 import longattn
 from longattn import tuning
-from longattn.decode.engine import dense_part
+from longattn.decode.engine import dense_part, split_kv_args
 from longattn.kernels import decode as kd
 dev = torch.device("cuda")
 b, n, h, hkv, d = 1, 131072, 32, 8, 128
@@ -29,7 +29,7 @@ T("get_device_properties", lambda: torch.cuda.get_device_properties(dev))
 T("torch.empty", lambda: torch.empty(1024, device=dev))
 T("slice copy kc[:, n:n+1] = kn", lambda: kc[:, n:n + 1].copy_(kn))
 T("setitem kc[:, n:n+1] = kn", lambda: kc.__setitem__((slice(None), slice(n, n + 1)), kn))
-args = tuning.DECODE.kernel_args(False, 128)  # the split kernel's tiles as dense_part launches them
+args = split_kv_args(q, tuning.DECODE)  # the split kernel's tiles as dense_part launches them
 T("kd.decode (split and merge in one launch, host lens)", lambda: kd.decode(q, kc, vc, [n], False, 0.1, **args))
 T("dense_part triton", lambda: dense_part(q, kc, vc, [n], True, 0.1, "triton"))
 T("dense_part flash", lambda: dense_part(q, kc, vc, [n], True, 0.1, "flash"))

@@ -260,6 +260,13 @@ class DecodeTuning:
         "decode_split_kv_b1_h100_3020618.json")
     num_warps: int = measured(4, "see block_n", "decode_split_kv_b8_h100_3020618.json")
     num_stages: int = measured(2, "see block_n", "decode_split_kv_d64_h100_3020618.json")
+    h200_num_stages: int = measured(
+        3, "pipeline stages of the split kernel on an H200 (HBM3e: more bytes in flight pay), head dim > 64: the "
+           "same sweep on one H200 (block_n 64/128 x warps 4/8 x stages 2/3/4 x programs per SM 2/4/8, B=1): "
+           "64/4/3/2 is the best tile at 1M (0.964 ms, 4457 GB/s) and within 0.5% of it at 128K (0.1371 against "
+           "0.1365 for 128/4/2/2), where 64/4/2/2 takes 0.1488 and 1.043 ms (8-9% slower). On H100 the third "
+           "stage tied at B=1 and lost 4-5% at B=8 and head dim 64, so it stays there; B=8 on H200 not swept",
+        "decode_split_kv_h200_7884a90.json")
     programs_per_sm: int = measured(
         2, "programs per SM of the split kernel (the cache's splits fill the device this deep), head dim > 64: "
            "block 64/4/2, kernel time from graph replays, one H100, 2 against 4 per SM: 128K B=1 0.184 / 0.190 "
@@ -297,13 +304,15 @@ class DecodeTuning:
             raise ValueError(f"DecodeTuning.sharded_checks must be 'auto', 'apart' or 'with_partials', got "
                              f"{self.sharded_checks!r}")
 
-    def kernel_args(self, interpreted: bool, head_dim: int = 128) -> dict:
-        """The split kernel's tiles for ``head_dim``; the CPU interpreter takes small ones (tests)."""
+    def kernel_args(self, interpreted: bool, head_dim: int = 128, device_name: str = "") -> dict:
+        """The split kernel's tiles for ``head_dim`` on the GPU named ``device_name``
+        (``torch.cuda.get_device_name``); the CPU interpreter takes small ones (tests)."""
         pps = self.programs_per_sm_d64 if head_dim <= 64 else self.programs_per_sm
         if interpreted:
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
                         heads_fastest=self.heads_fastest)
-        return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages,
+        stages = self.h200_num_stages if head_dim > 64 and "H200" in device_name else self.num_stages
+        return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
                     programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest)
 
 

@@ -492,15 +492,15 @@ def test_split_kv_one_launch_on_cuda():
     graph with more (batch row, kv head) pairs than the counter workspace has
     (its zero-fill captured with it, the workspace not grown under capture)
     replays with new ragged lengths."""
-    from longattn.decode.engine import dense_part
+    from longattn.decode.engine import dense_part, split_kv_args
     from longattn.kernels import decode as kdec
     from longattn.tuning import DECODE
 
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
     d, cap = 128, 65536
-    scale, args = d ** -0.5, DECODE.kernel_args(False, d)
     k, v = mk(1, cap, 1, d), mk(1, cap, 1, d)
+    scale, args = d ** -0.5, split_kv_args(k, DECODE)
     dev = k.device
     nsplit = kdec.splits(cap, 1, dev, args["programs_per_sm"], args["block_n"], args["min_split"])[1]
     assert nsplit > 4 * kdec.merge_chunk(8, d, args["num_warps"], dev)
@@ -763,3 +763,14 @@ def test_decode_fa4_empty_row(fa4):
                                                causal=False, return_lse=True, backend="flash")
     assert (out[1:].float() - want.float()).abs().max().item() < 2e-2
     assert (lse[1:] - want_lse).abs().max().item() < 1e-3
+
+
+def test_split_kernel_tiles_follow_the_gpu():
+    from longattn.decode.engine import split_kv_args
+    from longattn.tuning import DECODE
+
+    h200, h100 = DECODE.kernel_args(False, 128, "NVIDIA H200"), DECODE.kernel_args(False, 128, "NVIDIA H100 80GB HBM3")
+    assert (h200["num_stages"], h100["num_stages"]) == (DECODE.h200_num_stages, DECODE.num_stages) == (3, 2)
+    assert {k: v for k, v in h200.items() if k != "num_stages"} == {k: v for k, v in h100.items() if k != "num_stages"}
+    assert DECODE.kernel_args(False, 64, "NVIDIA H200")["num_stages"] == DECODE.num_stages  # only D > 64 was swept
+    assert split_kv_args(torch.zeros(1, 1, 2, 16), DECODE) == DECODE.kernel_args(True, 16)

@@ -4,6 +4,7 @@
 the call under CUDA graph capture."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -16,6 +17,16 @@ from .._sinks import apply_sinks
 from ..dilated import graphs
 from ..kernels import decode as _kdec
 from .checks import check_decode_args, check_lengths
+
+
+@functools.lru_cache(maxsize=None)
+def _name(kind: str, index: Optional[int]) -> str:
+    return torch.cuda.get_device_name(index) if kind == "cuda" else kind
+
+
+def split_kv_args(q: torch.Tensor, tuning: _tuning.DecodeTuning) -> dict:
+    """The split kernel's tiles for ``q``'s head dim on ``q``'s device (the tuning keys some on the GPU's name)."""
+    return tuning.kernel_args(q.device.type == "cpu", q.shape[-1], _name(q.device.type, q.device.index))
 
 
 def split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning, softcap: float = 0.0
@@ -131,7 +142,7 @@ def dense_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                        tuning.fa4_num_splits)
     if engine == "split_kv":
         return lambda: _kdec.decode(q, k_cache, v_cache, lens, masked, scale, lens_tensor=lens_tensor,
-                                    ragged=ragged, **tuning.kernel_args(q.device.type == "cpu", q.shape[-1]))
+                                    ragged=ragged, **split_kv_args(q, tuning))
     if not ragged:
         return _rows_launch(q, k_cache, v_cache, lens[0], masked, scale, backend, tuning, softcap)
     rows = [_rows_launch(q[i:i + 1], k_cache[i:i + 1], v_cache[i:i + 1], n, masked, scale, backend, tuning, softcap)
@@ -179,7 +190,7 @@ def captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, bac
         raise ValueError("decode_attention under CUDA graph capture runs the split-KV kernel over lengths read on "
                          f"the device; it cannot here: {'; '.join(why)}")
     return _kdec.decode(q, k_cache, v_cache, None, causal and q.shape[1] > 1, scale, lens_tensor=cache_seqlens,
-                        **_tuning.DECODE.kernel_args(False, q.shape[-1]))
+                        **split_kv_args(q, _tuning.DECODE))
 
 
 def on_device(lens: torch.Tensor, q: torch.Tensor) -> Optional[torch.Tensor]:

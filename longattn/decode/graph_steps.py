@@ -9,6 +9,7 @@ import torch
 from .. import tuning as _tuning
 from ..dilated import graphs
 from ..kernels import decode as _kdec
+from .engine import split_kv_args
 
 
 class StepGraphs:
@@ -48,7 +49,7 @@ class StepGraphs:
             with torch.inference_mode(False):  # appends advance it in and out of inference mode
                 self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
         run = lambda x: _kdec.decode(x, k_cache, v_cache, None, x.shape[1] > 1, scale, lens_tensor=self.lens,
-                                     **tuning.kernel_args(False, x.shape[-1]))
+                                     **split_kv_args(x, tuning))
         # q's shape, dtype and device (and the inference mode) are added by the GraphCache
         key = (q.stride(), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, tuning)
         return self.replays.run(key, run, [q])
