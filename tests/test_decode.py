@@ -774,3 +774,22 @@ def test_split_kernel_tiles_follow_the_gpu():
     assert {k: v for k, v in h200.items() if k != "num_stages"} == {k: v for k, v in h100.items() if k != "num_stages"}
     assert DECODE.kernel_args(False, 64, "NVIDIA H200")["num_stages"] == DECODE.num_stages  # only D > 64 was swept
     assert split_kv_args(torch.zeros(1, 1, 2, 16), DECODE) == DECODE.kernel_args(True, 16)
+
+
+def test_unmasked_decode_picks_its_backend_on_two_key_rows(monkeypatch):
+    """The backend of a one-query step is chosen on a probe of the cache's key
+    rows; cuDNN refuses seqlen_q = seqlen_k = 1, so the probe holds two rows
+    where the cache has them (a forced backend='cudnn' step otherwise raised)."""
+    from longattn import backends as bk
+    from longattn.decode import engine
+
+    seen = []
+    real = bk.select_backend
+    monkeypatch.setattr(engine.bk, "select_backend", lambda q, k, *a, **kw: seen.append(k.shape[1]) or real(q, k, *a, **kw))
+    q = torch.randn(1, 1, 4, 16)
+    for n in (1, 2, 300):
+        engine.unmasked_backend(q, torch.randn(1, n, 2, 16), bk.BlockSpec(0.25), "auto")
+    assert seen == [1, 2, 2]
+    cudnn = bk.BACKENDS["cudnn"]
+    assert any("seqlen_q = seqlen_k = 1" in r for r in cudnn._extra_refusals(bk.BlockSpec(0.25), q, q[:, :1]))
+    assert not any("seqlen_q = seqlen_k = 1" in r for r in cudnn._extra_refusals(bk.BlockSpec(0.25), q, torch.randn(1, 2, 2, 16)))

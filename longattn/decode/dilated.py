@@ -76,9 +76,21 @@ def dilated_part(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                     e = a + (hi - j0) // r * r + 1
                     k = k_cache[row:row + 1, a:e:r][:, :, heads]
                     v = v_cache[row:row + 1, a:e:r][:, :, heads]
-                    o, l = unmasked_backend(qs, k, spec, backend).forward(qs, k, v, spec)
+                    o, l = (_one_key(qs, k, v, scale) if k.shape[1] == 1 else
+                            unmasked_backend(qs, k, spec, backend).forward(qs, k, v, spec))
                     merge_(out[row:row + 1, i:i + 1, c::r], lse_q[row:row + 1, i:i + 1, c::r], o, l.transpose(1, 2))
     return out, lse
+
+
+def _one_key(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of (1, 1, H, D) queries over one key (kv heads (1, 1, Hkv, D)):
+    the softmax is 1, so out = v and lse = the score. Computed here for every
+    backend: a segment's first position gives such a branch, and cuDNN takes no
+    seqlen_q = seqlen_k = 1 call."""
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    lse = (q.float() * k.float()).sum(-1) * scale  # (1, 1, H)
+    return v.to(q.dtype), lse.transpose(1, 2)
 
 
 def decode_call(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilation_rates, softmax_scale, return_lse,

@@ -172,10 +172,11 @@ def _rows_launch(q, k_cache, v_cache, n: int, masked: bool, scale: float, backen
 
 
 def unmasked_backend(q, k, spec, backend: str, tuning: _tuning.DecodeTuning = _tuning.DECODE):
-    # Chosen on one key row: an unmasked call's refusals do not depend on the
-    # key count, and a shape that stays the same as the cache grows is looked
-    # up once instead of walking every backend's refusals per token.
-    return bk.select_backend(q, k[:, :1], spec, backend, exclude=tuning.auto_excludes)
+    # Chosen on at most two key rows: a shape that stays the same as the cache
+    # grows is looked up once instead of walking every backend's refusals per
+    # token. Two, not one: cuDNN refuses seqlen_q = seqlen_k = 1, so one key
+    # row would refuse it for a one-query step over any cache.
+    return bk.select_backend(q, k[:, :min(k.shape[1], 2)], spec, backend, exclude=tuning.auto_excludes)
 
 
 def captured(q, k_cache, v_cache, cache_seqlens, causal: bool, scale: float, backend: str, softcap: float = 0.0):
