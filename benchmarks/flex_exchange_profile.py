@@ -26,7 +26,7 @@ prints a line per (config, impl).
 IMPLS: flex-exchange[:FIELD=VALUE,...], flex-exchange-serial, flex-ring, flex-ring-contiguous (default:
 flex-exchange flex-ring).
 """
-import json, os, sys, time
+import json, os, shlex, sys, time
 import torch, torch.distributed as dist
 from torch.profiler import profile, ProfilerActivity
 from longattn.bench import dist as bd, measure
@@ -171,8 +171,9 @@ for name in cfgs:
         del fn, ql, kl, vl
 res["_meta"] = {"commit": measure.git_commit(),
                "device": torch.cuda.get_device_name(dev), "world": world, "torch": torch.__version__,
-               "command": " ".join(f"{k}={os.environ[k]}" for k in ("IMPLS", "REPS", "BATCH", "PROFILE", "HOSTPROF", "GRAPH",
-                                                                  "STACK") if k in os.environ)
+               "command": " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in (
+                   "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "IMPLS", "REPS", "BATCH", "PROFILE", "HOSTPROF", "GRAPH",
+                   "STACK") if k in os.environ)
                + f" torchrun --nproc_per_node={world} " + " ".join(sys.argv)}
 json.dump(res, open(os.path.join(out_dir, f"prof_r{rank}.json"), "w"), indent=0)
 dist.barrier()

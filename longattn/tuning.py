@@ -261,7 +261,8 @@ class DecodeTuning:
     num_warps: int = measured(4, "see block_n", "decode_split_kv_b8_h100_3020618.json")
     num_stages: int = measured(2, "see block_n", "decode_split_kv_d64_h100_3020618.json")
     h200_num_stages: int = measured(
-        3, "pipeline stages of the split kernel on an H200 (HBM3e: more bytes in flight pay), head dim > 64: the "
+        3, "pipeline stages of the split kernel on an H200 (HBM3e: more bytes in flight pay), head dim 65-128, "
+           "bf16/fp16 caches (the shapes swept; others keep num_stages): the "
            "same sweep on one H200 (block_n 64/128 x warps 4/8 x stages 2/3/4 x programs per SM 2/4/8, B=1): "
            "64/4/3/2 is the best tile at 1M (0.964 ms, 4457 GB/s) and within 0.5% of it at 128K (0.1371 against "
            "0.1365 for 128/4/2/2), where 64/4/2/2 takes 0.1488 and 1.043 ms (8-9% slower). On H100 the third "
@@ -304,14 +305,17 @@ class DecodeTuning:
             raise ValueError(f"DecodeTuning.sharded_checks must be 'auto', 'apart' or 'with_partials', got "
                              f"{self.sharded_checks!r}")
 
-    def kernel_args(self, interpreted: bool, head_dim: int = 128, device_name: str = "") -> dict:
-        """The split kernel's tiles for ``head_dim`` on the GPU named ``device_name``
-        (``torch.cuda.get_device_name``); the CPU interpreter takes small ones (tests)."""
+    def kernel_args(self, interpreted: bool, head_dim: int = 128, device_name: str = "", itemsize: int = 2) -> dict:
+        """The split kernel's tiles for ``head_dim`` and the cache's element size
+        on the GPU named ``device_name`` (``torch.cuda.get_device_name``); the CPU
+        interpreter takes small ones (tests)."""
         pps = self.programs_per_sm_d64 if head_dim <= 64 else self.programs_per_sm
         if interpreted:
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
                         heads_fastest=self.heads_fastest)
-        stages = self.h200_num_stages if head_dim > 64 and "H200" in device_name else self.num_stages
+        # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
+        h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
+        stages = self.h200_num_stages if h200 else self.num_stages
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
                     programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest)
 

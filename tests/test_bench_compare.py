@@ -166,6 +166,10 @@ def test_flex_exchange_impl_takes_tuning_fields():
     cfg, cpu = C.get("flex_swg_128k"), torch.device("cpu")
     assert "no field 'bogus'" in flex_dist_reason(cfg, "flex-exchange:bogus=1", cpu)
     assert "flex configs run" in flex_dist_reason(cfg, "flex-ring:join_halo=1", cpu)
+    for bad, says in (("join_halo=2", "join_halo='2' is not a bool (0 or 1)"), ("split_chain=6.4", "is not a int"),
+                      ("join_halo", "as FIELD=VALUE"), ("join_halo=1,join_halo=0", "each field once"),
+                      ("", "name the fields")):
+        assert says in flex_dist_reason(cfg, f"flex-exchange:{bad}", cpu), bad
 
 
 def test_result_path_carries_the_commit(monkeypatch):

@@ -155,6 +155,12 @@ def _check_errors(rank, world):
         longattn.ring_flex_attention(q, q, q, mask_mod=lambda q_idx, kv_idx: kv_idx <= q_idx)
     with pytest.raises(TypeError, match=r"score_mod must take 5 positional arguments"):
         longattn.ring_flex_attention(q, q, q, score_mod=lambda score, q_idx, kv_idx: score)
+    with pytest.raises(TypeError, match="tuning must be a longattn.tuning.FlexExchangeTuning"):
+        longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal(), tuning={"join_halo": True})
+    from longattn.tuning import FlexExchangeTuning
+    with pytest.raises(ValueError, match="differ across ranks"):  # each rank's own tuning: caught, never a hang
+        longattn.ring_flex_attention(q, q, q, mask_mod=masks.causal(), engine="exchange",
+                                     tuning=FlexExchangeTuning(join_halo=rank == 1))
     # a mask that fails on one rank only: that rank raises its error, the others say where it failed
     want = (TypeError, "must return a bool tensor") if rank == 1 else (ValueError, r"rank\(s\) \[1\] of the group")
     with pytest.raises(want[0], match=want[1]):

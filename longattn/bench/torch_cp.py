@@ -194,18 +194,26 @@ def exchange_tuning(impl: str):
 
     from .. import tuning
 
-    name, _, spec = impl.partition(":")
-    if name != "flex-exchange" or not spec:
+    name, colon, spec = impl.partition(":")
+    if name != "flex-exchange" or not colon:
         return None
+    if not spec:
+        raise ValueError(f"{impl}: name the fields after the colon, flex-exchange:FIELD=VALUE,...")
     types = {f.name: f.type for f in dataclasses.fields(tuning.FlexExchangeTuning)}
-    conv = {"bool": lambda x: bool(int(x)), "int": int, "float": float}
+    conv = {"bool": lambda x: {"0": False, "1": True}[x], "int": int, "float": float}
     fields = {}
     for item in spec.split(","):
-        field, _, value = item.partition("=")
+        field, eq, value = item.partition("=")
         if field not in types:
             raise ValueError(f"{impl}: FlexExchangeTuning has no field {field!r}; fields: {', '.join(types)}")
-        t = types[field]
-        fields[field] = conv[getattr(t, "__name__", t)](value)
+        if field in fields or not eq:
+            raise ValueError(f"{impl}: give each field once, as FIELD=VALUE ({field!r})")
+        kind = getattr(types[field], "__name__", types[field])
+        try:
+            fields[field] = conv[kind](value)
+        except (KeyError, ValueError):
+            raise ValueError(f"{impl}: {field}={value!r} is not a {kind}" + (" (0 or 1)" if kind == "bool" else "")
+                             ) from None
     return tuning.FlexExchangeTuning(**fields)
 
 
@@ -238,21 +246,8 @@ def flex_dist_build(cfg: Config, impl: str, q, k, v):
     mask = flex_mask(cfg, q.device)
     shards = tuple(longattn.shard(x, layout=layout) for x in (q, k, v))
     tune = exchange_tuning(impl)
-    if tune is not None:
-        import torch.distributed as dist
-
-        from ..flex import exchange
-        from ..flex.exchange_run import ExchangeFlex
-
-        def run(q_, k_, v_):
-            plan = exchange.plan_for(q_, k_, mask, None, layout, q_.shape[-1] ** -0.5, dist.group.WORLD, "auto",
-                                     engine, tune)
-            if plan is None:
-                raise ValueError(f"{impl}: the exchange does not take this pattern at {dist.get_world_size()} ranks")
-            return ExchangeFlex.apply(q_, k_, v_, plan, dist.group.WORLD)[0]
-        return run, shards
     return (lambda q_, k_, v_: longattn.ring_flex_attention(q_, k_, v_, mask_mod=mask, layout=layout,
-                                                            engine=engine)), shards
+                                                            engine=engine, tuning=tune)), shards
 
 
 class _FlexModule(torch.nn.Module):

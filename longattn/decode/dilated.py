@@ -107,5 +107,8 @@ def decode_call(q, k_cache, v_cache, cache_seqlens, segment_lengths, dilation_ra
     lens = cache_seqlens.tolist()
     lq = q.shape[1]
     check_lengths(lens, k_cache.shape[1], lq, True)
+    scale = bk.default_scale(q.shape[-1], softmax_scale)
+    if backend != "auto":  # a forced backend that cannot run these tensors raises here, not at a later step
+        unmasked_backend(q[:1, :1], k_cache[:1], bk.BlockSpec(scale), backend)
     return dilated_part(q, k_cache, v_cache, [[(0, 0, n)] for n in lens], [n - lq for n in lens], segs, rates,
-                        bk.default_scale(q.shape[-1], softmax_scale), backend)
+                        scale, backend)

@@ -25,8 +25,10 @@ def _name(kind: str, index: Optional[int]) -> str:
 
 
 def split_kv_args(q: torch.Tensor, tuning: _tuning.DecodeTuning) -> dict:
-    """The split kernel's tiles for ``q``'s head dim on ``q``'s device (the tuning keys some on the GPU's name)."""
-    return tuning.kernel_args(q.device.type == "cpu", q.shape[-1], _name(q.device.type, q.device.index))
+    """The split kernel's tiles for ``q``'s head dim and dtype on ``q``'s device (the tuning keys some on the
+    GPU's name)."""
+    return tuning.kernel_args(q.device.type == "cpu", q.shape[-1], _name(q.device.type, q.device.index),
+                              q.element_size())
 
 
 def split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning, softcap: float = 0.0

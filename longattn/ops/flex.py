@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import tuning as _tuning
 from ..distributed import checks as dist_checks
 from ..distributed.layout import check_layout
 from ..flex import checks, exchange, fa4, schedule
@@ -89,7 +90,7 @@ def explain_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod:
 def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod: Optional[Callable] = None,
                         score_mod: Optional[Callable] = None, layout: str = "zigzag",
                         softmax_scale: Optional[float] = None, return_lse: bool = False, kernel: str = "auto",
-                        group=None, engine: str = "auto"):
+                        tuning: Optional[_tuning.FlexExchangeTuning] = None, group=None, engine: str = "auto"):
     """Attention with any pattern over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -111,6 +112,9 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
             ring's bytes and FA4 runs the pattern (or on CPU), else the ring.
             Both are exact; planned on the first call per (shape, pattern).
             Every rank passes the same value.
+        tuning: the exchange's :class:`longattn.tuning.FlexExchangeTuning`
+            (default ``longattn.tuning.FLEX_EXCHANGE``, whose fields carry the
+            measurements behind them); the same on every rank.
 
     Returns:
         This rank's shard of the output (and lse). ``unshard(out)`` equals
@@ -143,13 +147,16 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     scale = checks.check_call(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seqlen=True)
     check_layout(layout)
     exchange.check_engine(engine)
+    if tuning is not None and not isinstance(tuning, _tuning.FlexExchangeTuning):
+        raise TypeError(f"tuning must be a longattn.tuning.FlexExchangeTuning or None, got {type(tuning).__name__}")
+    tuning = _tuning.FLEX_EXCHANGE if tuning is None else tuning
     g = dist_checks.resolve_group(group)
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout='zigzag' needs an even local seqlen (two chunks per rank), got {q.shape[1]}")
     dist_checks.check_consistent(g, "ring_flex_attention", q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype),
                                  layout=layout, scale=scale, mask=schedule.signature(mask_mod),
-                                 score=schedule.signature(score_mod), engine=engine, kernel=kernel)
-    plan = exchange.plan_for(q, k, mask_mod, score_mod, layout, scale, g, kernel, engine)
+                                 score=schedule.signature(score_mod), engine=engine, kernel=kernel, tuning=repr(tuning))
+    plan = exchange.plan_for(q, k, mask_mod, score_mod, layout, scale, g, kernel, engine, tuning)
     if plan is not None:
         out, lse = ExchangeFlex.apply(q, k, v, plan, g)
         return (out, lse) if return_lse else out
