@@ -98,6 +98,21 @@ def assert_unsharded_close(tag, unshard, out, lse, grads, ref_out, ref_lse, ref_
     assert_close(got, dict(out=ref_out, lse=ref_lse, **dict(zip(GRAD_NAMES, ref_grads))), tol, tag)
 
 
+def assert_unsharded_matches(tag, unshard, out, lse, grads, reference, tol, lse_dim=2):
+    """:func:`assert_unsharded_close` with the float64 reference made by
+    ``reference()`` -> (out, lse, (dq, dk, dv)) on rank 0 alone, after every
+    rank has unsharded (collectives): rank 0 then holds every rank's shard, so
+    it checks them all, and the reference is paid once instead of once per
+    rank (the ranks of a test share the machine's cores)."""
+    from reference import GRAD_NAMES, assert_close
+
+    got = dict(out=unshard(out.detach()), lse=unshard(lse.detach(), lse_dim),
+               **{n: unshard(g) for n, g in zip(GRAD_NAMES, grads)})
+    if dist.get_rank() == 0:
+        ro, rl, rg = reference()
+        assert_close(got, dict(out=ro, lse=rl, **dict(zip(GRAD_NAMES, rg))), tol, tag)
+
+
 def assert_group_usable(world: int, group=None) -> None:
     """After an error that must leave no collective half-started: one more all-reduce completes."""
     t = torch.ones(1)

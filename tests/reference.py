@@ -132,6 +132,15 @@ def flex_ref(q, k, v, mask_mod=None, score_mod=None, scale=None):
     return torch.einsum("bhqk,bkhd->bqhd", p, vd), lse
 
 
+def flex_ref_grads(q, k, v, do, dl, mask_mod=None, score_mod=None):
+    """:func:`flex_ref` in float64 and the gradients of sum(out * do) + sum(lse * dl)
+    over the rows that see a key: (out, lse, (dq, dk, dv))."""
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ro, rl = flex_ref(qr, kr, vr, mask_mod, score_mod)
+    ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+    return ro.detach(), rl.detach(), (qr.grad, kr.grad, vr.grad)
+
+
 def rel_err(got, ref):
     got, ref = got.double(), ref.double()
     fin = torch.isfinite(ref)
