@@ -64,6 +64,28 @@ def test_ring_matches_reference(world):
     run_world(_check_configs, world)
 
 
+def _check_triton_blocks(rank, world):
+    """The ring's blocks on our Triton kernel (what a GPU without FA4 runs for windows and offsets; on CPU under
+    the interpreter, where only a named backend takes it): offset and windowed blocks, GQA, the lse's gradient."""
+    for layout, causal, window, hkv in (("zigzag", True, (9, 0), 2), ("contiguous", False, (7, 3), 1)):
+        torch.manual_seed(99)
+        q, k, v, do, dl = dense_inputs(1, 2 * world * 4, 2, hkv, 16)
+        qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+        ro, rl = attention_ref(qr, kr, vr, causal=causal, window=window)
+        ((ro * do.double()).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl.double()).sum()).backward()
+        us, out, lse, grads = run_sharded(longattn.ring_attention, q, k, v, do, dl, layout, causal=causal,
+                                          window_size=window, backend="triton")
+        assert_unsharded_close(f"triton world={world} {layout} causal={causal} window={window} hkv={hkv}", us, out,
+                               lse, grads, ro, rl, (qr.grad, kr.grad, vr.grad), TOL)
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not longattn.kernels_available("cpu") and not torch.cuda.is_available(),
+                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+def test_ring_on_triton_blocks():
+    run_world(_check_triton_blocks, 2)
+
+
 def _check_copy_transport(rank, world):
     """The copy-engine transport (peer memory) under both of its orderings:
     stream memory operations, and the barrier kernel it falls back to."""

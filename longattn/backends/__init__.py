@@ -122,9 +122,9 @@ def _select(q, k, spec, name, exclude) -> Backend:
                 f"Use backend='auto' or one of: {available_backends(q, k, spec)}")
         return BACKENDS[name]
     for cand in AUTO_ORDER:
-        if cand not in exclude and not BACKENDS[cand].refusals(spec, q, k):
+        if cand not in exclude and not BACKENDS[cand].refusals(spec, q, k) and not BACKENDS[cand].auto_refusals(q):
             return BACKENDS[cand]
-    lines = "; ".join(f"{n}: {', '.join(r)}" for n, r in explain(q, k, spec).items())
+    lines = "; ".join(f"{n}: {', '.join(r or BACKENDS[n].auto_refusals(q))}" for n, r in explain(q, k, spec).items())
     raise ValueError(f"no attention backend supports this call ({lines})")
 
 

@@ -88,6 +88,11 @@ class Backend:
     def _extra_refusals(self, spec, q, k) -> list[str]:
         return []
 
+    def auto_refusals(self, q: torch.Tensor) -> list[str]:
+        """Why ``backend="auto"`` passes over this backend for ``q`` although it
+        can run the call (a forced ``backend=`` name still runs it)."""
+        return []
+
     def capability(self, device: torch.device) -> tuple[int, int]:
         """The CUDA compute capability refusals read (tests substitute one)."""
         return torch.cuda.get_device_capability(device)
