@@ -1,38 +1,53 @@
 #!/usr/bin/env bash
-# The GPU tests (marker `gpu`: bf16 against float64, the speed paths, FlashAttention-4 where it is installed),
-# spread over the visible GPUs: the tests' ids dealt round-robin, one pytest per GPU (each compiles the Triton and
-# FA4 kernels its tests use, so the wall time falls with the GPU count; one GPU runs them one after another).
+# The GPU tests (marker `gpu`: bf16 against float64, the speed paths; and every test of the FlashAttention-4 files,
+# whose unmarked ones check the installed FA4's version and compile CuTe masks), spread over the visible GPUs: the
+# tests' ids dealt round-robin, one pytest per GPU (each compiles the Triton and FA4 kernels its tests use, so the
+# wall time falls with the GPU count; one GPU runs them one after another).
 #
 #   bash scripts/test_gpu.sh                      # every GPU test file
 #   bash scripts/test_gpu.sh tests/test_fa4.py    # some files
 #   GPUS=2 LOGS=/tmp/gpu-tests bash scripts/test_gpu.sh
 #
-# Each process writes LOGS/gpuN.log and LOGS/gpuN.xml (JUnit); the exit status is non-zero when any test failed or
-# a process did not finish.
+# Each process writes LOGS/gpuN.log and LOGS/gpuN.xml (JUnit); the exit status is non-zero when the collection
+# fails, nothing is collected, or any test failed or a process did not finish.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/test_gpu.py tests/test_decode.py tests/test_flex.py tests/test_fa4.py tests/test_flex_fa4.py)
-gpus=${GPUS:-$(python -c "import torch; print(torch.cuda.device_count())")}
-if [ "$gpus" -lt 1 ]; then echo "no CUDA device: the GPU tests skip on this machine" >&2; exit 1; fi
+# the GPUs this process may use (an existing CUDA_VISIBLE_DEVICES is kept: shard i runs on its i-th entry)
+count=$(python -c "import torch; print(torch.cuda.device_count())") || exit 1
+IFS=, read -r -a visible <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((count - 1)))}"
+gpus=${GPUS:-$count}
+if ! [[ "$gpus" =~ ^[0-9]+$ ]] || [ "$gpus" -lt 1 ] || [ "$gpus" -gt "$count" ]; then
+  echo "GPUS=$gpus: torch sees $count CUDA device(s) here (the GPU tests skip without one)" >&2; exit 1
+fi
 logs=${LOGS:-$(mktemp -d)}
-mkdir -p "$logs"
-python -m pytest -q --co -m gpu -p no:cacheprovider "${files[@]}" 2>/dev/null | grep "::" > "$logs/ids.txt"
+mkdir -p "$logs" && rm -f "$logs"/gpu*.log "$logs"/gpu*.xml "$logs"/ids*.txt
+fa4=() other=()
+for f in "${files[@]}"; do [[ "$f" == *fa4* ]] && fa4+=("$f") || other+=("$f"); done
+collect() { python -m pytest -q --co -p no:cacheprovider "$@" > "$logs/collect.txt" 2>&1 || {
+  echo "collection failed (pytest --co $*):" >&2; tail -20 "$logs/collect.txt" >&2; exit 1; }
+  grep "::" "$logs/collect.txt" >> "$logs/ids.txt"; }
+touch "$logs/ids.txt"
+[ ${#other[@]} -eq 0 ] || collect -m gpu "${other[@]}"
+[ ${#fa4[@]} -eq 0 ] || collect "${fa4[@]}"
 total=$(wc -l < "$logs/ids.txt")
-echo "$total GPU tests over $gpus GPU(s); logs in $logs"
+[ "$total" -gt 0 ] || { echo "no test collected from ${files[*]}" >&2; exit 1; }
+echo "$total tests over $gpus GPU(s); logs in $logs"
 SECONDS=0
 pids=()
+trap 'kill "${pids[@]}" 2>/dev/null; exit 130' INT TERM
 for ((i = 0; i < gpus; i++)); do
-  awk -v i=$i -v n=$gpus '(NR - 1) % n == i' "$logs/ids.txt" > "$logs/ids$i.txt"
+  awk -v i="$i" -v n="$gpus" '(NR - 1) % n == i' "$logs/ids.txt" > "$logs/ids$i.txt"
   [ -s "$logs/ids$i.txt" ] || continue
-  CUDA_VISIBLE_DEVICES=$i xargs -a "$logs/ids$i.txt" python -m pytest -q -rfE -p no:cacheprovider --durations=5 \
-    --junitxml="$logs/gpu$i.xml" > "$logs/gpu$i.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=${visible[$i]} xargs -d '\n' -a "$logs/ids$i.txt" python -m pytest -q -rfE -p no:cacheprovider \
+    --durations=5 --junitxml="$logs/gpu$i.xml" > "$logs/gpu$i.log" 2>&1 &
   pids+=($!)
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 for ((i = 0; i < gpus; i++)); do
-  [ -f "$logs/gpu$i.log" ] && echo "GPU $i: $(grep -E '(passed|failed|error)' "$logs/gpu$i.log" | tail -1)"
+  [ -f "$logs/gpu$i.log" ] && echo "GPU ${visible[$i]}: $(grep -E '(passed|failed|error)' "$logs/gpu$i.log" | tail -1)"
 done
 grep -h -E "^(FAILED|ERROR) " "$logs"/gpu*.log
 echo "took $SECONDS s"

@@ -104,9 +104,10 @@ def test_backend_selection_cache_follows_what_refusals_read():
         assert bk.available_backends(q, q, win)[0] == "triton"
         assert bk.select_backend(q, q, win, "triton").name == "triton"
         assert bk.BACKENDS["triton"].auto_refusals(q) and not bk.BACKENDS["math"].auto_refusals(q)
-    assert bk.select_backend(q.double(), q.double(), win).name == "math"  # triton takes no float64
+    assert bk.select_backend(q.double(), q.double(), win).name == "math"
+    assert "triton" not in bk.available_backends(q.double(), q.double(), win)  # no float64 kernel, even when named
     q3 = torch.randn(1, 8, 2, 12)  # head dim 12: no Triton kernel
-    assert bk.select_backend(q3, q3, win).name == "math"
+    assert bk.select_backend(q3, q3, win).name == "math" and "triton" not in bk.available_backends(q3, q3, win)
 
 
 def test_cudnn_stats_layout_and_dead_rows():

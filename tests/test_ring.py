@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
+from dist_utils import BACKEND as DIST_BACKEND
 from dist_utils import (assert_compiled_matches_eager, assert_group_usable, assert_unsharded_close,
                         dense_inputs, run_sharded, run_world)
 from longattn.distributed import transport
@@ -80,8 +81,8 @@ def _check_triton_blocks(rank, world):
 
 
 @pytest.mark.dist
-@pytest.mark.skipif(not longattn.kernels_available("cpu") and not torch.cuda.is_available(),
-                    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not longattn.kernels_available("cuda" if DIST_BACKEND == "nccl" else "cpu"),
+                    reason="Triton kernels on the ranks' device: a GPU (NCCL) or TRITON_INTERPRET=1 (gloo)")
 def test_ring_on_triton_blocks():
     run_world(_check_triton_blocks, 2)
 

@@ -88,7 +88,9 @@ def use_backend(name: str):
 
 
 def explain(q, k, spec: BlockSpec) -> dict[str, list[str]]:
-    """Every backend and the reasons it refuses this call (empty list: usable)."""
+    """Every backend and the reasons it refuses this call (empty list: it runs
+    where named). ``auto`` also passes over a backend whose
+    ``auto_refusals(q)`` gives a reason (our Triton kernel on CPU)."""
     return {name: BACKENDS[name].refusals(spec, q, k) for name in AUTO_ORDER}
 
 
@@ -129,7 +131,8 @@ def _select(q, k, spec, name, exclude) -> Backend:
 
 
 def available_backends(q, k, spec: BlockSpec) -> list[str]:
-    """Names of the backends that can run this call, fastest first."""
+    """Names of the backends that can run this call where named, fastest first
+    (``auto`` takes the first without ``auto_refusals``)."""
     return [n for n, r in explain(q, k, spec).items() if not r]
 
 

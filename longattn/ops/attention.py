@@ -73,9 +73,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         sinks: ``(nheads,)`` one learned logit per query head in every row's
             softmax denominator (GPT-OSS's ``s_aux``), finite, differentiable;
             lse then includes it.
-        backend: ``"auto"`` (the fastest that supports the call: cuDNN, flash,
-            triton, efficient, math) or one of those names; a backend that cannot
-            run the call raises ``ValueError`` listing why.
+        backend: ``"auto"`` (the fastest that supports the call: FA4, cuDNN,
+            flash, triton (on CUDA; on CPU only where named, under the Triton
+            interpreter), efficient, math) or one of those names; a backend that
+            cannot run the call raises ``ValueError`` listing why.
 
     Returns:
         ``out`` ``(batch, seqlen_q, nheads, headdim)`` in q's dtype, and ``lse`` when
