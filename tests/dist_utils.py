@@ -88,14 +88,24 @@ def run_world(fn, world: int, *args, backend=None) -> None:
             warnings.warn(f"a rank aborted during process-group teardown after all ranks passed: {e}")
 
 
+def _expect(got: dict, ref_out, ref_lse, ref_grads, tol, tag) -> None:
+    from reference import GRAD_NAMES, assert_close
+
+    assert_close(got, dict(out=ref_out, lse=ref_lse, **dict(zip(GRAD_NAMES, ref_grads))), tol, tag)
+
+
+def _unsharded(unshard, out, lse, grads, lse_dim) -> dict:
+    """The whole output, lse and q/k/v gradients from this rank's shards (collectives: every rank calls it)."""
+    from reference import GRAD_NAMES
+
+    return dict(out=unshard(out.detach()), lse=unshard(lse.detach(), lse_dim),
+                **{n: unshard(g) for n, g in zip(GRAD_NAMES, grads)})
+
+
 def assert_unsharded_close(tag, unshard, out, lse, grads, ref_out, ref_lse, ref_grads, tol, lse_dim=2):
     """Unshard this rank's output, lse and q/k/v gradients and compare each with
     the float64 reference (reference.assert_close); the message names what failed."""
-    from reference import GRAD_NAMES, assert_close
-
-    got = dict(out=unshard(out.detach()), lse=unshard(lse.detach(), lse_dim),
-               **{n: unshard(g) for n, g in zip(GRAD_NAMES, grads)})
-    assert_close(got, dict(out=ref_out, lse=ref_lse, **dict(zip(GRAD_NAMES, ref_grads))), tol, tag)
+    _expect(_unsharded(unshard, out, lse, grads, lse_dim), ref_out, ref_lse, ref_grads, tol, tag)
 
 
 def assert_unsharded_matches(tag, unshard, out, lse, grads, reference, tol, lse_dim=2):
@@ -104,13 +114,9 @@ def assert_unsharded_matches(tag, unshard, out, lse, grads, reference, tol, lse_
     rank has unsharded (collectives): rank 0 then holds every rank's shard, so
     it checks them all, and the reference is paid once instead of once per
     rank (the ranks of a test share the machine's cores)."""
-    from reference import GRAD_NAMES, assert_close
-
-    got = dict(out=unshard(out.detach()), lse=unshard(lse.detach(), lse_dim),
-               **{n: unshard(g) for n, g in zip(GRAD_NAMES, grads)})
+    got = _unsharded(unshard, out, lse, grads, lse_dim)
     if dist.get_rank() == 0:
-        ro, rl, rg = reference()
-        assert_close(got, dict(out=ro, lse=rl, **dict(zip(GRAD_NAMES, rg))), tol, tag)
+        _expect(got, *reference(), tol, tag)
 
 
 def assert_group_usable(world: int, group=None) -> None:
