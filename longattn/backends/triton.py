@@ -34,9 +34,9 @@ class TritonBackend(Backend):
 
     def auto_refusals(self, q: torch.Tensor) -> list[str]:
         # On CPU the kernels run only under the Triton interpreter, a debugging
-        # mode: one forward of 64 / 1024 tokens (4 heads, window) took 283 / 5474 ms
-        # against math's 0.4 / 31 on 2 cores (benchmarks/cpu_interpreter_cost.py ->
-        # benchmarks/results/cpu_interpreter_cost_cpu_efe3407.json). The varlen,
+        # mode: one forward of 64 / 1024 tokens (4 heads, window) took 290 / 5105 ms
+        # against math's 0.3 / 31 on 2 cores (benchmarks/cpu_interpreter_cost.py ->
+        # benchmarks/results/cpu_interpreter_cost_cpu_ebf6a03.json). The varlen,
         # dilated and decode engines take the kernels only on CUDA too.
         if q.device.type == "cpu":
             return ["on CPU it runs only under the Triton interpreter (slower than math): backend='triton' runs it"]
