@@ -225,17 +225,19 @@ class DecodeTuning:
     auto_excludes: tuple = measured(
         ("cudnn", "fa4"), "a decode step's key length changes every call, and our cuDNN call on (B, S, H, D) views "
                     "of the cache paid for it: one query over 128K cached tokens took 39.3 ms through cuDNN against "
-                    "0.30 ms through flash (one H100); SDPA's cuDNN call on (B, H, S, D) views of a growing "
-                    "cache did not (0.189 ms, one H200, not profiled why). fa4: as a dense backend its calls run "
+                    "0.30 ms through flash (one H100); SDPA's cuDNN call over a growing (B, H, S, D) cache pays it in a "
+                    "loop of steps too (38.7 / 59.5 ms per step at 128K / 1M, one H200, "
+                    "decode_batched_h200_52770af.json; one isolated step 0.25 / 1.14, not profiled why). fa4: as a dense backend its calls run "
                     "one KV split per (batch, kv head), a few programs over the whole cache; FA4 with splits is "
                     "the fa4 engine (fa4_min_keys)",
         "decode_1xh100_38fed5d.json")
     fa4_min_keys: Optional[int] = measured(
-        None, "pending measurement: FA4's split-KV forward (one launch for the batch, its own split count from the "
-              "SM count, the query heads of a kv head in one tile; longattn.decode.engine's \"fa4\" engine) against "
-              "the split-KV Triton kernel and SDPA's cuDNN, per token at 128K and 1M (python -m longattn.bench "
-              "decode: the fa4, triton and sdpa-cudnn rows). None: auto never takes it; a key count: auto takes it "
-              "from that many keys on", "")
+        None, "FA4's split-KV forward (one launch for the batch, its own split count from the SM count, the "
+              "query heads of a kv head in one tile; longattn.decode.engine's \"fa4\" engine) exists on sm_100 "
+              "only (fa4_refusals); on sm_90 backend=\"fa4\" runs unsplit on views of the cache: 1.41 / 10.9 ms "
+              "per token at 128K / 1M against 0.162 / 0.993 for the split-KV Triton kernel (one H200, python -m "
+              "longattn.bench decode --timing batched). sm_100 is not measured. None: auto never takes it; a key "
+              "count: auto takes it from that many keys on", "decode_batched_h200_52770af.json")
     fa4_num_splits: int = measured(
         0, "KV splits per (batch, kv head) of the fa4 engine; 0: FA4's heuristic (SMs / (batch x kv heads), at "
            "most 128 and the key tiles), not varied yet: pending measurement", "")

@@ -630,8 +630,8 @@ def _cuda_like(*shape, dtype=torch.bfloat16):
 def test_fa4_engine_choice(monkeypatch):
     """backend="fa4" takes FA4's split-KV forward wherever FA4 runs (ragged rows,
     soft-capping, KVCache steps alike), else the backend path, whose choice
-    then says why; auto takes it only from ``fa4_min_keys`` keys on (None
-    today: pending measurement)."""
+    then says why; auto takes it only from ``fa4_min_keys`` keys on (None:
+    Hopper has no FA4 split-KV forward, sm_100 is not measured)."""
     from longattn.decode.engine import dense_engine, fa4_refusals
     from longattn.tuning import DECODE, DecodeTuning
 
@@ -640,7 +640,7 @@ def test_fa4_engine_choice(monkeypatch):
     assert fa4_refusals(q, k) == []
     for ragged, softcap, graphed in ((False, 0.0, False), (True, 30.0, False), (True, 0.0, True)):
         assert dense_engine(q, k, k, "fa4", ragged, softcap=softcap, graph_steps=graphed) == "fa4"
-    assert DECODE.fa4_min_keys is None and "pending measurement" in DecodeTuning.__dataclass_fields__[
+    assert DECODE.fa4_min_keys is None and "not measured" in DecodeTuning.__dataclass_fields__[
         "fa4_min_keys"].metadata["reason"]
     assert dense_engine(q, k, k, "auto", False) == "backend"
     assert "fa4" in DECODE.auto_excludes
