@@ -2,8 +2,9 @@
 flash kernel and SDPA, in one process.
 
 For each context (one query, B rows, 32 query / 8 kv heads, D=128, bf16 by
-default): every tile (``--block-n`` x ``--warps`` x ``--stages``) and device
-fill (``--programs-per-sm``) of the split-KV kernel, timed as ten calls
+default): every tile (``--block-n`` x ``--warps`` x ``--stages``), device
+fill (``--programs-per-sm``) and load kind (``--descriptors``: pointers,
+tensor descriptors) of the split-KV kernel, timed as ten calls
 replayed from one CUDA graph (the kernels' own time, no host; the cache read
 at the memory's rate is the bound, printed as GB/s); then one decode step (append
 the token's K/V to a preallocated cache, attend) through the split-KV
@@ -46,6 +47,7 @@ p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
 p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
 p.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 4, 8])
 p.add_argument("--heads-fastest", type=int, nargs="+", default=[0, 1], help="launch orders (0: splits, 1: heads)")
+p.add_argument("--descriptors", type=int, nargs="+", default=[0], help="K/V loads (0: pointers, 1: tensor descriptors)")
 p.add_argument("--min-split", type=int, default=256)
 p.add_argument("--layout", nargs="+", default=["token"], choices=["token", "head"],
                help="cache storage: token-major (B, S, Hkv, D) or head-major (B, Hkv, S, D), read as (B, S, Hkv, D) views")
@@ -57,9 +59,10 @@ dt = torch.bfloat16
 log = lambda m: print(m, file=sys.stderr, flush=True)
 
 
-def tuning(bn, w, s, pps, hf=0):
+def tuning(bn, w, s, pps, hf=0, desc=0):
     return dataclasses.replace(tn.DECODE, block_n=bn, num_warps=w, num_stages=s, h200_num_stages=s, programs_per_sm=pps,
-                               programs_per_sm_d64=pps, min_split=a.min_split, heads_fastest=bool(hf))
+                               programs_per_sm_d64=pps, min_split=a.min_split, heads_fastest=bool(hf),
+                               descriptor_loads=bool(desc))
 
 
 REPS = 10
@@ -87,23 +90,24 @@ def case(n, b, layout):
     cache_bytes = 2 * b * n * hkv * d * kc.element_size()
     want, want_lse = dense_part(q, kc, vc, [n] * b, True, scale, "flash")
     rows = []
-    grid = list(itertools.product(a.block_n, a.warps, a.stages, a.programs_per_sm, a.heads_fastest))
-    for i, (bn, w, s, pps, hf) in enumerate(grid):
-        t = tuning(bn, w, s, pps, hf)
+    grid = list(itertools.product(a.block_n, a.warps, a.stages, a.programs_per_sm, a.heads_fastest, a.descriptors))
+    for i, (bn, w, s, pps, hf, desc) in enumerate(grid):
+        t = tuning(bn, w, s, pps, hf, desc)
         try:
             out, lse = dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)
             err = ((out.float() - want.float()).abs().max().item(), (lse - want_lse).abs().max().item())
             ms = time_ms(graphed(lambda: dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)), dev,
                          warmup=2, iters=a.iters)["median_ms"] / REPS
             rows.append(dict(kind="tile", layout=layout, context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
-                             heads_fastest=hf, ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
+                             heads_fastest=hf, descriptors=desc, ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
         except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is recorded
             rows.append(dict(kind="tile", layout=layout, context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
-                             heads_fastest=hf, status=_failure(e)))
+                             heads_fastest=hf, descriptors=desc, status=_failure(e)))
         log(f"context {n} batch {b} {layout}: tile {i + 1}/{len(grid)} {rows[-1].get('ms', rows[-1].get('status'))}")
     ok = [r for r in rows if "ms" in r]
     best = min(ok, key=lambda r: r["ms"])
-    t_best = tuning(best["block_n"], best["warps"], best["stages"], best["programs_per_sm"], best["heads_fastest"])
+    t_best = tuning(best["block_n"], best["warps"], best["stages"], best["programs_per_sm"], best["heads_fastest"],
+                    best["descriptors"])
     pos = [n]
 
     def ours(be, t=tn.DECODE):
@@ -151,7 +155,7 @@ for n in a.context:
         rows, best = case(n, b, layout)
         res += rows
         steps = {(r["impl"], r["timing"]): r for r in rows if r["kind"] == "step"}
-        table.append(f"| {n} | {b} | {layout} | {best['block_n']}/{best['warps']}/{best['stages']}/{best['programs_per_sm']}{'/heads first' if best['heads_fastest'] else ''} | "
+        table.append(f"| {n} | {b} | {layout} | {best['block_n']}/{best['warps']}/{best['stages']}/{best['programs_per_sm']}{'/heads first' if best['heads_fastest'] else ''}{'/descriptors' if best['descriptors'] else ''} | "
                      f"{best['ms']:.3f} ({best['gb_s']:.0f} GB/s) | "
                      + " | ".join(f"{steps[(i, 'cold')]['ms']:.3f} / {steps[(i, 'batched')]['ms']:.3f}"
                                   for i in ("split_kv_best", "split_kv_default", "flash", "sdpa_flash", "sdpa_cudnn"))

@@ -285,6 +285,13 @@ class DecodeTuning:
                "(adjacent bytes of the cache's rows), False one head's splits. A tie (one H100, kernel time from "
                "graph replays, 2 per SM): 128K 0.1904 / 0.1910 ms, 1M 1.3907 / 1.3894; the cache is read at "
                "2.8-3.1 TB/s either way", "decode_order_h100_55957b6.json")
+    descriptor_loads: bool = measured(
+        False, "pending measurement: the split kernel reading K and V through tensor descriptors (TMA) instead of "
+               "pointers (python benchmarks/decode_split_kv.py --descriptors 0 1). Why it may pay: on one H200 the "
+               "kernel takes 137.0 us at 128K against 123.5 for cuDNN's decode kernel (+3.0 for its reduction), "
+               "960 against 942 at 1M, profiled in one step each, and no tile of the pointer kernel is faster "
+               "(decode_split_kv_128k_h200_eed179a.json: 64/4/3/2 0.137 ms, 3.9 TB/s)",
+        "decode_step_profile_eed179a.json")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
@@ -314,12 +321,13 @@ class DecodeTuning:
         pps = self.programs_per_sm_d64 if head_dim <= 64 else self.programs_per_sm
         if interpreted:
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
-                        heads_fastest=self.heads_fastest)
+                        heads_fastest=self.heads_fastest, descriptors=self.descriptor_loads)
         # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
         h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
         stages = self.h200_num_stages if h200 else self.num_stages
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
-                    programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest)
+                    programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest,
+                    descriptors=self.descriptor_loads)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,6 +198,50 @@ def test_split_kv_kernel_matches_reference(h, hkv, lq):
 
 
 @triton_ok
+@pytest.mark.parametrize("lq,h,hkv", [(1, 4, 2), (3, 6, 2)])
+def test_split_kv_descriptor_loads(lq, h, hkv):
+    """K and V read through tensor descriptors (``descriptors=True``,
+    ``DecodeTuning.descriptor_loads``) give the float64 reference's out and
+    lse as the pointer loads do: splits ending inside a tile, ragged rows, an
+    empty row, lengths on the device, past the capacity (clamped), the
+    unwritten slots after each row's length holding NaN (never read into a
+    result), token-major and head-major caches; caches TMA cannot address
+    (a head dim that is not a power of two, strides off 16 bytes) fall back
+    to pointers."""
+    from longattn.kernels import decode as kdec
+
+    torch.manual_seed(7)
+    b, cap, d = 3, 80, 16
+    kw = dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=64, min_split=16, descriptors=True)
+    k, v, q = torch.randn(b, cap, hkv, d), torch.randn(b, cap, hkv, d), torch.randn(b, lq, h, d)
+    lens = [77, lq, 0]
+    ref = lambda kk, vv, causal: (lambda i, n: _dense_ref(q[i:i + 1], kk[i:i + 1], vv[i:i + 1], n, causal))
+    kn, vn = k.clone(), v.clone()
+    for i, n in enumerate(lens):  # what no row may read: NaN past its length
+        kn[i, n:], vn[i, n:] = float("nan"), float("nan")
+    for causal in (True, False):
+        for kk, vv, what in ((kn, vn, "token-major"),
+                             tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (kn, vn)) + ("head-major",)):
+            assert kdec.descriptor_refusals(kk, vv) == []
+            got = kdec.decode(q, kk, vv, lens, causal and lq > 1, d ** -0.5, **kw)
+            _rows(got, ref(k, v, causal), lens, f"descriptors {what} lq={lq} causal={causal}")
+            dev = kdec.decode(q, kk, vv, None, causal and lq > 1, d ** -0.5,
+                              lens_tensor=torch.tensor(lens, dtype=I32), **kw)
+            _rows(dev, ref(k, v, causal), lens, f"descriptors device lengths {what} lq={lq} causal={causal}")
+    over = kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=torch.tensor([cap + 9, 5, cap], dtype=I32), **kw)
+    _rows(over, ref(k, v, False), [cap, 5, cap], "descriptors, lengths past the capacity")
+    # caches the descriptors cannot address: pointer loads, same results
+    k24, v24, q24 = torch.randn(b, cap, hkv, 24), torch.randn(b, cap, hkv, 24), torch.randn(b, lq, h, 24)
+    assert any("power of two" in r for r in kdec.descriptor_refusals(k24, v24))
+    got = kdec.decode(q24, k24, v24, lens, False, 24 ** -0.5, **kw)
+    _rows(got, lambda i, n: _dense_ref(q24[i:i + 1], k24[i:i + 1], v24[i:i + 1], n, False), lens, "head dim 24")
+    odd_k = torch.randn(b, cap, hkv * d + 1)[..., 1:].view(b, cap, hkv, d)  # base and token stride 4 bytes off
+    assert any("16-byte" in r for r in kdec.descriptor_refusals(odd_k, v))
+    got = kdec.decode(q, odd_k, v, lens, False, d ** -0.5, **kw)
+    _rows(got, ref(odd_k, v, False), lens, "strides off 16 bytes")
+
+
+@triton_ok
 def test_split_kv_one_launch_calls_in_a_row_leave_the_counters_zero():
     """The split programs' last arrival merges its (batch row, kv head) in the
     same launch: calls in a row (batch sizes, kv heads, one and several
@@ -456,6 +500,41 @@ def test_decode_bf16_on_cuda(backend):
         if n == 512:
             want, _ = _dilated_ref(qi.double().cpu(), ki.double().cpu(), vi.double().cpu(), n, segs, rates)
             assert rel_err(dil[i:i + 1].cpu(), want) < 2e-2, (backend, i)
+
+
+@pytest.mark.gpu
+def test_split_kv_descriptor_loads_bf16_on_cuda():
+    """The split kernel's tensor-descriptor (TMA) loads on the GPU, bf16, its
+    H200 and H100 tiles: out within twice SDPA's error against float64, rows
+    of different lengths, NaN in the unwritten slots, and in a CUDA graph
+    with the lengths on the device (the captured descriptors replay)."""
+    from reference import rel_err
+    from longattn.kernels import decode as kdec
+    from longattn.tuning import DECODE
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    b, cap, h, hkv, d = 2, 8192, 32, 8, 128
+    q, k, v = mk(b, 1, h, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+    lens = [8000, 700]
+    for i, n in enumerate(lens):
+        k[i, n:], v[i, n:] = float("nan"), float("nan")
+    for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        kw = dict(DECODE.kernel_args(False, d, name), descriptors=True)
+        lt = torch.tensor(lens, dtype=I32, device="cuda")
+        out, _ = kdec.decode(q, k, v, lens, False, d ** -0.5, **kw)
+        graph = torch.cuda.CUDAGraph()
+        kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=lt, **kw)  # compiles
+        with torch.cuda.graph(graph):
+            rep, _ = kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=lt, **kw)
+        graph.replay()
+        for i, n in enumerate(lens):
+            qi, ki, vi = q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n]
+            ref, _ = attention_ref(qi.double(), ki.double(), vi.double(), causal=True)
+            bar = torch.nn.functional.scaled_dot_product_attention(
+                qi.transpose(1, 2), ki.transpose(1, 2), vi.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+            for got in (out, rep):
+                assert rel_err(got[i:i + 1], ref) <= 2 * max(rel_err(bar, ref), 1e-3), (name, i)
 
 
 @pytest.mark.gpu

@@ -28,16 +28,18 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     from .attention_jit import _dot, _online_step
 
     # Lengths, split sizes and counts change every step: not specialised, so a
     # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
     @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT", "CAP"])
-    def _split_kernel(Q, K, V, OP, LP, O, L, CNT, LENS, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh,
-                      sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr, D: tl.constexpr,
-                      D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, S_CHUNK: tl.constexpr,
-                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr, IEEE: tl.constexpr,
-                      HEADS_FAST: tl.constexpr):
+    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh, svb,
+                      svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr,
+                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                      S_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr,
+                      IEEE: tl.constexpr, HEADS_FAST: tl.constexpr, DESC: tl.constexpr):
         qk_scale = tl.full([], qk_scale, tl.float32)
         # HEADS_FAST: programs launched next to each other read the kv heads of one
         # token range (adjacent bytes of the (B, S, Hkv, D) cache's rows) rather than
@@ -74,9 +76,19 @@ if HAS_TRITON:
         for j in range(lo, hi, BLOCK_N):
             cols = j + offs_n
             kv_ok = cols < hi
-            c64 = cols.to(tl.int64)
-            k = tl.load(k_ptr + c64[:, None] * sks + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(v_ptr + c64[:, None] * svs + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :], other=0.0)
+            if DESC:
+                # tensor descriptors (TMA on sm_90+) over the (B, capacity, Hkv, D) cache: tiles past the
+                # capacity come back zero; slots past this split's end hold anything (unwritten memory may
+                # be NaN), so V is cleared there and the scores masked below
+                k = KD.load([b.to(tl.int32), j, kh.to(tl.int32), 0]).reshape(BLOCK_N, D_PAD)
+                v = VD.load([b.to(tl.int32), j, kh.to(tl.int32), 0]).reshape(BLOCK_N, D_PAD)
+                v = tl.where(kv_ok[:, None], v, 0.0)
+            else:
+                c64 = cols.to(tl.int64)
+                k = tl.load(k_ptr + c64[:, None] * sks + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :],
+                            other=0.0)
+                v = tl.load(v_ptr + c64[:, None] * svs + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :],
+                            other=0.0)
             qk = _dot(q, tl.trans(k), IEEE) * qk_scale
             ok = kv_ok[None, :]
             if CAUSAL:
@@ -213,7 +225,7 @@ def counters(n: int, like: torch.Tensor) -> torch.Tensor:
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Optional[Sequence[int]],
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
            min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None,
-           heads_fastest: bool = False
+           heads_fastest: bool = False, descriptors: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
@@ -224,7 +236,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     splits by its own length. ``lens`` None: the lengths are known on the
     device only (CUDA graph capture): the launch is sized for the whole
     capacity, the same whatever the lengths. ``ragged``: whether ``lens``
-    differ, when the caller knows (else found here)."""
+    differ, when the caller knows (else found here). ``descriptors``: the
+    kernel reads K and V through tensor descriptors (TMA on sm_90+) where
+    the caches allow it (:func:`descriptor_refusals`), else through pointers."""
     b, lq, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
@@ -243,14 +257,31 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     rows = 1 << (lq * g - 1).bit_length()
+    desc = descriptors and not descriptor_refusals(k_cache, v_cache)
+    kd, vd = (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_n, 1, dp]) if desc else x
+              for x in (k_cache, v_cache))
     launchable(_split_kernel, q)[(b * hkv, nsplit) if heads_fastest else (nsplit, b * hkv)](
-        q, k_cache, v_cache, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
+        q, k_cache, v_cache, kd, vd, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
         lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0], k_cache.shape[1],
         *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows, S_CHUNK=merge_chunk(rows, dp, num_warps, q.device),
         BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), HEADS_FAST=heads_fastest,
-        num_warps=num_warps, num_stages=num_stages)
+        DESC=desc, num_warps=num_warps, num_stages=num_stages)
     return out, lse
+
+
+def descriptor_refusals(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[str]:
+    """Why the split kernel cannot read these caches through tensor
+    descriptors: TMA's rules (16-byte aligned base and strides) and a tile of
+    the whole head dim (a power of two)."""
+    why = []
+    d = k_cache.shape[-1]
+    if d != d_pad(d):
+        why.append(f"head dim {d} is not a power of two")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in x.stride()[:-1]):
+            why.append(f"{name}'s base or strides are not 16-byte aligned")
+    return why
 
 
 def refusals(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_rows: int) -> list[str]:
