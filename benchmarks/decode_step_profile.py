@@ -6,13 +6,17 @@ preallocated head-major cache (the new token written in, attention over
 For each context: each step's time back to back (CUDA events over ``--steps``
 steps, as ``python -m longattn.bench decode --timing batched``), the host's
 time to issue one step (the GPU held behind a sleep, so the host never waits),
-and the kernels of ``--steps`` steps under the profiler (name, count per step,
-GPU us per step), so the two steps' kernels can be read side by side.
+the kernels of ``--steps`` steps under the profiler (name, count per step,
+GPU us per step), so the two steps' kernels can be read side by side, and
+the host functions of as many steps under cProfile (the 15 with the most
+time of their own, us per step).
 
     python benchmarks/decode_step_profile.py --json out.json
 """
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 
@@ -81,12 +85,24 @@ def measure(step):
             for _ in range(a.steps):
                 step()
             torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))
+        cp = cProfile.Profile()
+        cp.enable()
+        for _ in range(a.steps):
+            step()
+        cp.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(cp).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
+    host_fns = {f"{fn[2]} ({fn[0].rsplit('/', 2)[-1]}:{fn[1]})": dict(
+        per_step=round(v[0] / a.steps, 2), own_us_per_step=round(v[2] / a.steps * 1e6, 2),
+        cum_us_per_step=round(v[3] / a.steps * 1e6, 2)) for fn, v in top}
     kernels = {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us > 0:
             kernels[e.key[:90]] = dict(per_step=round(e.count / a.steps, 2), us_per_step=round(us / a.steps, 2))
-    return dict(step_ms=batched, host_ms=host, kernels=kernels,
+    return dict(step_ms=batched, host_ms=host, kernels=kernels, host_functions=host_fns,
                 gpu_us_per_step=round(sum(x["us_per_step"] for x in kernels.values()), 2))
 
 
@@ -110,3 +126,5 @@ for r in rows:
           f"kernels {r['gpu_us_per_step']:.1f} us/step")
     for k, x in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["us_per_step"]):
         print(f"    {x['us_per_step']:8.2f} us  x{x['per_step']:<5} {k}")
+    for k, x in list(r["host_functions"].items())[:8]:
+        print(f"    host {x['own_us_per_step']:7.2f} us own, {x['cum_us_per_step']:7.2f} cumulative  x{x['per_step']:<5} {k}")
