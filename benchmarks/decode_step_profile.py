@@ -14,6 +14,7 @@ time of their own, us per step).
     python benchmarks/decode_step_profile.py --json out.json
 """
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
@@ -55,11 +56,10 @@ def steps_sdpa(n, gen):
     kn, vn = (torch.randn(b, hkv, 1, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
     qn = torch.randn(b, h, 1, d, device=dev, dtype=dt, generator=gen)
 
-    def step():
+    def step():  # under sdpa_kernel(CUDNN_ATTENTION), entered once around the measurement
         kc[:, :, n:n + 1] = kn
         vc[:, :, n:n + 1] = vn
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return sdpa(qn, kc, vc, enable_gqa=True)
+        return sdpa(qn, kc, vc, enable_gqa=True)
     return step, (kc, vc)
 
 
@@ -94,14 +94,16 @@ def measure(step):
         torch.cuda.synchronize()
     stats = pstats.Stats(cp).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
-    host_fns = {f"{fn[2]} ({fn[0].rsplit('/', 2)[-1]}:{fn[1]})": dict(
+    host_fns = {f"{fn[2]} ({'/'.join(fn[0].split('/')[-2:])}:{fn[1]})": dict(
         per_step=round(v[0] / a.steps, 2), own_us_per_step=round(v[2] / a.steps * 1e6, 2),
         cum_us_per_step=round(v[3] / a.steps * 1e6, 2)) for fn, v in top}
     kernels = {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us > 0:
-            kernels[e.key[:90]] = dict(per_step=round(e.count / a.steps, 2), us_per_step=round(us / a.steps, 2))
+            x = kernels.setdefault(e.key, dict(per_step=0.0, us_per_step=0.0))
+            x["per_step"] = round(x["per_step"] + e.count / a.steps, 2)
+            x["us_per_step"] = round(x["us_per_step"] + us / a.steps, 2)
     return dict(step_ms=batched, host_ms=host, kernels=kernels, host_functions=host_fns,
                 gpu_us_per_step=round(sum(x["us_per_step"] for x in kernels.values()), 2))
 
@@ -112,7 +114,8 @@ for n in a.context:
         gen = torch.Generator(device=dev).manual_seed(0)
         step, keep = make(n, gen)
         log(f"{name}, context {n}")
-        r = dict(impl=name, context=n, **measure(step))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if name.startswith("SDPA") else contextlib.nullcontext():
+            r = dict(impl=name, context=n, **measure(step))
         rows.append(r)
         del step, keep
         torch.cuda.empty_cache()
@@ -125,6 +128,6 @@ for r in rows:
     print(f"{r['impl']:>13} {r['context']:>8}: step {r['step_ms']:.3f} ms back to back, host {r['host_ms']:.3f} ms, "
           f"kernels {r['gpu_us_per_step']:.1f} us/step")
     for k, x in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["us_per_step"]):
-        print(f"    {x['us_per_step']:8.2f} us  x{x['per_step']:<5} {k}")
+        print(f"    {x['us_per_step']:8.2f} us  x{x['per_step']:<5} {k[:90]}")
     for k, x in list(r["host_functions"].items())[:8]:
         print(f"    host {x['own_us_per_step']:7.2f} us own, {x['cum_us_per_step']:7.2f} cumulative  x{x['per_step']:<5} {k}")

@@ -227,10 +227,11 @@ class DecodeTuning:
                     "of the cache paid for it: one query over 128K cached tokens took 39.3 ms through cuDNN against "
                     "0.30 ms through flash (one H100); SDPA's cuDNN call over a growing (B, H, S, D) cache pays it in a "
                     "loop of steps too (38.7 / 59.5 ms per step at 128K / 1M, one H200, "
-                    "decode_batched_h200_52770af.json; one isolated step 0.25 / 1.14, not profiled why). fa4: as a dense backend its calls run "
+                    "decode_batched_h200_52770af.json; one isolated step 0.25 / 1.14, decode_h200_52770af.json, "
+                    "not profiled why). fa4: as a dense backend its calls run "
                     "one KV split per (batch, kv head), a few programs over the whole cache; FA4 with splits is "
                     "the fa4 engine (fa4_min_keys)",
-        "decode_1xh100_38fed5d.json")
+        "decode_1xh100_38fed5d.json, decode_batched_h200_52770af.json, decode_h200_52770af.json")
     fa4_min_keys: Optional[int] = measured(
         None, "FA4's split-KV forward (one launch for the batch, its own split count from the SM count, the "
               "query heads of a kv head in one tile; longattn.decode.engine's \"fa4\" engine) exists on sm_100 "
@@ -287,10 +288,11 @@ class DecodeTuning:
                "2.8-3.1 TB/s either way", "decode_order_h100_55957b6.json")
     descriptor_loads: bool = measured(
         False, "pending measurement: the split kernel reading K and V through tensor descriptors (TMA) instead of "
-               "pointers (python benchmarks/decode_split_kv.py --descriptors 0 1). Why it may pay: on one H200 the "
-               "kernel takes 137.0 us at 128K against 123.5 for cuDNN's decode kernel (+3.0 for its reduction), "
-               "960 against 942 at 1M, profiled in one step each, and no tile of the pointer kernel is faster "
-               "(decode_split_kv_128k_h200_eed179a.json: 64/4/3/2 0.137 ms, 3.9 TB/s)",
+               "pointers (python benchmarks/decode_split_kv.py --descriptors 0 1; kernel time from graph replays, so "
+               "the descriptors' host cost in an eager call is measured apart). Why it may pay: on one H200, "
+               "averaged over 50 profiled steps, the kernel takes 137.0 us at 128K against 123.5 for cuDNN's "
+               "decode kernel (+3.0 for its reduction), 960 against 942 at 1M; at 128K no tile of the pointer "
+               "kernel is faster (decode_split_kv_128k_h200_eed179a.json: 64/4/3/2 0.137 ms, 3.9 TB/s)",
         "decode_step_profile_eed179a.json")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "

@@ -1,12 +1,13 @@
-"""Compile the dilated Triton kernels, and the merge kernels beside them, for sm_90 (Hopper) on a machine
-without a GPU.
+"""Compile the dilated Triton kernels, the merge kernels beside them and the split-KV decode kernel (its
+pointer and tensor-descriptor loads) for sm_90 (Hopper) on a machine without a GPU.
 
 The CPU interpreter runs the kernels' Python and lets through what Triton's
 compiler refuses (a reassigned constexpr, a call missing an argument), so
 tests/test_dilated.py runs this in a subprocess without TRITON_INTERPRET:
 ``python tests/hopper_compile.py`` exits 0 when every variant compiles to
 a cubin (the attention kernels' key or query tile loads pipelined
-asynchronous copies; the merge kernels have no tile loop),
+asynchronous copies, the decode kernel's descriptor loads bulk tensor
+copies (TMA); the merge kernels have no tile loop),
 prints ``skip: ...`` and exits 3 where this Triton has no CUDA backend to
 compile with.
 
@@ -68,13 +69,29 @@ def main():
                                             "ROWS": "*i64"})),
         (km._sum_rows_kernel, dict(tile, _ptr={"G": "*bf16", "DST": "*bf16", "ROWS": "*i64"})),
     ]
+    from longattn.kernels import decode as kd
+
+    dec = dict(G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=16, BLOCK_N=64, CAUSAL=False, PER_ROW=True,
+               IEEE=False, HEADS_FAST=False)
+    dec_ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "L": "*fp32",
+               "CNT": "*i32", "LENS": "*i32", "KD": "*bf16", "VD": "*bf16", "qk_scale": "fp32"}
+    desc = dict(dec_ptr, KD="tensordesc<bf16[1,64,1,128]>", VD="tensordesc<bf16[1,64,1,128]>")
+    variants += [  # a KVCache step's launch (lengths on the device), pointer loads, and descriptor loads with int32
+        # and int64 lengths (the loop's key index then int64: the descriptors take 32-bit coordinates)
+        (kd._split_kernel, dict(dec, DESC=False, _ptr=dec_ptr, _bulk=False)),
+        (kd._split_kernel, dict(dec, DESC=True, _ptr=desc, _bulk=True)),
+        (kd._split_kernel, dict(dec, DESC=True, CAUSAL=True, _ptr=dict(desc, LENS="*i64"), _bulk=True)),
+    ]
     for fn, consts in variants:
+        bulk = consts.pop("_bulk", None)
         ptr = consts.pop("_ptr", None)
         signature = sig(fn, consts) if ptr is None else {n: "constexpr" if n in consts else ptr.get(n, "i32")
                                                           for n in fn.arg_names}
-        src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs(fn, signature))
+        at = {i: a for i, a in attrs(fn, signature).items() if not signature[fn.arg_names[i[0]]].startswith("tensordesc")}
+        src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=at)
+        warps = 4 if bulk is not None else 8  # the decode kernel's tiles (DecodeTuning: 64 keys, 4 warps)
         try:
-            out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+            out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
         except (RuntimeError, FileNotFoundError) as e:  # no ptxas / CUDA backend here
             if "ptxas" in str(e) or "backend" in str(e).lower():
                 print(f"skip: {e}")
@@ -84,6 +101,9 @@ def main():
         # the attention kernels' inner loops' tile loads pipelined (cp.async into shared memory, waited on stages
         # ahead)
         assert ptr is not None or "cp.async" in out.asm["ptx"], f"{fn.__name__}: no pipelined tile loads"
+        if bulk is not None:  # the decode kernel: pipelined pointer loads, or bulk tensor copies where it has descriptors
+            ptx = out.asm["ptx"]
+            assert ("cp.async.bulk.tensor" in ptx) == bulk and "cp.async" in ptx, (fn.__name__, consts)
     print(f"compiled {len(variants)} kernel variants for sm_90")
     return 0
 

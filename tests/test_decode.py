@@ -5,6 +5,8 @@ sliding windows, dilated_decode_attention (the last rows of causal
 dilated attention), KVCache step by step, the placement bookkeeping, what a
 dilated cache must keep, LongNetLM.generate against recomputing the forward,
 and bad inputs."""
+import itertools
+
 import pytest
 import torch
 
@@ -205,13 +207,14 @@ def test_split_kv_descriptor_loads(lq, h, hkv):
     lse as the pointer loads do: splits ending inside a tile, ragged rows, an
     empty row, lengths on the device, past the capacity (clamped), the
     unwritten slots after each row's length holding NaN (never read into a
-    result), token-major and head-major caches; caches TMA cannot address
-    (a head dim that is not a power of two, strides off 16 bytes) fall back
-    to pointers."""
+    result), a capacity that ends inside a tile (the descriptor's zeros past
+    it), token-major and head-major caches, int64 lengths on the device;
+    caches TMA cannot address (a head dim that is not a power of two, strides
+    off 16 bytes, an empty cache) fall back to pointers."""
     from longattn.kernels import decode as kdec
 
     torch.manual_seed(7)
-    b, cap, d = 3, 80, 16
+    b, cap, d = 3, 77, 16  # 77: the last tile of 16 keys ends past the capacity
     kw = dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=64, min_split=16, descriptors=True)
     k, v, q = torch.randn(b, cap, hkv, d), torch.randn(b, cap, hkv, d), torch.randn(b, lq, h, d)
     lens = [77, lq, 0]
@@ -230,6 +233,12 @@ def test_split_kv_descriptor_loads(lq, h, hkv):
             _rows(dev, ref(k, v, causal), lens, f"descriptors device lengths {what} lq={lq} causal={causal}")
     over = kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=torch.tensor([cap + 9, 5, cap], dtype=I32), **kw)
     _rows(over, ref(k, v, False), [cap, 5, cap], "descriptors, lengths past the capacity")
+    wide = kdec.decode(q, kn, vn, None, True, d ** -0.5, lens_tensor=torch.tensor(lens, dtype=torch.int64), **kw)
+    _rows(wide, ref(k, v, True), lens, "descriptors, int64 lengths")
+    empty = torch.zeros(b, 0, hkv, d)
+    assert any("empty" in r for r in kdec.descriptor_refusals(empty, empty))
+    got = kdec.decode(q, empty, empty, [0] * b, False, d ** -0.5, **kw)
+    _rows(got, ref(empty, empty, False), [0] * b, "descriptors, an empty cache")
     # caches the descriptors cannot address: pointer loads, same results
     k24, v24, q24 = torch.randn(b, cap, hkv, 24), torch.randn(b, cap, hkv, 24), torch.randn(b, lq, h, 24)
     assert any("power of two" in r for r in kdec.descriptor_refusals(k24, v24))
@@ -505,9 +514,10 @@ def test_decode_bf16_on_cuda(backend):
 @pytest.mark.gpu
 def test_split_kv_descriptor_loads_bf16_on_cuda():
     """The split kernel's tensor-descriptor (TMA) loads on the GPU, bf16, its
-    H200 and H100 tiles: out within twice SDPA's error against float64, rows
-    of different lengths, NaN in the unwritten slots, and in a CUDA graph
-    with the lengths on the device (the captured descriptors replay)."""
+    H200 and H100 tiles, token- and head-major caches: out within twice
+    SDPA's error against float64, rows of different lengths, NaN in the
+    unwritten slots, and in a CUDA graph with the lengths on the device,
+    replayed after new lengths and new cache contents were written in place."""
     from reference import rel_err
     from longattn.kernels import decode as kdec
     from longattn.tuning import DECODE
@@ -515,26 +525,43 @@ def test_split_kv_descriptor_loads_bf16_on_cuda():
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
     b, cap, h, hkv, d = 2, 8192, 32, 8, 128
-    q, k, v = mk(b, 1, h, d), mk(b, cap, hkv, d), mk(b, cap, hkv, d)
-    lens = [8000, 700]
-    for i, n in enumerate(lens):
-        k[i, n:], v[i, n:] = float("nan"), float("nan")
-    for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
-        kw = dict(DECODE.kernel_args(False, d, name), descriptors=True)
-        lt = torch.tensor(lens, dtype=I32, device="cuda")
-        out, _ = kdec.decode(q, k, v, lens, False, d ** -0.5, **kw)
-        graph = torch.cuda.CUDAGraph()
-        kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=lt, **kw)  # compiles
-        with torch.cuda.graph(graph):
-            rep, _ = kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=lt, **kw)
-        graph.replay()
+    q = mk(b, 1, h, d)
+
+    def check(got, k, v, lens, what):
         for i, n in enumerate(lens):
             qi, ki, vi = q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n]
             ref, _ = attention_ref(qi.double(), ki.double(), vi.double(), causal=True)
             bar = torch.nn.functional.scaled_dot_product_attention(
                 qi.transpose(1, 2), ki.transpose(1, 2), vi.transpose(1, 2), enable_gqa=True).transpose(1, 2)
-            for got in (out, rep):
-                assert rel_err(got[i:i + 1], ref) <= 2 * max(rel_err(bar, ref), 1e-3), (name, i)
+            assert rel_err(got[i:i + 1], ref) <= 2 * max(rel_err(bar, ref), 1e-3), (what, i)
+
+    def cache(major, lens):
+        k, v = mk(b, cap, hkv, d), mk(b, cap, hkv, d)
+        if major == "head":
+            k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+        for i, n in enumerate(lens):  # unwritten slots: NaN
+            k[i, n:], v[i, n:] = float("nan"), float("nan")
+        return k, v
+
+    for major, name in itertools.product(("token", "head"), ("NVIDIA H200", "NVIDIA H100 80GB HBM3")):
+        lens = [8000, 700]
+        k, v = cache(major, lens)
+        assert kdec.descriptor_refusals(k, v) == []
+        kw = dict(DECODE.kernel_args(False, d, name), descriptors=True)
+        out, _ = kdec.decode(q, k, v, lens, False, d ** -0.5, **kw)
+        check(out, k, v, lens, f"{major}-major, {name}, eager")
+        lt = torch.tensor(lens, dtype=I32, device="cuda")
+        kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=lt, **kw)  # compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rep, _ = kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=lt, **kw)
+        new = [5000, 8192]  # new lengths and contents, written in place before the replay
+        k2, v2 = cache(major, new)
+        k.copy_(k2)
+        v.copy_(v2)
+        lt.copy_(torch.tensor(new, dtype=I32))
+        graph.replay()
+        check(rep, k, v, new, f"{major}-major, {name}, replayed")
 
 
 @pytest.mark.gpu

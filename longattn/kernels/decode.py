@@ -28,7 +28,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    try:  # host-side tensor descriptors (TMA): Triton 3.4 on
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - older Triton: the kernel reads through pointers
+        TensorDescriptor = None
 
     from .attention_jit import _dot, _online_step
 
@@ -73,28 +76,32 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
-        for j in range(lo, hi, BLOCK_N):
-            cols = j + offs_n
-            kv_ok = cols < hi
-            if DESC:
-                # tensor descriptors (TMA on sm_90+) over the (B, capacity, Hkv, D) cache: tiles past the
-                # capacity come back zero; slots past this split's end hold anything (unwritten memory may
-                # be NaN), so V is cleared there and the scores masked below
-                k = KD.load([b.to(tl.int32), j, kh.to(tl.int32), 0]).reshape(BLOCK_N, D_PAD)
-                v = VD.load([b.to(tl.int32), j, kh.to(tl.int32), 0]).reshape(BLOCK_N, D_PAD)
-                v = tl.where(kv_ok[:, None], v, 0.0)
-            else:
+        if DESC:
+            # tensor descriptors (TMA on sm_90+): the split's whole tiles, then its last, partial one (slots
+            # past the row's length hold anything, unwritten memory may be NaN: V is cleared there)
+            b32, kh32 = b.to(tl.int32), kh.to(tl.int32)
+            full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+            for j in range(lo, full, BLOCK_N):
+                acc, l_i, m_i = _desc_tile(q, acc, l_i, m_i, KD, VD, b32, kh32, j, hi, last, offs_n, qk_scale,
+                                           BLOCK_N, D_PAD, CAUSAL, IEEE, False)
+            for j in range(full, hi, BLOCK_N):
+                acc, l_i, m_i = _desc_tile(q, acc, l_i, m_i, KD, VD, b32, kh32, j, hi, last, offs_n, qk_scale,
+                                           BLOCK_N, D_PAD, CAUSAL, IEEE, True)
+        else:
+            for j in range(lo, hi, BLOCK_N):
+                cols = j + offs_n
+                kv_ok = cols < hi
                 c64 = cols.to(tl.int64)
                 k = tl.load(k_ptr + c64[:, None] * sks + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :],
                             other=0.0)
                 v = tl.load(v_ptr + c64[:, None] * svs + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :],
                             other=0.0)
-            qk = _dot(q, tl.trans(k), IEEE) * qk_scale
-            ok = kv_ok[None, :]
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= last[:, None])
-            qk = tl.where(ok, qk, float("-inf"))
-            acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, qk, False, IEEE)
+                qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+                ok = kv_ok[None, :]
+                if CAUSAL:
+                    ok = ok & (cols[None, :] <= last[:, None])
+                qk = tl.where(ok, qk, float("-inf"))
+                acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, qk, False, IEEE)
         seen = l_i > 0.0
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         part = (bh * NSPLIT + s).to(tl.int64) * BLOCK_M + rows
@@ -112,6 +119,24 @@ if HAS_TRITON:
             tl.store(CNT + bh, 0)
             _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, (bh * NSPLIT).to(tl.int64), LQ, NSPLIT, G, D, D_PAD,
                    BLOCK_M, ROWS, S_CHUNK)
+
+    @triton.jit
+    def _desc_tile(q, acc, l_i, m_i, KD, VD, b32, kh32, j, hi, last, offs_n, qk_scale, BLOCK_N: tl.constexpr,
+                   D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, TAIL: tl.constexpr):
+        """One key tile of a split read through the (B, capacity, Hkv, D)
+        caches' descriptors (tiles past the capacity come back zero); ``TAIL``:
+        the split's last tile, which may run past the row's length."""
+        j32 = tl.cast(j, tl.int32)  # descriptor coordinates are 32-bit (j follows the lengths' dtype)
+        k = KD.load([b32, j32, kh32, 0]).reshape(BLOCK_N, D_PAD)
+        v = VD.load([b32, j32, kh32, 0]).reshape(BLOCK_N, D_PAD)
+        cols = j + offs_n
+        ok = (cols < hi)[None, :]
+        if TAIL:
+            v = tl.where((cols < hi)[:, None], v, 0.0)
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= last[:, None])
+        qk = tl.where(ok, _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+        return _online_step(acc, l_i, m_i, qk, v, qk, False, IEEE)
 
     @triton.jit
     def _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, base, LQ, NSPLIT, G: tl.constexpr,
@@ -275,6 +300,10 @@ def descriptor_refusals(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[st
     descriptors: TMA's rules (16-byte aligned base and strides) and a tile of
     the whole head dim (a power of two)."""
     why = []
+    if not HAS_TRITON or TensorDescriptor is None:
+        why.append("this Triton has no host tensor descriptors (triton.tools.tensor_descriptor, Triton 3.4 on)")
+    if 0 in k_cache.shape:
+        why.append("an empty cache (a descriptor needs every dim positive)")
     d = k_cache.shape[-1]
     if d != d_pad(d):
         why.append(f"head dim {d} is not a power of two")
