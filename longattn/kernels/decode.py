@@ -76,32 +76,21 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
+        b32, kh32 = b.to(tl.int32), kh.to(tl.int32)
         if DESC:
             # tensor descriptors (TMA on sm_90+): the split's whole tiles, then its last, partial one (slots
             # past the row's length hold anything, unwritten memory may be NaN: V is cleared there)
-            b32, kh32 = b.to(tl.int32), kh.to(tl.int32)
             full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
             for j in range(lo, full, BLOCK_N):
-                acc, l_i, m_i = _desc_tile(q, acc, l_i, m_i, KD, VD, b32, kh32, j, hi, last, offs_n, qk_scale,
-                                           BLOCK_N, D_PAD, CAUSAL, IEEE, False)
+                acc, l_i, m_i = _kv_tile(q, acc, l_i, m_i, k_ptr, v_ptr, KD, VD, b32, kh32, sks, svs, offs_d, dmask, j,
+                                         hi, last, offs_n, qk_scale, BLOCK_N, D_PAD, CAUSAL, IEEE, True, False)
             for j in range(full, hi, BLOCK_N):
-                acc, l_i, m_i = _desc_tile(q, acc, l_i, m_i, KD, VD, b32, kh32, j, hi, last, offs_n, qk_scale,
-                                           BLOCK_N, D_PAD, CAUSAL, IEEE, True)
-        else:
+                acc, l_i, m_i = _kv_tile(q, acc, l_i, m_i, k_ptr, v_ptr, KD, VD, b32, kh32, sks, svs, offs_d, dmask, j,
+                                         hi, last, offs_n, qk_scale, BLOCK_N, D_PAD, CAUSAL, IEEE, True, True)
+        else:  # pointer loads, every tile masked
             for j in range(lo, hi, BLOCK_N):
-                cols = j + offs_n
-                kv_ok = cols < hi
-                c64 = cols.to(tl.int64)
-                k = tl.load(k_ptr + c64[:, None] * sks + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :],
-                            other=0.0)
-                v = tl.load(v_ptr + c64[:, None] * svs + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :],
-                            other=0.0)
-                qk = _dot(q, tl.trans(k), IEEE) * qk_scale
-                ok = kv_ok[None, :]
-                if CAUSAL:
-                    ok = ok & (cols[None, :] <= last[:, None])
-                qk = tl.where(ok, qk, float("-inf"))
-                acc, l_i, m_i = _online_step(acc, l_i, m_i, qk, v, qk, False, IEEE)
+                acc, l_i, m_i = _kv_tile(q, acc, l_i, m_i, k_ptr, v_ptr, KD, VD, b32, kh32, sks, svs, offs_d, dmask, j,
+                                         hi, last, offs_n, qk_scale, BLOCK_N, D_PAD, CAUSAL, IEEE, False, True)
         seen = l_i > 0.0
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         part = (bh * NSPLIT + s).to(tl.int64) * BLOCK_M + rows
@@ -121,21 +110,31 @@ if HAS_TRITON:
                    BLOCK_M, ROWS, S_CHUNK)
 
     @triton.jit
-    def _desc_tile(q, acc, l_i, m_i, KD, VD, b32, kh32, j, hi, last, offs_n, qk_scale, BLOCK_N: tl.constexpr,
-                   D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, TAIL: tl.constexpr):
-        """One key tile of a split read through the (B, capacity, Hkv, D)
-        caches' descriptors (tiles past the capacity come back zero); ``TAIL``:
-        the split's last tile, which may run past the row's length."""
-        j32 = tl.cast(j, tl.int32)  # descriptor coordinates are 32-bit (j follows the lengths' dtype)
-        k = KD.load([b32, j32, kh32, 0]).reshape(BLOCK_N, D_PAD)
-        v = VD.load([b32, j32, kh32, 0]).reshape(BLOCK_N, D_PAD)
+    def _kv_tile(q, acc, l_i, m_i, k_ptr, v_ptr, KD, VD, b32, kh32, sks, svs, offs_d, dmask, j, hi, last, offs_n,
+                 qk_scale, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                 DESC: tl.constexpr, TAIL: tl.constexpr):
+        """One key tile [j, j + BLOCK_N) of a split, cut at ``hi``, into the
+        online softmax: through pointers (masked loads), or through the (B,
+        capacity, Hkv, D) caches' descriptors (tiles past the capacity come
+        back zero; ``TAIL``: the split's last tile, which may run past the
+        row's length, its V cleared there)."""
         cols = j + offs_n
-        ok = (cols < hi)[None, :]
-        if TAIL:
-            v = tl.where((cols < hi)[:, None], v, 0.0)
+        kv_ok = cols < hi
+        if DESC:
+            j32 = tl.cast(j, tl.int32)  # descriptor coordinates are 32-bit (j follows the lengths' dtype)
+            k = KD.load([b32, j32, kh32, 0]).reshape(BLOCK_N, D_PAD)
+            v = VD.load([b32, j32, kh32, 0]).reshape(BLOCK_N, D_PAD)
+            if TAIL:
+                v = tl.where(kv_ok[:, None], v, 0.0)
+        else:
+            c64 = cols.to(tl.int64)
+            k = tl.load(k_ptr + c64[:, None] * sks + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(v_ptr + c64[:, None] * svs + offs_d[None, :], mask=kv_ok[:, None] & dmask[None, :], other=0.0)
+        qk = _dot(q, tl.trans(k), IEEE) * qk_scale
+        ok = kv_ok[None, :]
         if CAUSAL:
             ok = ok & (cols[None, :] <= last[:, None])
-        qk = tl.where(ok, _dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))
+        qk = tl.where(ok, qk, float("-inf"))
         return _online_step(acc, l_i, m_i, qk, v, qk, False, IEEE)
 
     @triton.jit
