@@ -83,8 +83,9 @@ def _check_triton_blocks(rank, world):
 @pytest.mark.dist
 @pytest.mark.skipif(not longattn.kernels_available("cuda" if DIST_BACKEND == "nccl" else "cpu"),
                     reason="Triton kernels on the ranks' device: a GPU (NCCL) or TRITON_INTERPRET=1 (gloo)")
-def test_ring_on_triton_blocks():
-    run_world(_check_triton_blocks, 2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_on_triton_blocks(world):
+    run_world(_check_triton_blocks, world)
 
 
 def _check_copy_transport(rank, world):
