@@ -287,13 +287,15 @@ class DecodeTuning:
                "graph replays, 2 per SM): 128K 0.1904 / 0.1910 ms, 1M 1.3907 / 1.3894; the cache is read at "
                "2.8-3.1 TB/s either way", "decode_order_h100_55957b6.json")
     descriptor_loads: bool = measured(
-        False, "pending measurement: the split kernel reading K and V through tensor descriptors (TMA) instead of "
-               "pointers (python benchmarks/decode_split_kv.py --descriptors 0 1; kernel time from graph replays, so "
-               "the descriptors' host cost in an eager call is measured apart). Why it may pay: on one H200, "
-               "averaged over 50 profiled steps, the kernel takes 137.0 us at 128K against 123.5 for cuDNN's "
-               "decode kernel (+3.0 for its reduction), 960 against 942 at 1M; at 128K no tile of the pointer "
-               "kernel is faster (decode_split_kv_128k_h200_eed179a.json: 64/4/3/2 0.137 ms, 3.9 TB/s)",
-        "decode_step_profile_eed179a.json")
+        True, "the split kernel reads K and V through tensor descriptors (TMA) instead of pointers, on an H200 at "
+              "the shapes the tiles were swept for (as h200_num_stages; elsewhere pointers, not measured). One "
+              "H200, kernel time from graph replays at the default tile 64/4/3/2 (python "
+              "benchmarks/decode_split_kv.py --block-n 64 128 --warps 4 8 --stages 3 4 --programs-per-sm 2 4 "
+              "--heads-fastest 0 --descriptors 0 1): 128K 134.0 against 138.0 us (-2.9%), 1M 957.9 against "
+              "959.9 (a tie); the best tile of each kind at 128K 132.9 (128/4/3/2) against 137.2. cuDNN's "
+              "decode kernel in the same session: 122.7 us + 2.9 for its reduction at 128K, 946.2 + 3.0 at 1M "
+              "(decode_step_profile_h200_4014518.json)",
+        "decode_split_kv_tma_h200_4014518.json, decode_step_profile_h200_4014518.json")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
@@ -322,14 +324,15 @@ class DecodeTuning:
         interpreter takes small ones (tests)."""
         pps = self.programs_per_sm_d64 if head_dim <= 64 else self.programs_per_sm
         if interpreted:
+            # pointer loads, as off the H200; the descriptor loads have their own CPU test
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
-                        heads_fastest=self.heads_fastest, descriptors=self.descriptor_loads)
+                        heads_fastest=self.heads_fastest, descriptors=False)
         # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
         h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
         stages = self.h200_num_stages if h200 else self.num_stages
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
                     programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest,
-                    descriptors=self.descriptor_loads)
+                    descriptors=self.descriptor_loads and h200)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -881,11 +881,14 @@ def test_split_kernel_tiles_follow_the_gpu():
 
     h200, h100 = DECODE.kernel_args(False, 128, "NVIDIA H200"), DECODE.kernel_args(False, 128, "NVIDIA H100 80GB HBM3")
     assert (h200["num_stages"], h100["num_stages"]) == (DECODE.h200_num_stages, DECODE.num_stages)
-    assert {k: v for k, v in h200.items() if k != "num_stages"} == {k: v for k, v in h100.items() if k != "num_stages"}
-    # only what was swept (D=128, 2-byte caches, the H200 itself) takes the H200's stages
+    assert (h200["descriptors"], h100["descriptors"]) == (DECODE.descriptor_loads, False)
+    swept = ("num_stages", "descriptors")
+    assert {k: v for k, v in h200.items() if k not in swept} == {k: v for k, v in h100.items() if k not in swept}
+    # only what was swept (D=128, 2-byte caches, the H200 itself) takes the H200's stages and loads
     for d, itemsize, name in ((64, 2, "NVIDIA H200"), (256, 2, "NVIDIA H200"), (128, 4, "NVIDIA H200"),
                               (128, 2, "NVIDIA GH200 480GB")):
-        assert DECODE.kernel_args(False, d, name, itemsize)["num_stages"] == DECODE.num_stages, (d, itemsize, name)
+        args = DECODE.kernel_args(False, d, name, itemsize)
+        assert (args["num_stages"], args["descriptors"]) == (DECODE.num_stages, False), (d, itemsize, name)
     assert split_kv_args(torch.zeros(1, 1, 2, 16), DECODE) == DECODE.kernel_args(True, 16)
 
 
