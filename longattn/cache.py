@@ -292,7 +292,8 @@ class KVCache:
                    backend, type(softcap), softcap, sinks_meta(sinks), getattr(sinks, "device", None), window_size)
             if sig == self._checked.get("attend") and window_size == (-1, -1):
                 self._check_q_len(q.shape[1])
-                out, lse = self._attend_dense(q, bk.default_scale(q.shape[-1], softmax_scale), backend, softcap)
+                out, lse = self._attend_dense(q, bk.default_scale(q.shape[-1], softmax_scale), backend, softcap,
+                                              return_lse or sinks is not None)
                 return _returned(q, out, lse, return_lse, sinks)
         problem = None
         segs = rates = chunk = None
@@ -327,7 +328,8 @@ class KVCache:
         if dilated or chunk is not None or left >= 0:
             return _returned(q, *part(), return_lse, sinks)
         self._checked["attend"] = sig
-        return _returned(q, *self._attend_dense(q, scale, backend, softcap), return_lse, sinks)
+        return _returned(q, *self._attend_dense(q, scale, backend, softcap, return_lse or sinks is not None),
+                         return_lse, sinks)
 
     def _check_q_len(self, lq: int) -> None:
         if lq > self.layout.last_count:
@@ -354,13 +356,14 @@ class KVCache:
                            backend)
         return lambda: res
 
-    def _attend_dense(self, q, scale: float, backend: str, softcap: float):
-        """One device: a step replayed from a CUDA graph where the engine allows."""
+    def _attend_dense(self, q, scale: float, backend: str, softcap: float, need_lse: bool = True):
+        """One device: a step replayed from a CUDA graph where the engine allows
+        (its lse None there unless ``need_lse``: one copy fewer per step)."""
         lens = self.layout.local[0]
         engine = dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True,
                               softcap=softcap, keys=max(lens, default=0))
         if engine == "graphs":
-            return self._steps.attend(q, self.k, self.v, lens, scale, self.tuning)
+            return self._steps.attend(q, self.k, self.v, lens, scale, self.tuning, need_lse)
         return dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning, engine=engine,
                           ragged=len(set(lens)) > 1, softcap=softcap)
 

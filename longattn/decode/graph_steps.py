@@ -42,14 +42,20 @@ class StepGraphs:
         if self.lens is not None:
             self.lens += n
 
-    def attend(self, q, k_cache, v_cache, lens: Sequence[int], scale: float, tuning: _tuning.DecodeTuning
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, lse) of the step: replayed, or eager on a shape's first call."""
+    def attend(self, q, k_cache, v_cache, lens: Sequence[int], scale: float, tuning: _tuning.DecodeTuning,
+               need_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(out, lse) of the step: replayed, or eager on a shape's first call.
+        ``need_lse`` False: lse is None (a replay copies out only the outputs
+        its caller reads)."""
         if self.lens is None:
             with torch.inference_mode(False):  # appends advance it in and out of inference mode
                 self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
-        run = lambda x: _kdec.decode(x, k_cache, v_cache, None, x.shape[1] > 1, scale, lens_tensor=self.lens,
-                                     **split_kv_args(x, tuning))
+
+        def run(x):
+            out, lse = _kdec.decode(x, k_cache, v_cache, None, x.shape[1] > 1, scale, lens_tensor=self.lens,
+                                    **split_kv_args(x, tuning))
+            return (out, lse) if need_lse else (out,)
         # q's shape, dtype and device (and the inference mode) are added by the GraphCache
-        key = (q.stride(), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, tuning)
-        return self.replays.run(key, run, [q])
+        key = (q.stride(), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, tuning, need_lse)
+        res = self.replays.run(key, run, [q])
+        return (res[0], res[1] if need_lse else None)
