@@ -1,0 +1,120 @@
+"""Decode attention's kernel time against the cache's length: where a step's
+fixed cost ends and the memory's rate begins, ours against SDPA's.
+
+For each context (one query, batch 1, 32 query / 8 kv heads, D=128, bf16):
+the split-KV kernel at the default tuning (``DecodeTuning``: pointer and
+descriptor loads, each at ``--programs-per-sm`` fills), SDPA's cuDNN and
+flash kernels over a head-major ``(1, 8, n, 128)`` cache (``enable_gqa``),
+each as ten calls replayed from one CUDA graph (kernel time, no host). Then,
+per implementation, a least-squares line over the contexts from
+``--fit-from`` on: time = fixed + bytes / rate (``fixed_us``: what a call
+costs beyond streaming the cache, ``rate_tb_s``: the streaming rate).
+Outputs are checked against SDPA's flash kernel.
+
+    python benchmarks/decode_kernel_scaling.py --json out.json
+"""
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from longattn import tuning as tn
+from longattn.bench.decode import _captured
+from longattn.bench.measure import environment, result_path, time_ms
+from longattn.bench.single import _failure
+from longattn.decode.engine import dense_part
+from longattn.kernels import decode as kd
+
+p = argparse.ArgumentParser()
+p.add_argument("--context", type=int, nargs="+", default=[1 << i for i in range(14, 21)])
+p.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2, 4])
+p.add_argument("--fit-from", type=int, default=65536, help="fit the line over contexts from this many tokens on")
+p.add_argument("--iters", type=int, default=30)
+p.add_argument("--json")
+a = p.parse_args()
+dev, dt = torch.device("cuda"), torch.bfloat16
+h, hkv, d = 32, 8, 128
+REPS = 10
+log = lambda m: print(m, file=sys.stderr, flush=True)
+
+
+def graphed(fn):
+    def reps():
+        for _ in range(REPS):
+            fn()
+    return _captured(reps)
+
+
+def kernel_us(fn) -> float:
+    return time_ms(graphed(fn), dev, warmup=2, iters=a.iters)["median_ms"] / REPS * 1e3
+
+
+impls = {f"ours_{'descriptors' if desc else 'pointers'}_pps{pps}": dataclasses.replace(
+    tn.DECODE, descriptor_loads=bool(desc), programs_per_sm=pps) for desc in (0, 1) for pps in a.programs_per_sm}
+rows = []
+used = {}
+
+
+def case(n):
+    g = torch.Generator(device=dev).manual_seed(0)
+    kc, vc = (torch.randn(1, n, hkv, d, device=dev, dtype=dt, generator=g) for _ in range(2))
+    q = torch.randn(1, 1, h, d, device=dev, dtype=dt, generator=g)
+    kt, vt, qt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous(), q.transpose(1, 2)
+    scale = d ** -0.5
+    cache_bytes = 2 * n * hkv * d * kc.element_size()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        want = sdpa(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+
+    def sdpa_call(which):
+        def call():
+            with sdpa_kernel(which):
+                return sdpa(qt, kt, vt, enable_gqa=True)
+        return call
+
+    calls = {name: (lambda t=t: dense_part(q, kc, vc, [n], True, scale, "triton", tuning=t)[0])
+             for name, t in impls.items()}
+    calls.update(sdpa_cudnn=sdpa_call(SDPBackend.CUDNN_ATTENTION), sdpa_flash=sdpa_call(SDPBackend.FLASH_ATTENTION))
+    for name, fn in calls.items():
+        try:
+            out = fn()
+            out = out if out.shape == want.shape else out.transpose(1, 2)
+            err = (out.float() - want.float()).abs().max().item()
+            us = kernel_us(fn)
+            rows.append(dict(impl=name, context=n, us=us, gb_s=cache_bytes / us / 1e3, max_abs_diff_out=err))
+        except Exception as e:  # noqa: BLE001 - recorded, the others still run
+            rows.append(dict(impl=name, context=n, status=_failure(e)))
+        log(f"context {n}: {name} {rows[-1].get('us', rows[-1].get('status'))}")
+    used.update({name: int(not kd.descriptor_refusals(kc, vc)) if "descriptors" in name else 0 for name in impls})
+
+
+for n in a.context:
+    case(n)
+    torch.cuda.empty_cache()
+
+fits = {}
+for name in dict.fromkeys(r["impl"] for r in rows):
+    pts = [(2 * r["context"] * hkv * d * 2, r["us"]) for r in rows
+           if r["impl"] == name and "us" in r and r["context"] >= a.fit_from]
+    if len(pts) >= 2:
+        xs, ys = torch.tensor([x for x, _ in pts], dtype=torch.float64), torch.tensor([y for _, y in pts],
+                                                                                      dtype=torch.float64)
+        slope = ((xs - xs.mean()) * (ys - ys.mean())).sum() / ((xs - xs.mean()) ** 2).sum()
+        fixed = ys.mean() - slope * xs.mean()
+        fits[name] = dict(fixed_us=fixed.item(), rate_tb_s=1e-6 / slope.item(), points=len(pts))
+env = environment(dev, command=" ".join(["python", "benchmarks/decode_kernel_scaling.py", *sys.argv[1:]]))
+if a.json:
+    with open(result_path(a.json), "w") as f:
+        json.dump(dict(kind="decode_kernel_scaling", env=env, descriptors_used=used, fits=fits, results=rows), f,
+                  indent=1)
+ctx = a.context
+print("| impl | " + " | ".join(f"{n // 1024}K us" for n in ctx) + " | fixed us | TB/s |")
+print("|---|" + "---|" * (len(ctx) + 2))
+for name in dict.fromkeys(r["impl"] for r in rows):
+    cells = {r["context"]: (f"{r['us']:.1f}" if "us" in r else "fail") for r in rows if r["impl"] == name}
+    f = fits.get(name, {})
+    print(f"| {name} | " + " | ".join(cells.get(n, "–") for n in ctx)
+          + f" | {f.get('fixed_us', float('nan')):.1f} | {f.get('rate_tb_s', float('nan')):.2f} |")
