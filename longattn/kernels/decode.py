@@ -94,8 +94,10 @@ if HAS_TRITON:
         seen = l_i > 0.0
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         part = (bh * NSPLIT + s).to(tl.int64) * BLOCK_M + rows
-        tl.store(OP + part[:, None] * D_PAD + offs_d[None, :], acc / tl.where(seen, l_i, 1.0)[:, None])
-        tl.store(LP + part, lse2)
+        # the query rows only (a dot pads them to 16; the merge never reads the padding)
+        tl.store(OP + part[:, None] * D_PAD + offs_d[None, :], acc / tl.where(seen, l_i, 1.0)[:, None],
+                 mask=row_ok[:, None])
+        tl.store(LP + part, lse2, mask=row_ok)
         # Last block reduces: every thread's stores above come before the
         # counter's release (the barrier, then one thread's acq_rel atomic at
         # gpu scope: CUTLASS's split-K semaphore pattern); the program that
