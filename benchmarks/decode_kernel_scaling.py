@@ -5,7 +5,8 @@ For each context (one query, batch 1, 32 query / 8 kv heads, D=128, bf16):
 the split-KV kernel at the default tuning (``DecodeTuning``: pointer and
 descriptor loads, each at ``--programs-per-sm`` fills), SDPA's cuDNN and
 flash kernels over a head-major ``(1, 8, n, 128)`` cache (``enable_gqa``),
-each as ten calls replayed from one CUDA graph (kernel time, no host). Then,
+each as ten calls replayed from one CUDA graph (kernel time, no host but the
+replay's own launch, about a microsecond per call in ``fixed_us``). Then,
 per implementation, a least-squares line over the contexts from
 ``--fit-from`` on: time = fixed + bytes / rate (``fixed_us``: what a call
 costs beyond streaming the cache, ``rate_tb_s``: the streaming rate).
@@ -26,7 +27,7 @@ from longattn import tuning as tn
 from longattn.bench.decode import _captured
 from longattn.bench.measure import environment, result_path, time_ms
 from longattn.bench.single import _failure
-from longattn.decode.engine import dense_part
+from longattn.decode.engine import dense_part, split_kv_args
 from longattn.kernels import decode as kd
 
 p = argparse.ArgumentParser()
@@ -54,7 +55,10 @@ def kernel_us(fn) -> float:
 
 
 impls = {f"ours_{'descriptors' if desc else 'pointers'}_pps{pps}": dataclasses.replace(
-    tn.DECODE, descriptor_loads=bool(desc), programs_per_sm=pps) for desc in (0, 1) for pps in a.programs_per_sm}
+    tn.DECODE, descriptor_loads="always" if desc else "never", programs_per_sm=pps)
+    for desc in (0, 1) for pps in a.programs_per_sm}
+if not torch.cuda.get_device_name(dev).startswith("NVIDIA H200"):  # DecodeTuning takes descriptors there only
+    log(f"{torch.cuda.get_device_name(dev)}: the ours_descriptors rows run pointer loads (see descriptors_used)")
 rows = []
 used = {}
 
@@ -88,7 +92,8 @@ def case(n):
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             rows.append(dict(impl=name, context=n, status=_failure(e)))
         log(f"context {n}: {name} {rows[-1].get('us', rows[-1].get('status'))}")
-    used.update({name: int(not kd.descriptor_refusals(kc, vc)) if "descriptors" in name else 0 for name in impls})
+    used.update({name: int(split_kv_args(q, t)["descriptors"] and not kd.descriptor_refusals(kc, vc))
+                 for name, t in impls.items()})
 
 
 for n in a.context:

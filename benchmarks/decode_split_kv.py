@@ -34,7 +34,7 @@ from longattn import tuning as tn
 from longattn.bench.decode import _captured
 from longattn.bench.measure import environment, result_path, time_ms
 from longattn.bench.single import _failure
-from longattn.decode.engine import dense_part
+from longattn.decode.engine import dense_part, split_kv_args
 from longattn.kernels import decode as kd
 
 p = argparse.ArgumentParser()
@@ -63,7 +63,7 @@ log = lambda m: print(m, file=sys.stderr, flush=True)
 def tuning(bn, w, s, pps, hf=0, desc=0):
     return dataclasses.replace(tn.DECODE, block_n=bn, num_warps=w, num_stages=s, h200_num_stages=s, programs_per_sm=pps,
                                programs_per_sm_d64=pps, min_split=a.min_split, heads_fastest=bool(hf),
-                               descriptor_loads=bool(desc))
+                               descriptor_loads="always" if desc else "never")
 
 
 REPS = 10
@@ -100,7 +100,7 @@ def case(n, b, layout):
             ms = time_ms(graphed(lambda: dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)), dev,
                          warmup=2, iters=a.iters)["median_ms"] / REPS
             rows.append(dict(kind="tile", layout=layout, context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
-                             heads_fastest=hf, descriptors=int(bool(desc) and not kd.descriptor_refusals(kc, vc)), ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
+                             heads_fastest=hf, descriptors=int(split_kv_args(q, t)["descriptors"] and not kd.descriptor_refusals(kc, vc)), ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
         except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is recorded
             rows.append(dict(kind="tile", layout=layout, context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
                              heads_fastest=hf, descriptors=desc, status=_failure(e)))

@@ -286,15 +286,19 @@ class DecodeTuning:
                "(adjacent bytes of the cache's rows), False one head's splits. A tie (one H100, kernel time from "
                "graph replays, 2 per SM): 128K 0.1904 / 0.1910 ms, 1M 1.3907 / 1.3894; the cache is read at "
                "2.8-3.1 TB/s either way", "decode_order_h100_55957b6.json")
-    descriptor_loads: bool = measured(
-        True, "the split kernel reads K and V through tensor descriptors (TMA) instead of pointers, on an H200 at "
-              "the shapes the tiles were swept for (as h200_num_stages; elsewhere pointers, not measured). One "
-              "H200, kernel time from graph replays at the default tile 64/4/3/2 (python "
-              "benchmarks/decode_split_kv.py --block-n 64 128 --warps 4 8 --stages 3 4 --programs-per-sm 2 4 "
-              "--heads-fastest 0 --descriptors 0 1): 128K 134.0 against 138.0 us (-2.9%), 1M 957.9 against "
-              "959.9 (a tie); the best tile of each kind at 128K 132.9 (128/4/3/2) against 137.2. cuDNN's "
-              "decode kernel in the same session: 122.7 us + 2.9 for its reduction at 128K, 946.2 + 3.0 at 1M "
-              "(decode_step_profile_h200_4014518.json)",
+    descriptor_loads: str = measured(
+        "replayed", "where the split kernel reads K and V through tensor descriptors (TMA) instead of pointers, "
+                    "on an H200 at the shapes the tiles were swept for (as h200_num_stages; elsewhere pointers, "
+                    "not measured): \"replayed\" in KVCache's steps replayed from CUDA graphs (their first, eager "
+                    "call compiles the same kernel), \"always\", or \"never\". One H200, the default tile "
+                    "64/4/3/2 (python benchmarks/decode_split_kv.py --block-n 64 128 --warps 4 8 --stages 3 4 "
+                    "--programs-per-sm 2 4 --heads-fastest 0 --descriptors 0 1): kernel time from graph replays "
+                    "128K 134.0 against 138.0 us (-2.9%), 1M 957.9 against 959.9 (a tie); the best tile of each "
+                    "kind at 128K 132.9 (128/4/3/2) against 137.2. An eager launch pays the descriptors' encoding "
+                    "on the host: one eager step at 1M, cold, 1.127 ms against 1.072 (host 0.150 against 0.113), "
+                    "back to back 0.987 against 0.986; hence replayed steps only, where the host work is done at "
+                    "capture. cuDNN's decode kernel on the same machine: 122.7 us + 2.9 for its reduction at 128K, "
+                    "946.2 + 3.0 at 1M (decode_step_profile_h200_4014518.json)",
         "decode_split_kv_tma_h200_4014518.json, decode_step_profile_h200_4014518.json")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
@@ -314,14 +318,19 @@ class DecodeTuning:
 
     def __post_init__(self):
         # made alike on every rank; checked here, where it is made, not inside a sharded step's collectives
+        if self.descriptor_loads not in ("replayed", "always", "never"):
+            raise ValueError(f"DecodeTuning.descriptor_loads must be 'replayed', 'always' or 'never', got "
+                             f"{self.descriptor_loads!r}")
         if self.sharded_checks not in ("auto", "apart", "with_partials"):
             raise ValueError(f"DecodeTuning.sharded_checks must be 'auto', 'apart' or 'with_partials', got "
                              f"{self.sharded_checks!r}")
 
-    def kernel_args(self, interpreted: bool, head_dim: int = 128, device_name: str = "", itemsize: int = 2) -> dict:
+    def kernel_args(self, interpreted: bool, head_dim: int = 128, device_name: str = "", itemsize: int = 2,
+                    replayed: bool = False) -> dict:
         """The split kernel's tiles for ``head_dim`` and the cache's element size
         on the GPU named ``device_name`` (``torch.cuda.get_device_name``); the CPU
-        interpreter takes small ones (tests)."""
+        interpreter takes small ones (tests). ``replayed``: the launch is a
+        step replayed from a CUDA graph (``descriptor_loads``)."""
         pps = self.programs_per_sm_d64 if head_dim <= 64 else self.programs_per_sm
         if interpreted:
             # pointer loads, as off the H200; the descriptor loads have their own CPU test
@@ -332,7 +341,8 @@ class DecodeTuning:
         stages = self.h200_num_stages if h200 else self.num_stages
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
                     programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest,
-                    descriptors=self.descriptor_loads and h200)
+                    descriptors=h200 and (self.descriptor_loads == "always"
+                                          or (self.descriptor_loads == "replayed" and replayed)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,11 +24,11 @@ def _name(kind: str, index: Optional[int]) -> str:
     return torch.cuda.get_device_name(index) if kind == "cuda" else kind
 
 
-def split_kv_args(q: torch.Tensor, tuning: _tuning.DecodeTuning) -> dict:
+def split_kv_args(q: torch.Tensor, tuning: _tuning.DecodeTuning, replayed: bool = False) -> dict:
     """The split kernel's tiles for ``q``'s head dim and dtype on ``q``'s device (the tuning keys some on the
-    GPU's name)."""
+    GPU's name); ``replayed``: a step replayed from a CUDA graph (``DecodeTuning.descriptor_loads``)."""
     return tuning.kernel_args(q.device.type == "cpu", q.shape[-1], _name(q.device.type, q.device.index),
-                              q.element_size())
+                              q.element_size(), replayed)
 
 
 def split_kv_refusals(q, k_cache, v_cache, backend: str, tuning: _tuning.DecodeTuning, softcap: float = 0.0

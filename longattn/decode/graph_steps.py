@@ -53,7 +53,7 @@ class StepGraphs:
 
         def run(x):
             out, lse = _kdec.decode(x, k_cache, v_cache, None, x.shape[1] > 1, scale, lens_tensor=self.lens,
-                                    **split_kv_args(x, tuning))
+                                    **split_kv_args(x, tuning, replayed=True))
             return (out, lse) if need_lse else (out,)
         # q's shape, dtype and device (and the inference mode) are added by the GraphCache
         key = (q.stride(), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, tuning, need_lse)
