@@ -41,7 +41,7 @@ split, nsplit = kd.splits(n, 8, dev, args["programs_per_sm"], args["block_n"], a
 op = torch.empty(8 * nsplit * 16, 128, device=dev); lp = torch.empty(8 * nsplit * 16, device=dev)
 out = torch.empty_like(q); l2 = torch.empty(1, 32, 1, device=dev)
 cnt = kd.counters(8, q)
-T("split kernel launch only (merges in the launch)", lambda: kd._split_kernel[(nsplit, 8)](q, kc, vc, op, lp, out, l2, cnt, q, 0, n, kc.shape[1], *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3], l2.stride(0), l2.stride(1), 8, 1, split, nsplit, 0.1, G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=kd.merge_chunk(4, 128, args["num_warps"], dev), BLOCK_N=args["block_n"], CAUSAL=False, PER_ROW=False, IEEE=False, HEADS_FAST=args["heads_fastest"], num_warps=args["num_warps"], num_stages=args["num_stages"]))
+T("split kernel launch only (merges in the launch)", lambda: kd._split_kernel[(nsplit, 8)](q, kc, vc, kc, vc, op, lp, out, l2, cnt, q, q, 0, n, kc.shape[1], *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3], l2.stride(0), l2.stride(1), 8, 1, split, nsplit, 0.1, G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=kd.merge_chunk(4, 128, args["num_warps"], dev), BLOCK_N=args["block_n"], CAUSAL=False, PER_ROW=False, IEEE=False, HEADS_FAST=args["heads_fastest"], DESC=False, TRACE=False, num_warps=args["num_warps"], num_stages=args["num_stages"]))
 c = longattn.KVCache.from_prefill(kc[:, :n], vc[:, :n], reserve=2000)
 T("KVCache.append", lambda: c.append(kn, kn), reps=500)
 T("KVCache.attend (auto)", lambda: c.attend(q), reps=300)

@@ -72,15 +72,17 @@ def main():
     from longattn.kernels import decode as kd
 
     dec = dict(G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=16, BLOCK_N=64, CAUSAL=False, PER_ROW=True,
-               IEEE=False, HEADS_FAST=False)
+               IEEE=False, HEADS_FAST=False, TRACE=False)
     dec_ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "L": "*fp32",
-               "CNT": "*i32", "LENS": "*i32", "KD": "*bf16", "VD": "*bf16", "qk_scale": "fp32"}
+               "CNT": "*i32", "LENS": "*i32", "TR": "*bf16", "KD": "*bf16", "VD": "*bf16", "qk_scale": "fp32"}
     desc = dict(dec_ptr, KD="tensordesc<bf16[1,64,1,128]>", VD="tensordesc<bf16[1,64,1,128]>")
     variants += [  # a KVCache step's launch (lengths on the device), pointer loads, and descriptor loads with int32
         # and int64 lengths (the loop's key index then int64: the descriptors take 32-bit coordinates)
         (kd._split_kernel, dict(dec, DESC=False, _ptr=dec_ptr, _bulk=False)),
         (kd._split_kernel, dict(dec, DESC=True, _ptr=desc, _bulk=True)),
         (kd._split_kernel, dict(dec, DESC=True, CAUSAL=True, _ptr=dict(desc, LENS="*i64"), _bulk=True)),
+        # a traced launch (benchmarks/decode_kernel_timeline.py): the timers' inline PTX assembles
+        (kd._split_kernel, dict(dec, DESC=False, TRACE=True, _ptr=dict(dec_ptr, TR="*i64"), _bulk=False)),
     ]
     for fn, consts in variants:
         bulk = consts.pop("_bulk", None)

@@ -567,6 +567,34 @@ def test_split_kv_descriptor_loads_bf16_on_cuda():
 
 
 @pytest.mark.gpu
+def test_split_kernel_trace_on_cuda():
+    """A traced launch (``trace=``, the timeline diagnostic) gives the same
+    output and lse as an untraced one and a record for every program: its
+    timers in order, one merging program per (batch row, kv head)."""
+    from longattn.kernels import decode as kdec
+    from longattn.tuning import DECODE
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
+    b, n, h, hkv, d = 2, 20000, 16, 4, 128
+    q, k, v = mk(b, 1, h, d), mk(b, n, hkv, d), mk(b, n, hkv, d)
+    kw = DECODE.kernel_args(False, d, torch.cuda.get_device_name())
+    want, want_lse = kdec.decode(q, k, v, [n, n], True, d ** -0.5, **kw)
+    size = kdec.trace_size(n, b, hkv, q.device, kw["programs_per_sm"], kw["block_n"], kw["min_split"])
+    tr = torch.zeros(size, dtype=torch.int64, device="cuda")
+    out, lse = kdec.decode(q, k, v, [n, n], True, d ** -0.5, **kw, trace=tr)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    t = tr.view(-1, kdec.TRACE_FIELDS).cpu()
+    assert len(t) > b * hkv and (t[:, :4] > 0).all()
+    assert (t[:, 1] >= t[:, 0]).all() and (t[:, 2] >= t[:, 1]).all() and (t[:, 3] >= t[:, 2]).all()
+    assert (t[:, 5] > t[:, 4]).all()  # the SM's cycle counter across the key loop
+    nsplit = len(t) // (b * hkv)
+    assert t[:, 9].view(b * hkv, nsplit).sum(1).tolist() == [1] * (b * hkv)
+    with pytest.raises(ValueError, match="trace must be"):
+        kdec.decode(q, k, v, [n, n], True, d ** -0.5, **kw, trace=tr[:-1])
+
+
+@pytest.mark.gpu
 def test_decode_step_captured_in_a_cuda_graph():
     """decode_attention captured in a CUDA graph (lengths on the device, the
     split-KV kernel) replays with new lengths and queries: each replay equals
@@ -927,3 +955,17 @@ def test_unmasked_decode_picks_its_backend_on_two_key_rows(monkeypatch):
     cudnn = bk.BACKENDS["cudnn"]
     assert any("seqlen_q = seqlen_k = 1" in r for r in cudnn._extra_refusals(bk.BlockSpec(0.25), q, q[:, :1]))
     assert not any("seqlen_q = seqlen_k = 1" in r for r in cudnn._extra_refusals(bk.BlockSpec(0.25), q, torch.randn(1, 2, 2, 16)))
+
+
+def test_split_kernel_trace_needs_a_gpu_buffer():
+    """The timeline diagnostic reads the GPU's timers: a trace buffer off the
+    GPU (or too small) is refused before any launch, naming the size."""
+    from longattn.kernels import decode as kdec
+    from longattn.tuning import DECODE
+
+    q, k, v = torch.randn(1, 1, 4, 16), torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16)
+    kw = DECODE.kernel_args(True, 16)
+    size = kdec.trace_size(64, 1, 2, q.device, kw["programs_per_sm"], kw["block_n"], kw["min_split"])
+    assert size % kdec.TRACE_FIELDS == 0 and size >= 2 * kdec.TRACE_FIELDS
+    with pytest.raises(ValueError, match=f"trace must be an int64 CUDA tensor of at least trace_size.*{size}"):
+        kdec.decode(q, k, v, [64], True, 0.25, **kw, trace=torch.zeros(size, dtype=torch.int64))

@@ -24,6 +24,12 @@ import torch
 from ._common import HAS_TRITON, LOG2E, d_pad, ieee, launchable
 from .launch import _strides
 
+# A traced launch's record per program: the global timer (ns) and the SM's
+# cycle counter at the program's start, after its key loop, after its
+# arrival, at its end (after the merge, for the program that merges), its SM,
+# whether it merged
+TRACE_FIELDS = 10
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -38,11 +44,13 @@ if HAS_TRITON:
     # Lengths, split sizes and counts change every step: not specialised, so a
     # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
     @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT", "CAP"])
-    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh, svb,
-                      svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr,
+    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, TR, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh,
+                      svb, svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr,
                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
                       S_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr,
-                      IEEE: tl.constexpr, HEADS_FAST: tl.constexpr, DESC: tl.constexpr):
+                      IEEE: tl.constexpr, HEADS_FAST: tl.constexpr, DESC: tl.constexpr, TRACE: tl.constexpr):
+        if TRACE:
+            g0, c0 = _clocks()
         qk_scale = tl.full([], qk_scale, tl.float32)
         # HEADS_FAST: programs launched next to each other read the kv heads of one
         # token range (adjacent bytes of the (B, S, Hkv, D) cache's rows) rather than
@@ -91,6 +99,8 @@ if HAS_TRITON:
             for j in range(lo, hi, BLOCK_N):
                 acc, l_i, m_i = _kv_tile(q, acc, l_i, m_i, k_ptr, v_ptr, KD, VD, b32, kh32, sks, svs, offs_d, dmask, j,
                                          hi, last, offs_n, qk_scale, BLOCK_N, D_PAD, CAUSAL, IEEE, False, True)
+        if TRACE:
+            g1, c1 = _clocks()
         seen = l_i > 0.0
         lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         part = (bh * NSPLIT + s).to(tl.int64) * BLOCK_M + rows
@@ -106,10 +116,43 @@ if HAS_TRITON:
         # launch (or graph replay): no zero-fill between calls.
         tl.debug_barrier()
         arrived = tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu")
+        if TRACE:
+            g2, c2 = _clocks()
         if arrived == NSPLIT - 1:
             tl.store(CNT + bh, 0)
             _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, (bh * NSPLIT).to(tl.int64), LQ, NSPLIT, G, D, D_PAD,
                    BLOCK_M, ROWS, S_CHUNK)
+        if TRACE:
+            g3, c3 = _clocks()
+            _trace(TR + (bh * NSPLIT + s).to(tl.int64) * _TRACE_FIELDS, g0, g1, g2, g3, c0, c1, c2, c3,
+                   (arrived == NSPLIT - 1).to(tl.int64))
+
+    _TRACE_FIELDS = tl.constexpr(TRACE_FIELDS)
+
+    @triton.jit
+    def _clocks():
+        """(%globaltimer ns, comparable across SMs; %clock64 cycles, this SM's)."""
+        zero = tl.full([], 0, tl.int32)  # inline asm takes at least one operand
+        g = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [zero], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+        c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [zero], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+        return g, c
+
+    @triton.jit
+    def _trace(T, g0, g1, g2, g3, c0, c1, c2, c3, merged):
+        zero = tl.full([], 0, tl.int32)
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32, is_pure=True, pack=1)
+        tl.store(T + 0, g0)
+        tl.store(T + 1, g1)
+        tl.store(T + 2, g2)
+        tl.store(T + 3, g3)
+        tl.store(T + 4, c0)
+        tl.store(T + 5, c1)
+        tl.store(T + 6, c2)
+        tl.store(T + 7, c3)
+        tl.store(T + 8, sm.to(tl.int64))
+        tl.store(T + 9, merged)
 
     @triton.jit
     def _kv_tile(q, acc, l_i, m_i, k_ptr, v_ptr, KD, VD, b32, kh32, sks, svs, offs_d, dmask, j, hi, last, offs_n,
@@ -251,7 +294,7 @@ def counters(n: int, like: torch.Tensor) -> torch.Tensor:
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Optional[Sequence[int]],
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
            min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None,
-           heads_fastest: bool = False, descriptors: bool = False
+           heads_fastest: bool = False, descriptors: bool = False, trace: Optional[torch.Tensor] = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
@@ -286,14 +329,28 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     desc = descriptors and not descriptor_refusals(k_cache, v_cache)
     kd, vd = (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_n, 1, dp]) if desc else x
               for x in (k_cache, v_cache))
+    if trace is not None and (not trace.is_cuda or trace.dtype != torch.int64
+                              or trace.numel() < b * hkv * nsplit * TRACE_FIELDS):
+        raise ValueError(f"trace must be an int64 CUDA tensor of at least trace_size(...) = "
+                         f"{b * hkv * nsplit * TRACE_FIELDS} elements (the timers are read by PTX), got "
+                         f"{trace.dtype} on {trace.device} with {trace.numel()}")
     launchable(_split_kernel, q)[(b * hkv, nsplit) if heads_fastest else (nsplit, b * hkv)](
         q, k_cache, v_cache, kd, vd, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
-        lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0], k_cache.shape[1],
+        q if trace is None else trace, lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0], k_cache.shape[1],
         *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows, S_CHUNK=merge_chunk(rows, dp, num_warps, q.device),
         BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), HEADS_FAST=heads_fastest,
-        DESC=desc, num_warps=num_warps, num_stages=num_stages)
+        DESC=desc, TRACE=trace is not None, num_warps=num_warps, num_stages=num_stages)
     return out, lse
+
+
+def trace_size(lens_max: int, batch: int, nheads_kv: int, device: torch.device, programs_per_sm: int,
+               block_n: int, min_split: int) -> int:
+    """Elements of the ``trace`` tensor a launch with these sizes fills (per
+    program, ``TRACE_FIELDS``, in launch-grid order ``(batch * nheads_kv) x
+    splits``)."""
+    return batch * nheads_kv * splits(lens_max, batch * nheads_kv, device, programs_per_sm, block_n, min_split)[1] \
+        * TRACE_FIELDS
 
 
 def descriptor_refusals(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[str]:
