@@ -2,8 +2,8 @@
 program's timeline from the GPU's own timers (``decode(..., trace=...)``).
 
 For each context (one query, batch 1, 32 query / 8 kv heads, D=128, bf16, the
-default ``DecodeTuning`` unless ``--programs-per-sm`` / ``--descriptors``
-say otherwise), ten traced launches are replayed from one CUDA graph, as a
+default ``DecodeTuning`` unless ``--programs-per-sm``, ``--descriptors``,
+``--min-split``, ``--merge-floats`` or ``--warps`` say otherwise), ten traced launches are replayed from one CUDA graph, as a
 generation loop's steps run back to back, and the last launch's records are
 read: per program its start, the end of its key loop, its arrival at the
 splits' counter and its end (after the merge for the program that merges
@@ -26,6 +26,7 @@ them:
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -45,6 +46,9 @@ p.add_argument("--context", type=int, nargs="+", default=[1 << 14, 1 << 17, 1 <<
 p.add_argument("--programs-per-sm", type=int, nargs="+", default=[tn.DECODE.programs_per_sm])
 p.add_argument("--descriptors", type=int, nargs="+", default=[0], choices=[0, 1])
 p.add_argument("--min-split", type=int, nargs="+", default=[tn.DECODE.min_split])
+p.add_argument("--merge-floats", type=int, nargs="+", default=[tn.DECODE.merge_floats_per_thread],
+               help="DecodeTuning.merge_floats_per_thread: partial floats per thread per merge step")
+p.add_argument("--warps", type=int, nargs="+", default=[tn.DECODE.num_warps])
 p.add_argument("--iters", type=int, default=30)
 p.add_argument("--json")
 a = p.parse_args()
@@ -99,25 +103,27 @@ def case(n):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return sdpa(qt, kt, vt, enable_gqa=True)
     cudnn_us = kernel_us(cudnn)
-    for pps in a.programs_per_sm:
-        for desc in a.descriptors:
-            for ms in a.min_split:
-                t = dataclasses.replace(tn.DECODE, programs_per_sm=pps, min_split=ms,
-                                        descriptor_loads="always" if desc else "never")
-                args = split_kv_args(q, t)
-                used = int(args["descriptors"] and not kd.descriptor_refusals(kc, vc))
-                tr = torch.zeros(kd.trace_size(n, 1, hkv, dev, args["programs_per_sm"], args["block_n"],
-                                               args["min_split"]), dtype=torch.int64, device=dev)
-                plain = lambda: kd.decode(q, kc, vc, [n], True, scale, **args)
-                traced = lambda: kd.decode(q, kc, vc, [n], True, scale, **args, trace=tr)
-                us = kernel_us(plain)
-                traced_us = kernel_us(traced)  # its graph's last launch leaves its records in tr
-                row = dict(context=n, programs_per_sm=pps, min_split=ms, descriptors_used=used, kernel_us=us,
-                           traced_us=traced_us, cudnn_us=cudnn_us, **timeline(tr))
-                rows.append(row)
-                log(f"{n}: pps {pps} desc {used} min_split {ms}: {us:.1f} us (traced {traced_us:.1f}, span "
-                    f"{row['span_us']:.1f}), cuDNN {cudnn_us:.1f}")
-
+    want = cudnn().transpose(1, 2)
+    for pps, desc, ms, mf, w in itertools.product(a.programs_per_sm, a.descriptors, a.min_split, a.merge_floats,
+                                                  a.warps):
+        t = dataclasses.replace(tn.DECODE, programs_per_sm=pps, min_split=ms, merge_floats_per_thread=mf,
+                                num_warps=w, descriptor_loads="always" if desc else "never")
+        args = split_kv_args(q, t)
+        used = int(args["descriptors"] and not kd.descriptor_refusals(kc, vc))
+        tr = torch.zeros(kd.trace_size(n, 1, hkv, dev, args["programs_per_sm"], args["block_n"], args["min_split"]),
+                         dtype=torch.int64, device=dev)
+        plain = lambda: kd.decode(q, kc, vc, [n], True, scale, **args)
+        traced = lambda: kd.decode(q, kc, vc, [n], True, scale, **args, trace=tr)
+        err = (plain().float() - want.float()).abs().max().item()
+        us = kernel_us(plain)
+        traced_us = kernel_us(traced)  # its graph's last launch leaves its records in tr
+        chunk = kd.merge_chunk(1 << (h // hkv - 1).bit_length(), d, w, dev, mf)  # the query rows a kv head reads
+        row = dict(context=n, programs_per_sm=pps, min_split=ms, merge_floats=mf, merge_chunk=chunk, num_warps=w,
+                   descriptors_used=used, kernel_us=us, traced_us=traced_us, cudnn_us=cudnn_us,
+                   max_abs_diff_out=err, **timeline(tr))
+        rows.append(row)
+        log(f"{n}: pps {pps} desc {used} min_split {ms} merge {mf} warps {w}: {us:.1f} us (traced "
+            f"{traced_us:.1f}, span {row['span_us']:.1f}), cuDNN {cudnn_us:.1f}")
 
 for n in a.context:
     case(n)
@@ -129,8 +135,9 @@ if a.json:
         json.dump(dict(kind="decode_kernel_timeline", env=env, results=rows), f, indent=1)
 cols = ["kernel_us", "cudnn_us", "traced_us", "span_us", "start_spread_us", "loop_us_median", "loop_us_max",
         "loop_tail_us", "arrive_us", "merge_us_median", "merge_us_max", "after_loops_us"]
-print("| context | pps | desc | min_split | programs | " + " | ".join(cols) + " |")
-print("|---|---|---|---|---|" + "---|" * len(cols))
+print("| context | pps | desc | min_split | merge chunk | warps | programs | " + " | ".join(cols) + " |")
+print("|---|---|---|---|---|---|---|" + "---|" * len(cols))
 for r in rows:
     print(f"| {r['context'] // 1024}K | {r['programs_per_sm']} | {r['descriptors_used']} | {r['min_split']} | "
-          f"{r['programs']} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")
+          f"{r['merge_chunk']} | {r['num_warps']} | {r['programs']} | " + " | ".join(f"{r[c]:.1f}" for c in cols)
+          + " |")

@@ -300,6 +300,11 @@ class DecodeTuning:
                     "capture. cuDNN's decode kernel on the same machine: 122.7 us + 2.9 for its reduction at 128K, "
                     "946.2 + 3.0 at 1M (decode_step_profile_h200_4014518.json)",
         "decode_split_kv_tma_h200_4014518.json, decode_step_profile_h200_4014518.json")
+    merge_floats_per_thread: int = measured(
+        64, "float32 of the splits' partial outputs each thread of the merging program reads per step (the "
+            "splits per step, a power of two); ptxas, sm_90, D 64 and 128, G 4 and 8, 4 and 8 warps: no register "
+            "beyond the split loop's at 64. Pending: the merge's time against it "
+            "(benchmarks/decode_kernel_timeline.py --merge-floats)", "")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
@@ -335,12 +340,14 @@ class DecodeTuning:
         if interpreted:
             # pointer loads, as off the H200; the descriptor loads have their own CPU test
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
-                        heads_fastest=self.heads_fastest, descriptors=False)
+                        heads_fastest=self.heads_fastest, descriptors=False,
+                        merge_floats=self.merge_floats_per_thread)
         # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
         h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
         stages = self.h200_num_stages if h200 else self.num_stages
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
                     programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest,
+                    merge_floats=self.merge_floats_per_thread,
                     descriptors=h200 and (self.descriptor_loads == "always"
                                           or (self.descriptor_loads == "replayed" and replayed)))
 

@@ -201,13 +201,15 @@ if HAS_TRITON:
             ss = s0 + sc
             ok = (ss < NSPLIT)[:, None] & row_ok[None, :]
             idx = (base + ss[:, None]) * BLOCK_M + rows[None, :]  # [S_CHUNK, ROWS]
+            # the partials' loads issued together, before the lse's reductions (their barriers would
+            # otherwise hold the outputs' loads back a second trip to L2)
             l2 = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(OP + idx[:, :, None] * D_PAD + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+                        cache_modifier=".cg")
             new = tl.maximum(top, tl.max(l2, 0))
             new_safe = tl.where(new == float("-inf"), 0.0, new)
             w = tl.math.exp2(l2 - new_safe[None, :])
             keep = tl.math.exp2(top - new_safe)
-            o = tl.load(OP + idx[:, :, None] * D_PAD + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
-                        cache_modifier=".cg")
             tot = tot * keep + tl.sum(w, 0)
             acc = acc * keep[:, None] + tl.sum(o * w[:, :, None], 0)
             top = new
@@ -245,18 +247,13 @@ def splits(lens_max: int, programs: int, device: torch.device, programs_per_sm: 
     return split, max(1, -(-max(lens_max, 1) // split))
 
 
-# The merging program reads S_CHUNK splits of every query row per step, about
-# this many float32 per thread: few steps (each waits on L2), and no register
-# beyond the split loop's (ptxas, sm_90, D 64 and 128, G 4 and 8, 4 and 8
-# warps: as many registers as the two-launch kernel or fewer).
-_MERGE_FLOATS_PER_THREAD = 64
-
-
-def merge_chunk(rows: int, dp: int, num_warps: int, device: torch.device) -> int:
-    """Splits the merging program reads per step (a power of two)."""
+def merge_chunk(rows: int, dp: int, num_warps: int, device: torch.device, floats_per_thread: int = 64) -> int:
+    """Splits the merging program reads per step (a power of two): about
+    ``floats_per_thread`` float32 of partial outputs per thread
+    (``DecodeTuning.merge_floats_per_thread``)."""
     if device.type != "cuda":
         return 2  # the interpreter: chunks of two, so tiny calls merge across chunks too
-    return max(1, _MERGE_FLOATS_PER_THREAD * 32 * num_warps // (rows * dp))
+    return 1 << max(1, floats_per_thread * 32 * num_warps // (rows * dp)).bit_length() - 1
 
 
 # One arrival-counter workspace per device, grown (never shrunk, never freed)
@@ -294,8 +291,8 @@ def counters(n: int, like: torch.Tensor) -> torch.Tensor:
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: Optional[Sequence[int]],
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
            min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None,
-           heads_fastest: bool = False, descriptors: bool = False, trace: Optional[torch.Tensor] = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           heads_fastest: bool = False, descriptors: bool = False, merge_floats: int = 64,
+           trace: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
     out like q and lse ``(B, H, Lq)`` float32; a row with no key gives 0 and
@@ -338,7 +335,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
         q, k_cache, v_cache, kd, vd, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
         q if trace is None else trace, lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0], k_cache.shape[1],
         *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
-        G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows, S_CHUNK=merge_chunk(rows, dp, num_warps, q.device),
+        G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows, S_CHUNK=merge_chunk(rows, dp, num_warps, q.device, merge_floats),
         BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), HEADS_FAST=heads_fastest,
         DESC=desc, TRACE=trace is not None, num_warps=num_warps, num_stages=num_stages)
     return out, lse
