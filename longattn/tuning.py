@@ -301,10 +301,18 @@ class DecodeTuning:
                     "946.2 + 3.0 at 1M (decode_step_profile_h200_4014518.json)",
         "decode_split_kv_tma_h200_4014518.json, decode_step_profile_h200_4014518.json")
     merge_floats_per_thread: int = measured(
-        64, "float32 of the splits' partial outputs each thread of the merging program reads per step (the "
-            "splits per step, a power of two); ptxas, sm_90, D 64 and 128, G 4 and 8, 4 and 8 warps: no register "
-            "beyond the split loop's at 64. Pending: the merge's time against it "
-            "(benchmarks/decode_kernel_timeline.py --merge-floats)", "")
+        128, "float32 of the splits' partial outputs each thread of the merging program reads per step (the "
+             "splits per step: a power of two), head dim > 64 (2 programs per SM). One H100, kernel time from "
+             "graph replays, 32 query / 8 kv heads, B=1 (33 splits per kv head), 64 / 128 / 256: 128K 186.5 / "
+             "183.8 / 183.4 us, 1M 1387.8 / 1386.1 / 1384.8, 16K 34.4 / 31.1 / 33.4 (cuDNN 181.6 / 1380.9 / "
+             "30.1); the merge itself 7.5 / 4.9 / 5.0 us at 128K (the kernel's timeline). 128 takes 166 "
+             "registers (ptxas, sm_90, G 4 and 8), 256 spills; the same split kernel before its merge issued "
+             "the outputs' loads with the lse's, 190.0 / 1392.3 us (its merge 9.4 us)",
+        "decode_kernel_timeline_merge_h100_6d05e9c.json, decode_kernel_timeline_h100_195480c.json")
+    merge_floats_per_thread_d64: int = measured(
+        64, "the same at head dim <= 64, where 4 programs share an SM (programs_per_sm_d64): 128 floats take 184 "
+            "registers there (ptxas), more than 4 programs of 128 threads hold at once; 64 take 110. Not timed "
+            "at 128", "")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
@@ -337,17 +345,18 @@ class DecodeTuning:
         interpreter takes small ones (tests). ``replayed``: the launch is a
         step replayed from a CUDA graph (``descriptor_loads``)."""
         pps = self.programs_per_sm_d64 if head_dim <= 64 else self.programs_per_sm
+        mf = self.merge_floats_per_thread_d64 if head_dim <= 64 else self.merge_floats_per_thread
         if interpreted:
             # pointer loads, as off the H200; the descriptor loads have their own CPU test
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
                         heads_fastest=self.heads_fastest, descriptors=False,
-                        merge_floats=self.merge_floats_per_thread)
+                        merge_floats=mf)
         # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
         h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
         stages = self.h200_num_stages if h200 else self.num_stages
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
                     programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest,
-                    merge_floats=self.merge_floats_per_thread,
+                    merge_floats=mf,
                     descriptors=h200 and (self.descriptor_loads == "always"
                                           or (self.descriptor_loads == "replayed" and replayed)))
 
