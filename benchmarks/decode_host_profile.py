@@ -1,59 +1,99 @@
 """Host time of each piece of a decode step (one query, 128K cached tokens,
-32q/8kv, D=128, bf16): mean wall time per call over 300 calls issued back to
-back (the GPU runs behind; the host's cost of launching is what is timed).
+32q/8kv, D=128, bf16): mean wall time per call over many calls issued back
+to back (the GPU runs behind; what is timed is the host's cost of issuing).
 
-    python benchmarks/decode_host_profile.py
+The pieces of a ``KVCache`` step (``append`` then ``attend``, replayed from a
+CUDA graph) and what they are made of, beside SDPA's step (the new token's
+K/V written into a head-major cache, then cuDNN).
+
+    python benchmarks/decode_host_profile.py [--json out.json]
 """
+import argparse
+import json
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import longattn
 from longattn import tuning
-from longattn.decode.engine import dense_part, split_kv_args
+from longattn.bench.measure import environment, result_path
+from longattn.decode.engine import dense_engine, split_kv_args, split_kv_refusals
 from longattn.kernels import decode as kd
+
+p = argparse.ArgumentParser()
+p.add_argument("--context", type=int, default=131072)
+p.add_argument("--reps", type=int, default=500)
+p.add_argument("--json")
+a = p.parse_args()
 dev = torch.device("cuda")
-b, n, h, hkv, d = 1, 131072, 32, 8, 128
-kc = torch.randn(b, n + 64, hkv, d, device=dev, dtype=torch.bfloat16); vc = torch.randn_like(kc)
-q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
-kn = torch.randn(b, 1, hkv, d, device=dev, dtype=torch.bfloat16)
+b, n, h, hkv, d = 1, a.context, 32, 8, 128
+g = torch.Generator(device=dev).manual_seed(0)
+kc, vc = (torch.randn(b, n, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16, generator=g)
+kn, vn = (torch.randn(b, 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
 res = {}
-def T(name, f, reps=300):
-    for _ in range(5): f()
+
+
+def T(name, f, reps=a.reps):
+    for _ in range(5):
+        f()
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(reps): f()
+    for _ in range(reps):
+        f()
     res[name] = (time.perf_counter() - t) / reps * 1e6
     torch.cuda.synchronize()
-T("get_device_properties", lambda: torch.cuda.get_device_properties(dev))
-T("torch.empty", lambda: torch.empty(1024, device=dev))
-T("slice copy kc[:, n:n+1] = kn", lambda: kc[:, n:n + 1].copy_(kn))
-T("setitem kc[:, n:n+1] = kn", lambda: kc.__setitem__((slice(None), slice(n, n + 1)), kn))
-args = split_kv_args(q, tuning.DECODE)  # the split kernel's tiles as dense_part launches them
-T("kd.decode (split and merge in one launch, host lens)", lambda: kd.decode(q, kc, vc, [n], False, 0.1, **args))
-T("dense_part triton", lambda: dense_part(q, kc, vc, [n], True, 0.1, "triton"))
-T("dense_part flash", lambda: dense_part(q, kc, vc, [n], True, 0.1, "flash"))
-k, v = kc[:, :n], vc[:, :n]
-T("aten._flash_attention_forward", lambda: torch.ops.aten._flash_attention_forward(q, k, v, None, None, 1, n, 0.0, False, False, scale=0.1))
-lse = torch.zeros(1, 32, 1, device=dev)
-T("nan_to_num", lambda: torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"), neginf=float("-inf")))
-split, nsplit = kd.splits(n, 8, dev, args["programs_per_sm"], args["block_n"], args["min_split"])
-op = torch.empty(8 * nsplit * 16, 128, device=dev); lp = torch.empty(8 * nsplit * 16, device=dev)
-out = torch.empty_like(q); l2 = torch.empty(1, 32, 1, device=dev)
-cnt = kd.counters(8, q)
-T("split kernel launch only (merges in the launch)", lambda: kd._split_kernel[(nsplit, 8)](q, kc, vc, kc, vc, op, lp, out, l2, cnt, q, q, 0, n, kc.shape[1], *q.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3], l2.stride(0), l2.stride(1), 8, 1, split, nsplit, 0.1, G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=kd.merge_chunk(4, 128, args["num_warps"], dev), BLOCK_N=args["block_n"], CAUSAL=False, PER_ROW=False, IEEE=False, HEADS_FAST=args["heads_fastest"], DESC=False, TRACE=False, num_warps=args["num_warps"], num_stages=args["num_stages"]))
-c = longattn.KVCache.from_prefill(kc[:, :n], vc[:, :n], reserve=2000)
-T("KVCache.append", lambda: c.append(kn, kn), reps=500)
-T("KVCache.attend (auto)", lambda: c.attend(q), reps=300)
-g = torch.cuda.CUDAGraph()
-with torch.cuda.graph(g):
-    kd.decode(q, kc, vc, [n], False, 0.1, **args)
-T("graph replay", g.replay)
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-kt = kc.transpose(1, 2); qt = q.transpose(1, 2)
-def s():
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(qt, kt, kt, enable_gqa=True)
-T("sdpa flash (with sdpa_kernel ctx)", s)
-for kk, vv in res.items(): print(f"{kk:45s} {vv:8.1f} us")
+
+
+with torch.no_grad():
+    cache = longattn.KVCache.from_prefill(kc, vc, reserve=8 * a.reps + 64)
+    steps = cache._steps
+    T("KVCache append + attend (a step)", lambda: (cache.append(kn, vn), cache.attend(q)))
+    T("KVCache.append", lambda: cache.append(kn, vn))
+    T("KVCache.attend", lambda: cache.attend(q))
+    scale = d ** -0.5
+    lens = cache.layout.local[0]
+    T("  dense_engine", lambda: dense_engine(q, cache.k, cache.v, "auto", False, cache.tuning, graph_steps=True,
+                                              keys=max(lens)))
+    T("    split_kv_refusals", lambda: split_kv_refusals(q, cache.k, cache.v, "auto", cache.tuning))
+    T("  StepGraphs.attend", lambda: steps.attend(q, cache.k, cache.v, lens, scale, cache.tuning, False))
+    graph = next(iter(steps.replays.graphs.values()))
+    T("    Graph call (inputs in, replay, outputs cloned)", lambda: graph([q]))
+    T("      inputs in (_foreach_copy_)", lambda: graph._load([q]))
+    T("      replay", graph.graph.replay)
+    T("      outputs cloned", lambda: tuple(o.clone() for o in graph.outputs))
+    T("    hash(DecodeTuning)", lambda: hash(cache.tuning))
+    T("  StepGraphs.advance (lens += 1)", lambda: steps.advance(0))
+    pos = n - 1
+    T("  k[:, p:p+1] = k_new; v[...] (setitem x2)", lambda: (cache.k.__setitem__((slice(None), slice(pos, pos + 1)), kn),
+                                                            cache.v.__setitem__((slice(None), slice(pos, pos + 1)), vn)))
+    T("  narrow + copy_ x2", lambda: (cache.k.narrow(1, pos, 1).copy_(kn), cache.v.narrow(1, pos, 1).copy_(vn)))
+    T("  _foreach_copy_ of two narrow views", lambda: torch._foreach_copy_(
+        [cache.k.narrow(1, pos, 1), cache.v.narrow(1, pos, 1)], [kn, vn]))
+    args = split_kv_args(q, tuning.DECODE)
+    T("kd.decode (eager launch, host lens)", lambda: kd.decode(q, kc, vc, [n], True, scale, **args))
+
+    kt, vt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    qt, knt, vnt = q.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2)
+
+    def sdpa_step():
+        kt[:, :, pos:pos + 1] = knt
+        vt[:, :, pos:pos + 1] = vnt
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return sdpa(qt, kt, vt, enable_gqa=True)
+
+    def sdpa_only():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return sdpa(qt, kt, vt, enable_gqa=True)
+    T("SDPA cuDNN step (two setitems + sdpa)", sdpa_step)
+    T("  sdpa cuDNN (with sdpa_kernel)", sdpa_only)
+
+env = environment(dev, command=" ".join(["python", "benchmarks/decode_host_profile.py", *__import__("sys").argv[1:]]))
+if a.json:
+    with open(result_path(a.json), "w") as f:
+        json.dump(dict(kind="decode_host_profile", env=env, context=n,
+                       results=[dict(piece=k, host_us=v) for k, v in res.items()]), f, indent=1)
+for k, v in res.items():
+    print(f"{k:55s} {v:8.1f} us")
