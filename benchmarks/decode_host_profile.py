@@ -61,7 +61,7 @@ with torch.no_grad():
     T("  StepGraphs.attend", lambda: steps.attend(q, cache.k, cache.v, lens, scale, cache.tuning, False))
     graph = next(iter(steps.replays.graphs.values()))
     T("    Graph call (inputs in, replay, outputs cloned)", lambda: graph([q]))
-    T("      inputs in (_foreach_copy_)", lambda: graph._load([q]))
+    T("      inputs in (Graph._load)", lambda: graph._load([q]))
     T("      replay", graph.graph.replay)
     T("      outputs cloned", lambda: tuple(o.clone() for o in graph.outputs))
     T("    hash(DecodeTuning)", lambda: hash(cache.tuning))
