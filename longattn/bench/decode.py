@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 from typing import Optional
 
 import torch
@@ -78,9 +77,6 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--timing", choices=["cold", "batched"], default="cold",
                    help="cold: one step per sample, the GPU idle at its start (host time counts); batched: steps "
                         "back to back, time per step (the host runs ahead, as in a generation loop; CUDA only)")
-    p.add_argument("--settle-s", type=float, default=1.0,
-                   help="seconds the GPU rests after a context's prefill before its decode steps are timed (default "
-                        "1; a prefill of seconds at full power leaves the clocks low for a moment)")
     p.add_argument("--json", help="write the results to this JSON file (rank 0; and a CSV beside it)")
     a = p.parse_args(argv)
     if (a.segment_lengths is None) != (a.dilation_rates is None):
@@ -151,9 +147,6 @@ def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[
     base["cache_bytes_per_rank"] = sum(2 * c.k.numel() * c.k.element_size() for c in caches)
     kn, vn = (torch.randn(b, 1, hkv, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
     qn = torch.randn(b, 1, h, d, device=dev, dtype=dt, generator=gen)
-    if dev.type == "cuda" and a.settle_s > 0:
-        measure.sync(dev)
-        time.sleep(a.settle_s)
     rows = []
     for be in backends:
         def step():
@@ -329,8 +322,7 @@ def run(a) -> dict:
                 rows.append(bench_sdpa(a, n, dev, dt, kernel, growing=True))
             log(f"decode: context {n}, steps captured in CUDA graphs (ours, sdpa-flash, sdpa-cudnn, fa4)")
             rows += bench_graphed(a, n, dev, dt)
-    return dict(kind="decode", env=measure.environment(dev), world=world, timing=a.timing, settle_s=a.settle_s,
-                results=rows)
+    return dict(kind="decode", env=measure.environment(dev), world=world, timing=a.timing, results=rows)
 
 
 def main(argv=None) -> int:
