@@ -1,6 +1,8 @@
-"""Host time of each piece of a decode step (one query, 128K cached tokens,
-32q/8kv, D=128, bf16): mean wall time per call over many calls issued back
-to back (the GPU runs behind; what is timed is the host's cost of issuing).
+"""Host time of each piece of a decode step (one query, ``--context``
+cached tokens, 32q/8kv, D=128, bf16): mean wall time per call over many
+calls issued back to back. Time what the host spends issuing, with a cache
+short enough (``--context 4096``) that the GPU keeps up: at 128K a step's
+kernels outlast its host work, the launch queue fills and the host waits.
 
 The pieces of a ``KVCache`` step (``append`` then ``attend``, replayed from a
 CUDA graph) and what they are made of, beside SDPA's step (the new token's
@@ -59,13 +61,14 @@ with torch.no_grad():
                                               keys=max(lens)))
     T("    split_kv_refusals", lambda: split_kv_refusals(q, cache.k, cache.v, "auto", cache.tuning))
     T("  StepGraphs.attend", lambda: steps.attend(q, cache.k, cache.v, lens, scale, cache.tuning, False))
-    graph = next(iter(steps.replays.graphs.values()))
+    # the graph of a loop's step (one token appended since the last: its key ends with 1)
+    graph = next(gr for key, gr in steps.replays.graphs.items() if key[0][-1] == 1)
     T("    Graph call (inputs in, replay, outputs cloned)", lambda: graph([q]))
     T("      inputs in (Graph._load)", lambda: graph._load([q]))
     T("      replay", graph.graph.replay)
     T("      outputs cloned", lambda: tuple(o.clone() for o in graph.outputs))
     T("    hash(DecodeTuning)", lambda: hash(cache.tuning))
-    T("  StepGraphs.advance (lens += 1)", lambda: steps.advance(0))
+    T("  StepGraphs.advance (a host count; the step adds it on the GPU)", lambda: steps.advance(0))
     pos = n - 1
     T("  k[:, p:p+1] = k_new; v[...] (setitem x2)", lambda: (cache.k.__setitem__((slice(None), slice(pos, pos + 1)), kn),
                                                             cache.v.__setitem__((slice(None), slice(pos, pos + 1)), vn)))

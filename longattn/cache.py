@@ -249,7 +249,7 @@ class KVCache:
         if owner == self.rank:
             if max(start) + n > self.capacity:
                 self._grow(max(start) + n)
-            if len(set(start)) == 1:  # one launch for both (two copies' host time and gap)
+            if len(set(start)) == 1:  # one launch for both where strides allow (batch 1): one launch's host time
                 torch._foreach_copy_([self.k.narrow(1, start[0], n), self.v.narrow(1, start[0], n)], [k_new, v_new])
             else:
                 for b, s in enumerate(start):

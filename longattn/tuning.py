@@ -306,8 +306,9 @@ class DecodeTuning:
              "graph replays, 32 query / 8 kv heads, B=1 (33 splits per kv head), 64 / 128 / 256: 128K 186.5 / "
              "183.8 / 183.4 us, 1M 1387.8 / 1386.1 / 1384.8, 16K 34.4 / 31.1 / 33.4 (cuDNN 181.6 / 1380.9 / "
              "30.1); the merge itself 7.5 / 4.9 / 5.0 us at 128K (the kernel's timeline). 128 takes 166 "
-             "registers (ptxas, sm_90, G 4 and 8), 256 spills; the same split kernel before its merge issued "
-             "the outputs' loads with the lse's, 190.0 / 1392.3 us (its merge 9.4 us)",
+             "registers (ptxas, sm_90, G 4 and 8), 256 spills; the split kernel with the outputs' loads after "
+             "the lse's reductions (two trips to L2 per step), 16 splits per step: 190.0 / 1392.3 us (its merge "
+             "9.4 us)",
         "decode_kernel_timeline_merge_h100_6d05e9c.json, decode_kernel_timeline_h100_195480c.json")
     merge_floats_per_thread_d64: int = measured(
         64, "the same at head dim <= 64, where 4 programs share an SM (programs_per_sm_d64): 128 floats take 184 "

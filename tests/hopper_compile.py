@@ -71,7 +71,8 @@ def main():
     ]
     from longattn.kernels import decode as kd
 
-    dec = dict(G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=16, BLOCK_N=64, CAUSAL=False, PER_ROW=True,
+    # the merge's step as DecodeTuning sets it at D=128, G=4, 4 warps (merge_floats_per_thread)
+    dec = dict(G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=32, BLOCK_N=64, CAUSAL=False, PER_ROW=True,
                IEEE=False, HEADS_FAST=False, TRACE=False)
     dec_ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "L": "*fp32",
                "CNT": "*i32", "LENS": "*i32", "TR": "*bf16", "KD": "*bf16", "VD": "*bf16", "qk_scale": "fp32"}

@@ -642,7 +642,7 @@ def test_split_kv_one_launch_on_cuda():
     scale, args = d ** -0.5, split_kv_args(k, DECODE)
     dev = k.device
     nsplit = kdec.splits(cap, 1, dev, args["programs_per_sm"], args["block_n"], args["min_split"])[1]
-    assert nsplit > 4 * kdec.merge_chunk(8, d, args["num_warps"], dev)
+    assert nsplit > 4 * kdec.merge_chunk(8, d, args["num_warps"], dev, args["merge_floats"])
     for i, n in enumerate([cap, 1, 40000, 4097, cap - 3] * 4):
         q = mk(1, 1, 8, d)
         out, lse = kdec.decode(q, k, v, [n], False, scale, **args)
@@ -676,7 +676,7 @@ def test_split_kv_one_launch_on_cuda():
 @pytest.mark.gpu
 def test_kv_cache_steps_replayed_from_cuda_graphs():
     """KVCache's dense steps on one GPU replay from CUDA graphs after a shape's
-    first call (lengths advanced on the device by every append, graphs
+    first call (lengths advanced on the device by each step, graphs
     dropped when the storage grows): every step equals the flash kernel over
     the same cache, with and without its lse, rows of different lengths and
     two queries per step too."""
@@ -967,5 +967,70 @@ def test_split_kernel_trace_needs_a_gpu_buffer():
     kw = DECODE.kernel_args(True, 16)
     size = kdec.trace_size(64, 1, 2, q.device, kw["programs_per_sm"], kw["block_n"], kw["min_split"])
     assert size % kdec.TRACE_FIELDS == 0 and size >= 2 * kdec.TRACE_FIELDS
-    with pytest.raises(ValueError, match=f"trace must be an int64 CUDA tensor of at least trace_size.*{size}"):
+    with pytest.raises(ValueError, match=f"trace must be an int64 CUDA tensor on q's device.*{size}"):
         kdec.decode(q, k, v, [64], True, 0.25, **kw, trace=torch.zeros(size, dtype=torch.int64))
+
+
+def test_step_graphs_keep_the_device_lengths_with_the_host(monkeypatch):
+    """StepGraphs advances the device lengths by the tokens appended since the
+    last step (one inside the graph, any more before it), whatever the steps
+    do between: one-token loops, several tokens, appends with no step, a
+    capture that fails. Simulated on the CPU: a "graph" records the step and
+    replays it by running it. Every step equals decode_attention over the
+    host's lengths."""
+    import contextlib
+
+    from longattn.decode import graph_steps
+    from longattn.dilated import graphs
+    from longattn.tuning import DECODE
+
+    class Recorded:
+        fail = False
+
+        def __init__(self, fn, inputs, pool=None):
+            if Recorded.fail:
+                Recorded.fail = False
+                raise RuntimeError("capture failed")
+            self.fn, self.inputs = fn, [x.clone() for x in inputs]
+
+        def __call__(self, inputs):
+            for dst, src in zip(self.inputs, inputs):
+                dst.copy_(src)
+            return tuple(o.clone() for o in self.fn(*self.inputs))
+
+    monkeypatch.setattr(graphs, "Graph", Recorded)
+    monkeypatch.setattr(graphs, "_pool", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    g = torch.Generator().manual_seed(0)
+    b, cap, h, hkv, d = 2, 96, 4, 2, 16
+    k, v = torch.randn(b, cap, hkv, d, generator=g), torch.randn(b, cap, hkv, d, generator=g)
+    steps = graph_steps.StepGraphs()
+    host = [40, 25]
+
+    def step(appended, attend=True):
+        for _ in range(appended):
+            host[:] = [n + 1 for n in host]
+            steps.advance(1)
+        if not attend:
+            return
+        q = torch.randn(b, 1, h, d, generator=g)
+        out, _ = steps.attend(q, k, v, list(host), d ** -0.5, DECODE, need_lse=False)
+        want = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(host, dtype=I32), backend="math")
+        assert_close(dict(out=out), dict(out=want), 1e-4, f"step at {host}")
+        assert steps.lens.tolist() == host and steps.pending == 0
+
+    step(0)
+    for _ in range(4):  # a generation loop: eager, eager, captured, replayed
+        step(1)
+    assert len(steps.replays.graphs) == 1
+    step(2)  # two tokens: one before the replay, one inside it (the same graph)
+    step(3, attend=False)  # appends with no step between
+    step(1)
+    assert len(steps.replays.graphs) == 1
+    steps.replays.graphs.clear()  # evicted: the next step of that shape captures again, and the capture fails
+    Recorded.fail = True
+    with pytest.raises(RuntimeError, match="capture failed"):
+        step(1)
+    assert steps.lens.tolist() == host and steps.pending == 0  # the host's lengths, not one token behind
+    step(1)
+    step(1)

@@ -101,9 +101,12 @@ class GraphCache:
         self.captures = 0
 
     def clear(self) -> None:
-        """Drop every graph (and its memory) and the record of first calls."""
+        """Drop every graph (and its memory), the record of first calls and
+        the count of captures (a KV cache clears its graphs each time its
+        storage grows: a long generation keeps capturing)."""
         self.graphs.clear()
         self.seen.clear()
+        self.captures = 0
 
     def run(self, key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]]):
         """``fn(*inputs)``, from the graph of ``key`` and the inputs' shapes

@@ -304,7 +304,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     capacity, the same whatever the lengths. ``ragged``: whether ``lens``
     differ, when the caller knows (else found here). ``descriptors``: the
     kernel reads K and V through tensor descriptors (TMA on sm_90+) where
-    the caches allow it (:func:`descriptor_refusals`), else through pointers."""
+    the caches allow it (:func:`descriptor_refusals`), else through pointers.
+    ``merge_floats``: float32 of the partials each thread of the merging
+    program reads per step (:func:`merge_chunk`;
+    ``DecodeTuning.merge_floats_per_thread`` sets it for the GPU's tiles).
+    ``trace``: an int64 tensor on q's GPU of at least :func:`trace_size`
+    elements that the launch fills with each program's timeline (a
+    diagnostic, ``benchmarks/decode_kernel_timeline.py``; ``TRACE_FIELDS``
+    per program)."""
     b, lq, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
@@ -326,16 +333,17 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     desc = descriptors and not descriptor_refusals(k_cache, v_cache)
     kd, vd = (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_n, 1, dp]) if desc else x
               for x in (k_cache, v_cache))
-    if trace is not None and (not trace.is_cuda or trace.dtype != torch.int64
+    if trace is not None and (trace.device != q.device or not trace.is_cuda or trace.dtype != torch.int64
                               or trace.numel() < b * hkv * nsplit * TRACE_FIELDS):
-        raise ValueError(f"trace must be an int64 CUDA tensor of at least trace_size(...) = "
-                         f"{b * hkv * nsplit * TRACE_FIELDS} elements (the timers are read by PTX), got "
-                         f"{trace.dtype} on {trace.device} with {trace.numel()}")
+        raise ValueError(f"trace must be an int64 CUDA tensor on q's device ({q.device}) of at least "
+                         f"trace_size(...) = {b * hkv * nsplit * TRACE_FIELDS} elements (the timers are read by "
+                         f"PTX), got {trace.dtype} on {trace.device} with {trace.numel()}")
     launchable(_split_kernel, q)[(b * hkv, nsplit) if heads_fastest else (nsplit, b * hkv)](
         q, k_cache, v_cache, kd, vd, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
         q if trace is None else trace, lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0], k_cache.shape[1],
         *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
-        G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows, S_CHUNK=merge_chunk(rows, dp, num_warps, q.device, merge_floats),
+        G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows,
+        S_CHUNK=merge_chunk(rows, dp, num_warps, q.device, merge_floats),
         BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), HEADS_FAST=heads_fastest,
         DESC=desc, TRACE=trace is not None, num_warps=num_warps, num_stages=num_stages)
     return out, lse
