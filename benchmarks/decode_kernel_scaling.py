@@ -24,8 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from longattn import tuning as tn
-from longattn.bench.decode import _captured
-from longattn.bench.measure import environment, result_path, time_ms
+from longattn.bench.decode import replayed_ms
+from longattn.bench.measure import environment, result_path
 from longattn.bench.single import _failure
 from longattn.decode.engine import dense_part, split_kv_args
 from longattn.kernels import decode as kd
@@ -39,19 +39,11 @@ p.add_argument("--json")
 a = p.parse_args()
 dev, dt = torch.device("cuda"), torch.bfloat16
 h, hkv, d = 32, 8, 128
-REPS = 10
 log = lambda m: print(m, file=sys.stderr, flush=True)
 
 
-def graphed(fn):
-    def reps():
-        for _ in range(REPS):
-            fn()
-    return _captured(reps)
-
-
 def kernel_us(fn) -> float:
-    return time_ms(graphed(fn), dev, warmup=2, iters=a.iters)["median_ms"] / REPS * 1e3
+    return replayed_ms(fn, dev, a.iters) * 1e3
 
 
 impls = {f"ours_{'descriptors' if desc else 'pointers'}_pps{pps}": dataclasses.replace(

@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from longattn import tuning as tn
-from longattn.bench.decode import _captured
+from longattn.bench.decode import replayed_ms
 from longattn.bench.measure import environment, result_path, time_ms
 from longattn.bench.single import _failure
 from longattn.decode.engine import dense_part, split_kv_args
@@ -66,18 +66,6 @@ def tuning(bn, w, s, pps, hf=0, desc=0):
                                descriptor_loads="always" if desc else "never")
 
 
-REPS = 10
-
-
-def graphed(fn):
-    """REPS calls captured in one CUDA graph: the replay times the kernels
-    alone (a ~0.2 ms call is otherwise bound by the host's launch time)."""
-    def reps():
-        for _ in range(REPS):
-            fn()
-    return _captured(reps)
-
-
 def case(n, b, layout):
     h, hkv, d = a.heads, a.kv_heads, a.head_dim
     g = torch.Generator(device=dev).manual_seed(0)
@@ -97,8 +85,7 @@ def case(n, b, layout):
         try:
             out, lse = dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)
             err = ((out.float() - want.float()).abs().max().item(), (lse - want_lse).abs().max().item())
-            ms = time_ms(graphed(lambda: dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t)), dev,
-                         warmup=2, iters=a.iters)["median_ms"] / REPS
+            ms = replayed_ms(lambda: dense_part(q, kc, vc, [n] * b, True, scale, "triton", tuning=t), dev, a.iters)
             rows.append(dict(kind="tile", layout=layout, context=n, batch=b, block_n=bn, warps=w, stages=s, programs_per_sm=pps,
                              heads_fastest=hf, descriptors=int(split_kv_args(q, t)["descriptors"] and not kd.descriptor_refusals(kc, vc)), ms=ms, gb_s=cache_bytes / ms / 1e6, max_abs_diff_out=err[0], max_abs_diff_lse=err[1]))
         except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is recorded

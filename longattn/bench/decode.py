@@ -219,6 +219,17 @@ def _captured(step):
     return graph.replay
 
 
+def replayed_ms(fn, dev, iters: int, reps: int = 10) -> float:
+    """Kernel time of one ``fn()`` call in ms: ``reps`` calls captured in one
+    CUDA graph (:func:`_captured`), the replay timed (``measure.time_ms``,
+    median of ``iters``), divided by ``reps``; a short call is otherwise
+    bound by the host's launch time."""
+    def calls():
+        for _ in range(reps):
+            fn()
+    return measure.time_ms(_captured(calls), dev, warmup=2, iters=iters)["median_ms"] / reps
+
+
 def bench_graphed(a, n: int, dev, dt) -> list[dict]:
     """One decode step captured in a CUDA graph and replayed, as a serving loop
     that captures its steps runs it (no host time): the new token's K/V into a
