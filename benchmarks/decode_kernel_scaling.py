@@ -20,11 +20,10 @@ import json
 import sys
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.functional import scaled_dot_product_attention as sdpa
+from torch.nn.attention import SDPBackend
 
 from longattn import tuning as tn
-from longattn.bench.decode import replayed_ms
+from longattn.bench.decode import KERNEL_HEAD_DIM, KERNEL_KV_HEADS, kernel_case, replayed_ms
 from longattn.bench.measure import environment, result_path
 from longattn.bench.single import _failure
 from longattn.decode.engine import dense_part, split_kv_args
@@ -38,7 +37,7 @@ p.add_argument("--iters", type=int, default=30)
 p.add_argument("--json")
 a = p.parse_args()
 dev, dt = torch.device("cuda"), torch.bfloat16
-h, hkv, d = 32, 8, 128
+hkv, d = KERNEL_KV_HEADS, KERNEL_HEAD_DIM
 log = lambda m: print(m, file=sys.stderr, flush=True)
 
 
@@ -56,21 +55,10 @@ used = {}
 
 
 def case(n):
-    g = torch.Generator(device=dev).manual_seed(0)
-    kc, vc = (torch.randn(1, n, hkv, d, device=dev, dtype=dt, generator=g) for _ in range(2))
-    q = torch.randn(1, 1, h, d, device=dev, dtype=dt, generator=g)
-    kt, vt, qt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous(), q.transpose(1, 2)
+    q, kc, vc, sdpa_call = kernel_case(n, dev, dt)
     scale = d ** -0.5
     cache_bytes = 2 * n * hkv * d * kc.element_size()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        want = sdpa(qt, kt, vt, enable_gqa=True).transpose(1, 2)
-
-    def sdpa_call(which):
-        def call():
-            with sdpa_kernel(which):
-                return sdpa(qt, kt, vt, enable_gqa=True)
-        return call
-
+    want = sdpa_call(SDPBackend.FLASH_ATTENTION)().transpose(1, 2)
     calls = {name: (lambda t=t: dense_part(q, kc, vc, [n], True, scale, "triton", tuning=t)[0])
              for name, t in impls.items()}
     calls.update(sdpa_cudnn=sdpa_call(SDPBackend.CUDNN_ATTENTION), sdpa_flash=sdpa_call(SDPBackend.FLASH_ATTENTION))

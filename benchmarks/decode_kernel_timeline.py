@@ -32,11 +32,10 @@ import statistics
 import sys
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.functional import scaled_dot_product_attention as sdpa
+from torch.nn.attention import SDPBackend
 
 from longattn import tuning as tn
-from longattn.bench.decode import replayed_ms
+from longattn.bench.decode import KERNEL_HEAD_DIM, KERNEL_HEADS, KERNEL_KV_HEADS, kernel_case, replayed_ms
 from longattn.bench.measure import environment, result_path
 from longattn.decode.engine import split_kv_args
 from longattn.kernels import decode as kd
@@ -53,7 +52,7 @@ p.add_argument("--iters", type=int, default=30)
 p.add_argument("--json")
 a = p.parse_args()
 dev, dt = torch.device("cuda"), torch.bfloat16
-h, hkv, d = 32, 8, 128
+h, hkv, d = KERNEL_HEADS, KERNEL_KV_HEADS, KERNEL_HEAD_DIM
 log = lambda m: print(m, file=sys.stderr, flush=True)
 
 
@@ -85,15 +84,9 @@ rows = []
 
 
 def case(n):
-    g = torch.Generator(device=dev).manual_seed(0)
-    kc, vc = (torch.randn(1, n, hkv, d, device=dev, dtype=dt, generator=g) for _ in range(2))
-    q = torch.randn(1, 1, h, d, device=dev, dtype=dt, generator=g)
-    kt, vt, qt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous(), q.transpose(1, 2)
+    q, kc, vc, sdpa_call = kernel_case(n, dev, dt)
     scale = d ** -0.5
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return sdpa(qt, kt, vt, enable_gqa=True)
+    cudnn = sdpa_call(SDPBackend.CUDNN_ATTENTION)
     cudnn_us = kernel_us(cudnn)
     want = cudnn().transpose(1, 2)
     for pps, desc, ms, mf, w in itertools.product(a.programs_per_sm, a.descriptors, a.min_split, a.merge_floats,

@@ -219,6 +219,33 @@ def _captured(step):
     return graph.replay
 
 
+# The decode kernel benchmarks' shape: one query, batch 1, 32 query / 8 kv heads, D=128 (32q/8kv as Llama 3 8B)
+KERNEL_HEADS, KERNEL_KV_HEADS, KERNEL_HEAD_DIM = 32, 8, 128
+
+
+def kernel_case(n: int, dev, dt=torch.bfloat16):
+    """The decode kernel benchmarks' call at context ``n``: ``(q, k_cache,
+    v_cache, sdpa_call)``, q ``(1, 1, 32, 128)`` and token-major caches ``(1,
+    n, 8, 128)`` (seeded); ``sdpa_call(SDPBackend.X)`` is a call of SDPA with
+    that backend over head-major copies of the caches (``enable_gqa``), its
+    output ``(1, 32, 1, 128)``."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    kc, vc = (torch.randn(1, n, KERNEL_KV_HEADS, KERNEL_HEAD_DIM, device=dev, dtype=dt, generator=g)
+              for _ in range(2))
+    q = torch.randn(1, 1, KERNEL_HEADS, KERNEL_HEAD_DIM, device=dev, dtype=dt, generator=g)
+    kt, vt, qt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous(), q.transpose(1, 2)
+
+    def sdpa_call(which):
+        def call():
+            with sdpa_kernel(which):
+                return sdpa(qt, kt, vt, enable_gqa=True)
+        return call
+    return q, kc, vc, sdpa_call
+
+
 def replayed_ms(fn, dev, iters: int, reps: int = 10) -> float:
     """Kernel time of one ``fn()`` call in ms: ``reps`` calls captured in one
     CUDA graph (:func:`_captured`), the replay timed (``measure.time_ms``,
