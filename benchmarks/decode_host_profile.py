@@ -70,8 +70,8 @@ with torch.no_grad():
     T("    hash(DecodeTuning)", lambda: hash(cache.tuning))
     T("  StepGraphs.advance (a host count; the step adds it on the GPU)", lambda: steps.advance(0))
     pos = n - 1
-    T("  k[:, p:p+1] = k_new; v[...] (setitem x2)", lambda: (cache.k.__setitem__((slice(None), slice(pos, pos + 1)), kn),
-                                                            cache.v.__setitem__((slice(None), slice(pos, pos + 1)), vn)))
+    at = (slice(None), slice(pos, pos + 1))
+    T("  k[:, p:p+1] = k_new; v[...] (setitem x2)", lambda: (cache.k.__setitem__(at, kn), cache.v.__setitem__(at, vn)))
     T("  narrow + copy_ x2", lambda: (cache.k.narrow(1, pos, 1).copy_(kn), cache.v.narrow(1, pos, 1).copy_(vn)))
     T("  _foreach_copy_ of two narrow views", lambda: torch._foreach_copy_(
         [cache.k.narrow(1, pos, 1), cache.v.narrow(1, pos, 1)], [kn, vn]))

@@ -3,8 +3,9 @@ program's timeline from the GPU's own timers (``decode(..., trace=...)``).
 
 For each context (one query, batch 1, 32 query / 8 kv heads, D=128, bf16, the
 default ``DecodeTuning`` unless ``--programs-per-sm``, ``--descriptors``,
-``--min-split``, ``--merge-floats`` or ``--warps`` say otherwise), ten traced launches are replayed from one CUDA graph, as a
-generation loop's steps run back to back, and the last launch's records are
+``--min-split``, ``--merge-floats`` or ``--warps`` say otherwise), ten
+traced launches are replayed from one CUDA graph, as a generation loop's
+steps run back to back, and the last launch's records are
 read: per program its start, the end of its key loop, its arrival at the
 splits' counter and its end (after the merge for the program that merges
 its row and kv head), on the global timer (ns, one clock for every SM). From

@@ -350,8 +350,7 @@ class DecodeTuning:
         if interpreted:
             # pointer loads, as off the H200; the descriptor loads have their own CPU test
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
-                        heads_fastest=self.heads_fastest, descriptors=False,
-                        merge_floats=mf)
+                        heads_fastest=self.heads_fastest, descriptors=False, merge_floats=mf)
         # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
         h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
         stages = self.h200_num_stages if h200 else self.num_stages

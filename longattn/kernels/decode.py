@@ -340,7 +340,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
                          f"PTX), got {trace.dtype} on {trace.device} with {trace.numel()}")
     launchable(_split_kernel, q)[(b * hkv, nsplit) if heads_fastest else (nsplit, b * hkv)](
         q, k_cache, v_cache, kd, vd, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
-        q if trace is None else trace, lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0], k_cache.shape[1],
+        q if trace is None else trace, lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0],
+        k_cache.shape[1],
         *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows,
         S_CHUNK=merge_chunk(rows, dp, num_warps, q.device, merge_floats),
