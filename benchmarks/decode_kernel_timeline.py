@@ -21,7 +21,9 @@ them:
 - ``arrive_us``: a program's partial stores and its counter's atomic;
 - ``merge_us``: median and max of the merging programs' merge;
 - ``after_loops_us``: last key loop's end to the kernel's last end (what the
-  merge adds to the launch).
+  merge adds to the launch);
+- ``per_program`` (``--per-program``): each program's split, kv head, SM,
+  start, end of its key loop and end, us from the launch's first start.
 
     python benchmarks/decode_kernel_timeline.py --json out.json
 """
@@ -50,6 +52,8 @@ p.add_argument("--merge-floats", type=int, nargs="+", default=[tn.DECODE.merge_f
                help="DecodeTuning.merge_floats_per_thread: partial floats per thread per merge step")
 p.add_argument("--warps", type=int, nargs="+", default=[tn.DECODE.num_warps])
 p.add_argument("--iters", type=int, default=30)
+p.add_argument("--per-program", action="store_true",
+               help="also record each program's (split, kv head, SM, start, loop end, end) in us from the first start")
 p.add_argument("--json")
 a = p.parse_args()
 dev, dt = torch.device("cuda"), torch.bfloat16
@@ -65,7 +69,7 @@ def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def timeline(tr: torch.Tensor) -> dict:
+def timeline(tr: torch.Tensor, nsplit: int) -> dict:
     t = tr.view(-1, kd.TRACE_FIELDS).cpu()
     g0, g1, g2, g3 = (t[:, i].double() / 1e3 for i in range(4))  # us
     c0, c1, c2, c3 = (t[:, i].double() for i in range(4, 8))
@@ -78,7 +82,10 @@ def timeline(tr: torch.Tensor) -> dict:
         start_spread_us=(g0.max() - g0.min()).item(), loop_us_median=med((g1 - g0).tolist()),
         loop_us_max=(g1 - g0).max().item(), loop_tail_us=(g1.max() - med(g1.tolist())).item(),
         arrive_us=med((g2 - g1).tolist()), merge_us_median=med(mc), merge_us_max=max(mc) if mc else float("nan"),
-        after_loops_us=(g3.max() - g1.max()).item(), sm_ghz=ghz)
+        after_loops_us=(g3.max() - g1.max()).item(), sm_ghz=ghz,
+        **({"per_program": [[i % nsplit, i // nsplit, int(sm[i]), *(round((g[i] - g0.min()).item(), 2)
+                                                                  for g in (g0, g1, g3))] for i in range(len(t))]}
+           if a.per_program else {}))
 
 
 rows = []
@@ -106,7 +113,7 @@ def case(n):
         chunk = kd.merge_chunk(1 << (h // hkv - 1).bit_length(), d, w, dev, mf)  # the query rows a kv head reads
         row = dict(context=n, programs_per_sm=pps, min_split=ms, merge_floats=mf, merge_chunk=chunk, num_warps=w,
                    descriptors_used=used, kernel_us=us, traced_us=traced_us, cudnn_us=cudnn_us,
-                   max_abs_diff_out=err, **timeline(tr))
+                   max_abs_diff_out=err, **timeline(tr, tr.numel() // kd.TRACE_FIELDS // hkv))
         rows.append(row)
         log(f"{n}: pps {pps} desc {used} min_split {ms} merge {mf} warps {w}: {us:.1f} us (traced "
             f"{traced_us:.1f}, span {row['span_us']:.1f}), cuDNN {cudnn_us:.1f}")
