@@ -295,6 +295,30 @@ def test_split_kv_one_launch_calls_in_a_row_leave_the_counters_zero():
     assert len(held) >= 2, "the 72-pair call grew the workspace; the outgrown buffer stays alive"
 
 
+def test_split_kv_launch_advances_the_device_lengths():
+    """``advance``: a launch over lengths kept on the device counts the tokens
+    appended since they were written and leaves them advanced (the last of a
+    row's kv-head merges writes them), with every counter back at zero:
+    repeated launches walk the rows forward as a captured step's replays do.
+    Without lengths on the device it is refused."""
+    from longattn.kernels import decode as kdec
+
+    torch.manual_seed(6)
+    b, cap, h, hkv, d = 3, 80, 4, 2, 16
+    k, v = torch.randn(b, cap, hkv, d), torch.randn(b, cap, hkv, d)
+    lens = torch.tensor([40, 0, 61], dtype=I32)
+    kw = dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=64, min_split=16, merge_extra_splits=2)
+    for step in range(3):
+        q = torch.randn(b, 1, h, d)
+        want = [n + 1 for n in lens.tolist()]
+        got = kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=lens, advance=1, **kw)
+        assert lens.tolist() == want, step
+        _rows(got, lambda j, n: _dense_ref(q[j:j + 1], k[j:j + 1], v[j:j + 1], n, False), want, f"step {step}")
+        assert all(not c.any() for c in kdec._COUNTERS[q.device]), f"step {step}: a counter left set"
+    with pytest.raises(ValueError, match="lens_tensor"):
+        kdec.decode(q, k, v, [4, 4, 4], False, d ** -0.5, advance=1, **kw)
+
+
 # (segments, rates, heads, kv heads): GQA whose rates and group size divide each
 # other both ways, and one where they do not (group 3, rate 2); a segment longer
 # than the context; a repeated branch (its keys count twice)

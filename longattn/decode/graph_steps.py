@@ -62,10 +62,9 @@ class StepGraphs:
         before, self.pending = self.pending - inside, 0
 
         def run(x):
-            if inside:  # captured with the step: each replay advances the lengths by one token
-                self.lens += inside
+            # inside: the captured launch itself counts the token and advances the lengths (every replay)
             out, lse = _kdec.decode(x, k_cache, v_cache, None, x.shape[1] > 1, scale, lens_tensor=self.lens,
-                                    **split_kv_args(x, tuning, replayed=True))
+                                    advance=inside, **split_kv_args(x, tuning, replayed=True))
             return (out, lse) if need_lse else (out,)
         # q's shape, dtype and device (and the inference mode) are added by the GraphCache
         key = (q.stride(), scale, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, tuning, need_lse, inside)

@@ -43,8 +43,8 @@ if HAS_TRITON:
 
     # Lengths, split sizes and counts change every step: not specialised, so a
     # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
-    @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT", "CAP"])
-    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, TR, sln, LEN, CAP, sqb, sqs, sqh, skb, sks, skh,
+    @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT", "CAP", "ADV"])
+    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, TR, sln, LEN, CAP, ADV, NPAIR, sqb, sqs, sqh, skb, sks, skh,
                       svb, svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr,
                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
                       S_CHUNK: tl.constexpr, S_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -63,8 +63,10 @@ if HAS_TRITON:
         if PER_ROW:
             # lengths read on the device (any row, a captured step): clamped to
             # the capacity, and each row cut into NSPLIT splits of its own
-            # length, at least SPLIT tokens each, so every program has work
-            n = tl.minimum(tl.load(LENS + b * sln), CAP)
+            # length, at least SPLIT tokens each, so every program has work;
+            # ADV tokens appended since the lengths were written count
+            raw = tl.load(LENS + b * sln) + ADV
+            n = tl.minimum(raw, CAP)
             SPLIT = tl.maximum(SPLIT, ((n + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
         else:
             n = LEN
@@ -123,6 +125,16 @@ if HAS_TRITON:
             tl.store(CNT + bh, 0)
             _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, (bh * NSPLIT).to(tl.int64), LQ, NSPLIT, G, D, D_PAD,
                    BLOCK_M, ROWS, S_CHUNK, S_EXTRA)
+            if PER_ROW:
+                if ADV != 0:
+                    # The row's length is written back advanced by the last of its kv heads' merges (a
+                    # counter per row after the pairs'): every program of the row has read it by then (each
+                    # read comes before its pair's release, each pair's merge before the row's), so no
+                    # program of this launch sees the new value and the step needs no launch of its own
+                    done = tl.atomic_add(CNT + NPAIR + b, 1, sem="acq_rel", scope="gpu")
+                    if done == HKV - 1:
+                        tl.store(CNT + NPAIR + b, 0)
+                        tl.store(LENS + b * sln, raw.to(LENS.dtype.element_ty))
         if TRACE:
             g3, c3 = _clocks()
             _trace(TR + (bh * NSPLIT + s).to(tl.int64) * _TRACE_FIELDS, g0, g1, g2, g3, c0, c1, c2, c3,
@@ -320,7 +332,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
            min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None,
            heads_fastest: bool = False, descriptors: bool = False, merge_floats: int = 64,
-           merge_extra_splits: int = 0, trace: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+           merge_extra_splits: int = 0, advance: int = 0, trace: Optional[torch.Tensor] = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
     out like q and lse ``(B, H, Lq)`` float32; a row with no key gives 0 and
@@ -337,13 +350,19 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     program reads per step (:func:`merge_chunk`;
     ``DecodeTuning.merge_floats_per_thread`` sets it for the GPU's tiles);
     ``merge_extra_splits``: splits its first step reads beside them
-    (:func:`merge_extra`).
+    (:func:`merge_extra`). ``advance``: tokens appended since ``lens_tensor``
+    was written (a CUDA graph's step): the launch attends over ``lens_tensor
+    + advance`` keys per row and leaves ``lens_tensor`` advanced by that many
+    (written once every program has read it), with no launch of its own.
     ``trace``: an int64 tensor on q's GPU of at least :func:`trace_size`
     elements that the launch fills with each program's timeline (a
     diagnostic, ``benchmarks/decode_kernel_timeline.py``; ``TRACE_FIELDS``
     per program)."""
     b, lq, h, d = q.shape
     hkv = k_cache.shape[2]
+    if advance and lens_tensor is None:
+        raise ValueError(f"advance={advance} needs lens_tensor (the lengths on the device that the launch "
+                         f"advances); pass lens_tensor, or advance=0 with the lengths already counting the tokens")
     g = h // hkv
     bm = block_m(lq, g)
     dp = d_pad(d)
@@ -370,9 +389,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
                          f"trace_size(...) = {b * hkv * nsplit * TRACE_FIELDS} elements (the timers are read by "
                          f"PTX), got {trace.dtype} on {trace.device} with {trace.numel()}")
     launchable(_split_kernel, q)[(b * hkv, nsplit) if heads_fastest else (nsplit, b * hkv)](
-        q, k_cache, v_cache, kd, vd, op, lp, out, lse, counters(b * hkv, q), lens_tensor if per_row else q,
-        q if trace is None else trace, lens_tensor.stride(0) if per_row else 0, 0 if per_row else lens[0],
-        k_cache.shape[1],
+        # counters: one per (batch row, kv head) pair, then one per row where the lengths advance
+        q, k_cache, v_cache, kd, vd, op, lp, out, lse, counters(b * hkv + (b if advance else 0), q),
+        lens_tensor if per_row else q, q if trace is None else trace, lens_tensor.stride(0) if per_row else 0,
+        0 if per_row else lens[0], k_cache.shape[1], advance, b * hkv,
         *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows,
         S_CHUNK=chunk, S_EXTRA=merge_extra(chunk, merge_extra_splits),
