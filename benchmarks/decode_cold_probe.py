@@ -6,7 +6,8 @@ One layer's cache of ``--context`` tokens (32q/8kv, D=128, bf16, batch 1;
 ``--prefill``: a causal ``attention`` over the prompt first, as ``python -m
 longattn.bench decode`` runs before its rows). Then for each entry of
 ``--order`` (a ``KVCache.attend`` backend, or ``sdpa`` for SDPA cuDNN over a
-preallocated head-major cache): ``--warmup`` steps, then ``--iters`` cold
+preallocated head-major cache of ``context + 1`` tokens, the new one's slot
+written each step): ``--warmup`` steps, then ``--iters`` cold
 samples (the GPU idle at each start; per sample the CUDA-event time and the
 host's time to issue the step), then ``--profiled`` more under the profiler:
 per sample, where its first kernel starts after the step is called, the
@@ -66,8 +67,10 @@ def profiled(step, n: int) -> list[dict]:
                 step()
             torch.cuda.synchronize()
     ev = prof.events()
-    marks = sorted((e for e in ev if e.name.startswith("sample")), key=lambda e: e.time_range.start)
-    kernels = sorted((e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
+    marks = sorted((e for e in ev if e.name.startswith("sample") and e.device_type == torch.autograd.DeviceType.CPU),
+                   key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.name.startswith("sample")),
                      key=lambda e: e.time_range.start)
     out = []
     for i, m in enumerate(marks):
@@ -97,10 +100,9 @@ def run(n: int, gen) -> list[dict]:
     per = a.warmup + a.iters + a.profiled
     cache = longattn.KVCache.from_prefill(k, v, reserve=per * len(a.order) + 8)
     kc, vc = (x.transpose(1, 2).contiguous() for x in (k, v))  # SDPA's head-major copy
-    kc, vc = (torch.cat([x, torch.zeros_like(x[:, :, :per * len(a.order) + 8])], 2) for x in (kc, vc))
+    kc, vc = (torch.cat([x, torch.zeros_like(x[:, :, :1])], 2) for x in (kc, vc))
     del k, v
     kn, vn, qn = (torch.randn(b, 1, hh, d, device=dev, dtype=dt, generator=gen) for hh in (hkv, hkv, h))
-    pos = [n]
 
     def ours(backend):
         def step():
@@ -111,9 +113,8 @@ def run(n: int, gen) -> list[dict]:
     def theirs():
         qh, kh, vh = qn.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2)
 
-        def step():
-            p_ = pos[0]
-            pos[0] += 1
+        def step():  # the new token's slot overwritten each step: one length, one cuDNN plan (the bench's row)
+            p_ = n
             kc[:, :, p_:p_ + 1] = kh
             vc[:, :, p_:p_ + 1] = vh
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

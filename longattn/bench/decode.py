@@ -72,7 +72,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--segment-lengths", type=int, nargs="+", help="also time dilated decoding with these branches")
     p.add_argument("--dilation-rates", type=int, nargs="+", help="the branches' rates (with --segment-lengths)")
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA rows")
-    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
+    p.add_argument("--warmup", type=int, default=20,
+                   help="untimed decode steps first (default 20: a cache captures its step on its third, and "
+                        "whichever backend is timed first after the prefill ran its first isolated steps up to "
+                        "0.4 ms slower for several steps, benchmarks/decode_cold_probe.py)")
     p.add_argument("--iters", type=int, default=20, help="timed decode steps (the median is reported; default 20)")
     p.add_argument("--timing", choices=["cold", "batched"], default="cold",
                    help="cold: one step per sample, the GPU idle at its start (host time counts); batched: steps "
