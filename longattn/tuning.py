@@ -314,11 +314,6 @@ class DecodeTuning:
         64, "the same at head dim <= 64, where 4 programs share an SM (programs_per_sm_d64): 128 floats take 184 "
             "registers there (ptxas), more than 4 programs of 128 threads hold at once; 64 take 110. Not timed "
             "at 128", "")
-    merge_extra_splits: int = measured(
-        8, "splits the merge's first step reads beside its chunk (down to a power of two, at most a chunk; 0: "
-           "none): 132-SM parts fill 2 programs per SM with 33 splits per kv head at B x Hkv = 8, one past the "
-           "chunk of 32, whose second step was a second trip to L2 for one split. Pending measurement "
-           "(python benchmarks/decode_kernel_timeline.py --merge-extra 0 8)", "")
     min_split: int = measured(
         256, "a split shorter than four 64-token tiles is mostly its merge; not varied (the contexts measured "
              "split into thousands of tokens per program)", "")
@@ -355,14 +350,13 @@ class DecodeTuning:
         if interpreted:
             # pointer loads, as off the H200; the descriptor loads have their own CPU test
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
-                        heads_fastest=self.heads_fastest, descriptors=False, merge_floats=mf,
-                        merge_extra_splits=self.merge_extra_splits)
+                        heads_fastest=self.heads_fastest, descriptors=False, merge_floats=mf)
         # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
         h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
         stages = self.h200_num_stages if h200 else self.num_stages
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
                     programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest,
-                    merge_floats=mf, merge_extra_splits=self.merge_extra_splits,
+                    merge_floats=mf,
                     descriptors=h200 and (self.descriptor_loads == "always"
                                           or (self.descriptor_loads == "replayed" and replayed)))
 

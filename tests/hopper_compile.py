@@ -15,6 +15,10 @@ The arguments carry the divisibility a real launch gives them (Triton's
 launcher marks pointers and integers divisible by 16): without it no load
 is known to be 16-byte aligned, none is vectorised, and none is pipelined,
 which is not what runs on the GPU.
+
+``PTX_DIR=dir``: the decode kernel's variants' PTX is written there, for
+``ptxas -arch=sm_90a -v`` (registers: two programs of 4 warps share an SM at
+head dim > 64, four at 64, so at most 128 a thread there).
 """
 import os
 import sys
@@ -73,8 +77,8 @@ def main():
     from longattn.kernels import decode as kd
 
     # the merge's step as DecodeTuning sets it at D=128, G=4, 4 warps (merge_floats_per_thread)
-    dec = dict(G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=32, S_EXTRA=8, BLOCK_N=64, CAUSAL=False,
-               PER_ROW=True, IEEE=False, HEADS_FAST=False, TRACE=False)
+    dec = dict(G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=32, BLOCK_N=64, CAUSAL=False, PER_ROW=True,
+               IEEE=False, HEADS_FAST=False, TRACE=False)
     dec_ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "L": "*fp32",
                "CNT": "*i32", "LENS": "*i32", "TR": "*bf16", "KD": "*bf16", "VD": "*bf16", "qk_scale": "fp32"}
     desc = dict(dec_ptr, KD="tensordesc<bf16[1,64,1,128]>", VD="tensordesc<bf16[1,64,1,128]>")
@@ -105,7 +109,7 @@ def main():
             raise
         assert "cubin" in out.asm, fn.__name__
         if os.environ.get("PTX_DIR") and bulk is not None:  # for ptxas -v: the decode kernel's registers
-            tag = "_".join(f"{k}{int(consts[k])}" for k in ("D", "DESC", "CAUSAL", "TRACE", "S_EXTRA"))
+            tag = "_".join(f"{k}{int(consts[k])}" for k in ("D", "DESC", "CAUSAL", "TRACE"))
             with open(os.path.join(os.environ["PTX_DIR"], f"{fn.__name__}_{tag}.ptx"), "w") as f:
                 f.write(out.asm["ptx"])
         # the attention kernels' inner loops' tile loads pipelined (cp.async into shared memory, waited on stages

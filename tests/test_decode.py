@@ -257,10 +257,9 @@ def test_split_kv_one_launch_calls_in_a_row_leave_the_counters_zero():
     same launch: calls in a row (batch sizes, kv heads, one and several
     queries, equal and ragged lengths, lengths on the host, as a tensor and on
     the device only, a row with no key, one split, splits merged over several
-    chunks, the merge's first step with and without extra splits, a batch
-    past the counter workspace, which grows) each equal the float64
-    reference, and each leaves every counter buffer zero (the next call, or a
-    CUDA graph's replay, starts clean with no fill)."""
+    chunks, a batch past the counter workspace, which grows) each equal the
+    float64 reference, and each leaves every counter buffer zero (the next
+    call, or a CUDA graph's replay, starts clean with no fill)."""
     from longattn.kernels import decode as kdec
 
     torch.manual_seed(5)
@@ -276,15 +275,12 @@ def test_split_kv_one_launch_calls_in_a_row_leave_the_counters_zero():
         (9, 8, 8, 1, True, [5 * i for i in range(9)], "host", 64, 16, 3),  # 72 pairs: past the first workspace
         (3, 4, 2, 1, True, [80, 0, 37], "host", 64, 16, 5),  # the first call again, on the grown workspace
     ]
-    # splits the merge's first step reads beside its chunk of 2 (the interpreter's): 5 splits as 2 + 2 + 1, 3 + 2
-    # and 4 + 1; 4 in one step
-    extra = [0, 2, 2, 0, 1, 0, 2, 2]
     for i, (b, h, hkv, lq, causal, lens, how, pps, min_split, want) in enumerate(calls):
         k, v, q = torch.randn(b, cap, hkv, d), torch.randn(b, cap, hkv, d), torch.randn(b, lq, h, d)
         lt = torch.tensor(lens, dtype=I32)
         got = kdec.decode(q, k, v, None if how == "device" else lens, causal and lq > 1, scale, block_n=16,
                           num_warps=1, num_stages=1, programs_per_sm=pps, min_split=min_split,
-                          lens_tensor=None if how == "host" else lt, merge_extra_splits=extra[i])
+                          lens_tensor=None if how == "host" else lt)
         nsplit = kdec.splits(cap if how == "device" else max(lens), b * hkv, q.device, pps, 16, min_split)[1]
         assert nsplit == want, (i, nsplit)
         _rows(got, lambda j, n: _dense_ref(q[j:j + 1], k[j:j + 1], v[j:j + 1], n, causal), lens,
@@ -307,7 +303,7 @@ def test_split_kv_launch_advances_the_device_lengths():
     b, cap, h, hkv, d = 3, 80, 4, 2, 16
     k, v = torch.randn(b, cap, hkv, d), torch.randn(b, cap, hkv, d)
     lens = torch.tensor([40, 0, 61], dtype=I32)
-    kw = dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=64, min_split=16, merge_extra_splits=2)
+    kw = dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=64, min_split=16)
     for step in range(3):
         q = torch.randn(b, 1, h, d)
         want = [n + 1 for n in lens.tolist()]

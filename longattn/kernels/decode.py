@@ -47,9 +47,8 @@ if HAS_TRITON:
     def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, TR, sln, LEN, CAP, ADV, NPAIR, sqb, sqs, sqh, skb, sks, skh,
                       svb, svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr,
                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                      S_CHUNK: tl.constexpr, S_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                      PER_ROW: tl.constexpr, IEEE: tl.constexpr, HEADS_FAST: tl.constexpr, DESC: tl.constexpr,
-                      TRACE: tl.constexpr):
+                      S_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr,
+                      IEEE: tl.constexpr, HEADS_FAST: tl.constexpr, DESC: tl.constexpr, TRACE: tl.constexpr):
         if TRACE:
             g0, c0 = _clocks()
         qk_scale = tl.full([], qk_scale, tl.float32)
@@ -124,7 +123,7 @@ if HAS_TRITON:
         if arrived == NSPLIT - 1:
             tl.store(CNT + bh, 0)
             _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, (bh * NSPLIT).to(tl.int64), LQ, NSPLIT, G, D, D_PAD,
-                   BLOCK_M, ROWS, S_CHUNK, S_EXTRA)
+                   BLOCK_M, ROWS, S_CHUNK)
             if PER_ROW:
                 if ADV != 0:
                     # The row's length is written back advanced by the last of its kv heads' merges (a
@@ -196,56 +195,36 @@ if HAS_TRITON:
         return _online_step(acc, l_i, m_i, qk, v, qk, False, IEEE)
 
     @triton.jit
-    def _merge_load(OP, LP, base, ss, rows, offs_d, row_ok, NSPLIT, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
-        """The lse ``[splits, ROWS]`` and partial outputs ``[splits, ROWS,
-        D_PAD]`` of splits ``ss`` (none past NSPLIT)."""
-        ok = (ss < NSPLIT)[:, None] & row_ok[None, :]
-        idx = (base + ss[:, None]) * BLOCK_M + rows[None, :]
-        l2 = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(OP + idx[:, :, None] * D_PAD + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=".cg")
-        return l2, o
-
-    @triton.jit
-    def _merge_add(l2, o, top, tot, acc):
-        """Loaded splits into the running max, denominator and output."""
-        new = tl.maximum(top, tl.max(l2, 0))
-        new_safe = tl.where(new == float("-inf"), 0.0, new)
-        w = tl.math.exp2(l2 - new_safe[None, :])
-        keep = tl.math.exp2(top - new_safe)
-        return new, tot * keep + tl.sum(w, 0), acc * keep[:, None] + tl.sum(o * w[:, :, None], 0)
-
-    @triton.jit
     def _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, base, LQ, NSPLIT, G: tl.constexpr,
                D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-               S_CHUNK: tl.constexpr, S_EXTRA: tl.constexpr):
+               S_CHUNK: tl.constexpr):
         """The splits of one (batch row, kv head) merged by their lse (base 2),
-        online over chunks of S_CHUNK splits, the first chunk with S_EXTRA
-        more: one read of each partial, every query row at once. A step's
-        loads are issued together, before the lse's reductions (whose barriers
-        would otherwise hold the later loads back a second trip to L2); the
-        extra splits take a count just past a chunk (33 splits of 32 per step)
-        in one trip instead of two. A row no split saw gives 0 and lse -inf
-        (natural log). ``.cg`` loads (L2, not this SM's L1): other programs
-        wrote them."""
+        online over chunks of S_CHUNK splits: one read of each partial, every
+        query row at once. A row no split saw gives 0 and lse -inf (natural
+        log). ``.cg`` loads (L2, not this SM's L1): other programs wrote them."""
         rows = tl.arange(0, ROWS)
         offs_d = tl.arange(0, D_PAD)
+        sc = tl.arange(0, S_CHUNK)
         row_ok = rows < LQ * G
         top = tl.full([ROWS], float("-inf"), tl.float32)
         tot = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D_PAD], tl.float32)
-        start = 0
-        if S_EXTRA > 0:
-            l2x, ox = _merge_load(OP, LP, base, S_CHUNK + tl.arange(0, S_EXTRA), rows, offs_d, row_ok, NSPLIT,
-                                  BLOCK_M, D_PAD)
-            l2, o = _merge_load(OP, LP, base, tl.arange(0, S_CHUNK), rows, offs_d, row_ok, NSPLIT, BLOCK_M, D_PAD)
-            top, tot, acc = _merge_add(l2, o, top, tot, acc)
-            top, tot, acc = _merge_add(l2x, ox, top, tot, acc)
-            start = S_CHUNK + S_EXTRA
-        for s0 in range(start, NSPLIT, S_CHUNK):
-            l2, o = _merge_load(OP, LP, base, s0 + tl.arange(0, S_CHUNK), rows, offs_d, row_ok, NSPLIT, BLOCK_M,
-                                D_PAD)
-            top, tot, acc = _merge_add(l2, o, top, tot, acc)
+        for s0 in range(0, NSPLIT, S_CHUNK):
+            ss = s0 + sc
+            ok = (ss < NSPLIT)[:, None] & row_ok[None, :]
+            idx = (base + ss[:, None]) * BLOCK_M + rows[None, :]  # [S_CHUNK, ROWS]
+            # the partials' loads issued together, before the lse's reductions (their barriers would
+            # otherwise hold the outputs' loads back a second trip to L2)
+            l2 = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(OP + idx[:, :, None] * D_PAD + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+                        cache_modifier=".cg")
+            new = tl.maximum(top, tl.max(l2, 0))
+            new_safe = tl.where(new == float("-inf"), 0.0, new)
+            w = tl.math.exp2(l2 - new_safe[None, :])
+            keep = tl.math.exp2(top - new_safe)
+            tot = tot * keep + tl.sum(w, 0)
+            acc = acc * keep[:, None] + tl.sum(o * w[:, :, None], 0)
+            top = new
         seen = tot > 0.0
         out = acc / tl.where(seen, tot, 1.0)[:, None]
         qi = (rows // G).to(tl.int64)
@@ -289,13 +268,6 @@ def merge_chunk(rows: int, dp: int, num_warps: int, device: torch.device, floats
     return 1 << max(1, floats_per_thread * 32 * num_warps // (rows * dp)).bit_length() - 1
 
 
-def merge_extra(chunk: int, extra: int) -> int:
-    """Splits the merge's first step reads beside its chunk: ``extra``
-    (``DecodeTuning.merge_extra_splits``) down to a power of two, at most a
-    chunk; 0 for none."""
-    return 0 if extra <= 0 else 1 << (min(extra, chunk).bit_length() - 1)
-
-
 # One arrival-counter workspace per device, grown (never shrunk, never freed)
 # to the largest batch * nheads_kv launched. Every launch leaves it all zero
 # (the merging program resets its pair's counter), so it needs no fill per
@@ -332,8 +304,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
            min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None,
            heads_fastest: bool = False, descriptors: bool = False, merge_floats: int = 64,
-           merge_extra_splits: int = 0, advance: int = 0, trace: Optional[torch.Tensor] = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           advance: int = 0, trace: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
     out like q and lse ``(B, H, Lq)`` float32; a row with no key gives 0 and
@@ -348,12 +319,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     the caches allow it (:func:`descriptor_refusals`), else through pointers.
     ``merge_floats``: float32 of the partials each thread of the merging
     program reads per step (:func:`merge_chunk`;
-    ``DecodeTuning.merge_floats_per_thread`` sets it for the GPU's tiles);
-    ``merge_extra_splits``: splits its first step reads beside them
-    (:func:`merge_extra`). ``advance``: tokens appended since ``lens_tensor``
-    was written (a CUDA graph's step): the launch attends over ``lens_tensor
-    + advance`` keys per row and leaves ``lens_tensor`` advanced by that many
-    (written once every program has read it), with no launch of its own.
+    ``DecodeTuning.merge_floats_per_thread`` sets it for the GPU's tiles).
+    ``advance``: tokens appended since ``lens_tensor`` was written (a CUDA
+    graph's step): the launch attends over ``lens_tensor + advance`` keys per
+    row and leaves ``lens_tensor`` advanced by that many (written once every
+    program has read it), with no launch of its own.
     ``trace``: an int64 tensor on q's GPU of at least :func:`trace_size`
     elements that the launch fills with each program's timeline (a
     diagnostic, ``benchmarks/decode_kernel_timeline.py``; ``TRACE_FIELDS``
@@ -379,7 +349,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     out = torch.empty_like(q)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     rows = 1 << (lq * g - 1).bit_length()
-    chunk = merge_chunk(rows, dp, num_warps, q.device, merge_floats)
     desc = descriptors and not descriptor_refusals(k_cache, v_cache)
     kd, vd = (TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_n, 1, dp]) if desc else x
               for x in (k_cache, v_cache))
@@ -395,7 +364,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
         0 if per_row else lens[0], k_cache.shape[1], advance, b * hkv,
         *_strides(q, k_cache, v_cache, out), lse.stride(0), lse.stride(1), hkv, lq, split, nsplit, scale * LOG2E,
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows,
-        S_CHUNK=chunk, S_EXTRA=merge_extra(chunk, merge_extra_splits),
+        S_CHUNK=merge_chunk(rows, dp, num_warps, q.device, merge_floats),
         BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), HEADS_FAST=heads_fastest,
         DESC=desc, TRACE=trace is not None, num_warps=num_warps, num_stages=num_stages)
     return out, lse
