@@ -50,8 +50,6 @@ p.add_argument("--descriptors", type=int, nargs="+", default=[0], choices=[0, 1]
 p.add_argument("--min-split", type=int, nargs="+", default=[tn.DECODE.min_split])
 p.add_argument("--merge-floats", type=int, nargs="+", default=[tn.DECODE.merge_floats_per_thread],
                help="DecodeTuning.merge_floats_per_thread: partial floats per thread per merge step")
-p.add_argument("--merge-by-split", type=int, nargs="+", default=[int(tn.DECODE.merge_by_split)], choices=[0, 1],
-               help="DecodeTuning.merge_by_split: the merge sums one split at a time, each thread its own elements")
 p.add_argument("--warps", type=int, nargs="+", default=[tn.DECODE.num_warps])
 p.add_argument("--iters", type=int, default=30)
 p.add_argument("--per-program", action="store_true",
@@ -99,10 +97,10 @@ def case(n):
     cudnn = sdpa_call(SDPBackend.CUDNN_ATTENTION)
     cudnn_us = kernel_us(cudnn)
     want = cudnn().transpose(1, 2)
-    for pps, desc, ms, mf, by, w in itertools.product(a.programs_per_sm, a.descriptors, a.min_split, a.merge_floats,
-                                                      a.merge_by_split, a.warps):
+    for pps, desc, ms, mf, w in itertools.product(a.programs_per_sm, a.descriptors, a.min_split, a.merge_floats,
+                                                  a.warps):
         t = dataclasses.replace(tn.DECODE, programs_per_sm=pps, min_split=ms, merge_floats_per_thread=mf,
-                                merge_by_split=bool(by), num_warps=w, descriptor_loads="always" if desc else "never")
+                                num_warps=w, descriptor_loads="always" if desc else "never")
         args = split_kv_args(q, t)
         used = int(args["descriptors"] and not kd.descriptor_refusals(kc, vc))
         tr = torch.zeros(kd.trace_size(n, 1, hkv, dev, args["programs_per_sm"], args["block_n"], args["min_split"]),
@@ -113,12 +111,11 @@ def case(n):
         us = kernel_us(plain)
         traced_us = kernel_us(traced)  # its graph's last launch leaves its records in tr
         chunk = kd.merge_chunk(1 << (h // hkv - 1).bit_length(), d, w, dev, mf)  # the query rows a kv head reads
-        row = dict(context=n, programs_per_sm=pps, min_split=ms, merge_floats=mf, merge_chunk=chunk,
-                   merge_by_split=by, num_warps=w,
+        row = dict(context=n, programs_per_sm=pps, min_split=ms, merge_floats=mf, merge_chunk=chunk, num_warps=w,
                    descriptors_used=used, kernel_us=us, traced_us=traced_us, cudnn_us=cudnn_us,
                    max_abs_diff_out=err, **timeline(tr, tr.numel() // kd.TRACE_FIELDS // hkv))
         rows.append(row)
-        log(f"{n}: pps {pps} desc {used} min_split {ms} merge {mf} by split {by} warps {w}: {us:.1f} us (traced "
+        log(f"{n}: pps {pps} desc {used} min_split {ms} merge {mf} warps {w}: {us:.1f} us (traced "
             f"{traced_us:.1f}, span {row['span_us']:.1f}), cuDNN {cudnn_us:.1f}")
 
 for n in a.context:
@@ -131,9 +128,9 @@ if a.json:
         json.dump(dict(kind="decode_kernel_timeline", env=env, results=rows), f, indent=1)
 cols = ["kernel_us", "cudnn_us", "traced_us", "span_us", "start_spread_us", "loop_us_median", "loop_us_max",
         "loop_tail_us", "arrive_us", "merge_us_median", "merge_us_max", "after_loops_us"]
-print("| context | pps | desc | min_split | merge chunk | by split | warps | programs | " + " | ".join(cols) + " |")
-print("|---|---|---|---|---|---|---|---|" + "---|" * len(cols))
+print("| context | pps | desc | min_split | merge chunk | warps | programs | " + " | ".join(cols) + " |")
+print("|---|---|---|---|---|---|---|" + "---|" * len(cols))
 for r in rows:
     print(f"| {r['context'] // 1024}K | {r['programs_per_sm']} | {r['descriptors_used']} | {r['min_split']} | "
-          f"{r['merge_chunk']} | {r['merge_by_split']} | {r['num_warps']} | {r['programs']} | "
-          + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")
+          f"{r['merge_chunk']} | {r['num_warps']} | {r['programs']} | " + " | ".join(f"{r[c]:.1f}" for c in cols)
+          + " |")

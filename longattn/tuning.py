@@ -310,11 +310,6 @@ class DecodeTuning:
              "the lse's reductions (two trips to L2 per step), 16 splits per step: 190.0 / 1392.3 us (its merge "
              "9.4 us)",
         "decode_kernel_timeline_merge_h100_6d05e9c.json, decode_kernel_timeline_h100_195480c.json")
-    merge_by_split: bool = measured(
-        True, "the merging program sums the splits' partials one split at a time (a chunk of them unrolled, "
-              "each thread over its own elements, after a pass over the lse for each row's largest) rather than "
-              "a chunk of splits at once reduced across threads: pending measurement (python "
-              "benchmarks/decode_kernel_timeline.py --merge-by-split 0 1)", "")
     merge_floats_per_thread_d64: int = measured(
         64, "the same at head dim <= 64, where 4 programs share an SM (programs_per_sm_d64): 128 floats take 184 "
             "registers there (ptxas), more than 4 programs of 128 threads hold at once; 64 take 110. Not timed "
@@ -355,14 +350,13 @@ class DecodeTuning:
         if interpreted:
             # pointer loads, as off the H200; the descriptor loads have their own CPU test
             return dict(block_n=16, num_warps=1, num_stages=1, programs_per_sm=pps, min_split=16,
-                        heads_fastest=self.heads_fastest, descriptors=False, merge_floats=mf,
-                        merge_by_split=self.merge_by_split)
+                        heads_fastest=self.heads_fastest, descriptors=False, merge_floats=mf)
         # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
         h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
         stages = self.h200_num_stages if h200 else self.num_stages
         return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
                     programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest,
-                    merge_floats=mf, merge_by_split=self.merge_by_split,
+                    merge_floats=mf,
                     descriptors=h200 and (self.descriptor_loads == "always"
                                           or (self.descriptor_loads == "replayed" and replayed)))
 

@@ -78,14 +78,13 @@ def main():
 
     # the merge's step as DecodeTuning sets it at D=128, G=4, 4 warps (merge_floats_per_thread)
     dec = dict(G=4, D=128, D_PAD=128, BLOCK_M=16, ROWS=4, S_CHUNK=32, BLOCK_N=64, CAUSAL=False, PER_ROW=True,
-               IEEE=False, HEADS_FAST=False, TRACE=False, MERGE_BY_SPLIT=True)
+               IEEE=False, HEADS_FAST=False, TRACE=False)
     dec_ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OP": "*fp32", "LP": "*fp32", "O": "*bf16", "L": "*fp32",
                "CNT": "*i32", "LENS": "*i32", "TR": "*bf16", "KD": "*bf16", "VD": "*bf16", "qk_scale": "fp32"}
     desc = dict(dec_ptr, KD="tensordesc<bf16[1,64,1,128]>", VD="tensordesc<bf16[1,64,1,128]>")
     variants += [  # a KVCache step's launch (lengths on the device), pointer loads, and descriptor loads with int32
         # and int64 lengths (the loop's key index then int64: the descriptors take 32-bit coordinates)
         (kd._split_kernel, dict(dec, DESC=False, _ptr=dec_ptr, _bulk=False)),
-        (kd._split_kernel, dict(dec, DESC=False, MERGE_BY_SPLIT=False, _ptr=dec_ptr, _bulk=False)),
         # head dim 64, where 4 programs share an SM (128 registers a thread at most)
         (kd._split_kernel, dict(dec, D=64, D_PAD=64, DESC=False, _ptr=dec_ptr, _bulk=False)),
         (kd._split_kernel, dict(dec, DESC=True, _ptr=desc, _bulk=True)),
@@ -110,7 +109,7 @@ def main():
             raise
         assert "cubin" in out.asm, fn.__name__
         if os.environ.get("PTX_DIR") and bulk is not None:  # for ptxas -v: the decode kernel's registers
-            tag = "_".join(f"{k}{int(consts[k])}" for k in ("D", "DESC", "CAUSAL", "TRACE", "MERGE_BY_SPLIT"))
+            tag = "_".join(f"{k}{int(consts[k])}" for k in ("D", "DESC", "CAUSAL", "TRACE"))
             with open(os.path.join(os.environ["PTX_DIR"], f"{fn.__name__}_{tag}.ptx"), "w") as f:
                 f.write(out.asm["ptx"])
         # the attention kernels' inner loops' tile loads pipelined (cp.async into shared memory, waited on stages

@@ -257,10 +257,9 @@ def test_split_kv_one_launch_calls_in_a_row_leave_the_counters_zero():
     same launch: calls in a row (batch sizes, kv heads, one and several
     queries, equal and ragged lengths, lengths on the host, as a tensor and on
     the device only, a row with no key, one split, splits merged over several
-    chunks, both ways of summing them, a batch past the counter workspace,
-    which grows) each equal the float64 reference, and each leaves every
-    counter buffer zero (the next call, or a CUDA graph's replay, starts
-    clean with no fill)."""
+    chunks, a batch past the counter workspace, which grows) each equal the
+    float64 reference, and each leaves every counter buffer zero (the next
+    call, or a CUDA graph's replay, starts clean with no fill)."""
     from longattn.kernels import decode as kdec
 
     torch.manual_seed(5)
@@ -281,7 +280,7 @@ def test_split_kv_one_launch_calls_in_a_row_leave_the_counters_zero():
         lt = torch.tensor(lens, dtype=I32)
         got = kdec.decode(q, k, v, None if how == "device" else lens, causal and lq > 1, scale, block_n=16,
                           num_warps=1, num_stages=1, programs_per_sm=pps, min_split=min_split,
-                          lens_tensor=None if how == "host" else lt, merge_by_split=i % 2 == 1)
+                          lens_tensor=None if how == "host" else lt)
         nsplit = kdec.splits(cap if how == "device" else max(lens), b * hkv, q.device, pps, 16, min_split)[1]
         assert nsplit == want, (i, nsplit)
         _rows(got, lambda j, n: _dense_ref(q[j:j + 1], k[j:j + 1], v[j:j + 1], n, causal), lens,

@@ -44,12 +44,11 @@ if HAS_TRITON:
     # Lengths, split sizes and counts change every step: not specialised, so a
     # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
     @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT", "CAP", "ADV"])
-    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, TR, sln, LEN, CAP, ADV, NPAIR, sqb, sqs, sqh, skb,
-                      sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale,
-                      G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      ROWS: tl.constexpr, S_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                      PER_ROW: tl.constexpr, IEEE: tl.constexpr, HEADS_FAST: tl.constexpr, DESC: tl.constexpr,
-                      TRACE: tl.constexpr, MERGE_BY_SPLIT: tl.constexpr):
+    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, TR, sln, LEN, CAP, ADV, NPAIR, sqb, sqs, sqh, skb, sks, skh,
+                      svb, svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr,
+                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                      S_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr,
+                      IEEE: tl.constexpr, HEADS_FAST: tl.constexpr, DESC: tl.constexpr, TRACE: tl.constexpr):
         if TRACE:
             g0, c0 = _clocks()
         qk_scale = tl.full([], qk_scale, tl.float32)
@@ -124,7 +123,7 @@ if HAS_TRITON:
         if arrived == NSPLIT - 1:
             tl.store(CNT + bh, 0)
             _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, (bh * NSPLIT).to(tl.int64), LQ, NSPLIT, G, D, D_PAD,
-                   BLOCK_M, ROWS, S_CHUNK, MERGE_BY_SPLIT)
+                   BLOCK_M, ROWS, S_CHUNK)
             if PER_ROW:
                 if ADV != 0:
                     # The row's length is written back advanced by the last of its kv heads' merges (a
@@ -198,18 +197,11 @@ if HAS_TRITON:
     @triton.jit
     def _merge(OP, LP, O, L, sob, sos, soh, slb, slh, b, kh, base, LQ, NSPLIT, G: tl.constexpr,
                D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-               S_CHUNK: tl.constexpr, BY_SPLIT: tl.constexpr):
-        """The splits of one (batch row, kv head) merged by their lse (base 2):
-        one read of each partial, every query row at once. A row no split saw
-        gives 0 and lse -inf (natural log). ``.cg`` loads (L2, not this SM's
-        L1): other programs wrote them.
-
-        ``BY_SPLIT``: each row's largest lse first (one pass over the lse),
-        then the splits' ``[ROWS, D]`` partials one at a time, S_CHUNK of them
-        unrolled (their loads issued together): every thread sums its own
-        elements over the splits, no reduction across threads. Else online
-        over chunks of S_CHUNK splits, ``[S_CHUNK, ROWS, D]`` at once, summed
-        across the threads that hold a chunk's splits."""
+               S_CHUNK: tl.constexpr):
+        """The splits of one (batch row, kv head) merged by their lse (base 2),
+        online over chunks of S_CHUNK splits: one read of each partial, every
+        query row at once. A row no split saw gives 0 and lse -inf (natural
+        log). ``.cg`` loads (L2, not this SM's L1): other programs wrote them."""
         rows = tl.arange(0, ROWS)
         offs_d = tl.arange(0, D_PAD)
         sc = tl.arange(0, S_CHUNK)
@@ -217,41 +209,22 @@ if HAS_TRITON:
         top = tl.full([ROWS], float("-inf"), tl.float32)
         tot = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D_PAD], tl.float32)
-        if BY_SPLIT:
-            for s0 in range(0, NSPLIT, S_CHUNK):
-                ss = s0 + sc
-                ok = (ss < NSPLIT)[:, None] & row_ok[None, :]
-                l2 = tl.load(LP + (base + ss[:, None]) * BLOCK_M + rows[None, :], mask=ok, other=float("-inf"),
-                             cache_modifier=".cg")
-                top = tl.maximum(top, tl.max(l2, 0))
-            top_safe = tl.where(top == float("-inf"), 0.0, top)
-            for s0 in range(0, NSPLIT, S_CHUNK):
-                for j in tl.static_range(S_CHUNK):
-                    ok = row_ok & (rows * 0 + (s0 + j) < NSPLIT)  # a tensor: the interpreter takes no scalar mask
-                    idx = (base + s0 + j) * BLOCK_M + rows
-                    l2 = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                    o = tl.load(OP + idx[:, None] * D_PAD + offs_d[None, :], mask=ok[:, None], other=0.0,
-                                cache_modifier=".cg")
-                    w = tl.math.exp2(l2 - top_safe)
-                    tot += w
-                    acc += o * w[:, None]
-        else:
-            for s0 in range(0, NSPLIT, S_CHUNK):
-                ss = s0 + sc
-                ok = (ss < NSPLIT)[:, None] & row_ok[None, :]
-                idx = (base + ss[:, None]) * BLOCK_M + rows[None, :]  # [S_CHUNK, ROWS]
-                # the partials' loads issued together, before the lse's reductions (their barriers would
-                # otherwise hold the outputs' loads back a second trip to L2)
-                l2 = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                o = tl.load(OP + idx[:, :, None] * D_PAD + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
-                            cache_modifier=".cg")
-                new = tl.maximum(top, tl.max(l2, 0))
-                new_safe = tl.where(new == float("-inf"), 0.0, new)
-                w = tl.math.exp2(l2 - new_safe[None, :])
-                keep = tl.math.exp2(top - new_safe)
-                tot = tot * keep + tl.sum(w, 0)
-                acc = acc * keep[:, None] + tl.sum(o * w[:, :, None], 0)
-                top = new
+        for s0 in range(0, NSPLIT, S_CHUNK):
+            ss = s0 + sc
+            ok = (ss < NSPLIT)[:, None] & row_ok[None, :]
+            idx = (base + ss[:, None]) * BLOCK_M + rows[None, :]  # [S_CHUNK, ROWS]
+            # the partials' loads issued together, before the lse's reductions (their barriers would
+            # otherwise hold the outputs' loads back a second trip to L2)
+            l2 = tl.load(LP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(OP + idx[:, :, None] * D_PAD + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+                        cache_modifier=".cg")
+            new = tl.maximum(top, tl.max(l2, 0))
+            new_safe = tl.where(new == float("-inf"), 0.0, new)
+            w = tl.math.exp2(l2 - new_safe[None, :])
+            keep = tl.math.exp2(top - new_safe)
+            tot = tot * keep + tl.sum(w, 0)
+            acc = acc * keep[:, None] + tl.sum(o * w[:, :, None], 0)
+            top = new
         seen = tot > 0.0
         out = acc / tl.where(seen, tot, 1.0)[:, None]
         qi = (rows // G).to(tl.int64)
@@ -331,8 +304,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
            causal: bool, scale: float, *, block_n: int, num_warps: int, num_stages: int, programs_per_sm: int,
            min_split: int, lens_tensor: Optional[torch.Tensor] = None, ragged: Optional[bool] = None,
            heads_fastest: bool = False, descriptors: bool = False, merge_floats: int = 64,
-           advance: int = 0, merge_by_split: bool = False, trace: Optional[torch.Tensor] = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           advance: int = 0, trace: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(B, Lq, H, D)`` over the first ``lens[b]`` slots of each row of the
     cache ``(B, capacity, Hkv, D)`` (any strides, unit stride in D). Returns
     out like q and lse ``(B, H, Lq)`` float32; a row with no key gives 0 and
@@ -351,9 +323,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     ``advance``: tokens appended since ``lens_tensor`` was written (a CUDA
     graph's step): the launch attends over ``lens_tensor + advance`` keys per
     row and leaves ``lens_tensor`` advanced by that many (written once every
-    program has read it), with no launch of its own. ``merge_by_split``:
-    how the merging program sums the splits (``_merge``'s ``BY_SPLIT``;
-    ``DecodeTuning.merge_by_split``).
+    program has read it), with no launch of its own.
     ``trace``: an int64 tensor on q's GPU of at least :func:`trace_size`
     elements that the launch fills with each program's timeline (a
     diagnostic, ``benchmarks/decode_kernel_timeline.py``; ``TRACE_FIELDS``
@@ -396,8 +366,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
         G=g, D=d, D_PAD=dp, BLOCK_M=bm, ROWS=rows,
         S_CHUNK=merge_chunk(rows, dp, num_warps, q.device, merge_floats),
         BLOCK_N=block_n, CAUSAL=causal and lq > 1, PER_ROW=per_row, IEEE=ieee(q), HEADS_FAST=heads_fastest,
-        DESC=desc, TRACE=trace is not None, MERGE_BY_SPLIT=merge_by_split, num_warps=num_warps,
-        num_stages=num_stages)
+        DESC=desc, TRACE=trace is not None, num_warps=num_warps, num_stages=num_stages)
     return out, lse
 
 
