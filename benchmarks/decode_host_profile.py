@@ -52,7 +52,8 @@ def T(name, f, reps=a.reps):
 with torch.no_grad():
     cache = longattn.KVCache.from_prefill(kc, vc, reserve=8 * a.reps + 64)
     steps = cache._steps
-    T("KVCache append + attend (a step)", lambda: (cache.append(kn, vn), cache.attend(q)))
+    T("KVCache.attend(q, k_new=, v_new=) (a step)", lambda: cache.attend(q, k_new=kn, v_new=vn))
+    T("KVCache append + attend (two calls)", lambda: (cache.append(kn, vn), cache.attend(q)))
     T("KVCache.append", lambda: cache.append(kn, vn))
     T("KVCache.attend", lambda: cache.attend(q))
     scale = d ** -0.5

@@ -1,7 +1,8 @@
 """Where a generation loop's decode step spends its GPU and host time:
-``KVCache`` (append + attend, ``backend="auto"``) against SDPA's cuDNN over a
-preallocated head-major cache (the new token written in, attention over
-``n + 1`` keys), one layer, one query, 32q/8kv, D=128, bf16, batch 1.
+``KVCache`` (``attend(q, k_new=, v_new=)``: the append in the step's call,
+``backend="auto"``) against SDPA's cuDNN over a preallocated head-major
+cache (the new token written in, attention over ``n + 1`` keys), one layer,
+one query, 32q/8kv, D=128, bf16, batch 1.
 
 For each context: each step's time back to back (CUDA events over ``--steps``
 steps, as ``python -m longattn.bench decode --timing batched``), the host's
@@ -46,8 +47,7 @@ def steps_ours(n, gen):
     kn, vn, qn = (torch.randn(b, 1, hh, d, device=dev, dtype=dt, generator=gen) for hh in (hkv, hkv, h))
 
     def step():
-        cache.append(kn, vn)
-        return cache.attend(qn)
+        return cache.attend(qn, k_new=kn, v_new=vn)
     return step, cache
 
 

@@ -112,6 +112,10 @@ class KVCache:
         self._since_attend: Optional[tuple] = None
         self._steps = StepGraphs()
         self.tuning = _tuning.DECODE
+        # attend(q, k_new=, v_new=): the append's copies (destinations, sources), run with the query's copy
+        # into a replayed step's graph (one launch), else before the step's first kernel (_flush)
+        self._defer = False
+        self._deferred: Optional[tuple] = None
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -250,7 +254,11 @@ class KVCache:
             if max(start) + n > self.capacity:
                 self._grow(max(start) + n)
             if len(set(start)) == 1:  # one launch for both where strides allow (batch 1): one launch's host time
-                torch._foreach_copy_([self.k.narrow(1, start[0], n), self.v.narrow(1, start[0], n)], [k_new, v_new])
+                copies = ([self.k.narrow(1, start[0], n), self.v.narrow(1, start[0], n)], [k_new, v_new])
+                if self._defer:
+                    self._deferred = copies
+                else:
+                    torch._foreach_copy_(*copies)
             else:
                 for b, s in enumerate(start):
                     self.k[b, s:s + n] = k_new[b]
@@ -258,15 +266,27 @@ class KVCache:
             self._steps.advance(n)  # one device: every row grew by n
         return owner
 
+    def _flush(self) -> None:
+        """Run the copies of an append deferred by ``attend(q, k_new=, v_new=)``."""
+        if self._deferred is not None:
+            copies, self._deferred = self._deferred, None
+            torch._foreach_copy_(*copies)
+
     @torch.no_grad()
-    def attend(self, q: torch.Tensor, *, segment_lengths: Optional[Sequence[int]] = None,
-               dilation_rates: Optional[Sequence[int]] = None, softmax_scale: Optional[float] = None,
-               return_lse: bool = False, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
-               chunk_size: Optional[int] = None, window_size: tuple[int, int] = (-1, -1), backend: str = "auto"):
+    def attend(self, q: torch.Tensor, *, k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
+               segment_lengths: Optional[Sequence[int]] = None, dilation_rates: Optional[Sequence[int]] = None,
+               softmax_scale: Optional[float] = None, return_lse: bool = False, softcap: float = 0.0,
+               sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
+               window_size: tuple[int, int] = (-1, -1), backend: str = "auto"):
         """Attention of the queries ``(batch, q_len, nheads, headdim)`` of the
         tokens appended last (``q_len`` at most the last :meth:`append`'s ``n``)
         over the whole cache, causal: query i of row b sits at position
-        ``seqlens[b] - q_len + i``. Dense (:func:`longattn.decode_attention`
+        ``seqlens[b] - q_len + i``. With ``k_new`` and ``v_new`` ``(batch, n,
+        nheads_kv, headdim)``: :meth:`append` them first, in the same call (as
+        flash-attn's ``flash_attn_with_kvcache(..., k=, v=)``): on one GPU,
+        where the step replays from a CUDA graph, their copies into the cache
+        and the query's into the graph are one launch (``cache.append(k, v);
+        cache.attend(q)`` is two). Dense (:func:`longattn.decode_attention`
         semantics), or dilated with ``segment_lengths``/``dilation_rates``
         (:func:`longattn.dilated_decode_attention` semantics: the last rows of
         ``dilated_attention(..., causal=True)``). Sharded: every rank calls it
@@ -283,6 +303,23 @@ class KVCache:
         ``p - p % chunk_size`` on; ``window_size`` ``(left, right)``: from
         ``p - left`` on (right has no effect: causal)
         (:mod:`longattn.decode.bounded`)."""
+        if k_new is not None or v_new is not None:
+            if k_new is None or v_new is None:
+                raise ValueError("KVCache.attend: k_new and v_new go together (the keys and values of the tokens "
+                                 "whose queries q holds); pass both, or append them first")
+            self._defer = self.group is None
+            try:
+                self.append(k_new, v_new)
+            finally:
+                self._defer = False
+        try:
+            return self._attend(q, segment_lengths, dilation_rates, softmax_scale, return_lse, softcap, sinks,
+                                chunk_size, window_size, backend)
+        finally:
+            self._flush()  # copies no replay took (a call that raised): the append stands, as if made apart
+
+    def _attend(self, q, segment_lengths, dilation_rates, softmax_scale, return_lse, softcap, sinks, chunk_size,
+                window_size, backend):
         dilated = segment_lengths is not None or dilation_rates is not None
         backend = bk.resolve(backend) if backend == "auto" else backend  # a bad name is raised by the checks below
         sig = None
@@ -315,6 +352,8 @@ class KVCache:
         scale = bk.default_scale(q.shape[-1], softmax_scale) if problem is None else None
         launch = lambda: self._launch(q, segs, rates, scale, backend, softcap, chunk, left)
         part = lambda: launch()()
+        if problem is not None or dilated or chunk is not None or left >= 0:
+            self._flush()  # the appended tokens in the cache before any path but a dense step's reads it
         if self.group is not None:
             if isinstance(q, torch.Tensor):  # under capture on every rank alike: raised before any collective
                 no_capture(q, "KVCache.attend (sharded)")
@@ -362,7 +401,9 @@ class KVCache:
         engine = dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True,
                               softcap=softcap, keys=max(lens, default=0))
         if engine == "graphs":
-            return self._steps.attend(q, self.k, self.v, lens, scale, self.tuning, need_lse)
+            copies, self._deferred = self._deferred, None
+            return self._steps.attend(q, self.k, self.v, lens, scale, self.tuning, need_lse, copies=copies)
+        self._flush()
         return dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning, engine=engine,
                           ragged=len(set(lens)) > 1, softcap=softcap)
 

@@ -380,6 +380,42 @@ def test_kv_cache_steps_match_full_context():
     assert cache.capacity >= 17
 
 
+@pytest.mark.parametrize("seqlens", [[40, 23], [40, 40]])
+def test_kv_cache_attend_with_the_new_tokens(seqlens):
+    """attend(q, k_new=, v_new=) is append then attend in one call: equal
+    results and caches, dense (a step, return_lse), dilated and windowed,
+    rows of different lengths and of one (whose copies the step makes); a
+    call that fails its checks keeps the append (as two calls would); k_new
+    alone is refused."""
+    torch.manual_seed(8)
+    b, n, h, hkv, d = 2, 40, 4, 2, 16
+    k, v = torch.randn(b, n, hkv, d), torch.randn(b, n, hkv, d)
+    apart = longattn.KVCache.from_prefill(k, v, seqlens=seqlens, reserve=2)
+    fused = longattn.KVCache.from_prefill(k, v, seqlens=seqlens, reserve=2)
+    calls = [dict(), dict(return_lse=True), dict(segment_lengths=[8, 16], dilation_rates=[1, 2]),
+             dict(window_size=(5, 0)), dict(return_lse=True)]  # the cache grows at the third call
+    for i, kw in enumerate(calls):
+        lq = 2 if i == 1 else 1
+        kn, vn, q = torch.randn(b, lq, hkv, d), torch.randn(b, lq, hkv, d), torch.randn(b, lq, h, d)
+        apart.append(kn, vn)
+        want = apart.attend(q, **kw)
+        got = fused.attend(q, k_new=kn, v_new=vn, **kw)
+        want, got = (x if isinstance(x, tuple) else (x,) for x in (want, got))
+        assert all(torch.allclose(a_, g_, atol=1e-6) for a_, g_ in zip(want, got)), (i, kw)
+        assert fused.layout.seqlens == apart.layout.seqlens and fused._deferred is None
+        for row, m in enumerate(fused.layout.local[0]):
+            assert torch.equal(fused.k[row, :m], apart.k[row, :m]) and torch.equal(fused.v[row, :m], apart.v[row, :m])
+    kn, vn = torch.randn(b, 1, hkv, d), torch.randn(b, 1, hkv, d)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fused.attend(torch.randn(b, 1, h, d), k_new=kn, v_new=vn, softmax_scale=-1.0)
+    apart.append(kn, vn)
+    assert fused.layout.seqlens == apart.layout.seqlens
+    m = fused.layout.local[0][0]
+    assert torch.equal(fused.k[0, m - 1], kn[0, 0]) and torch.equal(fused.v[1, fused.layout.local[0][1] - 1], vn[1, 0])
+    with pytest.raises(ValueError, match="k_new and v_new go together"):
+        fused.attend(torch.randn(b, 1, h, d), k_new=kn)
+
+
 def test_cache_layout_placement():
     # pieces: contiguous and zigzag, divisible or not
     assert prefill_pieces("contiguous", 1, 3, 12) == [(4, 4)]
@@ -703,21 +739,25 @@ def test_kv_cache_steps_replayed_from_cuda_graphs():
     first call (lengths advanced on the device by each step, graphs
     dropped when the storage grows): every step equals the flash kernel over
     the same cache, with and without its lse, rows of different lengths and
-    two queries per step too."""
+    two queries per step too, the append apart or in the step's call."""
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *shape: torch.randn(*shape, device="cuda", generator=g).bfloat16()
     b, n, h, hkv, d = 2, 2000, 8, 2, 128
     cache = longattn.KVCache.from_prefill(mk(b, n, hkv, d), mk(b, n, hkv, d), seqlens=[2000, 1500], reserve=4)
     roomy = longattn.KVCache.from_prefill(mk(b, n, hkv, d), mk(b, n, hkv, d), reserve=60000)  # capacity >> length
-    for i in range(6):  # without, then with the lse: a graph each (one copies out only the output)
-        roomy.append(mk(b, 1, hkv, d), mk(b, 1, hkv, d))
-        q = mk(b, 1, h, d)
-        want, want_lse = longattn.decode_attention(q, roomy.k, roomy.v, cache_seqlens=roomy.local_seqlens,
-                                                   return_lse=True, backend="flash")
+    for i in range(9):  # without, then with the lse: a graph each (one copies out only the output)
+        kn, vn, q = mk(b, 1, hkv, d), mk(b, 1, hkv, d), mk(b, 1, h, d)
+        if i < 6:
+            roomy.append(kn, vn)
         if i < 3:
             out = roomy.attend(q)
-        else:
+        elif i < 6:
             out, lse = roomy.attend(q, return_lse=True)
+        else:  # the append in the same call: its copies in the launch that loads the replayed graph's query
+            out, lse = roomy.attend(q, k_new=kn, v_new=vn, return_lse=True)
+        want, want_lse = longattn.decode_attention(q, roomy.k, roomy.v, cache_seqlens=roomy.local_seqlens,
+                                                   return_lse=True, backend="flash")
+        if i >= 3:
             assert (lse - want_lse).abs().max().item() < 1e-3, i
         assert (out.float() - want.float()).abs().max().item() < 2e-2, i
     assert len(roomy._steps.replays.graphs) == 2
@@ -999,9 +1039,9 @@ def test_step_graphs_keep_the_device_lengths_with_the_host(monkeypatch):
     """StepGraphs advances the device lengths by the tokens appended since the
     last step (one inside the graph, any more before it), whatever the steps
     do between: one-token loops, several tokens, appends with no step, a
-    capture that fails. Simulated on the CPU: a "graph" records the step and
-    replays it by running it. Every step equals decode_attention over the
-    host's lengths."""
+    capture that fails, an append's copies made by the step. Simulated on the
+    CPU: a "graph" records the step and replays it by running it. Every step
+    equals decode_attention over the host's lengths."""
     import contextlib
 
     from longattn.decode import graph_steps
@@ -1017,7 +1057,9 @@ def test_step_graphs_keep_the_device_lengths_with_the_host(monkeypatch):
                 raise RuntimeError("capture failed")
             self.fn, self.inputs = fn, [x.clone() for x in inputs]
 
-        def __call__(self, inputs):
+        def __call__(self, inputs, copies=None):
+            for dst, src in zip(*(copies or ([], []))):
+                dst.copy_(src)
             for dst, src in zip(self.inputs, inputs):
                 dst.copy_(src)
             return tuple(o.clone() for o in self.fn(*self.inputs))
@@ -1031,14 +1073,20 @@ def test_step_graphs_keep_the_device_lengths_with_the_host(monkeypatch):
     steps = graph_steps.StepGraphs()
     host = [40, 25]
 
-    def step(appended, attend=True):
+    def step(appended, attend=True, fused=False):
         for _ in range(appended):
             host[:] = [n + 1 for n in host]
             steps.advance(1)
         if not attend:
             return
         q = torch.randn(b, 1, h, d, generator=g)
-        out, _ = steps.attend(q, k, v, list(host), d ** -0.5, DECODE, need_lse=False)
+        copies = None
+        if fused:  # the appended token's K/V copied by the step itself, before its kernels read them
+            kn, vn = torch.randn(2, b, hkv, d, generator=g)
+            copies = ([x[i, host[i] - 1] for x in (k, v) for i in range(b)], [x[i] for x in (kn, vn) for i in range(b)])
+        out, _ = steps.attend(q, k, v, list(host), d ** -0.5, DECODE, need_lse=False, copies=copies)
+        if fused:
+            assert all(torch.equal(dst, src) for dst, src in zip(*copies))
         want = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(host, dtype=I32), backend="math")
         assert_close(dict(out=out), dict(out=want), 1e-4, f"step at {host}")
         assert steps.lens.tolist() == host and steps.pending == 0
@@ -1058,3 +1106,6 @@ def test_step_graphs_keep_the_device_lengths_with_the_host(monkeypatch):
     assert steps.lens.tolist() == host and steps.pending == 0  # the host's lengths, not one token behind
     step(1)
     step(1)
+    steps.replays.clear()
+    for _ in range(3):  # with the append's copies: eager, captured, replayed
+        step(1, fused=True)

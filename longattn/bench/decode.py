@@ -3,8 +3,8 @@
 For each context length: the prefill of one attention layer (``attention`` on
 one rank, ``ring_attention`` zigzag under torchrun; ``dilated_attention`` for
 dilated rows) and the building of its :class:`longattn.KVCache`, then
-decoding: one token per step through ``--layers`` layers' caches (append the
-token's K/V, attend), timed per step with CUDA events (``measure.time_ms``:
+decoding: one token per step through ``--layers`` layers' caches (the
+token's K/V appended in the attend call, ``attend(q, k_new=, v_new=)``), timed per step with CUDA events (``measure.time_ms``:
 ``--timing cold``, one isolated step per sample, host time counts; or
 ``batched``, steps back to back as in a generation loop). Under torchrun the cache is
 sharded over the ranks (one all-gather of the partial outputs per layer and
@@ -154,8 +154,7 @@ def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[
     for be in backends:
         def step():
             for c in caches:
-                c.append(kn, vn)
-                c.attend(qn, backend=be, **(branches or {}))
+                c.attend(qn, k_new=kn, v_new=vn, backend=be, **(branches or {}))
 
         row = dict(base, backend=be)
         try:

@@ -49,10 +49,12 @@ class StepGraphs:
             self.pending += n
 
     def attend(self, q, k_cache, v_cache, lens: Sequence[int], scale: float, tuning: _tuning.DecodeTuning,
-               need_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               need_lse: bool = True, copies: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(out, lse) of the step: replayed, or eager on a shape's first call.
         ``need_lse`` False: lse is None (a replay copies out only the outputs
-        its caller reads)."""
+        its caller reads). ``copies``: (destinations, sources) to copy before
+        the step (an append's new tokens), in the launch that copies the
+        query into a replayed graph."""
         if self.lens is None:
             with torch.inference_mode(False):  # made here, advanced by steps in and out of inference mode
                 self.lens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
@@ -71,7 +73,7 @@ class StepGraphs:
         try:
             if before:
                 self.lens += before
-            res = self.replays.run(key, run, [q])
+            res = self.replays.run(key, run, [q], copies=copies)
         except BaseException:
             # whether the lengths were advanced is unknown (a capture that failed, an interrupt): the host's
             # are the truth; copied into the same tensor, which the captured graphs read

@@ -53,9 +53,11 @@ class Graph:
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
-    def _load(self, inputs) -> None:
+    def _load(self, inputs, copies: Optional[tuple] = None) -> None:
         dst = [d for d in self.inputs if d is not None]
         src = [x for x in inputs if x is not None]
+        if copies is not None:  # the caller's own copies in the same launch
+            dst, src = list(copies[0]) + dst, list(copies[1]) + src
         if len(dst) == 1:  # a decode step's query: a copy engine's memcpy, not a multi-tensor kernel
             dst[0].copy_(src[0])
             return
@@ -63,8 +65,8 @@ class Graph:
         # 6-10 µs for a backward's six (benchmarks/graph_copy_ab.py, one H200)
         torch._foreach_copy_(dst, src)
 
-    def __call__(self, inputs):
-        self._load(inputs)
+    def __call__(self, inputs, copies: Optional[tuple] = None):
+        self._load(inputs, copies)
         self.graph.replay()
         return tuple(o.clone() for o in self.outputs)
 
@@ -108,9 +110,11 @@ class GraphCache:
         self.seen.clear()
         self.captures = 0
 
-    def run(self, key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]]):
+    def run(self, key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], copies: Optional[tuple] = None):
         """``fn(*inputs)``, from the graph of ``key`` and the inputs' shapes
-        where one is (or, on this shape's second call, can be) made."""
+        where one is (or, on this shape's second call, can be) made.
+        ``copies``: (destinations, sources) copied first (``fn`` reads them),
+        in the launch that copies the inputs into a replayed graph."""
         # inference mode in the key: buffers made under it cannot be written outside it
         key = (key, torch.is_inference_mode_enabled(), tuple(_signature(x) for x in inputs))
         g = self.graphs.get(key)
@@ -119,14 +123,19 @@ class GraphCache:
                 if len(self.seen) >= self.MAX_SEEN:
                     self.seen.clear()
                 self.seen.add(key)
+                if copies is not None:
+                    torch._foreach_copy_(*copies)
                 return fn(*inputs)
             self.captures += 1
+            if copies is not None:  # before the capture's eager copy of the inputs: not captured
+                torch._foreach_copy_(*copies)
+                copies = None
             with torch.cuda.device(inputs[0].device):  # the inputs' device, whichever is current
                 g = self.graphs[key] = Graph(fn, inputs, pool=_pool() if self.shared_pool else None)
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
-        return g(inputs)
+        return g(inputs, copies)
 
 
 _passes = GraphCache(MAX_GRAPHS)

@@ -162,8 +162,8 @@ class LongNetLM(nn.Module):
             x = self.tok(nxt[:, None]) + self.pos(torch.tensor([n + step - 1 for n in lens], device=dev))[:, None]
             for blk, cache in zip(self.blocks, caches):
                 q, k, v = blk._qkv(x)
-                cache.append(k, v)
-                x = blk._finish(x, cache.attend(q, softmax_scale=scale, backend=backend, **branches))
+                x = blk._finish(x, cache.attend(q, k_new=k, v_new=v, softmax_scale=scale, backend=backend,
+                                                **branches))
             nxt = self.head(self.ln_f(x[:, 0])).argmax(-1)
             out.append(nxt)
         return torch.stack(out, 1)
