@@ -305,18 +305,27 @@ class KVCache:
         (:mod:`longattn.decode.bounded`)."""
         if k_new is not None or v_new is not None:
             if k_new is None or v_new is None:
-                raise ValueError("KVCache.attend: k_new and v_new go together (the keys and values of the tokens "
-                                 "whose queries q holds); pass both, or append them first")
-            self._defer = self.group is None
-            try:
-                self.append(k_new, v_new)
-            finally:
-                self._defer = False
+                problem = ValueError("KVCache.attend: k_new and v_new go together (the keys and values of the "
+                                     "tokens whose queries q holds); pass both, or append them first")
+                if self.group is None:
+                    raise problem
+                # sharded: an append's problem, raised by this call's checks on every rank (no rank leaves alone)
+                if self._since_attend is None:
+                    self._since_attend = self.layout.state()
+                self._pending = self._pending or problem
+            else:
+                self._defer = self.group is None
+                try:
+                    self.append(k_new, v_new)
+                finally:
+                    self._defer = False
         try:
             return self._attend(q, segment_lengths, dilation_rates, softmax_scale, return_lse, softcap, sinks,
                                 chunk_size, window_size, backend)
         finally:
-            self._flush()  # copies no replay took (a call that raised): the append stands, as if made apart
+            # copies no step ran (a call that raised anywhere): the append stands, as if made apart; a copy the
+            # step ran already runs again, to the same values
+            self._flush()
 
     def _attend(self, q, segment_lengths, dilation_rates, softmax_scale, return_lse, softcap, sinks, chunk_size,
                 window_size, backend):
@@ -401,8 +410,9 @@ class KVCache:
         engine = dense_engine(q, self.k, self.v, backend, len(set(lens)) > 1, self.tuning, graph_steps=True,
                               softcap=softcap, keys=max(lens, default=0))
         if engine == "graphs":
-            copies, self._deferred = self._deferred, None
-            return self._steps.attend(q, self.k, self.v, lens, scale, self.tuning, need_lse, copies=copies)
+            res = self._steps.attend(q, self.k, self.v, lens, scale, self.tuning, need_lse, copies=self._deferred)
+            self._deferred = None  # taken by the step (until it returns, attend's flush runs them if it raised)
+            return res
         self._flush()
         return dense_part(q, self.k, self.v, lens, True, scale, backend, tuning=self.tuning, engine=engine,
                           ragged=len(set(lens)) > 1, softcap=softcap)

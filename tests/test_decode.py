@@ -313,6 +313,9 @@ def test_split_kv_launch_advances_the_device_lengths():
         assert all(not c.any() for c in kdec._COUNTERS[q.device]), f"step {step}: a counter left set"
     with pytest.raises(ValueError, match="lens_tensor"):
         kdec.decode(q, k, v, [4, 4, 4], False, d ** -0.5, advance=1, **kw)
+    with pytest.raises(ValueError, match="its own per batch row"):  # one element read by every row: advanced 3 times
+        kdec.decode(q, k, v, None, False, d ** -0.5, lens_tensor=torch.tensor([9], dtype=I32).expand(b), advance=1,
+                    **kw)
 
 
 # (segments, rates, heads, kv heads): GQA whose rates and group size divide each

@@ -266,6 +266,13 @@ def _check_cache_errors(rank, world, mode, q, call):
     assert cache.seqlens.tolist() == [4 * world]
     cache.append(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))
     assert cache.attend(q).shape == q.shape
+    # the append in the attend call: k_new without v_new on one rank is raised on every rank, the others' appends
+    # undone; then the call with both on every rank
+    kn = torch.randn(1, 1, 2, 8)
+    _raises_everywhere(world, "go together" if rank == 1 else r"rank\(s\) \[1\]",
+                       lambda: cache.attend(q, k_new=kn, v_new=None if rank == 1 else kn))
+    assert cache.seqlens.tolist() == [4 * world + 1]
+    assert cache.attend(q, k_new=kn, v_new=kn).shape == q.shape and cache.seqlens.tolist() == [4 * world + 2]
     # after an agreed call, a query whose shape differs on one rank (each valid alone)
     cache.append(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))
     other = torch.randn(1, 1, 2 if rank == 1 else 4, 8)

@@ -2,9 +2,10 @@
 
 For each context length: the prefill of one attention layer (``attention`` on
 one rank, ``ring_attention`` zigzag under torchrun; ``dilated_attention`` for
-dilated rows) and the building of its :class:`longattn.KVCache`, then
-decoding: one token per step through ``--layers`` layers' caches (the
-token's K/V appended in the attend call, ``attend(q, k_new=, v_new=)``), timed per step with CUDA events (``measure.time_ms``:
+dilated rows) and the building of its :class:`longattn.KVCache`, then decoding:
+one token per step through ``--layers`` layers' caches (the token's K/V
+appended in the attend call, ``attend(q, k_new=, v_new=)``), timed per step
+with CUDA events (``measure.time_ms``:
 ``--timing cold``, one isolated step per sample, host time counts; or
 ``batched``, steps back to back as in a generation loop). Under torchrun the cache is
 sharded over the ranks (one all-gather of the partial outputs per layer and
@@ -134,7 +135,8 @@ def bench_longattn(a, n: int, dev, dt, world: int, backends, branches: Optional[
         prefill = lambda: longattn.attention(q, k, v, causal=True)
     else:
         prefill = lambda: longattn.ring_attention(q, k, v, causal=True, layout=layout, group=g)
-    reserve = len(backends) * (a.warmup + 11 * a.iters) + 8  # batched timing runs up to 10 steps per sample
+    # batched timing: a probe step, then per sample up to 10 timed steps and one lead step
+    reserve = len(backends) * (a.warmup + 1 + 11 * a.iters) + 8
     with torch.no_grad():
         try:
             base["prefill_ms"] = measure.time_ms(prefill, dev, warmup=1, iters=1)["median_ms"]
@@ -182,7 +184,7 @@ def bench_sdpa(a, n: int, dev, dt, kernel: str, growing: bool = False) -> dict:
     _fresh(dev)
     try:
         gen = torch.Generator(device=dev).manual_seed(0)
-        extra = a.warmup + 11 * a.iters + 8 if growing else 0  # batched timing runs up to 10 steps per sample
+        extra = a.warmup + 1 + 11 * a.iters + 8 if growing else 0  # as bench_longattn's reserve
         kc, vc = (torch.randn(b, hkv, n + 1 + extra, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
         kn, vn = (torch.randn(b, hkv, 1, d, device=dev, dtype=dt, generator=gen) for _ in range(2))
         qn = torch.randn(b, h, 1, d, device=dev, dtype=dt, generator=gen)

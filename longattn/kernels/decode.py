@@ -44,9 +44,9 @@ if HAS_TRITON:
     # Lengths, split sizes and counts change every step: not specialised, so a
     # step captured in a CUDA graph finds the kernel compiled by a warm-up call.
     @triton.jit(do_not_specialize=["LEN", "SPLIT", "NSPLIT", "CAP", "ADV"])
-    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, TR, sln, LEN, CAP, ADV, NPAIR, sqb, sqs, sqh, skb, sks, skh,
-                      svb, svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale, G: tl.constexpr,
-                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    def _split_kernel(Q, K, V, KD, VD, OP, LP, O, L, CNT, LENS, TR, sln, LEN, CAP, ADV, NPAIR, sqb, sqs, sqh, skb,
+                      sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, HKV, LQ, SPLIT, NSPLIT, qk_scale,
+                      G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
                       S_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PER_ROW: tl.constexpr,
                       IEEE: tl.constexpr, HEADS_FAST: tl.constexpr, DESC: tl.constexpr, TRACE: tl.constexpr):
         if TRACE:
@@ -330,9 +330,12 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: 
     per program)."""
     b, lq, h, d = q.shape
     hkv = k_cache.shape[2]
-    if advance and lens_tensor is None:
-        raise ValueError(f"advance={advance} needs lens_tensor (the lengths on the device that the launch "
-                         f"advances); pass lens_tensor, or advance=0 with the lengths already counting the tokens")
+    if advance and (lens_tensor is None or lens_tensor.dim() != 1 or lens_tensor.shape[0] != b
+                    or (b > 1 and lens_tensor.stride(0) == 0)):
+        raise ValueError(f"advance={advance} needs lens_tensor, the lengths on the device that the launch "
+                         f"advances: one element of its own per batch row ({b}), got "
+                         f"{None if lens_tensor is None else (tuple(lens_tensor.shape), lens_tensor.stride())}; pass "
+                         f"them so, or advance=0 with the lengths already counting the tokens")
     g = h // hkv
     bm = block_m(lq, g)
     dp = d_pad(d)
