@@ -121,8 +121,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
             break
     times.sort()
     return dict(median_ms=statistics.median(times), min_ms=times[0], max_ms=times[-1], runs=len(times),
-                host_ms=host_ms, timing="batched" if reps > 1 else "cold", calls_per_sample=reps,
-                lead_calls=int(reps > 1))
+                host_ms=host_ms, timing="batched" if reps > 1 else "cold", calls_per_sample=reps)
 
 
 # What the profiler's C++ side writes to fd 2 at every start and stop (Kineto's

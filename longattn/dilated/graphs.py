@@ -119,17 +119,15 @@ class GraphCache:
         key = (key, torch.is_inference_mode_enabled(), tuple(_signature(x) for x in inputs))
         g = self.graphs.get(key)
         if g is None:
+            if copies is not None:  # an eager call or a capture's: run here, in no graph
+                torch._foreach_copy_(*copies)
+                copies = None
             if key not in self.seen or (self.max_captures is not None and self.captures >= self.max_captures):
                 if len(self.seen) >= self.MAX_SEEN:
                     self.seen.clear()
                 self.seen.add(key)
-                if copies is not None:
-                    torch._foreach_copy_(*copies)
                 return fn(*inputs)
             self.captures += 1
-            if copies is not None:  # before the capture's eager copy of the inputs: not captured
-                torch._foreach_copy_(*copies)
-                copies = None
             with torch.cuda.device(inputs[0].device):  # the inputs' device, whichever is current
                 g = self.graphs[key] = Graph(fn, inputs, pool=_pool() if self.shared_pool else None)
             while len(self.graphs) > self.max_graphs:
