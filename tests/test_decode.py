@@ -405,6 +405,10 @@ def test_kv_cache_attend_with_the_new_tokens(seqlens):
         got = fused.attend(q, k_new=kn, v_new=vn, **kw)
         want, got = (x if isinstance(x, tuple) else (x,) for x in (want, got))
         assert all(torch.allclose(a_, g_, atol=1e-6) for a_, g_ in zip(want, got)), (i, kw)
+        if not kw or kw == dict(return_lse=True):  # dense: the float64 reference over each row's whole context
+            out, lse = fused.attend(q, return_lse=True)
+            _rows((out, lse), lambda j, m: _dense_ref(q[j:j + 1], fused.k[j:j + 1], fused.v[j:j + 1], m),
+                  fused.layout.local[0], f"call {i}")
         assert fused.layout.seqlens == apart.layout.seqlens and fused._deferred is None
         for row, m in enumerate(fused.layout.local[0]):
             assert torch.equal(fused.k[row, :m], apart.k[row, :m]) and torch.equal(fused.v[row, :m], apart.v[row, :m])
@@ -417,6 +421,9 @@ def test_kv_cache_attend_with_the_new_tokens(seqlens):
     assert torch.equal(fused.k[0, m - 1], kn[0, 0]) and torch.equal(fused.v[1, fused.layout.local[0][1] - 1], vn[1, 0])
     with pytest.raises(ValueError, match="k_new and v_new go together"):
         fused.attend(torch.randn(b, 1, h, d), k_new=kn)
+    with pytest.raises(ValueError, match="nheads_kv"):  # the append's own checks, before anything is stored
+        fused.attend(torch.randn(b, 1, h, d), k_new=torch.randn(b, 1, hkv + 1, d), v_new=torch.randn(b, 1, hkv + 1, d))
+    assert fused.layout.seqlens == apart.layout.seqlens
 
 
 def test_cache_layout_placement():

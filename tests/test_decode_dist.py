@@ -69,9 +69,12 @@ def _check_steps(rank, world):
             vs = [torch.cat([x, vn[i:i + 1]], 1) for i, x in enumerate(vs)]
             dense, dil = _refs(q, ks, vs, segs, rates)
             for name, c in caches.items():
-                c.append(kn, vn)
                 tag = f"world={world} {layout} {name} step {step}"
-                _compare(tag + " dense", c.attend(q, return_lse=True), dense)
+                if step % 2:  # the append in the attend call
+                    _compare(tag + " dense, k_new", c.attend(q, k_new=kn, v_new=vn, return_lse=True), dense)
+                else:
+                    c.append(kn, vn)
+                    _compare(tag + " dense", c.attend(q, return_lse=True), dense)
                 _compare(tag + " dilated", c.attend(q, segment_lengths=segs, dilation_rates=rates, return_lse=True),
                          dil)
                 # the raw op over the same parts: causal on the rank holding the queries' own keys
