@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import longattn
-from dist_utils import assert_group_usable, run_world, varlen_inputs
+from dist_utils import assert_group_usable, generator, run_world, varlen_inputs
 from longattn.distributed.doc_shard import IMBALANCE, plan_documents
 from reference import assert_close, varlen_ref
 
@@ -219,7 +219,7 @@ def _shard_batch(rank, world):
     assert (labels[~plan.valid | last] == -100).all()
     assert torch.equal(labels[plan.valid & ~last], plan.global_index[plan.valid & ~last] + 101)
     assert torch.equal(ctx.gather(batch["input_ids"][..., None])[..., 0], ids)
-    x = plan.shard(torch.randn(int(cu[-1]), 2, 8, generator=torch.Generator().manual_seed(0)))
+    x = plan.shard(torch.randn(int(cu[-1]), 2, 8, generator=generator(0)))
     out = ctx.attention_varlen(x, x, x, causal=True)
     ref = plan.shard(longattn.attention_varlen(*(plan.unshard(x),) * 3, cu, causal=True))
     torch.testing.assert_close(out, ref)
