@@ -33,6 +33,18 @@ FAMILY = {
 }
 
 
+def mask_args(**kw) -> dict:
+    """Keyword arguments of transformers' mask builders (``create_causal_mask``
+    ...) with an empty cache, under the name the installed release gives it:
+    ``cache`` from 5.24, ``past_key_values`` before."""
+    import inspect
+
+    from transformers import masking_utils as mu
+
+    name = "cache" if "cache" in inspect.signature(mu.create_causal_mask).parameters else "past_key_values"
+    return {**kw, name: None}
+
+
 def _config(kind: str, **extra):
     common = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, pad_token_id=0,
@@ -200,8 +212,8 @@ def test_gpt_oss_documents_as_flash_kwargs():
             for layer in m.model.layers:
                 layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
     ids, kw, real = _inputs("flash_kwargs")
-    built = dict(config=ref.config, inputs_embeds=torch.zeros(1, S, 1, dtype=torch.float64), attention_mask=None,
-                 cache=None, position_ids=kw["position_ids"])
+    built = mask_args(config=ref.config, inputs_embeds=torch.zeros(1, S, 1, dtype=torch.float64),
+                      attention_mask=None, position_ids=kw["position_ids"])
     masks = {"full_attention": mu.create_causal_mask(**built),
              "sliding_attention": mu.create_sliding_window_causal_mask(**built)}
     torch.manual_seed(2)

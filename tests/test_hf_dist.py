@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")  # the hf extra needs Python 
 
 from dist_utils import assert_group_usable, generator, run_world  # noqa: E402
 from reference import rel_err  # noqa: E402
+from longattn.integrations.transformers import ShardedCache  # noqa: E402
+from test_hf import mask_args  # noqa: E402
 
 TOL = 1e-4
 
@@ -183,6 +185,7 @@ def _check_families(rank, world):
     the chunk edges) under "longattn_ring" against eager in float64: loss,
     logits and every parameter gradient (the sinks' included), summed over
     the group as context-parallel training does."""
+    from longattn import context_parallel as cp
     from test_hf import _pair
 
     for kind in ("gemma2", "gpt_oss", "llama4"):
@@ -192,16 +195,22 @@ def _check_families(rank, world):
                 for m in (model, ref):
                     for layer in m.model.layers:
                         layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+        on_index = kind == "llama4" and _chunks_on_index(ref.config)
         for name, case in _cases():
             if kind == "gemma2" and "attention_mask" in case:
                 continue  # eager Gemma 2 in float64 turns rows of padding that see no key into NaN (test_hf)
+            if on_index and name == "packed documents":  # documents start inside chunks: refused, not wrong
+                for layout in ("zigzag", "documents"):
+                    _raises_everywhere(world, "start inside a chunk",
+                                       lambda: model(**cp.shard_batch(**case, layout=layout)))
+                continue
             if kind == "gpt_oss" and name == "packed documents":
                 _check_gpt_oss_documents(model, ref, case, f"rank {rank}/{world} {kind}", world)
                 continue
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name}")
             if kind == "gemma2" and name == "packed documents":  # soft-capping on documents held whole
                 _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name} documents", layout="documents")
-        if kind == "llama4":  # chunks on documents held whole (soft-capping above, sinks in the GPT-OSS check)
+        if kind == "llama4" and not on_index:  # chunks on documents held whole (soft-capping above, sinks below)
             case = dict(_cases())["packed documents"]
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} documents", layout="documents")
         if kind == "llama4":  # dense rows in the contiguous layout: one ring call per row
@@ -209,6 +218,21 @@ def _check_families(rank, world):
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name} contiguous", layout="contiguous")
         if kind == "gpt_oss":
             assert model.model.layers[0].self_attn.sinks.grad.abs().sum() > 0
+
+
+def _chunks_on_index(config) -> bool:
+    """Whether this transformers release cuts chunked attention's chunks at
+    multiples of the token index (releases before 5.24) rather than of the
+    positions inside packed documents: its own eager mask of two packed
+    documents (3 and 5 tokens, chunks of 4) says. Index 7, position 4 of the
+    second document, sees index 4 only where chunks follow the index."""
+    from transformers import masking_utils as mu
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    built = mask_args(config=config, inputs_embeds=torch.zeros(1, 8, 1, dtype=torch.float64), attention_mask=None,
+                      position_ids=pos)
+    m = mu.create_chunked_causal_mask(**built)[0, 0, 7, 4]
+    return bool(m) if m.dtype == torch.bool else bool(m == 0)
 
 
 def _check_gpt_oss_documents(model, ref, case, tag, world):
@@ -225,7 +249,7 @@ def _check_gpt_oss_documents(model, ref, case, tag, world):
     row = {k: v[:1] for k, v in case.items()}  # cu_seqlens describe one packed row
     pos = row["position_ids"]
     emb = torch.zeros(1, pos.shape[1], 1, dtype=torch.float64)
-    built = dict(config=ref.config, inputs_embeds=emb, attention_mask=None, cache=None, position_ids=pos)
+    built = mask_args(config=ref.config, inputs_embeds=emb, attention_mask=None, position_ids=pos)
     masks = {"full_attention": mu.create_causal_mask(**built),
              "sliding_attention": mu.create_sliding_window_causal_mask(**built)}
     starts = torch.nonzero(pos[0] == 0).flatten().tolist() + [pos.shape[1]]
@@ -275,6 +299,14 @@ def test_ring_example_and_benchmark_run():
 
 
 # ------------------------------------------------------------------- generation
+class _UpdateWithoutKwargs(ShardedCache):
+    """A ShardedCache called as models of transformers before 5.24 call a
+    cache: ``update(key, value, layer_idx)``, no keyword arguments."""
+
+    def update(self, key_states, value_states, layer_idx, *args, kwargs=None, **kw):
+        return super().update(key_states, value_states, layer_idx, *args, **kw)
+
+
 def _check_generate(rank, world):
     """model.generate from a ShardedCache: "longattn_ring" gives the greedy
     tokens of "sdpa" on one device (the prompt given whole, and a prefill
@@ -284,13 +316,23 @@ def _check_generate(rank, world):
     from longattn import context_parallel as cp
 
     lt.register()
+    from longattn.integrations.transformers import checks as lt_checks
+
     # a layer reaches the attention call through the keyword arguments the model passes update (not the tensors)
     probe, call_kwargs, t = lt.ShardedCache(), {}, torch.zeros(1, 2, 3, 8)
     k_out, v_out = probe.update(t, t, 0, kwargs=call_kwargs)
     assert k_out is t and v_out is t and not vars(t)
     assert call_kwargs == {"longattn_sharded_layer": probe.layers[0]}
-    with pytest.raises(ValueError, match="kwargs=kwargs"):
-        probe.update(t, t, 0)
+    # an attention call that did not read its layer (another implementation) is reported at the next update
+    with pytest.raises(ValueError, match="did not read its sharded layer"):
+        probe.update(t, t, 0, kwargs={})
+    # models of transformers before 5.24 pass no keyword arguments: the layer travels with the very key and value
+    k_out, v_out = probe.update(t, t, 0)
+    assert lt_checks.sharded_layer({}, t.clone(), v_out) is None  # other tensors: another call
+    assert lt_checks.sharded_layer({}, k_out, v_out) is probe.layers[0]
+    assert lt_checks.sharded_layer({}, k_out, v_out) is None  # handed over once
+    probe.update(t, t, 0)  # the layer was read: no error
+    probe.layers[0].read()
     extra = dict(eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(_config(**extra), attn_implementation="sdpa")
@@ -301,6 +343,10 @@ def _check_generate(rank, world):
     want = sdpa = ref.generate(ids, **kw)
     sharded = lt.ShardedCache(reserve=6, block=2)
     got = ring.generate(ids, past_key_values=sharded, **kw)
+    assert torch.equal(got, want), (rank, got, want)
+    # a model that calls update(key, value, layer_idx) without its keyword arguments, as transformers' own
+    # before 5.24: the same tokens, each layer handed over with its key and value
+    got = ring.generate(ids, past_key_values=_UpdateWithoutKwargs(reserve=6, block=2), **kw)
     assert torch.equal(got, want), (rank, got, want)
     part = sharded.layers[0].kv  # each rank holds a part: 13 + 5 tokens over the group
     assert part.layout.seqlens == [18, 18] and max(part.local_seqlens.tolist()) <= -(-18 // world) + 2
@@ -377,10 +423,13 @@ def test_ring_mask_hook_hands_chunks_and_missing_positions():
     lt.register()
     hook = mu.ALL_MASK_ATTENTION_FUNCTIONS["longattn_ring"]
     chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
-    assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=chunked) == RingMask(4)
+    assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=chunked) == RingMask(4, chunk_on_index=True)
+    if hasattr(mu, "remap_positions_for_packed_sequence"):  # chunks on packed documents' positions (5.24 on)
+        remapped = mu.remap_positions_for_packed_sequence(chunked, torch.arange(8)[None])
+        assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=remapped) == RingMask(4)
     assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=mu.causal_mask_function) is None
     config = _config()
     config._attn_implementation = "longattn_ring"
-    built = dict(config=config, inputs_embeds=torch.zeros(1, 8, 4), attention_mask=None, cache=None)
+    built = mask_args(config=config, inputs_embeds=torch.zeros(1, 8, 4), attention_mask=None)
     assert mu.create_causal_mask(**built) == RingMask(positions=False)
     assert mu.create_causal_mask(**built, position_ids=torch.arange(8)[None]) is None

@@ -1,4 +1,4 @@
-"""longattn as the attention of Hugging Face transformers models (transformers >= 5).
+"""longattn as the attention of Hugging Face transformers models (transformers >= 5.17).
 
 ::
 

@@ -28,7 +28,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     rows. Equivalent to transformers' ``"sdpa"``/``"eager"`` on every real
     token (see the package docstring)."""
     impl = "longattn"
-    if kwargs.get(checks.SHARDED_LAYER_KEY) is not None:
+    if checks.sharded_layer(kwargs, key, value) is not None:
         raise ValueError(f"attn_implementation={impl!r} got a ShardedCache: it serves 'longattn_ring' and "
                          f"'longattn_dilated'; use the default cache with 'longattn'")
     causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs, scores=True)
@@ -62,7 +62,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     passed as ``model(**batch)``) through :func:`longattn.ring_attention` or
     :func:`longattn.ring_attention_varlen`; or a :class:`ShardedCache` layer."""
     impl = "longattn_ring"
-    layer = kwargs.get(checks.SHARDED_LAYER_KEY)
+    layer = checks.sharded_layer(kwargs, key, value)
     if layer is not None:
         from .generation import sharded_layer_forward  # loaded already: the layer comes from there
 
@@ -75,7 +75,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     problem, causal, dv = None, True, value.shape[-1]
     try:
         causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs, scores=True)
-        cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs, module, ring.positions)
+        cp.check_sharded_call(impl, ctx, query, key, attention_mask, kwargs, module, ring)
     except ValueError as e:
         problem = e
     cp.agree(module, ctx.group, impl, problem, q=tuple(query.shape), k=tuple(key.shape), dtype=str(query.dtype),
@@ -96,9 +96,9 @@ def dilated_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     ``config.longattn_dilation_rates``; decoding from the KV cache through
     :func:`longattn.dilated_decode_attention`, or a :class:`ShardedCache` layer."""
     impl = "longattn_dilated"
+    layer = checks.sharded_layer(kwargs, key, value)  # first: a call that raises has still read its layer
     causal, padded, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs)
     branches = _branches(impl, module, sliding_window)
-    layer = kwargs.get(checks.SHARDED_LAYER_KEY)
     if layer is not None:
         from .generation import sharded_layer_forward  # loaded already: the layer comes from there
 

@@ -3,6 +3,8 @@ refusals (each names the setting to change), GQA and value head dims,
 autocast dtypes, transformers' sliding window as ``window_size``."""
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -10,6 +12,38 @@ import torch
 # The attention-call keyword through which a ShardedCache layer reaches the call (written by its
 # ``update`` into the keyword arguments the model passes on, as transformers' paged cache does).
 SHARDED_LAYER_KEY = "longattn_sharded_layer"
+
+
+class _Handover(threading.local):
+    """A ShardedCache layer whose ``update`` got no keyword arguments to write
+    itself into (models of transformers before 5.24 call ``update(key, value,
+    layer_idx)``), with weak references to the key and value it returned:
+    the model hands those very tensors to the attention call next."""
+
+    layer = key = value = None
+
+
+_HANDOVER = _Handover()
+
+
+def hand_over(layer, key: torch.Tensor, value: torch.Tensor) -> None:
+    _HANDOVER.layer, _HANDOVER.key, _HANDOVER.value = layer, weakref.ref(key), weakref.ref(value)
+
+
+def sharded_layer(kwargs: dict, key: torch.Tensor, value: torch.Tensor):
+    """The ShardedCache layer this attention call serves, or None: the one in
+    its keyword arguments, else the one whose ``update`` just returned this
+    very ``key`` and ``value`` (:func:`hand_over`; a stale hand-over never
+    matches new tensors). The layer found is marked read (``layer.read()``)."""
+    h = _HANDOVER
+    layer = kwargs.get(SHARDED_LAYER_KEY)
+    if layer is None and h.layer is not None and h.key() is key and h.value() is value:
+        layer = h.layer
+    if layer is not None:
+        if layer is h.layer:
+            h.layer = h.key = h.value = None
+        layer.read()
+    return layer
 # The attention-call keyword of a batch sharded by longattn.context_parallel.shard_batch.
 CP_KEY = "longattn_cp"
 

@@ -5,6 +5,8 @@ raised on all of them (one small all-gather per forward, at the first layer)
 so that no rank waits in the ring."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 import longattn
@@ -12,7 +14,7 @@ from longattn import context_parallel as _cp
 from longattn.distributed import checks as rank_checks
 
 from . import checks
-from .masks import mask_error
+from .masks import RingMask, mask_error
 
 
 def context(kwargs, impl: str) -> _cp.CPContext:
@@ -25,10 +27,12 @@ def context(kwargs, impl: str) -> _cp.CPContext:
 
 
 def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs,
-                       module=None, positions: bool = True) -> None:
-    """What a sharded batch cannot carry (ValueError). ``positions``:
-    False when the model built its masks without position_ids (:class:`~.masks.RingMask`)."""
-    if ctx.from_positions and not positions:
+                       module=None, ring: Optional[RingMask] = None) -> None:
+    """What a sharded batch cannot carry (ValueError). ``ring``: what the
+    mask hook handed the layer (:class:`~.masks.RingMask`): masks built
+    without position_ids, chunks cut on token indices."""
+    ring = RingMask() if ring is None else ring
+    if ctx.from_positions and not ring.positions:
         raise ValueError(
             f"attn_implementation={impl!r}: the sharded batch's documents come from position_ids that restart, "
             f"but this model ({type(module).__name__}) builds its attention masks without position_ids "
@@ -53,6 +57,32 @@ def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask
                          f"longattn.context_parallel.shard_batch (cu_seqlens=...), not cu_seq_lens_q/k")
     if ctx.cu_seqlens is not None and query.shape[0] != 1:
         raise ValueError(f"attn_implementation={impl!r}: a packed batch is one row, got batch {query.shape[0]}")
+    if ring.chunk is not None and ring.chunk_on_index and ctx.cu_seqlens is not None:
+        off = _chunk_offsets(ctx, ring.chunk)
+        if bool(off.any()):
+            import transformers
+
+            raise ValueError(
+                f"attn_implementation={impl!r}: transformers {transformers.__version__} cuts chunked attention's "
+                f"chunks (attention_chunk_size={ring.chunk}) at multiples of each row's token index, not of the "
+                f"positions inside packed documents, and {int((off != 0).sum())} of the sharded batch's documents "
+                f"start inside a chunk, where the ring cuts each document from its own start. Use transformers "
+                f">= 5.24 (chunks on the documents' positions), start every document on a multiple of "
+                f"{ring.chunk} tokens, or run the model unsharded with attn_implementation='longattn'")
+
+
+def _chunk_offsets(ctx: _cp.CPContext, chunk: int) -> torch.Tensor:
+    """Per document of the packed stream, its first token's index in its row
+    counted from the row's first real token, modulo ``chunk``: where
+    transformers cuts chunks on token indices, the ring's per-document chunks
+    agree with it only where this is 0 (documents from padding start at
+    their row's first real token: always 0)."""
+    idx = ctx.token_index.long().cpu()
+    row, col = idx // ctx.seqlen, idx % ctx.seqlen
+    first = torch.full((ctx.batch_size,), ctx.seqlen, dtype=torch.long).scatter_reduce(0, row, col, "amin")
+    starts = ctx.cu_seqlens[:-1].long().cpu()
+    starts = starts[starts < len(idx)]
+    return (col[starts] - first[row[starts]]) % chunk
 
 
 def agree(module, group, impl: str, problem, **facts) -> None:

@@ -6,7 +6,11 @@ docstring). Imported on first use of
 
 A layer's ``update`` writes itself into the keyword arguments that the model
 passes on to the attention call (``cache.update(..., kwargs=kwargs)``, the
-channel transformers' paged cache uses); the attention call finds it there."""
+channel transformers' paged cache uses, from transformers 5.24); the
+attention call finds it there. Models of earlier releases call
+``update(key, value, layer_idx)`` and pass the returned key and value
+straight to the attention call: the layer is handed over with them
+(:func:`.checks.sharded_layer` matches the very tensors)."""
 from __future__ import annotations
 
 import functools
@@ -45,18 +49,28 @@ class ShardedLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, kwargs=None, **_):
         """Append the new tokens (decoding) and return them alone, never the
-        cache's parts; ``kwargs``: the attention call's keyword arguments,
-        which then carry this layer."""
-        if kwargs is None:
-            raise ValueError("ShardedCache: this model's attention layer does not pass its keyword arguments to the "
-                             "cache (cache.update(key, value, layer_idx, kwargs=kwargs), as transformers' own models "
-                             "do), so its attention call cannot find the sharded layer; use the default cache")
+        cache's parts. The attention call finds this layer in ``kwargs``, its
+        keyword arguments (transformers from 5.24 passes them here), else
+        handed over with the very key and value returned
+        (:func:`.checks.hand_over`). Raises where the attention call after the
+        previous update did not read its layer: that call attended to its new
+        tokens alone."""
+        self.owner.check_read()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.kv is not None:
             self.kv.append(key_states.transpose(1, 2), value_states.transpose(1, 2))
-        kwargs[checks.SHARDED_LAYER_KEY] = self
+        if kwargs is not None:
+            kwargs[checks.SHARDED_LAYER_KEY] = self
+        else:
+            checks.hand_over(self, key_states, value_states)
+        self.owner.unread = self
         return key_states, value_states
+
+    def read(self) -> None:
+        """Called by the attention call this layer reached."""
+        if self.owner.unread is self:
+            self.owner.unread = None
 
     def get_seq_length(self) -> int:
         return 0 if self.kv is None else self.kv.layout.seqlens[0]
@@ -69,6 +83,7 @@ class ShardedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.kv, self.is_initialized = None, False
+        self.owner.unread = None
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError("a ShardedCache cannot be reordered, cropped or re-batched (beam search, "
@@ -100,7 +115,19 @@ class ShardedCache(Cache):
         check_layout(layout)
         self.group = _cp.resolve_group(group)
         self.layout, self.reserve, self.block = layout, reserve, block
+        self.unread = None  # the layer updated last, until its attention call reads it
         super().__init__(layer_class_to_replicate=functools.partial(ShardedLayer, self))
+
+    def check_read(self) -> None:
+        """Raise where the attention call after the last update did not read
+        its layer (and forget that layer)."""
+        layer, self.unread = self.unread, None
+        if layer is not None:
+            raise ValueError("ShardedCache: the attention call after the cache's last update did not read its "
+                             "sharded layer, so it attended to the new tokens alone. A ShardedCache serves "
+                             "attn_implementation='longattn_ring' or 'longattn_dilated' on every layer, which find "
+                             "the layer in their keyword arguments or (transformers before 5.24) as the key and "
+                             "value the update returned, unchanged; with any other attention, use the default cache")
 
 
 def sharded_layer_forward(impl: str, layer: ShardedLayer, module, query, key, value, attention_mask, scaling,

@@ -204,10 +204,16 @@ class RingMask:
     (or dense rows) at every multiple of it of their positions, as
     transformers' ``chunked_overlay`` does unsharded. ``positions``: False
     when transformers built the mask without the model's position_ids, so
-    that unsharded a packed row is one sequence (see :func:`builder_positions`)."""
+    that unsharded a packed row is one sequence (see :func:`builder_positions`).
+    ``chunk_on_index``: this transformers release cuts the chunks at
+    multiples of each row's token index (from its first real token), not of
+    the positions inside packed documents (releases before 5.24 do not remap
+    positions for chunks); the two agree where every document starts on a
+    chunk edge (:func:`.cp.check_sharded_call`)."""
 
     chunk: Optional[int] = None
     positions: bool = True
+    chunk_on_index: bool = False
 
 
 def builder_positions(depth: int = 4) -> Optional[bool]:
@@ -242,8 +248,10 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     whose mask builder had no position_ids, gets :class:`RingMask`."""
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         return attention_mask
-    chunk = read_pattern(mask_function, "longattn_ring").chunk
-    mask = RingMask(None if chunk is None else chunk[0], builder_positions() is not False)
+    pattern = read_pattern(mask_function, "longattn_ring")
+    chunk = pattern.chunk
+    mask = RingMask(None if chunk is None else chunk[0], builder_positions() is not False,
+                    chunk is not None and pattern.positions is None)
     return None if mask == RingMask() else mask
 
 
