@@ -12,6 +12,8 @@ os.environ.setdefault("LONGATTN_TRITON_AUTOTUNE", "0")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped on CPU")
+    config.addinivalue_line("markers", "multigpu: needs several CUDA GPUs visible at once (with gpu; "
+                                       "scripts/test_gpu.sh runs these last, every GPU visible)")
     config.addinivalue_line("markers", "dist: spawns gloo process groups")
 
 

@@ -339,6 +339,7 @@ def _gpu_bf16(rank, world):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 def test_packed_attention_on_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")

@@ -392,6 +392,7 @@ def _check_gpu_fa4(rank, world):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_exchange_fa4_on_gpus(world):
     """On 2 and 4 GPUs (NCCL): bf16 exchange with FA4 executors as exact as the ring, against one device."""
@@ -401,6 +402,7 @@ def test_exchange_fa4_on_gpus(world):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 def test_exchange_captures_in_cuda_graph():
     """2 GPUs (NCCL): ring_flex_attention's exchange replays from a CUDA graph after its first call, on ranks
     started by torchrun (tests/capture_ranks.py)."""

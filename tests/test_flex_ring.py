@@ -291,6 +291,7 @@ def _check_gpu_peak(rank, world, name, want):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 @pytest.mark.parametrize("name,want", [(name, both) for name, _, both in MEMORY])
 def test_ring_flex_gpu_peak_matches_accounting(name, want):
     """On 2 GPUs (NCCL): the measured fwd+bwd peak per rank, as longattn.bench

@@ -102,6 +102,7 @@ def _check_copy_transport(rank, world):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_copy_transport_matches_reference(world):
