@@ -80,7 +80,10 @@ class CPContext:
     :class:`~longattn.distributed.doc_shard.DocumentShard` instead of ``varlen``.
     ``from_positions``: the documents were found where ``position_ids``
     restart (not given as ``cu_seqlens`` or padding), which a model means only
-    where its mask builder reads position_ids (the integration checks)."""
+    where its mask builder reads position_ids (the integration checks).
+    ``first_positions``: of a packed stream without padding, each document's
+    first position id (int64, CPU), which chunked attention's chunks follow
+    (the integration checks)."""
 
     group: dist.ProcessGroup
     layout: str
@@ -91,6 +94,7 @@ class CPContext:
     token_index: Optional[torch.Tensor] = None
     documents: Optional[DocumentShard] = None
     from_positions: bool = False
+    first_positions: Optional[torch.Tensor] = None
 
     @property
     def world(self) -> int:
@@ -205,18 +209,20 @@ def shard_batch(input_ids: torch.Tensor, *, labels: Optional[torch.Tensor] = Non
     doc_starts = torch.nonzero(starts.flatten()[token_index]).flatten()
     cu = torch.cat([doc_starts, torch.tensor([token_index.numel()], device=dev)]).to(torch.int32).cpu()
     flat = lambda x: x.reshape(-1)[token_index]
+    first = flat(position_ids)[doc_starts].long().cpu() if attention_mask is None else None
     if layout == "documents":
         plan = plan_documents(tuple(cu.tolist()), dist.get_world_size(g), dist.get_rank(g))
         ids_l, pos_l, lab_l = (plan.shard(flat(x)) for x in (input_ids, position_ids, shift_labels))
         lab_l = lab_l.masked_fill(~plan.valid.to(dev), ignore_index)
-        ctx = CPContext(g, layout, b, s, cu, None, token_index, plan, from_positions=from_positions)
+        ctx = CPContext(g, layout, b, s, cu, None, token_index, plan, from_positions=from_positions,
+                        first_positions=first)
         return dict(input_ids=ids_l[None], position_ids=pos_l[None], labels=lab_l[None], shift_labels=lab_l[None],
                     longattn_cp=ctx, **common)
     ids_l, meta = shard_varlen(flat(input_ids), cu, layout=layout, group=g)
     pos_l, _ = shard_varlen(flat(position_ids), cu, layout=layout, group=g)
     lab_l, _ = shard_varlen(flat(shift_labels), cu, layout=layout, group=g)
     lab_l = lab_l.masked_fill(~meta.valid.to(dev), ignore_index)
-    ctx = CPContext(g, layout, b, s, cu, meta, token_index, from_positions=from_positions)
+    ctx = CPContext(g, layout, b, s, cu, meta, token_index, from_positions=from_positions, first_positions=first)
     return dict(input_ids=ids_l[None], position_ids=pos_l[None], labels=lab_l[None], shift_labels=lab_l[None],
                 longattn_cp=ctx, **common)
 

@@ -210,6 +210,12 @@ def _check_families(rank, world):
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name}")
             if kind == "gemma2" and name == "packed documents":  # soft-capping on documents held whole
                 _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} {name} documents", layout="documents")
+        if kind == "llama4":  # a document that starts inside a chunk (its positions from 2; index 6 on one row)
+            pos = torch.tensor([[2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5]])
+            ids = dict(_cases())["dense"]["input_ids"][:1]
+            for layout in ("zigzag", "documents"):
+                _raises_everywhere(world, "start inside a chunk", lambda: model(**cp.shard_batch(
+                    ids, labels=ids, position_ids=pos, layout=layout)))
         if kind == "llama4" and not on_index:  # chunks on documents held whole (soft-capping above, sinks below)
             case = dict(_cases())["packed documents"]
             _compare_sharded(model, ref, case, f"rank {rank}/{world} {kind} documents", layout="documents")
@@ -417,16 +423,19 @@ def test_ring_mask_hook_hands_chunks_and_missing_positions():
     without position_ids (as GPT-OSS builds its masks) says so; other layers
     get no mask."""
     import longattn.integrations.transformers as lt
-    from longattn.integrations.transformers.masks import RingMask
+    from longattn.integrations.transformers.masks import RingMask, chunks_on_positions
+    from test_hf import _config as family_config
     from transformers import masking_utils as mu
 
     lt.register()
     hook = mu.ALL_MASK_ATTENTION_FUNCTIONS["longattn_ring"]
     chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
-    assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=chunked) == RingMask(4, chunk_on_index=True)
-    if hasattr(mu, "remap_positions_for_packed_sequence"):  # chunks on packed documents' positions (5.24 on)
-        remapped = mu.remap_positions_for_packed_sequence(chunked, torch.arange(8)[None])
-        assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=remapped) == RingMask(4)
+    # where the release cuts chunks on token indices (before 5.24) is its own property, not the rank's mask's
+    on_index = not chunks_on_positions()
+    eager = family_config("llama4")
+    eager._attn_implementation = "eager"
+    assert on_index == _chunks_on_index(eager)
+    assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=chunked) == RingMask(4, chunk_on_index=on_index)
     assert hook(batch_size=1, q_length=8, kv_length=8, mask_function=mu.causal_mask_function) is None
     config = _config()
     config._attn_implementation = "longattn_ring"

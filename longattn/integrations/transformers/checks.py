@@ -27,7 +27,8 @@ _HANDOVER = _Handover()
 
 
 def hand_over(layer, key: torch.Tensor, value: torch.Tensor) -> None:
-    _HANDOVER.layer, _HANDOVER.key, _HANDOVER.value = layer, weakref.ref(key), weakref.ref(value)
+    # all weak: a hand-over nobody reads keeps neither the cache nor the tensors alive
+    _HANDOVER.layer, _HANDOVER.key, _HANDOVER.value = weakref.ref(layer), weakref.ref(key), weakref.ref(value)
 
 
 def sharded_layer(kwargs: dict, key: torch.Tensor, value: torch.Tensor):
@@ -38,9 +39,9 @@ def sharded_layer(kwargs: dict, key: torch.Tensor, value: torch.Tensor):
     h = _HANDOVER
     layer = kwargs.get(SHARDED_LAYER_KEY)
     if layer is None and h.layer is not None and h.key() is key and h.value() is value:
-        layer = h.layer
+        layer = h.layer()
     if layer is not None:
-        if layer is h.layer:
+        if h.layer is not None and layer is h.layer():
             h.layer = h.key = h.value = None
         layer.read()
     return layer

@@ -57,18 +57,33 @@ def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask
                          f"longattn.context_parallel.shard_batch (cu_seqlens=...), not cu_seq_lens_q/k")
     if ctx.cu_seqlens is not None and query.shape[0] != 1:
         raise ValueError(f"attn_implementation={impl!r}: a packed batch is one row, got batch {query.shape[0]}")
-    if ring.chunk is not None and ring.chunk_on_index and ctx.cu_seqlens is not None:
-        off = _chunk_offsets(ctx, ring.chunk)
-        if bool(off.any()):
-            import transformers
+    if ring.chunk is not None and ctx.cu_seqlens is not None:
+        _check_chunks(impl, ctx, ring)
 
-            raise ValueError(
-                f"attn_implementation={impl!r}: transformers {transformers.__version__} cuts chunked attention's "
-                f"chunks (attention_chunk_size={ring.chunk}) at multiples of each row's token index, not of the "
-                f"positions inside packed documents, and {int((off != 0).sum())} of the sharded batch's documents "
-                f"start inside a chunk, where the ring cuts each document from its own start. Use transformers "
-                f">= 5.24 (chunks on the documents' positions), start every document on a multiple of "
-                f"{ring.chunk} tokens, or run the model unsharded with attn_implementation='longattn'")
+
+def _check_chunks(impl: str, ctx: _cp.CPContext, ring: RingMask) -> None:
+    """Chunked attention on a packed stream: the ring cuts each document into
+    chunks from its own start; transformers cuts them at multiples of the
+    position ids (5.24 on) or of each row's token index (before): the same
+    where every document starts on a chunk edge of that count (ValueError
+    elsewhere; the same on every rank: the release and the batch are)."""
+    import transformers
+
+    if ring.chunk_on_index:
+        off, count = _chunk_offsets(ctx, ring.chunk), "each row's token index"
+        fix = "use transformers >= 5.24 (chunks on the documents' position ids)"
+    elif ctx.first_positions is not None:
+        off, count = ctx.first_positions % ring.chunk, "the position ids"
+        fix = "give every document position ids that start at 0"
+    else:
+        return
+    if bool(off.any()):
+        raise ValueError(
+            f"attn_implementation={impl!r}: transformers {transformers.__version__} cuts chunked attention's chunks "
+            f"(attention_chunk_size={ring.chunk}) at multiples of {count}, and {int((off != 0).sum())} of the "
+            f"sharded batch's documents start inside a chunk, where the ring cuts each document from its own "
+            f"start: {fix}, start every document on a multiple of {ring.chunk} tokens, or run the model unsharded "
+            f"with attn_implementation='longattn'")
 
 
 def _chunk_offsets(ctx: _cp.CPContext, chunk: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ function. ``"longattn_ring"`` takes its documents from the sharded batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -207,9 +208,9 @@ class RingMask:
     that unsharded a packed row is one sequence (see :func:`builder_positions`).
     ``chunk_on_index``: this transformers release cuts the chunks at
     multiples of each row's token index (from its first real token), not of
-    the positions inside packed documents (releases before 5.24 do not remap
-    positions for chunks); the two agree where every document starts on a
-    chunk edge (:func:`.cp.check_sharded_call`)."""
+    the position ids of packed documents (:func:`chunks_on_positions`: before
+    5.24). The ring cuts each document from its own start: the same where
+    every document starts on a chunk edge (:func:`.cp.check_sharded_call`)."""
 
     chunk: Optional[int] = None
     positions: bool = True
@@ -239,6 +240,20 @@ def builder_positions(depth: int = 4) -> Optional[bool]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def chunks_on_positions() -> bool:
+    """Whether this transformers release cuts chunked attention's chunks of
+    packed sequences on their position ids (its chunked mask builder remaps
+    positions: 5.24 on) rather than on the row's token index. A property of
+    the release, the same on every rank: a rank's own mask cannot tell, since
+    transformers remaps only where that rank's position ids look packed."""
+    import inspect
+
+    import transformers.masking_utils as mu
+
+    return "remap_positions_for_packed_sequence" in inspect.getsource(mu.create_chunked_causal_mask)
+
+
 def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
               mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
     """transformers' mask hook for "longattn_ring": the sharded batch carries the
@@ -248,10 +263,9 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     whose mask builder had no position_ids, gets :class:`RingMask`."""
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         return attention_mask
-    pattern = read_pattern(mask_function, "longattn_ring")
-    chunk = pattern.chunk
+    chunk = read_pattern(mask_function, "longattn_ring").chunk
     mask = RingMask(None if chunk is None else chunk[0], builder_positions() is not False,
-                    chunk is not None and pattern.positions is None)
+                    chunk is not None and not chunks_on_positions())
     return None if mask == RingMask() else mask
 
 
