@@ -6,6 +6,8 @@ right and left padding, a length the zigzag layout cannot split evenly, a
 sliding window; greedy generation from a ShardedCache (Llama, dilated, and
 Gemma 2, GPT-OSS and Llama 4 against eager); and bad inputs that raise on
 every rank without a hang."""
+import types
+
 import pytest
 import torch
 
@@ -338,6 +340,8 @@ def _check_generate(rank, world):
     assert lt_checks.sharded_layer({}, k_out, v_out) is probe.layers[0]
     assert lt_checks.sharded_layer({}, k_out, v_out) is None  # handed over once
     probe.update(t, t, 0)  # the layer was read: no error
+    with pytest.raises(ValueError, match="other than the tensors"):  # its own layer's call, the tensors changed
+        lt_checks.sharded_layer({}, t.clone(), t, types.SimpleNamespace(layer_idx=0))
     probe.layers[0].read()
     extra = dict(eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     rows. Equivalent to transformers' ``"sdpa"``/``"eager"`` on every real
     token (see the package docstring)."""
     impl = "longattn"
-    if checks.sharded_layer(kwargs, key, value) is not None:
+    if checks.sharded_layer(kwargs, key, value, module) is not None:
         raise ValueError(f"attn_implementation={impl!r} got a ShardedCache: it serves 'longattn_ring' and "
                          f"'longattn_dilated'; use the default cache with 'longattn'")
     causal, value, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs, scores=True)
@@ -62,7 +62,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     passed as ``model(**batch)``) through :func:`longattn.ring_attention` or
     :func:`longattn.ring_attention_varlen`; or a :class:`ShardedCache` layer."""
     impl = "longattn_ring"
-    layer = checks.sharded_layer(kwargs, key, value)
+    layer = checks.sharded_layer(kwargs, key, value, module)
     if layer is not None:
         from .generation import sharded_layer_forward  # loaded already: the layer comes from there
 
@@ -96,7 +96,7 @@ def dilated_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     ``config.longattn_dilation_rates``; decoding from the KV cache through
     :func:`longattn.dilated_decode_attention`, or a :class:`ShardedCache` layer."""
     impl = "longattn_dilated"
-    layer = checks.sharded_layer(kwargs, key, value)  # first: a call that raises has still read its layer
+    layer = checks.sharded_layer(kwargs, key, value, module)  # first: a call that raises has still read its layer
     causal, padded, dv = checks.check_call(impl, module, query, key, value, dropout, softcap, kwargs)
     branches = _branches(impl, module, sliding_window)
     if layer is not None:

@@ -31,15 +31,27 @@ def hand_over(layer, key: torch.Tensor, value: torch.Tensor) -> None:
     _HANDOVER.layer, _HANDOVER.key, _HANDOVER.value = weakref.ref(layer), weakref.ref(key), weakref.ref(value)
 
 
-def sharded_layer(kwargs: dict, key: torch.Tensor, value: torch.Tensor):
+def sharded_layer(kwargs: dict, key: torch.Tensor, value: torch.Tensor, module=None):
     """The ShardedCache layer this attention call serves, or None: the one in
     its keyword arguments, else the one whose ``update`` just returned this
     very ``key`` and ``value`` (:func:`hand_over`; a stale hand-over never
-    matches new tensors). The layer found is marked read (``layer.read()``)."""
+    matches new tensors). The layer found is marked read (``layer.read()``).
+    Raises where the layer handed over is still unread and has this
+    ``module``'s ``layer_idx``, but the key and value are other tensors: the
+    model changed them between the cache's update and this call."""
     h = _HANDOVER
     layer = kwargs.get(SHARDED_LAYER_KEY)
-    if layer is None and h.layer is not None and h.key() is key and h.value() is value:
-        layer = h.layer()
+    if layer is None and h.layer is not None:
+        pending = h.layer()
+        if h.key() is key and h.value() is value:
+            layer = pending
+        elif pending is not None and pending.unread() and pending.index() == getattr(module, "layer_idx", None):
+            h.layer = h.key = h.value = None
+            raise ValueError("ShardedCache: this attention call got a key and value other than the tensors the "
+                             "cache's update returned (the model changes them in between), so it cannot find its "
+                             "sharded layer: before transformers 5.24 the layer travels with those very tensors. "
+                             "Use transformers >= 5.24 (the layer travels in the keyword arguments), or the default "
+                             "cache")
     if layer is not None:
         if h.layer is not None and layer is h.layer():
             h.layer = h.key = h.value = None

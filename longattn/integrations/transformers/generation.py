@@ -72,6 +72,13 @@ class ShardedLayer(CacheLayerMixin):
         if self.owner.unread is self:
             self.owner.unread = None
 
+    def unread(self) -> bool:
+        """Updated last, and no attention call has read it yet."""
+        return self.owner.unread is self
+
+    def index(self) -> int:
+        return next(i for i, layer in enumerate(self.owner.layers) if layer is self)
+
     def get_seq_length(self) -> int:
         return 0 if self.kv is None else self.kv.layout.seqlens[0]
 
