@@ -36,20 +36,9 @@ total=$(wc -l < "$logs/ids.txt")
 [ "$total" -gt 0 ] || { echo "no test collected from ${files[*]}" >&2; exit 1; }
 echo "$total tests over $gpus GPU(s); logs in $logs"
 SECONDS=0
-pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; exit 130' INT TERM
-for ((i = 0; i < gpus; i++)); do
-  awk -v i="$i" -v n="$gpus" '(NR - 1) % n == i' "$logs/ids.txt" > "$logs/ids$i.txt"
-  [ -s "$logs/ids$i.txt" ] || continue
-  CUDA_VISIBLE_DEVICES=${visible[$i]} xargs -d '\n' -a "$logs/ids$i.txt" python -m pytest -q -rfE -p no:cacheprovider \
-    --durations=5 --junitxml="$logs/gpu$i.xml" > "$logs/gpu$i.log" 2>&1 &
-  pids+=($!)
-done
-rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=1; done
-for ((i = 0; i < gpus; i++)); do
-  [ -f "$logs/gpu$i.log" ] && echo "GPU ${visible[$i]}: $(grep -E '(passed|failed|error)' "$logs/gpu$i.log" | tail -1)"
-done
+. scripts/shards.sh
+shard_env() { echo "CUDA_VISIBLE_DEVICES=${visible[$1]}"; }
+run_shards "$gpus" gpu; rc=$?
 # the multi-GPU tests last, on every GPU dealt above (their ranks take GPUs 0, 1, ... of those)
 python -m pytest -q --co -p no:cacheprovider -m multigpu "${files[@]}" 2>/dev/null | grep "::" > "$logs/multi.txt"
 if [ -s "$logs/multi.txt" ]; then

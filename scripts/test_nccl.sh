@@ -27,20 +27,9 @@ total=$(wc -l < "$logs/ids.txt")
 [ "$total" -gt 0 ] || { echo "no test collected from ${files[*]}" >&2; exit 1; }
 echo "$total tests over $procs processes, $count GPUs; logs in $logs"
 SECONDS=0
-pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; exit 130' INT TERM
-for ((i = 0; i < procs; i++)); do
-  awk -v i="$i" -v n="$procs" '(NR - 1) % n == i' "$logs/ids.txt" > "$logs/ids$i.txt"
-  [ -s "$logs/ids$i.txt" ] || continue
-  xargs -d '\n' -a "$logs/ids$i.txt" python -m pytest -q -rfEs -p no:cacheprovider --durations=5 \
-    --junitxml="$logs/nccl$i.xml" > "$logs/nccl$i.log" 2>&1 &
-  pids+=($!)
-done
-rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=1; done
-for ((i = 0; i < procs; i++)); do
-  [ -f "$logs/nccl$i.log" ] && echo "process $i: $(grep -E '(passed|failed|error)' "$logs/nccl$i.log" | tail -1)"
-done
+. scripts/shards.sh
+shard_env() { :; }
+run_shards "$procs" nccl; rc=$?
 grep -h -E "^(FAILED|ERROR) " "$logs"/nccl*.log
 echo "took $SECONDS s"
 exit $rc
