@@ -28,6 +28,7 @@ taken again, and what stays unseen is reported.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import json
@@ -97,12 +98,23 @@ def live_at_peak(trace: str, kernel_like: tuple = KERNEL_LIKE):
         elif a in open_at:
             allocs[open_at.pop(a)][3] = e["ts"]
     unseen += sum(a[0] for a in allocs if a[3] is None)  # the call frees all it makes: these went unseen
+    # per thread, the start times of its spans: a frame's locals are freed at its return, after the profiler
+    # stamps its end (by a few us, or more on a loaded machine) and before the thread's next span starts
+    starts: dict = {}
+    for p in spans:
+        starts.setdefault(p.get("tid"), []).append(p["ts"])
+
+    def returned_by(frame) -> float:
+        end = frame["ts"] + frame.get("dur", 0)
+        later = starts.get(frame.get("tid"), [])
+        i = bisect.bisect_left(later, end)
+        return max(end + 50, later[i]) if i < len(later) else float("inf")
+
     keep = []
     for n, ts, tid, t_free in allocs:
         fr = _frames_at(ts, tid, spans)
         outer = [p for p in fr if p.get("cat") == "python_function" and any(k in p["name"] for k in kernel_like)]
-        # the profiler stamps a frame's end a little before the frees of its locals
-        if outer and t_free is not None and t_free <= outer[0]["ts"] + outer[0].get("dur", 0) + 50:
+        if outer and t_free is not None and t_free <= returned_by(outer[0]):
             continue
         py = [p["name"] for p in fr if p.get("cat") == "python_function"]
         ops = [p["name"] for p in fr if p.get("cat") == "cpu_op"]
