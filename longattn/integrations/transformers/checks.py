@@ -13,6 +13,9 @@ import torch
 # ``update`` into the keyword arguments the model passes on, as transformers' paged cache does).
 SHARDED_LAYER_KEY = "longattn_sharded_layer"
 
+# The attention-call keyword of a batch sharded by longattn.context_parallel.shard_batch.
+CP_KEY = "longattn_cp"
+
 
 class _Handover(threading.local):
     """A ShardedCache layer whose ``update`` got no keyword arguments to write
@@ -45,7 +48,7 @@ def sharded_layer(kwargs: dict, key: torch.Tensor, value: torch.Tensor, module=N
         pending = h.layer()
         if h.key() is key and h.value() is value:
             layer = pending
-        elif pending is not None and pending.unread() and pending.index() == getattr(module, "layer_idx", None):
+        elif pending is not None and pending.is_pending() and pending.index() == getattr(module, "layer_idx", None):
             h.layer = h.key = h.value = None
             raise ValueError("ShardedCache: this attention call got a key and value other than the tensors the "
                              "cache's update returned (the model changes them in between), so it cannot find its "
@@ -57,8 +60,6 @@ def sharded_layer(kwargs: dict, key: torch.Tensor, value: torch.Tensor, module=N
             h.layer = h.key = h.value = None
         layer.read()
     return layer
-# The attention-call keyword of a batch sharded by longattn.context_parallel.shard_batch.
-CP_KEY = "longattn_cp"
 
 
 def check_call(impl: str, module, query, key, value, dropout, softcap, kwargs, scores: bool = False):

@@ -5,8 +5,6 @@ raised on all of them (one small all-gather per forward, at the first layer)
 so that no rank waits in the ring."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 import longattn
@@ -26,12 +24,11 @@ def context(kwargs, impl: str) -> _cp.CPContext:
     return ctx
 
 
-def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs,
-                       module=None, ring: Optional[RingMask] = None) -> None:
+def check_sharded_call(impl: str, ctx: _cp.CPContext, query, key, attention_mask, kwargs, module,
+                       ring: RingMask) -> None:
     """What a sharded batch cannot carry (ValueError). ``ring``: what the
     mask hook handed the layer (:class:`~.masks.RingMask`): masks built
     without position_ids, chunks cut on token indices."""
-    ring = RingMask() if ring is None else ring
     if ctx.from_positions and not ring.positions:
         raise ValueError(
             f"attn_implementation={impl!r}: the sharded batch's documents come from position_ids that restart, "

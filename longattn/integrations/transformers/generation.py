@@ -64,17 +64,17 @@ class ShardedLayer(CacheLayerMixin):
             kwargs[checks.SHARDED_LAYER_KEY] = self
         else:
             checks.hand_over(self, key_states, value_states)
-        self.owner.unread = self
+        self.owner.pending = self
         return key_states, value_states
 
     def read(self) -> None:
         """Called by the attention call this layer reached."""
-        if self.owner.unread is self:
-            self.owner.unread = None
+        if self.owner.pending is self:
+            self.owner.pending = None
 
-    def unread(self) -> bool:
+    def is_pending(self) -> bool:
         """Updated last, and no attention call has read it yet."""
-        return self.owner.unread is self
+        return self.owner.pending is self
 
     def index(self) -> int:
         return next(i for i, layer in enumerate(self.owner.layers) if layer is self)
@@ -90,7 +90,7 @@ class ShardedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.kv, self.is_initialized = None, False
-        self.owner.unread = None
+        self.owner.pending = None
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError("a ShardedCache cannot be reordered, cropped or re-batched (beam search, "
@@ -122,13 +122,13 @@ class ShardedCache(Cache):
         check_layout(layout)
         self.group = _cp.resolve_group(group)
         self.layout, self.reserve, self.block = layout, reserve, block
-        self.unread = None  # the layer updated last, until its attention call reads it
+        self.pending = None  # the layer updated last, until its attention call reads it
         super().__init__(layer_class_to_replicate=functools.partial(ShardedLayer, self))
 
     def check_read(self) -> None:
         """Raise where the attention call after the last update did not read
         its layer (and forget that layer)."""
-        layer, self.unread = self.unread, None
+        layer, self.pending = self.pending, None
         if layer is not None:
             raise ValueError("ShardedCache: the attention call after the cache's last update did not read its "
                              "sharded layer, so it attended to the new tokens alone. A ShardedCache serves "
