@@ -15,6 +15,7 @@ from longattn import masks
 from longattn.distributed import transport
 from longattn.distributed.ring import BackendOp, ring_forward
 from longattn.distributed.transport import ring_transport
+from longattn.flex import fa4
 from longattn.flex.schedule import ring_schedule
 from reference import flex_ref_grads
 
@@ -283,11 +284,15 @@ def _check_gpu_peak(rank, world, name, want):
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base + transport.symmetric_bytes()) / shard
         transport.release_slots()
-    print(f"rank {rank} {name}: fwd+bwd peak {peak:.2f} shards (accounting {want})")
+    # FA4's backward keeps a float32 dQ accumulator of the step's rows (2 shards) beside its outputs, which the
+    # CPU accounting (kernels allocate their outputs only) does not see
+    kernel = fa4.choose(xs[0], xs[1], xs[2], mask, None)
+    want += 2.0 if kernel == "fa4" else 0.0
+    print(f"rank {rank} {name}: fwd+bwd peak {peak:.2f} shards (accounting {want}, steps on {kernel})")
     # allowed on top: lse-sized buffers and up to one shard of what FlexAttention's compiled kernels may hold
     # beyond their outputs (not seen by the CPU accounting; the bench's one-GPU flex rows hold 5 shards of their
     # q where out and dQ/dK/dV are 4)
-    assert peak <= want + 1.25, (name, peak, want)
+    assert peak <= want + 1.25, (name, peak, want, kernel)
 
 
 @pytest.mark.gpu
@@ -296,7 +301,8 @@ def _check_gpu_peak(rank, world, name, want):
 def test_ring_flex_gpu_peak_matches_accounting(name, want):
     """On 2 GPUs (NCCL): the measured fwd+bwd peak per rank, as longattn.bench
     dist takes it (allocated above the inputs plus the exchange slots), against
-    the CPU accounting's shards (MEMORY)."""
+    the CPU accounting's shards (MEMORY), plus FA4's float32 dQ accumulator
+    where FA4 runs the steps."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     run_world(_check_gpu_peak, 2, name, want, backend="nccl")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import longattn
 from longattn.tuning import DilatedTuning
-from reference import attention_ref, dilated_ref, grads_of, rel_err
+from reference import assert_close, attention_ref, dilated_ref, grads_of, rel_err
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -192,6 +192,37 @@ def test_dilated_views_under_cuda_graphs(causal):
         go, _, gg = grads_of(graphed, [q, k, v], do)
         # cuDNN's backward sums dQ with atomics: runs differ by ~1e-5 (eager against eager too)
         assert rel_err(go, o) < 1e-6 and all(rel_err(a, b) < 1e-4 for a, b in zip(gg, g))
+
+
+@pytest.mark.parametrize("backend", ["efficient", "triton", "math", "auto"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_odd_lengths(backend, causal):
+    """float32 on the GPU (a transformers model in float32) with lengths that
+    are not multiples of 8, batch 2, GQA: out, lse and every gradient of a dense
+    call (1001 tokens) and of packed documents (3, 17, 1, 12
+    tokens: each document's lse a slice of the call's) within 1e-4 of float64.
+    The efficient kernel's backward reads lse with head and batch strides that
+    are multiples of 8 (aten.efficient_stats)."""
+    from reference import varlen_ref
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    mk = lambda *shape: torch.randn(*shape, device=DEV, generator=g)
+    q, k, v, do, dl = mk(2, 1001, 4, 64), mk(2, 1001, 2, 64), mk(2, 1001, 2, 64), mk(2, 1001, 4, 64), mk(2, 4, 1001)
+    ref = grads_of(lambda q, k, v: attention_ref(q, k, v, causal=causal), [q.double(), k.double(), v.double()],
+                   do, dl)
+    got = grads_of(lambda q, k, v: longattn.attention(q, k, v, causal=causal, backend=backend, return_lse=True),
+                   [q, k, v], do, dl)
+    names = ("out", "lse", "dq", "dk", "dv")
+    assert_close(dict(zip(names, [got[0], got[1], *got[2]])), dict(zip(names, [ref[0], ref[1], *ref[2]])), 1e-4,
+                 f"dense {backend} causal={causal}")
+    lens = [3, 17, 1, 12]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEV)
+    q, k, v, do, dl = mk(33, 4, 64), mk(33, 2, 64), mk(33, 2, 64), mk(33, 4, 64), mk(4, 33)
+    ref = grads_of(lambda q, k, v: varlen_ref(q, k, v, cu, causal), [q.double(), k.double(), v.double()], do, dl)
+    got = grads_of(lambda q, k, v: longattn.attention_varlen(q, k, v, cu, causal=causal, backend=backend,
+                                                            return_lse=True), [q, k, v], do, dl)
+    assert_close(dict(zip(names, [got[0], got[1], *got[2]])), dict(zip(names, [ref[0], ref[1], *ref[2]])), 1e-4,
+                 f"varlen {backend} causal={causal}")
 
 
 @pytest.mark.parametrize("backend", ["triton", "flash"])

@@ -93,10 +93,23 @@ def efficient_forward(q, k, v, scale: float, causal: bool):
     return out.transpose(1, 2), lse[..., : q.shape[1]].float()
 
 
+def efficient_stats(lse: torch.Tensor) -> torch.Tensor:
+    """(B, H, S) lse, any strides -> the (B, H, S rounded up to 32) float32
+    buffer the efficient kernel's backward reads, laid out as its forward
+    returns it: the kernel raises "LSE is not correctly aligned" unless the
+    head and batch strides are multiples of 8 (a document of 3 tokens, a
+    sequence of 1001), and its last query block may read past S. Dead rows and
+    the padding +inf (P = 0)."""
+    s = lse.shape[-1]
+    stats = torch.full((*lse.shape[:-1], -(-s // 32) * 32), float("inf"), dtype=torch.float32, device=lse.device)
+    stats[..., :s] = dead_rows_to_pos_inf(lse)
+    return stats
+
+
 def efficient_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     """k, v already expanded to q's heads."""
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     res = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, out.transpose(1, 2),
-        dead_rows_to_pos_inf(lse).contiguous(), seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+        efficient_stats(lse), seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
     return tuple(t.transpose(1, 2) for t in res[:3])
