@@ -78,8 +78,13 @@ class DilatedTuning:
                     "same bound, in passes not replayed from graphs (gather_gqa_graphed): LongNet 32q/8kv at 128K, "
                     "31 -> 16 calls per pass, one H100 on cuDNN, alternating: causal fwd 10.02 vs 10.07 ms (host "
                     "4.27 vs 5.86), bwd 33.14 vs 33.34 (host 10.19 vs 12.28); non-causal fwd 15.79 vs 16.02 (host "
-                    "6.38 vs 10.39); out, dK, dV bit-identical",
-        "dilated_gather_ab_h200_d28c735.json, dilated_gather_ab_gqa_h100_cb382ff.json")
+                    "6.38 vs 10.39); out, dK, dV bit-identical. On FA4 (python benchmarks/dilated_gather_ab.py "
+                    "--heads 32 --kv-heads 8 --seqlens 131072) the GPU time ties and the host's drops: one H100 "
+                    "causal fwd 10.32 vs 13.48 ms (host 8.72 vs 13.39), bwd 30.58 vs 30.60 (12.67 vs 19.68); one "
+                    "H200 causal fwd 10.02 vs 10.16 (4.09 vs 6.44), bwd 28.53 vs 28.93 (6.15 vs 9.69), non-causal "
+                    "bwd 44.17 vs 44.45",
+        "dilated_gather_ab_h200_d28c735.json, dilated_gather_ab_gqa_h100_cb382ff.json, "
+        "dilated_gather_ab_gqa_fa4_h100_926d70c.json, dilated_gather_gqa_h200_7884a90.json")
     gather_gqa_graphed: bool = measured(
         False, "gather small GQA branches inside passes replayed from CUDA graphs too: there the host time they "
                "save is already gone and their copies remain; LongNet 32q/8kv at 32K (graphed), one H100 on "
