@@ -15,7 +15,8 @@ choice (out and the three gradients, relative to their largest magnitude).
 A variant is ``cudnn``, ``fa4`` (FA4's choice) or ``fa4:`` with ``+``-joined
 parts: ``f128x176`` (forward tile m x n), ``rs0`` / ``ol0`` (no register-held P
 / no intra-warpgroup overlap), ``pack0`` (GQA unpacked), ``b64`` (backward
-query tile 64). ``--precompile N`` compiles every FA4 variant first in N
+query tile 64), ``ctl`` (nothing changed: a control). Each round runs the
+variants in an order rotated by one. ``--precompile N`` compiles every FA4 variant first in N
 processes sharing FA4's disk cache (CuTe DSL compiles take seconds each).
 """
 import argparse
@@ -65,6 +66,8 @@ def parse(variant: str) -> tuple[str, dict, dict]:
             fwd["intra_wg_overlap"] = False
         elif part == "pack0":
             fwd["pack_gqa"] = False
+        elif part == "ctl":
+            pass  # FA4's choice again, under another name: the spread between two identical variants
         elif part.startswith("b"):
             bwd["m_block_size"] = int(part[1:])
         else:
@@ -198,9 +201,10 @@ def main():
             except Exception as e:  # noqa: BLE001 - reported in the row
                 rows.append(dict(config=c, variant=v, status="failed", reason=f"{type(e).__name__}: {str(e)[:300]}"))
                 fns.pop(v, None)
-        for _ in range(a.rounds):
-            for v, (fwd, fwd_bwd) in fns.items():
-                run_variant(ov, cfg, v, tensors)  # its overrides in force
+        names = list(fns)
+        for rnd in range(a.rounds):
+            for v in names[rnd % len(names):] + names[:rnd % len(names)]:
+                fwd, fwd_bwd = run_variant(ov, cfg, v, tensors)  # its overrides in force
                 fwd(), fwd_bwd()  # warm
                 acc[v][0].append(timings(fwd, a.iters))
                 acc[v][1].append(timings(fwd_bwd, a.iters))
