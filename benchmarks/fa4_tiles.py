@@ -12,9 +12,12 @@ choice (out and the three gradients, relative to their largest magnitude).
 
     python benchmarks/fa4_tiles.py --json OUT.json [--configs longnet_128k ...] [--precompile 8]
 
+A config is a bench config's name or ``B:S:H:HKV:D[:causal]`` (a dense call of
+that shape, bf16).
+
 A variant is ``cudnn``, ``fa4`` (FA4's choice) or ``fa4:`` with ``+``-joined
 parts: ``f128x176`` (forward tile m x n), ``rs0`` / ``ol0`` (no register-held P
-/ no intra-warpgroup overlap), ``pack0`` (GQA unpacked), ``b64`` (backward
+/ no intra-warpgroup overlap), ``pack0`` / ``pack1`` (GQA unpacked / packed), ``b64`` (backward
 query tile 64), ``ctl`` (nothing changed: a control). Each round runs the
 variants in an order rotated by one. ``--precompile N`` compiles every FA4 variant first in N
 processes sharing FA4's disk cache (CuTe DSL compiles take seconds each).
@@ -64,8 +67,8 @@ def parse(variant: str) -> tuple[str, dict, dict]:
             fwd["mma_pv_is_rs"] = False
         elif part == "ol0":
             fwd["intra_wg_overlap"] = False
-        elif part == "pack0":
-            fwd["pack_gqa"] = False
+        elif part in ("pack0", "pack1"):
+            fwd["pack_gqa"] = part == "pack1"
         elif part == "ctl":
             pass  # FA4's choice again, under another name: the spread between two identical variants
         elif part.startswith("b"):
@@ -96,6 +99,13 @@ class Overrides:
 
         fwd.compile_cache = orig_fwd.compile_cache  # FA4 reaches its cache through the module's name
         iface._flash_attn_fwd, iface._tile_size_bwd_sm90 = fwd, tile_bwd
+
+
+def config(name: str):
+    if ":" not in name:
+        return C.get(name)
+    b, s, h, hkv, d, *causal = name.split(":")
+    return C.Config(name, int(b), int(s), int(h), int(d), kv_heads=int(hkv), causal=causal == ["causal"])
 
 
 def inputs(cfg):
@@ -172,7 +182,7 @@ def main():
     if a.worker:
         i, n = map(int, a.worker.split("/"))
         for c, v in [x for j, x in enumerate(y for y in plan if y[1] != "cudnn") if j % n == i]:
-            cfg = C.get(c)
+            cfg = config(c)
             try:
                 run_variant(ov, cfg, v, inputs(cfg))[1]()
                 torch.cuda.synchronize()
@@ -186,7 +196,7 @@ def main():
             pr.wait()
     rows = []
     for c in a.configs:
-        cfg = C.get(c)
+        cfg = config(c)
         tensors = inputs(cfg)
         variants = [v for cc, v in plan if cc == c]
         fns, ref, acc = {}, None, {v: ([], []) for v in variants}

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Optional
 
 __all__ = ["DilatedTuning", "VarlenTuning", "RingVarlenTuning", "DecodeTuning", "DocShardTuning", "FlexExchangeTuning",
-           "DILATED", "VARLEN", "RING_VARLEN", "DECODE", "DOC_SHARD", "FLEX_EXCHANGE", "describe"]
+           "Fa4Tuning", "DILATED", "VARLEN", "RING_VARLEN", "DECODE", "DOC_SHARD", "FLEX_EXCHANGE", "FA4", "describe"]
 
 DILATED_SCHEDULES = ("auto", "views", "grouped", "dedup", "per_branch", "per_branch_zero_fill", "gather")
 
@@ -572,6 +572,33 @@ class FlexFa4Tuning:
                 raise ValueError(f"FlexFa4Tuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Fa4Tuning:
+    """Where the fa4 backend (:class:`longattn.backends.fa4.FA4Backend`) overrides
+    FlashAttention-4's own kernel choices. Its tile sizes are FA4's: on the ops'
+    own calls (one H100, ``python benchmarks/fa4_tiles.py``: the dilated views
+    of LongNet at 128K, D=128 and 64, causal and not, GQA; dense 32K; varlen 32K)
+    no other forward tile (128x144 ... 128x192, register-held P off) or backward
+    query tile (64 / 80) beat FA4's choice by more than the spread between two
+    identical variants (about 1%), and D=64's 192x160 / 192x192 forwards lost
+    30-45% (fa4_tiles_h100_8048d53.json, fa4_tiles_h100_586da65.json)."""
+
+    unpacked_gqa_causal_rows: tuple = measured(
+        (2048, 2048), "causal GQA calls with this many query rows (inclusive range) run FA4's forward with each query "
+                      "head in its own tiles (pack_gqa=False; FA4 packs a kv head's query heads into one tile). "
+                      "LongNet 32q/8kv causal at 128K (the dilated views: causal squares of 2048 rows), one H100, "
+                      "forward ms unpacked / packed / packed again (a control), medians of 6 rounds: 10.12 / 10.47 / "
+                      "10.52, fwd+bwd 40.9 / 41.2 / 41.1; another run 10.13 / 10.64. Dense causal 32K 32q/8kv: "
+                      "packed 13.49 / 13.41 against 13.66 unpacked, so longer calls keep FA4's choice. Not profiled why",
+        "fa4_tiles_h100_8048d53.json, fa4_tiles_h100_586da65.json")
+
+    def __post_init__(self):
+        r = self.unpacked_gqa_causal_rows
+        if not (isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0]):
+            raise ValueError(f"Fa4Tuning.unpacked_gqa_causal_rows must be a (low, high) pair of ints >= 0 "
+                             f"(high < low: never), got {r!r}")
+
+
 DILATED = DilatedTuning()
 VARLEN = VarlenTuning()
 DECODE = DecodeTuning()
@@ -580,7 +607,8 @@ ULYSSES = UlyssesTuning()
 DOC_SHARD = DocShardTuning()
 FLEX_EXCHANGE = FlexExchangeTuning()
 FLEX_FA4 = FlexFa4Tuning()
-TUNINGS = (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD, FLEX_EXCHANGE, FLEX_FA4)
+FA4 = Fa4Tuning()
+TUNINGS = (DILATED, VARLEN, RING_VARLEN, DECODE, ULYSSES, DOC_SHARD, FLEX_EXCHANGE, FLEX_FA4, FA4)
 """Every tuning object (``describe`` lists their fields)."""
 
 

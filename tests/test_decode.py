@@ -911,7 +911,8 @@ def test_fa4_engine_plumbing(monkeypatch, lq, causal, softcap):
     lens = [37, 0, 20] if not causal else [37, lq, 20]
     out, lse = longattn.decode_attention(q, k, v, cache_seqlens=torch.tensor(lens, dtype=I32), causal=causal,
                                          softcap=softcap, return_lse=True, backend="fa4")
-    assert fake.calls == [dict(varlen=False, seqused_k=True, num_splits=0, softcap=softcap, max_seqlen_k=37)]
+    assert fake.calls == [dict(varlen=False, seqused_k=True, num_splits=0, softcap=softcap, max_seqlen_k=37,
+                                pack_gqa=None)]
     from longattn.tuning import DecodeTuning
 
     again = engine.dense_part(q, k, v, lens, causal, d ** -0.5, "fa4", tuning=DecodeTuning(fa4_num_splits=7),

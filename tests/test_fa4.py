@@ -13,6 +13,7 @@ import torch
 
 import longattn
 from longattn import backends as bk
+from longattn import tuning
 from longattn.backends import _fa4_api
 from longattn.backends import varlen as _varlen
 from longattn.backends.fa4 import FA4Backend
@@ -186,7 +187,7 @@ def test_import_longattn_does_not_import_fa4():
 # ---------------------------------------------------------------------- the private-API module (CPU)
 def _fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
          softmax_scale=None, causal=False, softcap=None, window_size_left=None, window_size_right=None, num_splits=1,
-         return_lse=False, **more):
+         return_lse=False, pack_gqa=None, **more):
     pass
 
 
@@ -233,11 +234,11 @@ class _MathInterface:
 
     def _flash_attn_fwd(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=None,
                         max_seqlen_k=None, softmax_scale=None, causal=False, softcap=None, window_size_left=None,
-                        window_size_right=None, num_splits=1, return_lse=False):
+                        window_size_right=None, num_splits=1, return_lse=False, pack_gqa=None):
         assert return_lse and (cu_seqlens_q is None) == (max_seqlen_q is None)
         assert (cu_seqlens_q is None) == (cu_seqlens_k is None)
         self.calls.append(dict(varlen=cu_seqlens_q is not None, seqused_k=seqused_k is not None,
-                               num_splits=num_splits, softcap=softcap, max_seqlen_k=max_seqlen_k))
+                               num_splits=num_splits, softcap=softcap, max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa))
         win = (softmax_scale, causal, window_size_left, window_size_right, softcap)
         run = lambda qd, kd, vd: bk.MATH.forward(qd, kd, vd, self._spec(qd, kd, *win))
         if cu_seqlens_q is None and seqused_k is None:
@@ -313,6 +314,30 @@ def test_plumbing_to_fa4(math_fa4, causal, window, sq, sk, softcap):
     want = results(lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window, scale=0.25, softcap=softcap),
                    [q, k, v], do, dl)
     assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, f"{causal} {window} softcap={softcap}")
+
+
+def test_pack_gqa_choice(fake_interface):
+    """Causal GQA calls of the tuned query lengths (the dilated views' 2048-row
+    squares) run FA4 unpacked; every other call leaves FA4's choice."""
+    b = FA4Backend()
+    lo, hi = b.tuning.unpacked_gqa_causal_rows
+    causal, full = bk.BlockSpec(0.1, True), bk.BlockSpec(0.1)
+    rows = lambda s, h=8, hkv=2: (_t(1, s, h, 64), _t(1, s, hkv, 64))
+    assert b.pack_gqa(*rows(hi), causal) is False and b.pack_gqa(*rows(lo), causal) is False
+    for q, k, spec in [(*rows(hi), full), (*rows(hi, 8, 8), causal), (*rows(hi + 1), causal), (*rows(lo - 1), causal),
+                       (*rows(1), causal)]:
+        assert b.pack_gqa(q, k, spec) is None, (q.shape, k.shape, spec)
+    with pytest.raises(ValueError, match="unpacked_gqa_causal_rows"):
+        tuning.Fa4Tuning(unpacked_gqa_causal_rows=(8,))
+    # the choice reaches FA4's call, and the result stays exact
+    q, k, v, do, dl = _cpu_inputs(1, 6, 6, 4, 2)
+    b.forward(q, k, v, bk.BlockSpec(0.25, True))
+    assert fake_interface.calls[-1]["pack_gqa"] is None  # 6 rows: FA4's choice
+    out, lse = FA4Backend(tuning=tuning.Fa4Tuning(unpacked_gqa_causal_rows=(1, 8))).forward(
+        q, k, v, bk.BlockSpec(0.25, True))
+    assert fake_interface.calls[-1]["pack_gqa"] is False
+    want = results(lambda q, k, v: attention_ref(q, k, v, causal=True, scale=0.25), [q, k, v], do, dl)
+    assert_close(dict(out=out, lse=lse), {n: want[n] for n in ("out", "lse")}, 1e-6, "unpacked")
 
 
 def test_plumbing_merged_backward(math_fa4):
@@ -422,6 +447,18 @@ def test_dense_against_reference(fa4, causal, window, sq, sk, h, hkv):
         dead = slice(0, sq - sk)
         assert torch.equal(got["out"][:, dead], torch.zeros_like(got["out"][:, dead]))
         assert (got["lse"][:, :, dead] == float("-inf")).all() and torch.isfinite(got["dq"]).all()
+
+
+@pytest.mark.gpu
+def test_unpacked_gqa_causal(fa4):
+    """The causal GQA squares FA4 runs unpacked (Fa4Tuning.unpacked_gqa_causal_rows:
+    the dilated views' 2048 rows), against float64."""
+    s = fa4.tuning.unpacked_gqa_causal_rows[1]
+    q, k, v, do, dl = _inputs(1, s, s, 8, 2, 128)
+    assert fa4.pack_gqa(q, k, bk.BlockSpec(128 ** -0.5, True)) is False
+    _within_bar(lambda q, k, v: longattn.attention(q, k, v, backend="fa4", causal=True, return_lse=True),
+                lambda q, k, v: longattn.attention(q, k, v, backend="flash", causal=True, return_lse=True),
+                lambda q, k, v: attention_ref(q, k, v, causal=True), [q, k, v], do, dl, f"unpacked {s} rows 8/2")
 
 
 @pytest.mark.gpu

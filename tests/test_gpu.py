@@ -98,6 +98,13 @@ def test_dilated_auto_d64_bf16(causal, hkv):
             test_dilated_bf16("auto", causal, hkv, segs, seqlen, d=64)
 
 
+def test_dilated_fa4_unpacked_gqa_bf16():
+    """GQA causal views of 2048 rows, which FA4 runs with its query heads unpacked
+    (Fa4Tuning.unpacked_gqa_causal_rows)."""
+    pytest.importorskip("flash_attn.cute")
+    test_dilated_bf16("fa4", True, 2, [2048, 4096], 8192, rates=(1, 2))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_dilated_views_ungathered_bf16(causal):
     """The MHA views path with no branch gathered: offset classes stacked per

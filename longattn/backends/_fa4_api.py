@@ -28,7 +28,8 @@ INSTALL_HINT = f"pip install 'longattn[fa4]' (pins {DIST}=={WRITTEN_FOR})"
 
 # The keyword arguments passed below, per private function.
 FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-            "causal", "softcap", "window_size_left", "window_size_right", "return_lse", "seqused_k", "num_splits")
+            "causal", "softcap", "window_size_left", "window_size_right", "return_lse", "seqused_k", "num_splits",
+            "pack_gqa")
 BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap", "window_size_left",
             "window_size_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dlse")
 
@@ -92,17 +93,19 @@ def _window(window: tuple[int, int]) -> tuple[Optional[int], Optional[int]]:
 
 
 def forward(q, k, v, scale: float, causal: bool, window: tuple[int, int], cu=None, max_seqlen: int = 0, *,
-            softcap: float = 0.0, cu_k=None, max_seqlen_k: int = 0):
+            softcap: float = 0.0, cu_k=None, max_seqlen_k: int = 0, pack_gqa: Optional[bool] = None):
     """out in q.dtype and lse float32. ``cu`` (int32 cu_seqlens) makes it varlen,
     shared by q and k unless ``cu_k`` (with ``max_seqlen_k``) gives the key
     documents (causal then bottom-right aligned per document). ``softcap``:
-    FA4's own soft-capping (a score_mod in both passes on sm_90 and sm_100)."""
+    FA4's own soft-capping (a score_mod in both passes on sm_90 and sm_100).
+    ``pack_gqa``: whether a tile holds the query heads of one kv head (None:
+    FA4's choice, packed under GQA)."""
     left, right = _window(window)
     cu_k, max_k = (cu, max_seqlen) if cu_k is None else (cu_k, max_seqlen_k)
     res = _interface()._flash_attn_fwd(
         q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen if cu is not None else None,
         max_seqlen_k=max_k if cu is not None else None, softmax_scale=scale, causal=causal,
-        softcap=float(softcap), window_size_left=left, window_size_right=right, return_lse=True)
+        softcap=float(softcap), window_size_left=left, window_size_right=right, return_lse=True, pack_gqa=pack_gqa)
     return res[0], res[1]
 
 

@@ -2,8 +2,11 @@
 (``pip install 'longattn[fa4]'``), imported on the first CUDA call that asks."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from .. import tuning as _tuning
 from . import _fa4_api
 from .base import Backend, is_bottom_right
 
@@ -47,8 +50,8 @@ class FA4Backend(Backend):
     # verified, so they stay on the next backend.
     sm90_headdims = (64, 96, 128, 192, 256)
 
-    def __init__(self, api=_fa4_api):
-        self._api = api
+    def __init__(self, api=_fa4_api, tuning: _tuning.Fa4Tuning = _tuning.FA4):
+        self._api, self.tuning = api, tuning
 
     def _extra_refusals(self, spec, q, k):
         r = self._kernel_refusals(q)
@@ -93,7 +96,15 @@ class FA4Backend(Backend):
         return (r + self._kernel_refusals(q)) or self._install_refusals(q)
 
     def forward(self, q, k, v, spec):
-        return self._api.forward(q, k, v, spec.scale, spec.causal, spec.flash_window(), softcap=spec.softcap)
+        return self._api.forward(q, k, v, spec.scale, spec.causal, spec.flash_window(), softcap=spec.softcap,
+                                 pack_gqa=self.pack_gqa(q, k, spec))
+
+    def pack_gqa(self, q, k, spec) -> Optional[bool]:
+        """FA4's ``pack_gqa`` for a (B, S, H, D) call: False (each query head its own
+        tiles) for causal GQA calls whose query length is in
+        ``self.tuning.unpacked_gqa_causal_rows``, else None (FA4's choice)."""
+        lo, hi = self.tuning.unpacked_gqa_causal_rows
+        return False if spec.causal and q.shape[2] != k.shape[2] and lo <= q.shape[1] <= hi else None
 
     def backward(self, dout, q, k, v, out, lse, spec, dlse=None):
         return self._api.backward(dout, q, k, v, out, lse, spec.scale, spec.causal, spec.flash_window(), dlse,
