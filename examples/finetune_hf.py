@@ -36,13 +36,13 @@ def byte_batches(data: bytes, seqlen: int, batch: int, pack: bool, gen: torch.Ge
     docs = [p for p in data.split(b"\n\n") if p] if pack else None
     while True:
         if not pack:
-            ix = torch.randint(len(t) - seqlen, (batch,), generator=gen)
+            ix = torch.randint(len(t) - seqlen, (batch,), generator=gen, device=gen.device)
             yield dict(input_ids=torch.stack([t[i:i + seqlen] for i in ix.tolist()]))
             continue
         rows, pos = [], []
         for _ in range(batch):
             ids, p = [], []
-            j = int(torch.randint(len(docs), (1,), generator=gen))
+            j = int(torch.randint(len(docs), (1,), generator=gen, device=gen.device))
             while len(ids) < seqlen:
                 d = list(docs[j % len(docs)][:seqlen])
                 ids += d
@@ -50,7 +50,7 @@ def byte_batches(data: bytes, seqlen: int, batch: int, pack: bool, gen: torch.Ge
                 j += 1
             rows.append(ids[:seqlen])
             pos.append(p[:seqlen])
-        yield dict(input_ids=torch.tensor(rows), position_ids=torch.tensor(pos))
+        yield dict(input_ids=torch.tensor(rows, device="cpu"), position_ids=torch.tensor(pos, device="cpu"))
 
 
 def progress(step: int, steps: int, loss: float, tok_s: float, per_rank: float, width: int = 24) -> str:
@@ -116,7 +116,7 @@ def main(argv=None):
         tok = AutoTokenizer.from_pretrained(args.pretrained)
         text = open(args.data, encoding="utf-8").read()
         data = None
-        ids_all = torch.tensor(tok(text)["input_ids"])
+        ids_all = torch.tensor(tok(text)["input_ids"], device="cpu")
     else:
         extra = {}
         if args.attn == "longattn_dilated":
@@ -138,7 +138,7 @@ def main(argv=None):
     else:
         def windows():
             while True:
-                ix = torch.randint(len(ids_all) - args.seqlen, (args.batch,), generator=gen)
+                ix = torch.randint(len(ids_all) - args.seqlen, (args.batch,), generator=gen, device=gen.device)
                 yield dict(input_ids=torch.stack([ids_all[i:i + args.seqlen] for i in ix.tolist()]))
         batches = windows()
 

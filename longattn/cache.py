@@ -194,12 +194,12 @@ class KVCache:
     @property
     def seqlens(self) -> torch.Tensor:
         """Tokens of each row, all ranks together: int32 ``(batch,)`` on the CPU."""
-        return torch.tensor(self.layout.seqlens, dtype=torch.int32)
+        return torch.tensor(self.layout.seqlens, dtype=torch.int32, device="cpu")
 
     @property
     def local_seqlens(self) -> torch.Tensor:
         """Tokens of each row stored on this rank: int32 ``(batch,)`` on the CPU."""
-        return torch.tensor(self.layout.local[self.rank], dtype=torch.int32)
+        return torch.tensor(self.layout.local[self.rank], dtype=torch.int32, device="cpu")
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.k.shape[0]}, nheads_kv={self.k.shape[2]}, headdim={self.k.shape[3]}, "

@@ -212,12 +212,14 @@ def _shard_batch(rank, world):
     batch = cp.shard_batch(ids, cu_seqlens=cu, layout="documents")
     ctx, plan = batch["longattn_cp"], batch["longattn_cp"].documents
     assert plan is not None and plan.split and batch["input_ids"].shape == (1, plan.local_tokens)
-    assert torch.equal(batch["input_ids"][0][plan.valid], plan.global_index[plan.valid] + 100)
-    assert torch.equal(batch["position_ids"][0], plan.position_ids)
+    # the plan lives on the host; the batch on the ids' device (CUDA under NCCL runs)
+    valid, gidx = plan.valid.to(ids.device), plan.global_index.to(ids.device)
+    assert torch.equal(batch["input_ids"][0][valid], gidx[valid] + 100)
+    assert torch.equal(batch["position_ids"][0], plan.position_ids.to(ids.device))
     labels = batch["shift_labels"][0]
-    last = plan.global_index == int(cu[-1]) - 1  # without labels, only the stream's last token has no target
-    assert (labels[~plan.valid | last] == -100).all()
-    assert torch.equal(labels[plan.valid & ~last], plan.global_index[plan.valid & ~last] + 101)
+    last = gidx == int(cu[-1]) - 1  # without labels, only the stream's last token has no target
+    assert (labels[~valid | last] == -100).all()
+    assert torch.equal(labels[valid & ~last], gidx[valid & ~last] + 101)
     assert torch.equal(ctx.gather(batch["input_ids"][..., None])[..., 0], ids)
     x = plan.shard(torch.randn(int(cu[-1]), 2, 8, generator=generator(0)))
     out = ctx.attention_varlen(x, x, x, causal=True)

@@ -130,7 +130,7 @@ def op_cu_seqlens(kind: str, cu_seqlens: torch.Tensor, values, device: torch.dev
     waiting for the device (a blocking copy waits for every kernel queued,
     and the host then cannot run ahead of the GPU)."""
     if kind == "loop":
-        return cu_seqlens if cu_seqlens.device.type == "cpu" else torch.tensor(values, dtype=torch.int32)
+        return cu_seqlens if cu_seqlens.device.type == "cpu" else torch.tensor(values, dtype=torch.int32, device="cpu")
     return cu_seqlens if cu_seqlens.device == device else cu_seqlens.to(device, non_blocking=True)
 
 

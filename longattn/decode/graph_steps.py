@@ -78,6 +78,6 @@ class StepGraphs:
             # whether the lengths were advanced is unknown (a capture that failed, an interrupt): the host's
             # are the truth; copied into the same tensor, which the captured graphs read
             with torch.inference_mode(False):
-                self.lens.copy_(torch.tensor(list(lens), dtype=torch.int32))
+                self.lens.copy_(torch.tensor(list(lens), dtype=torch.int32, device="cpu"))
             raise
         return (res[0], res[1] if need_lse else None)

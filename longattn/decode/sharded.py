@@ -36,7 +36,7 @@ def gather_partials(part: Optional[tuple[torch.Tensor, torch.Tensor]], shape: Op
     # one int32 block: the header, then the float32 partials viewed in place
     buf = torch.empty(nh + n_out + n_lse, dtype=torch.int32, device=device)
     if nh:
-        buf[:nh].copy_(torch.tensor(list(header), dtype=torch.int32))
+        buf[:nh].copy_(torch.tensor(list(header), dtype=torch.int32, device="cpu"))
     pay = buf[nh:].view(torch.float32)
     if part is None:
         pay.zero_()

@@ -54,7 +54,7 @@ def split_branches(local_len: int, world: int, segment_lengths, dilation_rates):
 def _heads(nheads: int, nheads_kv: int, r: int, device):
     """Per query head: its offset class; per exchanged kv row: (class, kv head); and whether that is GQA-regular."""
     g = nheads // nheads_kv
-    cls = torch.arange(nheads) % r
+    cls = torch.arange(nheads, device="cpu") % r
     pairs = [(h % r, h // g) for h in range(nheads)]
     uniq = list(dict.fromkeys(pairs))
     run = nheads // len(uniq)

@@ -73,11 +73,11 @@ class FusedVarlenStep:
             mine = [sg for sg in segs if sg[2] == causal]
             if not mine:
                 continue
-            q_idx = torch.cat([torch.arange(q0, q1) for (q0, q1), _, _ in mine])
-            k_idx = torch.cat([torch.cat([torch.arange(a, b) for a, b in ks]) for _, ks, _ in mine])
+            q_idx = torch.cat([torch.arange(q0, q1, device="cpu") for (q0, q1), _, _ in mine])
+            k_idx = torch.cat([torch.cat([torch.arange(a, b, device="cpu") for a, b in ks]) for _, ks, _ in mine])
             lq = [q1 - q0 for (q0, q1), _, _ in mine]
             lk = [sum(b - a for a, b in ks) for _, ks, _ in mine]
-            cu = lambda ls: torch.tensor([0] + ls, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+            cu = lambda ls: torch.tensor([0] + ls, dtype=torch.int64, device="cpu").cumsum(0).to(torch.int32).to(device)
             self.launches.append((q_idx.to(device), k_idx.to(device), cu(lq), cu(lk), max(lq), max(lk), causal))
 
     def forward(self, q, k, v):

@@ -24,9 +24,9 @@ from .plan import pieces
 def global_index(cu: tuple, layout: str, world: int, rank: int) -> torch.Tensor:
     """Global packed index of each local token, -1 for padding."""
     parts, length = pieces(cu, layout, world, rank)
-    idx = torch.full((length,), -1, dtype=torch.long)
+    idx = torch.full((length,), -1, dtype=torch.long, device="cpu")
     for d, g, l0, n, valid in parts:
-        idx[l0:l0 + valid] = cu[d] + g + torch.arange(valid)
+        idx[l0:l0 + valid] = cu[d] + g + torch.arange(valid, device="cpu")
     return idx
 
 
@@ -58,9 +58,9 @@ def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, layout: str = "zi
     cu = tuple(int(v) for v in cu_seqlens.tolist())
     idx = global_index(cu, layout, world, rank)
     pos = torch.zeros_like(idx)
-    starts = torch.tensor(cu[:-1])
+    starts = torch.tensor(cu[:-1], device="cpu")
     valid = idx >= 0
-    doc = torch.searchsorted(torch.tensor(cu), idx[valid], right=True) - 1
+    doc = torch.searchsorted(torch.tensor(cu, device="cpu"), idx[valid], right=True) - 1
     pos[valid] = idx[valid] - starts[doc]
     local = x.new_zeros((idx.numel(), *x.shape[1:]))
     local[valid.to(x.device)] = x[idx[valid].to(x.device)]

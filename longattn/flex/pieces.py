@@ -337,7 +337,7 @@ class DocumentsStep:
             if runs.unique().numel() != runs.numel():  # a document that comes back: no varlen form
                 return None
             lengths += counts.tolist()
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        cu = torch.tensor([0] + lengths, device="cpu").cumsum(0).to(torch.int32)
         return cls(cu.to(pos.device), max(lengths), scale, causal, window)
 
     def forward(self, q, k, v):
@@ -436,7 +436,7 @@ class JoinedDocuments:
         dev = pos.device
         long_ = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
         cu = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)
-        qlens, klens = (torch.tensor(x).diff() for x in (cu_q, cu_k))
+        qlens, klens = (torch.tensor(x, device="cpu").diff() for x in (cu_q, cu_k))
         step = DocumentsStep(cu(cu_q), int(qlens.max()), scale, True, window, cu(cu_k), int(klens.max()))
         return cls(step, long_(own_dst), long_(halo_src), long_(halo_dst), cu_k[-1])
 

@@ -173,4 +173,4 @@ def _device_table(values: tuple, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _pinned_table(values: tuple) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).pin_memory()
+    return torch.tensor(values, dtype=torch.int32, device="cpu").pin_memory()

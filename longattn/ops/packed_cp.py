@@ -126,7 +126,7 @@ def _gather_kv(k, v, plan, s, group):
 def _on_device(plan: DocumentShard, device: torch.device, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(gathered-buffer index, local cu_seqlens of the whole documents, cut at the chunk edges with ``chunk``,
     the longest of them) on ``device``, copied once per plan rather than at every pass."""
-    cu = torch.tensor(chunk_cu(tuple(plan.cu_seqlens_local.tolist()), chunk), dtype=torch.int32)
+    cu = torch.tensor(chunk_cu(tuple(plan.cu_seqlens_local.tolist()), chunk), dtype=torch.int32, device="cpu")
     lens = cu[1:] - cu[:-1]
     return _split_layout(plan)[1].to(device), cu.to(device), int(lens.max()) if lens.numel() else 0
 

@@ -289,7 +289,7 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                      softcap=softcap, sinks=sinks_meta(sinks), chunk=chunk)
     docs = chunk_cu(cu, chunk)  # the attention's documents; the tokens lie as cu_seqlens sharded them
     if docs != cu:
-        host = cu_seqlens = torch.tensor(docs, dtype=torch.int32)
+        host = cu_seqlens = torch.tensor(docs, dtype=torch.int32, device="cpu")
     if world == 1:
         return attention_varlen(q, k, v, cu_seqlens, causal=causal, softmax_scale=scale, window_size=window,
                                 return_lse=return_lse, softcap=softcap, sinks=sinks, backend=backend)
@@ -301,7 +301,7 @@ def ulysses_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ex = U.Exchange.of(g, heads, "contiguous", chunks)
     dev_cu = cu_seqlens
     if cu_seqlens.device != q.device:  # a fresh pageable tensor: staged at once, no wait for the device
-        dev_cu = torch.tensor(docs, dtype=torch.int32).to(q.device, non_blocking=True)
+        dev_cu = torch.tensor(docs, dtype=torch.int32, device="cpu").to(q.device, non_blocking=True)
     rows = None if layout == "contiguous" else U.packed_rows(cu, layout, world, q.device)
     max_seqlen = max((y - x for x, y in zip(docs, docs[1:])), default=0)
     local = _Varlen(host, dev_cu, cu, max_seqlen, kernel, scale, causal, window, softcap, backend, layout, rows, world,

@@ -152,7 +152,7 @@ def _kv_index(ex: Exchange, device) -> Optional[torch.Tensor]:
     """The received kv head each local kv head copies (HeadPlan.local_kv_index), or None."""
     idx = ex.heads.local_kv_index(ex.rank)
     # non_blocking from a fresh pageable tensor: staged at once, no wait for the device
-    return None if idx is None else torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
+    return None if idx is None else torch.tensor(idx, dtype=torch.long, device="cpu").to(device, non_blocking=True)
 
 
 def _start_group(tensors, ex: Exchange, chunk: int, chunks: int) -> list:

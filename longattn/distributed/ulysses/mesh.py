@@ -42,9 +42,9 @@ def packed_rows(cu: tuple, layout: str, world: int, device: torch.device) -> tor
     """Row of each packed token in the concatenation of every rank's shard
     (``shard_varlen(layout)``), on ``device``."""
     gidx = torch.cat([global_index(cu, layout, world, r) for r in range(world)])
-    rows = torch.empty(cu[-1], dtype=torch.long)
+    rows = torch.empty(cu[-1], dtype=torch.long, device="cpu")
     keep = gidx >= 0
-    rows[gidx[keep]] = torch.arange(gidx.numel())[keep]
+    rows[gidx[keep]] = torch.arange(gidx.numel(), device="cpu")[keep]
     # non_blocking from a fresh pageable tensor: staged at once, no wait for the device's queue
     return rows.to(device, non_blocking=True)
 

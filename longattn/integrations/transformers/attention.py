@@ -118,7 +118,7 @@ def dilated_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if q.shape[1] != k.shape[1]:  # decoding: the queries are the last tokens of the cache
         if not causal:
             raise ValueError(f"attn_implementation={impl!r}: decoding from a KV cache needs a causal layer")
-        lens = torch.full((k.shape[0],), k.shape[1], dtype=torch.int32)
+        lens = torch.full((k.shape[0],), k.shape[1], dtype=torch.int32, device="cpu")
         out = longattn.dilated_decode_attention(q, k, v, cache_seqlens=lens, softmax_scale=scaling, **branches)
     else:
         out = longattn.dilated_attention(q, k, v, causal=causal, softmax_scale=scaling, **branches)

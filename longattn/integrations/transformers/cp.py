@@ -91,7 +91,8 @@ def _chunk_offsets(ctx: _cp.CPContext, chunk: int) -> torch.Tensor:
     their row's first real token: always 0)."""
     idx = ctx.token_index.long().cpu()
     row, col = idx // ctx.seqlen, idx % ctx.seqlen
-    first = torch.full((ctx.batch_size,), ctx.seqlen, dtype=torch.long).scatter_reduce(0, row, col, "amin")
+    first = torch.full((ctx.batch_size,), ctx.seqlen, dtype=torch.long, device="cpu")
+    first = first.scatter_reduce(0, row, col, "amin")
     starts = ctx.cu_seqlens[:-1].long().cpu()
     starts = starts[starts < len(idx)]
     return (col[starts] - first[row[starts]]) % chunk
@@ -132,7 +133,7 @@ def _dense_chunks(ctx: _cp.CPContext, q, k, v, causal, scaling, sliding_window, 
     b, l = q.shape[:2]
     window = checks.window(sliding_window, causal, ctx.seqlen)
     rows = b if ctx.layout == "zigzag" else 1
-    cu = torch.arange(rows + 1, dtype=torch.int32) * ctx.seqlen
+    cu = torch.arange(rows + 1, dtype=torch.int32, device="cpu") * ctx.seqlen
     run = lambda x, y, z: longattn.ring_attention_varlen(x.reshape(-1, *x.shape[2:]), y.reshape(-1, *y.shape[2:]),
                                                          z.reshape(-1, *z.shape[2:]), cu, layout=ctx.layout,
                                                          causal=causal, softmax_scale=scaling, window_size=window,
