@@ -584,13 +584,16 @@ class Fa4Tuning:
     30-45% (fa4_tiles_h100_8048d53.json, fa4_tiles_h100_586da65.json)."""
 
     unpacked_gqa_causal_rows: tuple = measured(
-        (2048, 2048), "causal GQA calls with this many query rows (inclusive range) run FA4's forward with each query "
-                      "head in its own tiles (pack_gqa=False; FA4 packs a kv head's query heads into one tile). "
-                      "LongNet 32q/8kv causal at 128K (the dilated views: causal squares of 2048 rows), one H100, "
-                      "forward ms unpacked / packed / packed again (a control), medians of 6 rounds: 10.12 / 10.47 / "
-                      "10.52, fwd+bwd 40.9 / 41.2 / 41.1; another run 10.13 / 10.64. Dense causal 32K 32q/8kv: "
-                      "packed 13.49 / 13.41 against 13.66 unpacked, so longer calls keep FA4's choice. Not profiled why",
-        "fa4_tiles_h100_8048d53.json, fa4_tiles_h100_586da65.json")
+        (512, 2048), "causal GQA calls with this many query rows (inclusive range) run FA4's forward with each query "
+                     "head in its own tiles (pack_gqa=False; FA4 packs a kv head's query heads into one tile). One "
+                     "H100, 32q/8kv, D=128, forward ms unpacked / packed / FA4's choice again (a control), medians "
+                     "of 6 rounds: dense causal squares, batch x rows = 128K, 512 rows 1.77 / 2.02 / 2.01 (fwd+bwd "
+                     "10.18 / 10.46 / 10.42), 1024 rows 2.67 / 2.89 / 2.84, 2048 rows 4.47 / 4.48 / 4.47, 4096 and "
+                     "8192 rows within 1%; LongNet causal at 128K (the dilated views: strided causal squares of 2048 "
+                     "rows) 10.08 / 10.38 / 10.14 and, in other runs, 10.12 / 10.47 / 10.52 and 10.13 / 10.64. "
+                     "Longer calls keep FA4's choice (dense causal 32K: unpacked 13.66 against 13.49 / 13.41), as "
+                     "do shorter ones (unmeasured; one query row per head would fill a tile alone). Not profiled why",
+        "fa4_tiles_pack_h100_aeb1d8c.json, fa4_tiles_h100_586da65.json, fa4_tiles_h100_8048d53.json")
 
     def __post_init__(self):
         r = self.unpacked_gqa_causal_rows
