@@ -176,13 +176,15 @@ def build_model(args, attn, dev, dtype):
 
 def make_batch(args, dev):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), generator=g)
+    # made on the host whatever the default device (torch.set_default_device), then moved
+    ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), generator=g, device="cpu")
     pos = None
     if args.docs > 1:  # equal documents, the last one takes the remainder
         n = args.seqlen // args.docs
         starts = [i * n for i in range(args.docs)]
-        p = torch.arange(args.seqlen)
-        p = p - torch.tensor(starts)[torch.searchsorted(torch.tensor(starts[1:]), p, right=True)]
+        p = torch.arange(args.seqlen, device="cpu")
+        cpu = lambda x: torch.tensor(x, device="cpu")
+        p = p - cpu(starts)[torch.searchsorted(cpu(starts[1:]), p, right=True)]
         pos = p.expand(args.batch, -1).contiguous()
     return ids.to(dev), (pos.to(dev) if pos is not None else None)
 
