@@ -503,8 +503,10 @@ class FlexExchangeTuning:
                "against 7.46-7.49; the joined rows skipped the call's argument checks there, which only favours them) and the "
                "peak rose 66-526 MiB. And wrong for causal documents on GPUs: in "
                "tests/test_flex_exchange.py::test_exchange_fa4_on_gpus[2] (2 H100, 6aaa926) the joined documents' "
-               "output error was 4.2e-2 against the ring's 1.3e-3 (the CPU stand-in of FA4 agrees with float64; not "
-               "found why); flex_exchange_join_ab_2xh100_7a87d75.json, "
+               "output error was 4.2e-2 against the ring's 1.3e-3, while the joined documents alone on one GPU "
+               "match float64 (tests/test_flex_fa4.py::test_joined_documents_on_gpu, 2 and 4 ranks' shards of 4096 "
+               "tokens, one H100) as does the exchange on the CPU stand-in: not found why; "
+               "flex_exchange_join_ab_2xh100_7a87d75.json, "
                "flex_exchange_join_ab_4xh100_7a87d75.json, dist_flex_join_batched_2xh100_7a87d75.json, "
                "dist_flex_join_batched_4xh100_7a87d75.json")
     max_traffic: float = measured(
