@@ -589,8 +589,9 @@ class Fa4Tuning:
     30-45% (fa4_tiles_h100_8048d53.json, fa4_tiles_h100_586da65.json)."""
 
     unpacked_gqa_causal_rows: tuple = measured(
-        (512, 2048), "causal GQA calls with this many query rows (inclusive range) run FA4's forward with each query "
-                     "head in its own tiles (pack_gqa=False; FA4 packs a kv head's query heads into one tile). One "
+        (512, 2048), "causal GQA squares (queries and keys alike) of this many rows (inclusive range) run FA4's "
+                     "forward with each query head in its own tiles (pack_gqa=False; FA4 packs a kv head's query "
+                     "heads into one tile). One "
                      "H100, 32q/8kv, D=128, forward ms unpacked / packed / FA4's choice again (a control), medians "
                      "of 6 rounds: dense causal squares, batch x rows = 128K, 512 rows 1.77 / 2.02 / 2.01 (fwd+bwd "
                      "10.18 / 10.46 / 10.42), 1024 rows 2.67 / 2.89 / 2.84, 2048 rows 4.47 / 4.48 / 4.47, 4096 and "

@@ -325,7 +325,7 @@ def test_pack_gqa_choice(fake_interface):
     rows = lambda s, h=8, hkv=2: (_t(1, s, h, 64), _t(1, s, hkv, 64))
     assert b.pack_gqa(*rows(hi), causal) is False and b.pack_gqa(*rows(lo), causal) is False
     for q, k, spec in [(*rows(hi), full), (*rows(hi, 8, 8), causal), (*rows(hi + 1), causal), (*rows(lo - 1), causal),
-                       (*rows(1), causal)]:
+                       (*rows(1), causal), (_t(1, hi, 8, 64), _t(1, 2 * hi, 2, 64), causal)]:
         assert b.pack_gqa(q, k, spec) is None, (q.shape, k.shape, spec)
     with pytest.raises(ValueError, match="unpacked_gqa_causal_rows"):
         tuning.Fa4Tuning(unpacked_gqa_causal_rows=(8,))

@@ -101,10 +101,12 @@ class FA4Backend(Backend):
 
     def pack_gqa(self, q, k, spec) -> Optional[bool]:
         """FA4's ``pack_gqa`` for a (B, S, H, D) call: False (each query head its own
-        tiles) for causal GQA calls whose query length is in
-        ``self.tuning.unpacked_gqa_causal_rows``, else None (FA4's choice)."""
+        tiles) for causal GQA squares (as many keys as queries: the shapes
+        measured) whose length is in ``self.tuning.unpacked_gqa_causal_rows``,
+        else None (FA4's choice)."""
         lo, hi = self.tuning.unpacked_gqa_causal_rows
-        return False if spec.causal and q.shape[2] != k.shape[2] and lo <= q.shape[1] <= hi else None
+        square = q.shape[1] == k.shape[1]
+        return False if spec.causal and square and q.shape[2] != k.shape[2] and lo <= q.shape[1] <= hi else None
 
     def backward(self, dout, q, k, v, out, lse, spec, dlse=None):
         return self._api.backward(dout, q, k, v, out, lse, spec.scale, spec.causal, spec.flash_window(), dlse,
