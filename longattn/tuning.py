@@ -591,9 +591,8 @@ class Fa4Tuning:
     unpacked_gqa_causal_rows: tuple = measured(
         (512, 2048), "causal GQA squares (queries and keys alike) of this many rows (inclusive range) run FA4's "
                      "forward with each query head in its own tiles (pack_gqa=False; FA4 packs a kv head's query "
-                     "heads into one tile). One "
-                     "H100, 32q/8kv, D=128, forward ms unpacked / packed / FA4's choice again (a control), medians "
-                     "of 6 rounds: dense causal squares, batch x rows = 128K, 512 rows 1.77 / 2.02 / 2.01 (fwd+bwd "
+                     "heads into one tile). One H100, 32q/8kv, D=128, forward ms unpacked / packed / FA4's choice "
+                     "again (a control), medians of 6 rounds: dense causal squares, batch x rows = 128K, 512 rows 1.77 / 2.02 / 2.01 (fwd+bwd "
                      "10.18 / 10.46 / 10.42), 1024 rows 2.67 / 2.89 / 2.84, 2048 rows 4.47 / 4.48 / 4.47, 4096 and "
                      "8192 rows within 1%; LongNet causal at 128K (the dilated views: strided causal squares of 2048 "
                      "rows) 10.08 / 10.38 / 10.14 and, in other runs, 10.12 / 10.47 / 10.52 and 10.13 / 10.64. "

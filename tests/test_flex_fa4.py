@@ -894,13 +894,12 @@ def test_carved_call_either_axis(stand_in, nq, nk, see):
     assert_close(got, want, 1e-4, f"carved {nq}x{nk}")
 
 
-
 def _joined_documents(dev, dtype, world: int, rank: int, hkv: int, s: int = 4096, h: int = 8, d: int = 128):
     """The exchange's joined documents (pieces.JoinedDocuments: a zigzag rank's causal documents as FA4's varlen
     kernel, each run's earlier keys from the peers joined to its key segment), alone on one device: (got, want,
-    inputs, dout) with got / want the rank's rows' out and lse, dq of its rows and dk/dv of every key (the halo's
-    and its own; zero elsewhere), want in float64 over every key. The documents of
-    tests/test_flex_exchange.py::test_exchange_fa4_on_gpus."""
+    inputs, dout, ref, mask) with got / want the rank's rows' out and lse, dq of its rows and dk/dv of every key (the
+    halo's and its own; zero elsewhere), want the float64 reference ``ref`` over every key, ``mask`` the rows' dense
+    mask. The documents of tests/test_flex_exchange.py::test_exchange_fa4_on_gpus."""
     from longattn.flex import pieces
 
     ids = torch.arange(s) * 7 // s
@@ -939,10 +938,10 @@ def _joined_documents(dev, dtype, world: int, rank: int, hkv: int, s: int = 4096
     mk = lambda *sh, sc=1.0: (torch.randn(*sh, device=dev, generator=g) * sc).to(dtype)
     q, k, v, do = mk(1, len(pos), h, d), mk(1, s, hkv, d), mk(1, s, hkv, d), mk(1, len(pos), h, d)
     dl = mk(1, h, len(pos), sc=0.3).float()
-    cpu = lambda xs: [x.double().cpu() for x in xs]
-    want = results(_sub_ref(m_cpu, pos), cpu((q, k, v)), do.cpu(), dl.cpu())
+    ref = _sub_ref(m_cpu, pos)
+    want = results(ref, [x.double().cpu() for x in (q, k, v)], do.cpu(), dl.cpu())
     want = {n: (t.to(dev) if t is not None else None) for n, t in want.items()}
-    return results(Joined.apply, [q, k, v], do, dl), want, (q, k, v), do, dense_mask(m_cpu, 1, h, s)[:, :, pos]
+    return results(Joined.apply, [q, k, v], do, dl), want, (q, k, v), do, ref, dense_mask(m_cpu, 1, h, s)[:, :, pos]
 
 
 def test_joined_documents_through_stand_in(monkeypatch):
@@ -961,20 +960,11 @@ def test_joined_documents_through_stand_in(monkeypatch):
 def test_joined_documents_on_gpu(on_fa4, world, rank, hkv):
     """The joined documents on FA4 (bf16): out and every gradient within 2x SDPA's bf16 error with the same mask,
     lse within 1e-3."""
-    got, want, (q, k, v), do, mask = _joined_documents(torch.device("cuda"), torch.bfloat16, world, rank, hkv)
+    got, want, (q, k, v), do, ref, mask = _joined_documents(torch.device("cuda"), torch.bfloat16, world, rank, hkv)
     bar = results(_sdpa_bar(mask.to("cuda")), [q, k, v], do)
-    bar_want = results(lambda q, k, v: _sub_ref_double(q, k, v, mask), [x.double().cpu() for x in (q, k, v)],
-                       do.cpu())
+    bar_want = results(ref, [x.double().cpu() for x in (q, k, v)], do.cpu())
     tol = {n: 2 * max(rel_err(bar[n], bar_want[n].to("cuda")), 1e-3) for n in ("out", "dq", "dk", "dv")}
     errs = {n: rel_err(got[n], want[n]) for n in tol}
     assert all(errs[n] <= tol[n] for n in tol), (world, rank, hkv, errs, tol)
     assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, "joined documents")
 
-
-def _sub_ref_double(q, k, v, mask):
-    """Plain masked attention (rows x every key, GQA by repetition), the bar's reference."""
-    h = q.shape[2]
-    k, v = (x.repeat_interleave(h // x.shape[2], 2) for x in (k, v))
-    sc = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
-    p = torch.softmax(sc.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
