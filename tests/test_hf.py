@@ -539,6 +539,21 @@ def test_hf_train_benchmark_tiny(tmp_path):
             assert (flex["error"] and "CPU" in flex["error"]) or flex["losses"] == pytest.approx(b, rel=1e-4)
 
 
+def test_hf_train_one_device_row_skips_the_ranks_collectives(monkeypatch):
+    """A one-device row after a ring row in the same process (as the
+    distributed test's reference on rank 0 alone) neither waits for the other
+    ranks to release the ring's exchange slots nor counts them in its peak."""
+    import types
+
+    from longattn.bench import hf_train as bench
+    from longattn.distributed import transport
+
+    monkeypatch.setitem(transport._slots, "left by a ring row", types.SimpleNamespace(buf=torch.empty(8), memops=False))
+    row = bench.run(bench.parse(["--tiny", "--attn", "longattn", "--seqlen", "64", "--steps", "1", "--warmup", "1"]),
+                    1, torch.device("cpu"))
+    assert row["error"] is None and len(row["losses"]) == 2, row
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4"])
 def test_hf_train_benchmark_families_tiny(family):
     """`bench hf-train --family`: a tiny Gemma 2 (soft-capping, a window of 32),

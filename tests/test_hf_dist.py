@@ -292,12 +292,15 @@ def _check_scripts(rank, world):
         one = ex.main(args + ["--attn", "longattn"])
         assert all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(ring, one)), (ring, one)
     for docs in ("1", "4"):
+        # float32 on GPUs too (bf16 is the bench's CUDA default), as the one-device losses below
         row = bench.main(["--tiny", "--attn", "longattn_ring", "--seqlen", "64", "--docs", docs, "--steps", "1",
-                          "--warmup", "1"])["results"][0]
+                          "--warmup", "1", "--dtype", "fp32"])["results"][0]
         assert row["error"] is None and row["world"] == world
-        if rank == 0:  # the same losses as one device (the ranks' shares summed)
+        if rank == 0:  # the same losses as one device (the ranks' shares summed), on the ring's device: the
+            # model's initial weights come from that device's generator
+            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             one = bench.run(bench.parse(["--tiny", "--attn", "longattn", "--seqlen", "64", "--docs", docs,
-                                         "--steps", "1", "--warmup", "1"]), 1, torch.device("cpu"))
+                                         "--steps", "1", "--warmup", "1", "--dtype", "fp32"]), 1, dev)
             assert all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(row["losses"], one["losses"])), (row, one)
 
 

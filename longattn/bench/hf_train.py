@@ -334,7 +334,8 @@ def run(args, world, dev, attn: Optional[str] = None):
 
     cuda = dev.type == "cuda"
     times, losses, base, peak, error, kernels = [], [], None, None, None, None
-    transport.release_slots()
+    if world > 1:  # a collective (every rank at this point); a one-device row holds no slots of its own
+        transport.release_slots()
     try:
         if attn == "torch_cp":
             ctx, model_in, local_shift, local_items = _torch_cp_setup(args, world, dev, ids, pos, shift,
@@ -351,7 +352,7 @@ def run(args, world, dev, attn: Optional[str] = None):
             times, timed_losses = _timed_steps(step, dev, args.steps)
             losses += timed_losses
             if cuda:  # exchange slots in symmetric memory live outside the allocator's counters
-                peak = torch.cuda.max_memory_allocated() + transport.symmetric_bytes()
+                peak = torch.cuda.max_memory_allocated() + (transport.symmetric_bytes() if world > 1 else 0)
             if args.profile:
                 from longattn.bench.measure import profile_top_kernels
 
