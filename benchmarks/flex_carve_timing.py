@@ -2,7 +2,8 @@
 call through ``fa4.Fa4Flex`` (forward + backward, as ``flex_attention`` runs
 it) with its executor as planned (``carved``: the long chains' rows apart in
 the forward and keys apart in the backward, :class:`longattn.flex.pieces.CarvedStep`),
-with the keys apart only (``keys``), and as one call (``whole``), beside
+with the keys apart only (``keys``), as one call (``whole``) and as planned
+with its passes replayed from CUDA graphs (``graphed``), beside
 torch's compiled FlexAttention; each timed cold (one call, GPU idle), batched
 (5 back to back) and after a 20 ms GPU sleep queued first (the GPU's own
 time, the host hidden), with the host's ms per call. The variants alternate
@@ -55,8 +56,10 @@ def main() -> None:
         q, k, v = make_inputs(cfg, dev, torch.bfloat16, True)
         do = torch.randn_like(q)
         scale = cfg.head_dim ** -0.5
-        fns = {n: (lambda r=r: fa4.Fa4Flex.apply(q, k, v, r)[0]) for n, r in variants(q, k, flex_mask(cfg, dev),
-                                                                                          scale).items()}
+        runs = variants(q, k, flex_mask(cfg, dev), scale)
+        fns = {n: (lambda r=r: fa4.Fa4Flex.apply(q, k, v, r)[0]) for n, r in runs.items()}
+        # the planned executor's passes replayed from CUDA graphs (FlexFa4Tuning.graph_max_tokens)
+        fns["graphed"] = (lambda r=next(iter(runs.values())): fa4.Fa4Flex.apply(q, k, v, r, True)[0])
         fns["flex_attention"] = (lambda f=IMPLS["longattn-flex-fa4"].build(cfg, dev): f(q, k, v))
         fns["torch-flex"] = (lambda f=IMPLS["torch-flex"].build(cfg, dev): f(q, k, v))
         rows = {n: [] for n in fns}

@@ -542,7 +542,7 @@ class FlexFa4Tuning:
     """How ``flex_attention`` on FA4 runs contiguous documents (as varlen, one
     device and the exchange's own piece: :class:`longattn.flex.pieces.DocumentsStep`)
     and, on one device, a pattern with a few long chains
-    (:class:`longattn.flex.pieces.CarvedStep`)."""
+    (:class:`longattn.flex.pieces.CarvedStep`) and short calls (CUDA graphs)."""
 
     split_chain: int = measured(
         64, "FA4 runs a program per query tile forward and per key tile backward, each a chain over the tiles of the "
@@ -570,11 +570,22 @@ class FlexFa4Tuning:
               "FlexAttention in one run, one H100: 8.69 vs 13.86 ms cold, 8.82 vs 13.48 batched (the mask path: "
               "1.47x / 1.41x in other runs, run_flex_fa4_h100_07d4664.json, run_flex_fa4_batched_h100_ab8626a.json)",
         "cold_gaps_h100_ab8626a.json, run_flex_doc_fa4_h100_4b282da.json, run_flex_doc_fa4_batched_h100_4b282da.json")
+    graph_max_tokens: int = measured(
+        0, "pending measurement: a one-device call on FA4 with at most this many query tokens (batch x rows) "
+           "replays its forward and its backward from CUDA graphs (longattn.dilated.graphs.GraphCache: a shape's "
+           "first call eager, its second captured, later ones copy their inputs in, replay and return copies; "
+           "not inside another capture nor torch.compile); 0: never. Why it may pay: a short call waits for its "
+           "host, FA4's interface 0.12 ms a call and a carved block-sparse fwd+bwd 0.84 ms of host on one H100 "
+           "(host_time_h100_ab8626a.json), block-sparse 32K cold 3.35 ms against 2.84 for the GPU alone on one "
+           "H200 (flex_carve_timing_h200_f82abd3.json); what it costs: the copies in and out and a memory pool per "
+           "shape. python benchmarks/flex_carve_timing.py times the planned executor with and without graphs "
+           "(variants 'graphed' / as planned)", "")
 
     def __post_init__(self):
         if not isinstance(self.documents_varlen, bool):
             raise ValueError(f"FlexFa4Tuning.documents_varlen must be a bool, got {self.documents_varlen!r}")
-        for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1)):
+        for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1),
+                            ("graph_max_tokens", 0)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise ValueError(f"FlexFa4Tuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
 

@@ -499,6 +499,35 @@ def test_call_through_stand_in(stand_in, name, hkv):
     assert_close(got, want, 1e-6, name)  # lse float32, as FA4 keeps it
 
 
+def test_graph_choice_reaches_the_call(stand_in, monkeypatch):
+    """FlexFa4Tuning.graph_max_tokens: a call of at most that many query tokens (batch x rows) runs its passes
+    from CUDA graphs where graphs.usable says so (patched here: CPU tensors never are); the choice reaches
+    Fa4Flex, whose passes otherwise run as they are. A tuning of another type, or a negative bound, raises."""
+    from longattn import tuning
+
+    seen = []
+    real = fa4.Fa4Flex.apply
+
+    def apply(q, k, v, run, graphed=False):
+        seen.append(graphed)
+        return real(q, k, v, run)  # the passes themselves: no CUDA graph on the CPU
+    monkeypatch.setattr(fa4.Fa4Flex, "apply", apply)
+    monkeypatch.setattr(fa4.graphs, "usable", lambda x: True)
+    m = PATTERNS["causal"]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    q, k, v, do = mk(2, S, 4, 16), mk(2, S, 2, 16), mk(2, S, 2, 16), mk(2, S, 4, 16)
+    want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do)
+    for bound, graphed in ((None, False), (2 * S, True), (2 * S - 1, False), (0, False)):
+        t = tuning.FLEX_FA4 if bound is None else tuning.FlexFa4Tuning(graph_max_tokens=bound)
+        got = results(lambda q, k, v: fa4.attend(q, k, v, m, 0.25, t), [q, k, v], do)
+        assert seen[-1] is graphed, (bound, seen)
+        assert_close(got, want, 1e-6, f"graph_max_tokens={bound}")
+    with pytest.raises(ValueError, match="graph_max_tokens"):
+        tuning.FlexFa4Tuning(graph_max_tokens=-1)
+    with pytest.raises(TypeError, match="FlexFa4Tuning"):
+        longattn.flex_attention(q, k, v, mask_mod=m, tuning=tuning.FLEX_EXCHANGE)
+
+
 @pytest.mark.parametrize("name", ["document_cu", "document_rows", "and", "comes_back"])
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_documents_run_as_varlen(stand_in, name, hkv):
@@ -739,6 +768,41 @@ def test_carved_call_on_gpu(on_fa4):
     assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, "carved")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "document_rows", "block_sparse_heads", "carved"])
+def test_graphed_calls_on_gpu(on_fa4, name):
+    """flex_attention with its passes replayed from CUDA graphs (FlexFa4Tuning.graph_max_tokens): the first
+    call eager, the second captured, the third replayed; with and without an lse gradient (a graph each); every
+    result equal to the eager call's within FA4's own run-to-run spread (its backward adds dQ in float32
+    atomics), the graphs kept per executor and pass."""
+    from longattn import tuning
+
+    dev = torch.device("cuda")
+    if name == "carved":  # global tokens whose tiles pass a threshold of 8: pieces.CarvedStep, batch 1
+        mm, b, s, t = masks.local_global(128, 32), 1, 2048, tuning.FlexFa4Tuning(split_chain=8, graph_max_tokens=2048)
+    else:
+        mm, b, s, t = patterns(dev)[name], 2, S, tuning.FlexFa4Tuning(graph_max_tokens=2 * S)
+    g = torch.Generator(device=dev).manual_seed(0)
+    mk = lambda *sh, sc=1.0: (torch.randn(*sh, device=dev, generator=g) * sc).bfloat16()
+    q, k, v, do = mk(b, s, 4, 128), mk(b, s, 2, 128), mk(b, s, 2, 128), mk(b, s, 4, 128)
+    dl = mk(b, 4, s, sc=0.3).float()
+    fa4.PASS_GRAPHS.clear()
+    try:
+        for lse_grad in (None, dl):
+            calls = [results(lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mm, return_lse=True,
+                                                                     tuning=t), [q, k, v], do, lse_grad)
+                     for _ in range(3)]
+            eager = results(lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mm, return_lse=True),
+                            [q, k, v], do, lse_grad)
+            for i, got in enumerate(calls):
+                errs = {n: rel_err(got[n], eager[n]) for n in ("out", "lse", "dq", "dk", "dv")}
+                assert all(e <= 1e-3 for e in errs.values()), (name, i, lse_grad is None, errs)
+        passes = sorted(key[0][0] for key in fa4.PASS_GRAPHS.graphs)
+        assert passes == ["bwd", "bwd", "fwd"], passes  # one forward graph, a backward with and without dlse
+    finally:
+        fa4.PASS_GRAPHS.clear()
+
+
 def _sub_ref(m, qpos):
     """flex_ref of queries at global positions ``qpos`` against every key."""
     return lambda q, k, v: flex_ref(q, k, v, lambda b, h, i, j: m(b, h, qpos.long()[i], j), scale=q.shape[-1] ** -0.5)
@@ -951,12 +1015,13 @@ def test_joined_documents_through_stand_in(monkeypatch):
 
     monkeypatch.setattr(_fa4_api, "_interface", lambda: _MathInterface())
     for world, hkv in ((2, 4), (4, 2)):
-        got, want, *_ = _joined_documents(torch.device("cpu"), torch.float64, world, 0, hkv, s=512, h=4, d=16)
-        assert_close(got, want, 1e-6, f"joined documents world={world}")
+        for rank in range(world):  # at 2 ranks rank 1's chunks are adjacent: a document runs across them
+            got, want, *_ = _joined_documents(torch.device("cpu"), torch.float64, world, rank, hkv, s=512, h=4, d=16)
+            assert_close(got, want, 1e-6, f"joined documents world={world} rank={rank}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world,rank,hkv", [(2, 0, 4), (4, 0, 4), (2, 0, 8)])
+@pytest.mark.parametrize("world,rank,hkv", [(2, 0, 4), (2, 1, 4), (4, 0, 4), (4, 3, 4), (2, 0, 8)])
 def test_joined_documents_on_gpu(on_fa4, world, rank, hkv):
     """The joined documents on FA4 (bf16): out and every gradient within 2x SDPA's bf16 error with the same mask,
     lse within 1e-3."""

@@ -341,10 +341,10 @@ def fwd_flops(cfg: Config) -> float:
     return 4.0 * cfg.batch * cfg.heads * cfg.head_dim * useful_pairs(cfg)
 
 
-def _longattn_flex(kernel: str):
+def _longattn_flex(kernel: str, tuning=None):
     def build(cfg: Config, dev):
         mask = flex_mask(cfg, dev)
-        return lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask, kernel=kernel)
+        return lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mask, kernel=kernel, tuning=tuning)
     return build
 
 
@@ -383,6 +383,10 @@ IMPLS.update({i.name: i for i in (
     Impl("longattn-flex-fa4", ("flex",), _longattn_flex("fa4"), _flex_fa4_reason,
          "longattn.flex_attention, kernel='fa4' (FlashAttention-4 with the pattern's CuTe mask and exact block "
          "sparsity; what kernel='auto' runs where FA4 is installed)"),
+    Impl("longattn-flex-fa4-graphs", ("flex",),
+         _longattn_flex("fa4", longattn.tuning.FlexFa4Tuning(graph_max_tokens=2 ** 40)), _flex_fa4_reason,
+         "longattn.flex_attention, kernel='fa4', its passes replayed from CUDA graphs at every length "
+         "(FlexFa4Tuning.graph_max_tokens; the shape's first call eager, its second captured)"),
     Impl("torch-flex", ("flex",), _torch_flex_build, _cuda_only("torch's FlexAttention backward (and its compile)"),
          "torch flex_attention, compiled, create_block_mask compiled"),
     Impl("dense-cudnn", ("flex",), _b["cudnn"][0], _cuda_only("SDPA cuDNN"),

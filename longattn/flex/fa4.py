@@ -33,7 +33,9 @@ from typing import Callable, Optional
 import torch
 
 from .. import backends as bk
+from .. import tuning as tn
 from .._merge import merge_stack
+from ..dilated import graphs
 from ..kernels import merge as kmerge
 from ..backends import _fa4_api
 from ..distributed.plan import Call
@@ -277,33 +279,51 @@ def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
     return res[0], res[1], res[2]
 
 
+PASS_GRAPHS = graphs.GraphCache(graphs.MAX_GRAPHS)
+"""The one-device calls' passes replayed from CUDA graphs (``FlexFa4Tuning.graph_max_tokens``), keyed by
+executor and pass."""
+
+
 class Fa4Flex(torch.autograd.Function):
     """(out, lse) of a one-device call through its executor (:class:`RingStep`,
-    or :class:`longattn.flex.pieces.CarvedStep`), the backward from its own out
-    and lse."""
+    :class:`longattn.flex.pieces.CarvedStep` or
+    :class:`longattn.flex.pieces.DocumentsStep`), the backward from its own
+    out and lse. ``graphed``: each pass replayed from a CUDA graph per shape
+    (:data:`PASS_GRAPHS`; the caller checked :func:`longattn.dilated.graphs.usable`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, run):
+    def forward(ctx, q, k, v, run, graphed: bool = False):
         ctx.set_materialize_grads(False)  # an unused lse reaches the backward as None: FA4 skips its dlse path
-        out, lse = run.forward(q, k, v)
+        if graphed:
+            out, lse = PASS_GRAPHS.run(("fwd", run), run.forward, (q, k, v))
+        else:
+            out, lse = run.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.run = run
+        ctx.run, ctx.graphed = run, graphed
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = ctx.run.backward(dout, q, k, v, out, lse, dlse)
-        return dq, dk, dv, None
+        if ctx.graphed:
+            dq, dk, dv = PASS_GRAPHS.run(("bwd", ctx.run), ctx.run.backward, (dout, q, k, v, out, lse, dlse))
+        else:
+            dq, dk, dv = ctx.run.backward(dout, q, k, v, out, lse, dlse)
+        return dq, dk, dv, None, None
 
 
-def attend(q, k, v, mask_mod, scale: float):
-    """(out, lse) of a one-device flex call through FA4; None where no query sees a key."""
+def attend(q, k, v, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_FA4):
+    """(out, lse) of a one-device flex call through FA4; None where no query
+    sees a key. Its passes replay from CUDA graphs where ``tuning.graph_max_tokens``
+    takes its query tokens and :func:`longattn.dilated.graphs.usable` allows."""
     from . import pieces  # pieces builds on this module: imported at the call
 
-    run = pieces.single_executor(q, k, mask_mod, scale)
-    return None if run is None else Fa4Flex.apply(q, k, v, run)
+    run = pieces.single_executor(q, k, mask_mod, scale, tuning)
+    if run is None:
+        return None
+    graphed = q.shape[0] * q.shape[1] <= tuning.graph_max_tokens and graphs.usable(q)
+    return Fa4Flex.apply(q, k, v, run, graphed)
 
 
 class RingStep:

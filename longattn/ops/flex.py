@@ -23,7 +23,8 @@ __all__ = ["flex_attention", "ring_flex_attention", "explain_flex"]
 @torch.compiler.disable
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mod: Optional[Callable] = None,
                    score_mod: Optional[Callable] = None, softmax_scale: Optional[float] = None,
-                   return_lse: bool = False, kernel: str = "auto"):
+                   return_lse: bool = False, kernel: str = "auto",
+                   tuning: Optional[_tuning.FlexFa4Tuning] = None):
     """Attention with any pattern: FlashAttention-4 for the patterns of
     :mod:`longattn.masks`, PyTorch's FlexAttention for any other, in longattn's layout.
 
@@ -41,6 +42,9 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mo
             None and flash-attn-4 runs on this sm_90/sm_100 GPU; else
             FlexAttention), ``"fa4"`` (raises where it cannot run) or ``"flex"``.
             :func:`explain_flex` says which runs and why.
+        tuning: how FA4 runs it (documents as varlen, tiles with long chains
+            apart, short calls replayed from CUDA graphs); default
+            ``longattn.tuning.FLEX_FA4``.
 
     Returns:
         out ``(batch, seqlen_q, nheads, headdim)``; rows that see no key hold 0
@@ -64,8 +68,11 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_mo
     graphs (a graph break).
     """
     scale = checks.check_call(q, k, v, mask_mod, score_mod, softmax_scale, return_lse, same_seqlen=False)
+    if tuning is not None and not isinstance(tuning, _tuning.FlexFa4Tuning):
+        raise TypeError(f"flex_attention: tuning must be a longattn.tuning.FlexFa4Tuning or None, got "
+                        f"{type(tuning).__name__}")
     if fa4.choose(q, k, v, mask_mod, score_mod, kernel) == "fa4":
-        res = fa4.attend(q, k, v, mask_mod, scale)
+        res = fa4.attend(q, k, v, mask_mod, scale, tuning or _tuning.FLEX_FA4)
         out, lse = NoKeys.apply(q, k, v) if res is None else res
         return (out, lse) if return_lse else out
     step = schedule.single_step(q, k, mask_mod, score_mod, scale)
