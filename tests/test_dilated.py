@@ -595,7 +595,8 @@ def test_graph_cache_policy(monkeypatch):
     """GraphCache (the dilated passes' and the KVCache steps' graphs): a key's
     first call eager, captured on its second, replayed after; least recently
     used dropped past max_graphs; no capture past max_captures; the inference
-    mode is part of the key. The capture itself (CUDA) is stood in for."""
+    mode is part of the key; inputs contiguous from the first call on. The capture itself (CUDA) is stood in
+    for."""
     from longattn.dilated import graphs
 
     captured = []
@@ -622,5 +623,11 @@ def test_graph_cache_policy(monkeypatch):
     assert cache.run("k", fn, [xs[0]]) == 1 and len(captured) == 3  # max_captures reached: eager
     with torch.inference_mode():
         assert cache.run("k", fn, [xs[2]]) == 3  # another key: a first call again
+    # a transposed input reaches the eager call and the capture contiguous, as the graph's own copies are: a
+    # kernel compiled per stride compiles in the eager call, not inside the capture
+    layouts = lambda x: x.is_contiguous()
+    assert cache.run("t", layouts, [torch.zeros(3, 4).t()]) is True
+    cache.max_captures = None
+    assert cache.run("t", layouts, [torch.zeros(3, 4).t()]) == ("replayed", True)
     cache.clear()
     assert not cache.graphs and not cache.seen

@@ -122,6 +122,9 @@ class GraphCache:
             if copies is not None:  # an eager call or a capture's: run here, in no graph
                 torch._foreach_copy_(*copies)
                 copies = None
+            # the graph reads contiguous copies of its inputs, so the eager call does too: a kernel compiled
+            # per stride (FA4's) is then compiled here, never inside the capture
+            inputs = [None if x is None else x.contiguous() for x in inputs]
             if key not in self.seen or (self.max_captures is not None and self.captures >= self.max_captures):
                 if len(self.seen) >= self.MAX_SEEN:
                     self.seen.clear()

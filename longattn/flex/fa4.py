@@ -294,9 +294,8 @@ class Fa4Flex(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, run, graphed: bool = False):
         ctx.set_materialize_grads(False)  # an unused lse reaches the backward as None: FA4 skips its dlse path
-        if graphed:  # contiguous in the eager call too: the captured call reads contiguous copies, FA4's kernel
-            # for other strides would compile inside the capture
-            out, lse = PASS_GRAPHS.run(("fwd", run), run.forward, tuple(x.contiguous() for x in (q, k, v)))
+        if graphed:
+            out, lse = PASS_GRAPHS.run(("fwd", run), run.forward, (q, k, v))
         else:
             out, lse = run.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -308,8 +307,7 @@ class Fa4Flex(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         if ctx.graphed:
-            xs = tuple(None if x is None else x.contiguous() for x in (dout, q, k, v, out, lse, dlse))
-            dq, dk, dv = PASS_GRAPHS.run(("bwd", ctx.run), ctx.run.backward, xs)
+            dq, dk, dv = PASS_GRAPHS.run(("bwd", ctx.run), ctx.run.backward, (dout, q, k, v, out, lse, dlse))
         else:
             dq, dk, dv = ctx.run.backward(dout, q, k, v, out, lse, dlse)
         return dq, dk, dv, None, None
