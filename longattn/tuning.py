@@ -517,6 +517,16 @@ class FlexExchangeTuning:
               f"ring's steps): the ring hides its transfers behind its steps' kernels, the exchange only behind its "
               f"own piece (the halo and served pieces wait for them), so it needs a clear margin; measure with "
               f"{_EXCHANGE_CMD}")
+    graph_max_tokens: int = measured(
+        0, "pending measurement: an exchange whose ranks hold at most this many query tokens each (batch x local "
+           "rows) replays its forward and its backward from CUDA graphs, transfers and side stream included "
+           "(longattn.dilated.graphs.GraphCache: a shape's first call eager, its second captured on every rank, "
+           "later ones replayed; not inside another capture nor torch.compile); 0: never. Why it may pay: on 4 "
+           "H100, window + global tokens at 128K, a rank's host takes 7.4-8.7 ms to issue a fwd+bwd that its GPU "
+           "runs in 6.8-7.3 (one CUDA graph of the whole step 6.8-7.2; flex_exchange_host_4xh100_f4c34bd.json), "
+           "so calls back to back run at the host's pace (8.0-8.4 ms); at 2 ranks the host is ahead. Measure "
+           "with python -m longattn.bench dist --config flex_swg_128k flex_doc_128k --impl flex-exchange "
+           "flex-exchange:graph_max_tokens=1048576 under torchrun (cold and --timing batched)", "")
 
     def __post_init__(self):
         if not 0 <= self.heavy_fraction <= 1:
@@ -529,7 +539,8 @@ class FlexExchangeTuning:
             raise ValueError(f"FlexExchangeTuning.min_world must be an int >= 2, got {self.min_world!r}")
         if not self.max_traffic >= 0:
             raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
-        for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1)):
+        for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1),
+                            ("graph_max_tokens", 0)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise ValueError(f"FlexExchangeTuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
         for name in ("concurrent", "join_halo"):

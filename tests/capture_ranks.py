@@ -2,8 +2,10 @@
 (as a training job starts them): ``torchrun --nproc_per_node=2
 tests/capture_ranks.py`` exits 0 when, on every rank, after one eager call
 the exchange's forward and backward captured in one CUDA graph (NCCL
-transfers and the side stream inside it) replay to the eager results, and a
-shape never called refuses to plan inside a capture (ValueError).
+transfers and the side stream inside it) replay to the eager results, a
+shape never called refuses to plan inside a capture (ValueError), and the
+library's own graphs of the exchange's passes (``FlexExchangeTuning.graph_max_tokens``)
+give the eager results on their eager, captured and replayed calls.
 tests/test_flex_exchange.py runs it on GPU machines.
 
 Before capturing, the eager call's graph is released: a graph kept alive
@@ -73,6 +75,25 @@ def main() -> int:
         if "before capturing" not in str(e):
             bad.append(f"ValueError without the fix: {e}")
     print(f"rank {rank} new shape inside a capture: {'refused' if not bad else bad}", flush=True)
+    # the library replaying the exchange's passes from its own graphs (FlexExchangeTuning.graph_max_tokens):
+    # eager, captured on every rank, replayed; each call as the eager one
+    from longattn import tuning
+    from longattn.flex import exchange_run
+
+    auto = tuning.FlexExchangeTuning(graph_max_tokens=1 << 30)
+    for i in range(3):
+        ys = [x.detach().clone().requires_grad_() for x in xs]
+        o = longattn.ring_flex_attention(*ys, mask_mod=mask, engine="exchange", tuning=auto)
+        o.backward(dol)
+        for what, a, b in zip(("out", "dq", "dk", "dv"), [o.detach()] + [y.grad for y in ys], want):
+            err = float((a.float() - b.float()).norm() / b.float().norm())
+            print(f"rank {rank} pass graphs call {i} vs eager {what}: {err:.2e}", flush=True)
+            if not err < 1e-2:
+                bad.append(f"pass graphs call {i} {what}")
+    kept = sorted(key[0][0] for key in exchange_run.PASS_GRAPHS.graphs)
+    if kept != ["bwd", "fwd"]:
+        bad.append(f"pass graphs kept {kept}")
+    exchange_run.PASS_GRAPHS.clear()
     # the graphs hold NCCL work of the group: destroyed before it is
     del graph, out
     torch.cuda.synchronize()

@@ -412,8 +412,8 @@ def test_exchange_fa4_on_gpus(world):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_exchange_captures_in_cuda_graph():
-    """2 GPUs (NCCL): ring_flex_attention's exchange replays from a CUDA graph after its first call, on ranks
-    started by torchrun (tests/capture_ranks.py)."""
+    """2 GPUs (NCCL): ring_flex_attention's exchange replays from a CUDA graph after its first call, and from
+    its own pass graphs, on ranks started by torchrun (tests/capture_ranks.py)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capture_ranks.py")
@@ -422,6 +422,53 @@ def test_exchange_captures_in_cuda_graph():
                         str(_free_port()), script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert r.stdout.count("replay vs eager") == 8, r.stdout[-2000:]
+    assert r.stdout.count("pass graphs call") == 24, r.stdout[-2000:]
+
+
+def _check_graphed_passes(rank, world):
+    """FlexExchangeTuning.graph_max_tokens: the exchange's passes through the graph cache (its capture stood in
+    for on the CPU: the pass itself, outputs copied), results equal to the eager call's on every call, with and
+    without an lse gradient; a forward graph and a backward graph per lse gradient kept per plan."""
+    import contextlib
+
+    from longattn.dilated import graphs
+    from longattn.flex import exchange_run
+
+    class FakeGraph:
+        def __init__(self, fn, inputs, pool=None):
+            self.fn = fn
+
+        def __call__(self, inputs, copies=None):
+            return tuple(o.clone() for o in self.fn(*inputs))
+
+    graphs.Graph, graphs.usable = FakeGraph, lambda x: True
+    torch.cuda.device = lambda d: contextlib.nullcontext()
+    mask = masks.local_global(64, 16)
+    graphed = tuning.FlexExchangeTuning(graph_max_tokens=L)
+    torch.manual_seed(3)
+    s = world * L
+    q, k, v, do = torch.randn(B, s, H, D), torch.randn(B, s, 2, D), torch.randn(B, s, 2, D), torch.randn(B, s, H, D)
+    dl = torch.randn(B, H, s)
+    for lse_grad in (None, dl):
+        want = run_sharded(longattn.ring_flex_attention, q, k, v, do,
+                           torch.zeros(B, H, s) if lse_grad is None else lse_grad, "zigzag", mask_mod=mask,
+                           engine="exchange")[1:]
+        for i in range(3):  # eager, captured, replayed
+            got = run_sharded(longattn.ring_flex_attention, q, k, v, do,
+                              torch.zeros(B, H, s) if lse_grad is None else lse_grad, "zigzag", mask_mod=mask,
+                              engine="exchange", tuning=graphed)[1:]
+            for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+                assert torch.equal(a, b), (rank, i, lse_grad is None)
+    passes = sorted(key[0][0] for key in exchange_run.PASS_GRAPHS.graphs)
+    assert passes == ["bwd", "fwd"], passes  # an lse gradient of zeros is still one: the same backward graph
+    exchange_run.PASS_GRAPHS.clear()
+    with pytest.raises(ValueError, match="graph_max_tokens"):
+        tuning.FlexExchangeTuning(graph_max_tokens=-1)
+
+
+@pytest.mark.dist
+def test_exchange_graphed_passes():
+    run_world(_check_graphed_passes, 2)
 
 
 def _holes(b, h, q_idx, kv_idx):

@@ -89,7 +89,7 @@ def _union(rows: list, dev) -> tuple:
     return u, [torch.searchsorted(u, r) for r in rows]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared and hashed by identity: a cached plan keys its passes' CUDA graphs
 class ExchangePlan:
     """One rank's exchange, per peer p (rank order; empty for itself):
     ``ship[p]`` my rows computed on p, ``q_in[p]`` rows p ships to me,

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from .._merge import empty_state, merge_, merge_stack
 from .._streams import has_side_stream, side_stream
+from ..dilated import graphs
 from ..distributed.accumulate import MergedRows, RowSums
 
 
@@ -304,140 +305,174 @@ def _per_peer(x: torch.Tensor, counts: list) -> list:
 
 
 class ExchangeFlex(torch.autograd.Function):
-    """(out, lse) of the exchange over ``plan`` (see the module docstring)."""
+    """(out, lse) of the exchange over ``plan`` (see the module docstring).
+    ``graphed``: each pass replayed from a CUDA graph per shape
+    (:data:`PASS_GRAPHS`; every rank makes the same calls, so every rank
+    captures and replays the same passes and their collectives)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, group):
+    def forward(ctx, q, k, v, plan, group, graphed: bool = False):
         ctx.set_materialize_grads(False)
-        b, length, h, _ = q.shape
-        dev, hv = q.device, v.shape[-1]
-        sent = Transfer([([[(k, r), (v, r)] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
-                         ([[(q, r)] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
-                        b, group, plan.moves_kv or plan.moves_q, dev)
-        # the own piece first: the GPU runs it while the host issues the rest and the halos and shipped rows
-        # arrive; the other pieces run beside it on the side stream. Joined to the halo keys, it waits for them
-        # (the side stream's pieces then start after the transfer, not after the own piece)
-        got = sent.wait() if plan.joined else None
-        side = Side(dev, plan.concurrent)
-        if plan.joined:
-            (kh, vh), _ = got
-            own = plan.own.forward(q, kh, k, vh, v)
+        if graphed:
+            out, lse, buf = PASS_GRAPHS.run(("fwd", plan, group), lambda *x: _forward(*x, plan, group), (q, k, v))
         else:
-            own = plan.own.forward(q, k, v) if plan.own is not None else None
-        with side:
-            (kh, vh), (qs,) = got or sent.wait()
-            if plan.serve is not None:
-                o, l_ = plan.serve.forward(qs, k, v)
-            else:
-                o = qs.new_zeros(*qs.shape[:3], hv)
-                l_ = torch.full((b, h, qs.shape[1]), float("-inf"), device=dev)
-            parts = [[x[0], y[0]] for x, y in zip(_per_peer(o.to(q.dtype), _n(plan.q_in)),
-                                                  _per_peer(l_.float().transpose(1, 2), _n(plan.q_in)))]
-            back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
-                            plan.moves_q, dev)
-            pieces = [(x.run.forward(q[:, x.r0:x.r1], kh[:, x.k0:x.k1], vh[:, x.k0:x.k1]), x) for x in plan.halo]
-        acc = OutSum(q, plan.heavy, plan.out_pieces)
-        if own is not None:
-            acc.add(*own, 0, plan.own_at)
-        side.join(_tensors([p[0] for p in pieces]) + [back.buf])
-        for res, x in pieces:
-            acc.add(*res, x.r0, x.at)
-        # a row shipped to several peers (global tokens): where every peer took the same rows, their partials merge
-        # at once; else peer by peer, each into the last merge's result (the gradients' index_add_ below takes every
-        # peer's rows at once)
-        o, l_ = back.wait()[0]
-        if plan.ship_same:  # the same rows from c peers, in rank order: their partials merged in one pass
-            c = sum(1 for x in plan.ship if len(x))
-            pos = next(x for x in plan.heavy_pos if len(x))
-            acc.add_rows(pos, *merge_stack(o.unflatten(1, (c, -1)).movedim(1, 0),
-                                           l_.unflatten(1, (c, -1)).movedim(1, 0)))
-        else:
-            for pos, (o_p,), (l_p,) in zip(plan.heavy_pos, _per_peer(o, _n(plan.ship)),
-                                           _per_peer(l_, _n(plan.ship))):
-                acc.add_rows(pos, o_p, l_p)
-        out, lse = acc.result()
-        side.close()
-        ctx.save_for_backward(q, k, v, out, lse, sent.buf)
-        ctx.plan, ctx.group, ctx.layout = plan, group, sent.layout
+            out, lse, buf = _forward(q, k, v, plan, group)
+        ctx.save_for_backward(q, k, v, out, lse, buf)
+        ctx.plan, ctx.group, ctx.graphed = plan, group, graphed
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, buf = ctx.saved_tensors
         plan, group = ctx.plan, ctx.group
-        b, dev = q.shape[0], q.device
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        # no lse gradient (the usual case): None to this rank's own executors, so FA4 skips its dlse path (the
-        # shipped rows' calls take the owner's, zeros or not: another rank may have one)
-        has_dlse = dlse is not None
-        dlse = dlse.float() if has_dlse else None
-        stats = torch.stack([lse, dlse if has_dlse else torch.zeros_like(lse)], -1).transpose(1, 2)  # (B, L, H, 2)
-        rows_out = Transfer([([[(dout, r), (out, r), (stats, r)] for r in plan.ship], _n(plan.q_in),
-                              [_spec(dout), _spec(out), _spec(stats)])], b, group, plan.moves_q, dev)
-        (kh, vh), (qs,) = unpack(buf, ctx.layout, b)  # before the side stream starts: its pieces read them
-        side = Side(dev, plan.concurrent)
-        own = None
+        xs = (dout, q, k, v, out, lse, buf, dlse)
+        if ctx.graphed:
+            grads = PASS_GRAPHS.run(("bwd", plan, group), lambda *x: _backward(*x, plan, group), xs)
+        else:
+            grads = _backward(*xs, plan, group)
+        return (*grads, None, None, None)
 
-        def own_grads():
-            if plan.own is None:
-                return None
-            if plan.joined:  # (dq, dk, dv, the halo's dk, dv)
-                return plan.own.backward(dout, q, kh, k, vh, v, out, lse, dlse)
-            return plan.own.backward(dout, q, k, v, out, lse, dlse)
-        # first, beside the rest; serially last, while the gradients travel back (joined: first, its halo dK/dV
-        # travel back)
-        if side.side is not None or plan.joined:
-            own = own_grads()
-        with side:
-            halo_dq = []
-            whole = len(plan.halo) == 1 and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
-            if plan.joined:
-                gk, gv = own[3], own[4]
-            elif not whole:  # halo keys no piece covers (none, where no halo piece runs) return zeros
-                gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
-            for x in plan.halo:
-                rows, keys = slice(x.r0, x.r1), slice(x.k0, x.k1)
-                dl = None if dlse is None else dlse[:, :, rows].contiguous()
-                g = x.run.backward(dout[:, rows], q[:, rows], kh[:, keys], vh[:, keys], out[:, rows],
-                                   lse[:, :, rows].contiguous(), dl)
-                halo_dq.append((g[0], x))
-                if whole:
-                    gk, gv = g[1].to(k.dtype), g[2].to(v.dtype)
-                else:
-                    gk[:, keys], gv[:, keys] = g[1], g[2]
-            counts = _n(plan.halo_in)
-            halo_grads = [[a[0], c[0]] for a, c in zip(_per_peer(gk, counts), _per_peer(gv, counts))]
-            do, o, st = rows_out.wait()[0]
-            served = None
-            if plan.serve is not None:
-                ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
-                g = plan.serve.backward(do, qs, k, v, o, ls, dls)
-                served, dq_s = g[1:], g[0].to(q.dtype)
+
+PASS_GRAPHS = graphs.GraphCache(graphs.MAX_GRAPHS)
+"""The exchange's passes replayed from CUDA graphs (``FlexExchangeTuning.graph_max_tokens``), keyed by plan,
+group and pass."""
+
+
+def _layout(plan, q, k, v) -> list:
+    """The forward transfer's layout (:class:`Transfer`'s): what :func:`unpack` reads the received bytes with."""
+    return [(_n(plan.halo_in), [_spec(k), _spec(v)]), (_n(plan.q_in), [_spec(q)])]
+
+
+def _forward(q, k, v, plan, group):
+    """(out, lse, the received bytes) of the exchange over ``plan``."""
+    b, length, h, _ = q.shape
+    dev, hv = q.device, v.shape[-1]
+    sent = Transfer([([[(k, r), (v, r)] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
+                     ([[(q, r)] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
+                    b, group, plan.moves_kv or plan.moves_q, dev)
+    # the own piece first: the GPU runs it while the host issues the rest and the halos and shipped rows
+    # arrive; the other pieces run beside it on the side stream. Joined to the halo keys, it waits for them
+    # (the side stream's pieces then start after the transfer, not after the own piece)
+    got = sent.wait() if plan.joined else None
+    side = Side(dev, plan.concurrent)
+    if plan.joined:
+        (kh, vh), _ = got
+        own = plan.own.forward(q, kh, k, vh, v)
+    else:
+        own = plan.own.forward(q, k, v) if plan.own is not None else None
+    with side:
+        (kh, vh), (qs,) = got or sent.wait()
+        if plan.serve is not None:
+            o, l_ = plan.serve.forward(qs, k, v)
+        else:
+            o = qs.new_zeros(*qs.shape[:3], hv)
+            l_ = torch.full((b, h, qs.shape[1]), float("-inf"), device=dev)
+        parts = [[x[0], y[0]] for x, y in zip(_per_peer(o.to(q.dtype), _n(plan.q_in)),
+                                              _per_peer(l_.float().transpose(1, 2), _n(plan.q_in)))]
+        back = Transfer([(parts, _n(plan.ship), [((h, hv), q.dtype), ((h,), torch.float32)])], b, group,
+                        plan.moves_q, dev)
+        pieces = [(x.run.forward(q[:, x.r0:x.r1], kh[:, x.k0:x.k1], vh[:, x.k0:x.k1]), x) for x in plan.halo]
+    acc = OutSum(q, plan.heavy, plan.out_pieces)
+    if own is not None:
+        acc.add(*own, 0, plan.own_at)
+    side.join(_tensors([p[0] for p in pieces]) + [back.buf])
+    for res, x in pieces:
+        acc.add(*res, x.r0, x.at)
+    # a row shipped to several peers (global tokens): where every peer took the same rows, their partials merge
+    # at once; else peer by peer, each into the last merge's result (the gradients' index_add_ below takes every
+    # peer's rows at once)
+    o, l_ = back.wait()[0]
+    if plan.ship_same:  # the same rows from c peers, in rank order: their partials merged in one pass
+        c = sum(1 for x in plan.ship if len(x))
+        pos = next(x for x in plan.heavy_pos if len(x))
+        acc.add_rows(pos, *merge_stack(o.unflatten(1, (c, -1)).movedim(1, 0),
+                                       l_.unflatten(1, (c, -1)).movedim(1, 0)))
+    else:
+        for pos, (o_p,), (l_p,) in zip(plan.heavy_pos, _per_peer(o, _n(plan.ship)),
+                                       _per_peer(l_, _n(plan.ship))):
+            acc.add_rows(pos, o_p, l_p)
+    out, lse = acc.result()
+    side.close()
+    return out, lse, sent.buf
+
+
+def _backward(dout, q, k, v, out, lse, buf, dlse, plan, group):
+    """(dq, dk, dv) of the exchange over ``plan`` from its forward's out, lse
+    and received bytes ``buf``."""
+    layout = _layout(plan, q, k, v)
+    b, dev = q.shape[0], q.device
+    # no lse gradient (the usual case): None to this rank's own executors, so FA4 skips its dlse path (the
+    # shipped rows' calls take the owner's, zeros or not: another rank may have one)
+    has_dlse = dlse is not None
+    dlse = dlse.float() if has_dlse else None
+    stats = torch.stack([lse, dlse if has_dlse else torch.zeros_like(lse)], -1).transpose(1, 2)  # (B, L, H, 2)
+    rows_out = Transfer([([[(dout, r), (out, r), (stats, r)] for r in plan.ship], _n(plan.q_in),
+                          [_spec(dout), _spec(out), _spec(stats)])], b, group, plan.moves_q, dev)
+    (kh, vh), (qs,) = unpack(buf, layout, b)  # before the side stream starts: its pieces read them
+    side = Side(dev, plan.concurrent)
+    own = None
+
+    def own_grads():
+        if plan.own is None:
+            return None
+        if plan.joined:  # (dq, dk, dv, the halo's dk, dv)
+            return plan.own.backward(dout, q, kh, k, vh, v, out, lse, dlse)
+        return plan.own.backward(dout, q, k, v, out, lse, dlse)
+    # first, beside the rest; serially last, while the gradients travel back (joined: first, its halo dK/dV
+    # travel back)
+    if side.side is not None or plan.joined:
+        own = own_grads()
+    with side:
+        halo_dq = []
+        whole = len(plan.halo) == 1 and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
+        if plan.joined:
+            gk, gv = own[3], own[4]
+        elif not whole:  # halo keys no piece covers (none, where no halo piece runs) return zeros
+            gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
+        for x in plan.halo:
+            rows, keys = slice(x.r0, x.r1), slice(x.k0, x.k1)
+            dl = None if dlse is None else dlse[:, :, rows].contiguous()
+            g = x.run.backward(dout[:, rows], q[:, rows], kh[:, keys], vh[:, keys], out[:, rows],
+                               lse[:, :, rows].contiguous(), dl)
+            halo_dq.append((g[0], x))
+            if whole:
+                gk, gv = g[1].to(k.dtype), g[2].to(v.dtype)
             else:
-                dq_s = torch.zeros_like(qs)
-            if plan.joined and side.side is not None:  # the halo's dK/dV are made on the main stream
-                side.side.wait_stream(side.main)
-            back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]),
-                             (_per_peer(dq_s, _n(plan.q_in)), _n(plan.ship), [_spec(q)])],
-                            b, group, plan.moves_kv or plan.moves_q, dev)
-        if side.side is None and not plan.joined:
-            own = own_grads()
-        dq = GradSum(q, plan.heavy, plan.out_pieces)
-        dk, dv = (GradSum(x, plan.sent, plan.kv_pieces) for x in (k, v))
-        if own is not None:  # first: its outputs (made on this stream) become the sums
-            dq.add(own[0], 0, plan.own_at)
-            dk.add(own[1], 0, plan.kv_at)
-            dv.add(own[2], 0, plan.kv_at)
-        side.join(_tensors([x[0] for x in halo_dq]) + _tensors(served) + [back.buf])
-        for g, x in halo_dq:
-            dq.add(g, x.r0, x.at)
-        if served is not None:
-            dk.add(served[0], 0, plan.kv_at)
-            dv.add(served[1], 0, plan.kv_at)
-        (gk_, gv_), (g,) = back.wait()
-        dk.add_rows(_cat0(plan.sent_pos), gk_)
-        dv.add_rows(_cat0(plan.sent_pos), gv_)
-        dq.add_rows(_cat0(plan.heavy_pos), g)
-        res = dq.result(), dk.result(), dv.result()
-        side.close()
-        return (*res, None, None)
+                gk[:, keys], gv[:, keys] = g[1], g[2]
+        counts = _n(plan.halo_in)
+        halo_grads = [[a[0], c[0]] for a, c in zip(_per_peer(gk, counts), _per_peer(gv, counts))]
+        do, o, st = rows_out.wait()[0]
+        served = None
+        if plan.serve is not None:
+            ls, dls = (st[..., i].transpose(1, 2).contiguous() for i in range(2))
+            g = plan.serve.backward(do, qs, k, v, o, ls, dls)
+            served, dq_s = g[1:], g[0].to(q.dtype)
+        else:
+            dq_s = torch.zeros_like(qs)
+        if plan.joined and side.side is not None:  # the halo's dK/dV are made on the main stream
+            side.side.wait_stream(side.main)
+        back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]),
+                         (_per_peer(dq_s, _n(plan.q_in)), _n(plan.ship), [_spec(q)])],
+                        b, group, plan.moves_kv or plan.moves_q, dev)
+    if side.side is None and not plan.joined:
+        own = own_grads()
+    dq = GradSum(q, plan.heavy, plan.out_pieces)
+    dk, dv = (GradSum(x, plan.sent, plan.kv_pieces) for x in (k, v))
+    if own is not None:  # first: its outputs (made on this stream) become the sums
+        dq.add(own[0], 0, plan.own_at)
+        dk.add(own[1], 0, plan.kv_at)
+        dv.add(own[2], 0, plan.kv_at)
+    side.join(_tensors([x[0] for x in halo_dq]) + _tensors(served) + [back.buf])
+    for g, x in halo_dq:
+        dq.add(g, x.r0, x.at)
+    if served is not None:
+        dk.add(served[0], 0, plan.kv_at)
+        dv.add(served[1], 0, plan.kv_at)
+    (gk_, gv_), (g,) = back.wait()
+    dk.add_rows(_cat0(plan.sent_pos), gk_)
+    dv.add_rows(_cat0(plan.sent_pos), gv_)
+    dq.add_rows(_cat0(plan.heavy_pos), g)
+    res = dq.result(), dk.result(), dv.result()
+    side.close()
+    return res

@@ -12,6 +12,7 @@ import torch
 
 from .. import tuning as _tuning
 from ..distributed import checks as dist_checks
+from ..dilated import graphs
 from ..distributed.layout import check_layout
 from ..flex import checks, exchange, fa4, schedule
 from ..flex.autograd import NoKeys, RingFlex
@@ -121,7 +122,9 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
             Every rank passes the same value.
         tuning: the exchange's :class:`longattn.tuning.FlexExchangeTuning`
             (default ``longattn.tuning.FLEX_EXCHANGE``, whose fields carry the
-            measurements behind them); the same on every rank.
+            measurements behind them; ``graph_max_tokens`` replays the
+            exchange's passes from CUDA graphs the library captures per shape);
+            the same on every rank.
 
     Returns:
         This rank's shard of the output (and lse). ``unshard(out)`` equals
@@ -164,8 +167,9 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
                                  layout=layout, scale=scale, mask=schedule.signature(mask_mod),
                                  score=schedule.signature(score_mod), engine=engine, kernel=kernel, tuning=repr(tuning))
     plan = exchange.plan_for(q, k, mask_mod, score_mod, layout, scale, g, kernel, engine, tuning)
-    if plan is not None:
-        out, lse = ExchangeFlex.apply(q, k, v, plan, g)
+    if plan is not None:  # every rank decides alike: the shapes and the tuning are checked equal above
+        graphed = q.shape[0] * q.shape[1] <= tuning.graph_max_tokens and graphs.usable(q)
+        out, lse = ExchangeFlex.apply(q, k, v, plan, g, graphed)
         return (out, lse) if return_lse else out
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     plan = schedule.ring_schedule(q, k, mask_mod=mask_mod, score_mod=score_mod, layout=layout, scale=scale, group=g,
