@@ -528,6 +528,43 @@ def test_graph_choice_reaches_the_call(stand_in, monkeypatch):
         longattn.flex_attention(q, k, v, mask_mod=m, tuning=tuning.FLEX_EXCHANGE)
 
 
+@pytest.mark.parametrize("name", ["causal", "block_sparse_heads"])
+def test_graphed_passes_through_stand_in(stand_in, monkeypatch, name):
+    """The graphed passes' plumbing (Fa4Flex through PASS_GRAPHS: the executor's forward and backward as the
+    graphs' functions, outputs copied) on the CPU, the capture stood in for: every call (eager, captured,
+    replayed) equal to the passes run as they are, with and without an lse gradient; one forward graph and a
+    backward graph per lse gradient kept."""
+    import contextlib
+
+    from longattn import tuning
+    from longattn.dilated import graphs
+
+    class FakeGraph:
+        def __init__(self, fn, inputs, pool=None):
+            self.fn = fn
+
+        def __call__(self, inputs, copies=None):
+            return tuple(o.clone() for o in self.fn(*inputs))
+
+    monkeypatch.setattr(graphs, "Graph", FakeGraph)
+    monkeypatch.setattr(graphs, "usable", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    m = PATTERNS[name]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    q, k, v, do, dl = mk(2, S, 4, 16), mk(2, S, 2, 16), mk(2, S, 2, 16), mk(2, S, 4, 16), mk(2, 4, S)
+    t = tuning.FlexFa4Tuning(graph_max_tokens=2 * S)
+    fa4.PASS_GRAPHS.clear()
+    try:
+        for lse_grad in (None, dl):
+            want = results(lambda q, k, v: fa4.attend(q, k, v, m, 0.25), [q, k, v], do, lse_grad)
+            for i in range(3):
+                got = results(lambda q, k, v: fa4.attend(q, k, v, m, 0.25, t), [q, k, v], do, lse_grad)
+                assert all(torch.equal(got[n], want[n]) for n in ("out", "lse", "dq", "dk", "dv")), (name, i)
+        assert sorted(key[0][0] for key in fa4.PASS_GRAPHS.graphs) == ["bwd", "bwd", "fwd"]
+    finally:
+        fa4.PASS_GRAPHS.clear()
+
+
 @pytest.mark.parametrize("name", ["document_cu", "document_rows", "and", "comes_back"])
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_documents_run_as_varlen(stand_in, name, hkv):
