@@ -340,7 +340,8 @@ group and pass."""
 
 
 def _layout(plan, q, k, v) -> list:
-    """The forward transfer's layout (:class:`Transfer`'s): what :func:`unpack` reads the received bytes with."""
+    """The forward transfer's layout (:class:`Transfer`'s): (rows from each peer, specs) of the halo K/V and of
+    the shipped rows; the backward's :func:`unpack` reads the received bytes with it."""
     return [(_n(plan.halo_in), [_spec(k), _spec(v)]), (_n(plan.q_in), [_spec(q)])]
 
 
@@ -348,8 +349,9 @@ def _forward(q, k, v, plan, group):
     """(out, lse, the received bytes) of the exchange over ``plan``."""
     b, length, h, _ = q.shape
     dev, hv = q.device, v.shape[-1]
-    sent = Transfer([([[(k, r), (v, r)] for r in plan.halo_send], _n(plan.halo_in), [_spec(k), _spec(v)]),
-                     ([[(q, r)] for r in plan.ship], _n(plan.q_in), [_spec(q)])],
+    (kv_in, kv_specs), (q_in, q_specs) = _layout(plan, q, k, v)
+    sent = Transfer([([[(k, r), (v, r)] for r in plan.halo_send], kv_in, kv_specs),
+                     ([[(q, r)] for r in plan.ship], q_in, q_specs)],
                     b, group, plan.moves_kv or plan.moves_q, dev)
     # the own piece first: the GPU runs it while the host issues the rest and the halos and shipped rows
     # arrive; the other pieces run beside it on the side stream. Joined to the halo keys, it waits for them
