@@ -467,8 +467,9 @@ def _check_graphed_passes(rank, world):
 
 
 @pytest.mark.dist
-def test_exchange_graphed_passes():
-    run_world(_check_graphed_passes, 2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_graphed_passes(world):
+    run_world(_check_graphed_passes, world)
 
 
 def _holes(b, h, q_idx, kv_idx):
