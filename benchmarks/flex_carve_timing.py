@@ -11,10 +11,15 @@ over ``--rounds`` rounds; medians over rounds. ``flex_chains.py`` times the
 same executors without autograd, back to back only.
 
     python benchmarks/flex_carve_timing.py --json OUT.json flex_bsparse_32k flex_swg_32k
+    python benchmarks/flex_carve_timing.py --seqlen 4096 --json OUT.json flex_bsparse_32k flex_doc_32k
+
+``--seqlen`` runs the configs' pattern at another length (rows named
+``CONFIG@SEQLEN``): where the host's time per call outweighs the GPU's.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -47,12 +52,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seqlen", type=int, help="run each config's pattern at this length")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
     res = {}
     for name in a.configs:
         cfg = CONFIGS[name]
+        if a.seqlen:
+            name = f"{name}@{a.seqlen}"
+            cfg = dataclasses.replace(cfg, name=name, seqlen=a.seqlen)
         q, k, v = make_inputs(cfg, dev, torch.bfloat16, True)
         do = torch.randn_like(q)
         scale = cfg.head_dim ** -0.5

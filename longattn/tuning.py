@@ -582,15 +582,17 @@ class FlexFa4Tuning:
               "1.47x / 1.41x in other runs, run_flex_fa4_h100_07d4664.json, run_flex_fa4_batched_h100_ab8626a.json)",
         "cold_gaps_h100_ab8626a.json, run_flex_doc_fa4_h100_4b282da.json, run_flex_doc_fa4_batched_h100_4b282da.json")
     graph_max_tokens: int = measured(
-        0, "pending measurement: a one-device call on FA4 with at most this many query tokens (batch x rows) "
-           "replays its forward and its backward from CUDA graphs (longattn.dilated.graphs.GraphCache: a shape's "
-           "first call eager, its second captured, later ones copy their inputs in, replay and return copies; "
-           "not inside another capture nor torch.compile); 0: never. Why it may pay: a short call waits for its "
-           "host, FA4's interface 0.12 ms a call and a carved block-sparse fwd+bwd 0.84 ms of host on one H100 "
-           "(host_time_h100_ab8626a.json), block-sparse 32K cold 3.35 ms against 2.84 for the GPU alone on one "
-           "H200 (flex_carve_timing_h200_f82abd3.json); what it costs: the copies in and out and a memory pool per "
-           "shape. python benchmarks/flex_carve_timing.py times the planned executor with and without graphs "
-           "(variants 'graphed' / as planned)", "")
+        4096, "a one-device call on FA4 with at most this many query tokens (batch x rows) replays its forward and "
+              "its backward from CUDA graphs (longattn.dilated.graphs.GraphCache: a shape's first call eager, its "
+              "second captured, later ones copy their inputs in, replay and return copies; not inside another "
+              "capture nor torch.compile); 0: never. A short call waits for its host (FA4's interface 0.12 ms a "
+              "call, a carved block-sparse fwd+bwd 0.84 ms of host); the copies in and out cost GPU time per token. "
+              "One H100, fwd+bwd ms cold, graphed against the planned executor eager (torch's compiled "
+              "FlexAttention): block-sparse 4K 0.61 against 1.05 (0.88), window + global 4K 0.87 against 1.16 "
+              "(1.25); 8K block-sparse 1.11 against 1.30, window + global 1.57 against 1.46; 32K 4.39 against 3.67 "
+              "and 6.07 against 5.17 (the copies add 0.7-0.9 ms of GPU time)",
+        "flex_carve_timing_4096_h100_086877a.json, flex_carve_timing_8192_h100_086877a.json, "
+        "flex_carve_timing_h100_086877a.json, host_time_h100_ab8626a.json")
 
     def __post_init__(self):
         if not isinstance(self.documents_varlen, bool):
