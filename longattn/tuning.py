@@ -507,7 +507,10 @@ class FlexExchangeTuning:
                "alone on one GPU match float64 (tests/test_flex_fa4.py::test_joined_documents_on_gpu, 2 and 4 "
                "ranks' shards of 4096 tokens, one H100) as does the exchange on the CPU stand-in, and the test's "
                "own steps outside pytest on 2 H100 (63f0b1e; torchrun and spawned ranks) matched one device on "
-               "every rank: not found why; "
+               "every rank. In the test itself (2 H100, dd0110e), rank 0's joined key buffer held 194 of its 8777 "
+               "rows unlike the true keys (its third segment takes 585 halo keys from rank 1), while the kernel on "
+               "that buffer matched float32 SDPA on every segment (2.0-2.2e-3) and repeated bit for bit: the "
+               "gathered keys are wrong (the received halo or its row map), not FA4; not found why; "
                "flex_exchange_join_ab_2xh100_7a87d75.json, "
                "flex_exchange_join_ab_4xh100_7a87d75.json, dist_flex_join_batched_2xh100_7a87d75.json, "
                "dist_flex_join_batched_4xh100_7a87d75.json")
@@ -518,15 +521,19 @@ class FlexExchangeTuning:
               f"own piece (the halo and served pieces wait for them), so it needs a clear margin; measure with "
               f"{_EXCHANGE_CMD}")
     graph_max_tokens: int = measured(
-        0, "pending measurement: an exchange whose ranks hold at most this many query tokens each (batch x local "
-           "rows) replays its forward and its backward from CUDA graphs, transfers and side stream included "
+        0, "an exchange whose ranks hold at most this many query tokens each (batch x local rows) replays its "
+           "forward and its backward from CUDA graphs, transfers and side stream included "
            "(longattn.dilated.graphs.GraphCache: a shape's first call eager, its second captured on every rank, "
-           "later ones replayed; not inside another capture nor torch.compile); 0: never. Why it may pay: on 4 "
-           "H100, window + global tokens at 128K, a rank's host takes 7.4-8.7 ms to issue a fwd+bwd that its GPU "
-           "runs in 6.8-7.3 (one CUDA graph of the whole step 6.8-7.2; flex_exchange_host_4xh100_f4c34bd.json), "
-           "so calls back to back run at the host's pace (8.0-8.4 ms); at 2 ranks the host is ahead. Measure "
-           "with python -m longattn.bench dist --config flex_swg_128k flex_doc_128k --impl flex-exchange "
-           "flex-exchange:graph_max_tokens=1048576 under torchrun (cold and --timing batched)", "")
+           "later ones replayed; not inside another capture nor torch.compile); 0: never. Off: the copies in and "
+           "out cost more GPU time than the host time they hide. 2 H100 at 128K (64K rows a rank), fwd / bwd ms "
+           "graphed against eager, cold: window + global 4.26 / 15.4 against 4.28 / 13.4, documents 5.39 / 19.8 "
+           "against 4.80 / 17.8; batched 4.05 / 15.1 against 3.17 / 12.9 and 5.41 / 19.7 against 4.76 / 17.4 "
+           "(one device, graphed calls lose from 8K tokens: FlexFa4Tuning.graph_max_tokens). Not measured at 4 "
+           "ranks, where the host is behind (4 H100, window + global: host 7.4-8.7 ms a fwd+bwd against GPU "
+           "6.8-7.3; flex_exchange_host_4xh100_f4c34bd.json), with 32K rows a rank (one device at 32K: the copies "
+           "cost 1.2 ms). Measure with python -m longattn.bench dist --config flex_swg_128k flex_doc_128k "
+           "--impl flex-exchange flex-exchange:graph_max_tokens=1048576 under torchrun",
+        "dist_flex_graphs_cold_2xh100_086877a.json, dist_flex_graphs_batched_2xh100_086877a.json")
 
     def __post_init__(self):
         if not 0 <= self.heavy_fraction <= 1:
@@ -589,8 +596,8 @@ class FlexFa4Tuning:
               "call, a carved block-sparse fwd+bwd 0.84 ms of host); the copies in and out cost GPU time per token. "
               "One H100, fwd+bwd ms cold, graphed against the planned executor eager (torch's compiled "
               "FlexAttention): block-sparse 4K 0.61 against 1.05 (0.88), window + global 4K 0.87 against 1.16 "
-              "(1.25); 8K block-sparse 1.11 against 1.30, window + global 1.57 against 1.46; 32K 4.39 against 3.67 "
-              "and 6.07 against 5.17 (the copies add 0.7-0.9 ms of GPU time)",
+              "(1.25); 8K block-sparse 1.11 against 1.30, window + global 1.57 against 1.46; 32K 4.39 against 3.59 "
+              "and 6.07 against 5.17 (the copies add 1.2 ms of GPU time)",
         "flex_carve_timing_4096_h100_086877a.json, flex_carve_timing_8192_h100_086877a.json, "
         "flex_carve_timing_h100_086877a.json, host_time_h100_ab8626a.json")
 
