@@ -14,6 +14,7 @@ On a GPU with flash-attn-4: every named pattern through FA4 and through torch's
 FlexAttention against float64, outputs, lse and all gradients within 2x the
 error of SDPA in bf16 with the same mask.
 """
+import dataclasses
 import types
 
 import pytest
@@ -838,7 +839,7 @@ def test_graphed_calls_on_gpu(on_fa4, name):
                            None if lse_grad is None else lse_grad.cpu())
             want = {n: (x.to(dev) if x is not None else None) for n, x in want.items()}
             eager = lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mm, return_lse=True,
-                                                            tuning=tuning.FlexFa4Tuning(graph_max_tokens=0))
+                                                            tuning=dataclasses.replace(t, graph_max_tokens=0))
             graphed = lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mm, return_lse=True, tuning=t)
             for i, f in enumerate([eager] + [graphed] * 3):  # eager; graphed: eager, captured, replayed
                 got = results(f, [q, k, v], do, lse_grad)
