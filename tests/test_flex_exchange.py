@@ -613,17 +613,27 @@ def _rank_window(b, h, q_idx, kv_idx):
     return ((q_idx - kv_idx).abs() < w) | (kv_idx < 16)
 
 
+def _rank_keys(b, h, q_idx, kv_idx):
+    """As :func:`_rank_window`, but the plans move as many rows each way: every query sees itself and 16 keys of
+    rank 1's shard (of 512 rows), its first block's on rank 0, its second block's elsewhere: rank 0 expects rank
+    1's first block, rank 1 sends its second."""
+    off = L if dist.get_rank() == 0 else L + 128
+    return (kv_idx == q_idx) | ((kv_idx >= off) & (kv_idx < off + 16))
+
+
 def _check_plans_disagree(rank, world):
     """Plans that do not fit together (rank r's rows for p differ from what p expects from r) must raise on every
     rank before the transfers; on main the all_to_all's split sizes disagree (gloo aborts the process with
-    "Received data size doesn't match expected size"; NCCL may hang or corrupt memory)."""
+    "Received data size doesn't match expected size"; NCCL may hang or corrupt memory), or, with as many rows of
+    other keys, the transfer delivers the wrong keys without an error."""
     import datetime
 
     g = dist.new_group(timeout=datetime.timedelta(seconds=30))  # a hang fails in 30 s, not the default 30 min
     q = torch.randn(1, L, H, D)
-    with pytest.raises(ValueError):
-        longattn.ring_flex_attention(q, q, q, mask_mod=_rank_window, layout="contiguous", engine="exchange", group=g)
-    assert_group_usable(world, g)
+    for mask in (_rank_window, _rank_keys):
+        with pytest.raises(ValueError, match="plans disagree"):
+            longattn.ring_flex_attention(q, q, q, mask_mod=mask, layout="contiguous", engine="exchange", group=g)
+        assert_group_usable(world, g)
 
 
 @pytest.mark.dist

@@ -229,13 +229,22 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]
 
 
+def _rows_sum(rows: torch.Tensor, device) -> torch.Tensor:
+    """sum((row + 1) * (i + 1)) over the i-th of ``rows`` (int64 on ``device``): what two ranks compare of a
+    transfer's rows (their order counts: the receiver reads them in the sender's order)."""
+    rows = rows.to(device=device, dtype=torch.int64)
+    return ((rows + 1) * torch.arange(1, len(rows) + 1, dtype=torch.int64, device=device)).sum()
+
+
 def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel: str, engine: str,
              tuning: tn.FlexExchangeTuning = tn.FLEX_EXCHANGE) -> Optional[ExchangePlan]:
     """The exchange plan of this call, or None where :func:`choose_engine`
     picks the ring. Planned once per (shape, pattern, layout, group, kernel,
     tuning) and cached; on first use two small collectives: every rank's
     planning agreed (a failure on one rank raises on every rank) and every
-    rank's traffic and query block."""
+    rank's traffic, query block and rows per peer (counts and an
+    order-sensitive sum: plans whose transfers do not fit together raise on
+    every rank)."""
     cannot = ["score_mod is given: the exchange's executors take masks only"] if score_mod is not None else []
     key = ("exchange", pattern_key(mask_mod), scale, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), layout,
            checks.group_name(group), dist.get_world_size(group), dist.get_rank(group), kernel, tuning)
@@ -253,13 +262,19 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
         bq = blocks.sparse_block(cap, q.shape[1])[0] if use_fa4 else fp.BLOCK_SIZE
         # and each rank's rows per peer: what r sends p must be what p plans to receive from r (a mask whose
         # values differ across ranks passes the signature check, and mismatched transfers would hang or abort)
-        counts = [len(x[p]) for x in (plan.ship, plan.q_in, plan.halo_send, plan.halo_in) for p in range(world)]
-        t = torch.tensor(stats + [bq, use_fa4] + counts, dtype=torch.int64, device=q.device)
+        # (equal counts of other rows, or of the same rows in another order, would move without an error: the
+        # rows are compared too, by an order-sensitive sum)
+        lists = [x[p] for x in (plan.ship, plan.q_in, plan.halo_send, plan.halo_in) for p in range(world)]
+        t = torch.cat([torch.tensor(stats + [bq, use_fa4] + [len(x) for x in lists], dtype=torch.int64,
+                                    device=q.device), torch.stack([_rows_sum(x, q.device) for x in lists])])
         got = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(got, t, group=group)
         rows = torch.stack(got).cpu().tolist()
         sent, steps, nq, nkv, bqs, fa4s = zip(*(r[:6] for r in rows))
-        ship, q_in, send, recv = ([r[6 + i * world:6 + (i + 1) * world] for r in rows] for i in range(4))
+        # per rank, per peer: the rows' counts, then their sums (ship, q_in, halo_send, halo_in)
+        ship, q_in, send, recv = ([list(zip(r[6 + i * world:6 + (i + 1) * world],
+                                            r[6 + (4 + i) * world:6 + (5 + i) * world])) for r in rows]
+                                  for i in range(4))
         mismatch = [(r, p) for r in range(world) for p in range(world)
                     if ship[r][p] != q_in[p][r] or send[r][p] != recv[p][r]]
         kv_shard = 2 * k.numel() * k.element_size()
