@@ -258,3 +258,20 @@ def test_every_measured_threshold_names_a_result_file_that_exists():
             for name in (f.metadata.get("source") or "").replace(",", " ").split():
                 if name.endswith(".json"):
                     assert os.path.exists(os.path.join(ROOT, "benchmarks", "results", name)), (f.name, name)
+
+
+def test_flex_carve_timing_plots_saved_results(tmp_path):
+    """benchmarks/flex_carve_timing.py --from FILES --plot PNG draws saved runs (rows at several lengths, the
+    planned executor named "carved" or "as planned") without a GPU; --from without --plot is a usage error."""
+    pytest.importorskip("matplotlib")
+    files = [os.path.join(ROOT, "benchmarks", "results", f"flex_carve_timing_{n}h100_086877a.json")
+             for n in ("4096_", "8192_", "")]
+    script = os.path.join(ROOT, "benchmarks", "flex_carve_timing.py")
+    png = tmp_path / "carve.png"
+    res = subprocess.run([sys.executable, script, "--from", *files, "--plot", str(png)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    res = subprocess.run([sys.executable, script, "--from", files[0]], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert res.returncode == 2 and "--from needs --plot" in res.stderr
