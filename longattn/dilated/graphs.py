@@ -35,6 +35,13 @@ def usable(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling()
 
 
+def replays(q: torch.Tensor, max_tokens: int) -> bool:
+    """Whether a call on queries ``q`` (B, S, ...) replays its passes from
+    graphs: at most ``max_tokens`` query tokens (B x S; a tuning's
+    ``graph_max_tokens``) and :func:`usable`."""
+    return q.shape[0] * q.shape[1] <= max_tokens and usable(q)
+
+
 def _signature(x: Optional[torch.Tensor]):
     return None if x is None else (tuple(x.shape), x.dtype, x.device)
 

@@ -322,7 +322,7 @@ def attend(q, k, v, mask_mod, scale: float, tuning: tn.FlexFa4Tuning = tn.FLEX_F
     run = pieces.single_executor(q, k, mask_mod, scale, tuning)
     if run is None:
         return None
-    graphed = q.shape[0] * q.shape[1] <= tuning.graph_max_tokens and graphs.usable(q)
+    graphed = graphs.replays(q, tuning.graph_max_tokens)
     return Fa4Flex.apply(q, k, v, run, graphed)
 
 

@@ -168,7 +168,7 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
                                  score=schedule.signature(score_mod), engine=engine, kernel=kernel, tuning=repr(tuning))
     plan = exchange.plan_for(q, k, mask_mod, score_mod, layout, scale, g, kernel, engine, tuning)
     if plan is not None:  # every rank decides alike: the shapes and the tuning are checked equal above
-        graphed = q.shape[0] * q.shape[1] <= tuning.graph_max_tokens and graphs.usable(q)
+        graphed = graphs.replays(q, tuning.graph_max_tokens)
         out, lse = ExchangeFlex.apply(q, k, v, plan, g, graphed)
         return (out, lse) if return_lse else out
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
