@@ -89,20 +89,33 @@ class Transfer:
 
     def __init__(self, groups: list, batch: int, group, active: bool, device):
         self.layout = [(counts, specs) for _, counts, specs in groups]
-        self.batch, self.work = batch, None
+        self.batch, self.work, self.src = batch, None, None
+        self.stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None
         peers = len(groups[0][1])
         out_splits = [sum(_block(counts[p], tail, dt, batch) for counts, specs in self.layout for tail, dt in specs)
                       for p in range(peers)]
         self.buf = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
         if active:
-            src, in_splits = pack(groups, batch, device)
-            self.work = dist.all_to_all_single(self.buf, src, out_splits, in_splits, group=group, async_op=True)
+            self.src, in_splits = pack(groups, batch, device)
+            self.work = dist.all_to_all_single(self.buf, self.src, out_splits, in_splits, group=group,
+                                               async_op=True)
 
     def wait(self) -> list:
-        """Per group, per spec, the rows every peer sent, in rank order: (B, sum(counts), ...) (:func:`unpack`)."""
+        """Per group, per spec, the rows every peer sent, in rank order: (B, sum(counts), ...) (:func:`unpack`).
+        The stream current here waits for the collective; it may be another than the one the buffers were made
+        on (the side stream waits for the halo the main stream sent)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
+            waiting = torch.cuda.current_stream(self.buf.device) if self.stream is not None else None
+            if waiting is not None and waiting != self.stream:
+                # NCCL's wait releases the send buffer to the allocator once the *waiting* stream is ordered
+                # after the collective; the allocator hands a block back to the stream that made it, which may
+                # still be behind the collective, and a kernel there would overwrite rows not yet sent (peers
+                # then receive wrong keys). Recording the waiting stream keeps both buffers until it gets there.
+                self.src.record_stream(waiting)
+                self.buf.record_stream(waiting)
+            self.src = None
         return unpack(self.buf, self.layout, self.batch)
 
 
