@@ -409,6 +409,50 @@ def test_exchange_fa4_on_gpus(world):
     run_world(_check_gpu_fa4, world, backend="nccl")
 
 
+def _check_transfer_waited_elsewhere(rank, world):
+    """A transfer made on the main stream and waited for on a side stream (the exchange's forward waits for the
+    halo there): the main stream, free to run on at once, allocates and overwrites a block of the send buffer's
+    size while the last rank holds the collective back (a GPU sleep before its rows are packed). Every rank still
+    receives its peers' rows exactly."""
+    from longattn.flex.exchange_run import Transfer
+
+    n, h, d = 4096, 4, 64
+    k = (torch.arange(n, device="cuda", dtype=torch.float32).view(1, n, 1, 1) + 10000 * rank).expand(1, n, h, d)
+    k = k.contiguous()  # float32 integers: rows compared exactly
+    rows = [torch.arange(n if p != rank else 0, device="cuda") for p in range(world)]
+    counts = [n if p != rank else 0 for p in range(world)]
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    for trial in range(4):
+        if rank == world - 1:
+            torch.cuda._sleep(300_000_000)  # ~0.2 s: the collective cannot finish before this rank joins it
+        t = Transfer([([[(k, r)] for r in rows], counts, [((h, d), torch.float32)])], 1, dist.group.WORLD, True,
+                     k.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            (got,), = t.wait()
+            got = got.clone()
+        for _ in range(3):  # blocks of the send buffer's size, written on the main stream at once
+            torch.empty((world - 1) * n * h * d * 4, dtype=torch.uint8, device="cuda").fill_(255)
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        peers = [p for p in range(world) if p != rank]
+        want = torch.cat([torch.arange(n, dtype=torch.float32) + 10000 * p for p in peers])
+        bad = int((got[0, :, 0, 0].cpu() != want).sum()) + int((got != got[:, :, :1, :1]).sum())
+        assert bad == 0, f"rank {rank} trial {trial}: {bad} received values unlike the peers' rows"
+        dist.barrier()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_transfer_waited_on_another_stream():
+    """2 GPUs (NCCL): the send buffer of a transfer waited for on another stream is not recycled before the
+    collective has read it (:meth:`Transfer.wait` records the waiting stream)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_world(_check_transfer_waited_elsewhere, 2, backend="nccl")
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_exchange_captures_in_cuda_graph():
