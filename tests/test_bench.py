@@ -32,6 +32,55 @@ def test_config_validation():
         C.get("nope")
 
 
+class _OnceBackward(torch.autograd.Function):
+    """x * 2 whose backward refuses a second run on the same graph (as torch.compile's, which donates the
+    buffers it saved)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.ran = False
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.ran:
+            raise RuntimeError("This backward function was compiled with non-empty donated buffers")
+        ctx.ran = True
+        return g * 2
+
+
+def test_backward_alone_after_a_fresh_forward_where_it_cannot_run_twice():
+    """A backward that cannot be replayed is timed after an untimed fresh forward per sample (cold timing; the
+    row says how and why); batched timing cannot interleave those forwards and says so."""
+    from longattn.bench import single
+
+    x = torch.randn(64, 8, requires_grad=True)
+    forwards = []
+
+    def fn(x):
+        forwards.append(1)
+        return _OnceBackward.apply(x)
+
+    for batched, timed_ok in ((False, True), (True, False)):
+        row, forwards[:] = {"fwd_flops": 1e6}, []
+        timed = single._timer(torch.device("cpu"), 1, 3, batched, None)
+        single._time_backward_alone(row, fn, (x,), torch.ones(64, 8), timed)
+        if timed_ok:
+            assert row["bwd_ms"] > 0 and row["bwd_tflops"] > 0 and "bwd_alone_reason" not in row
+            assert row["bwd_method"] == "after a fresh forward per sample"
+            assert "donated buffers" in row["bwd_replay_reason"]
+            assert len(forwards) == 1 + 1 + 3  # the kept graph's, then one per warm-up call and per sample
+            assert x.grad is None
+        else:
+            assert "bwd_ms" not in row and "donated buffers" in row["bwd_alone_reason"]
+            assert "cold timing" in row["bwd_alone_reason"]
+    # a backward that runs twice is replayed from one forward's graph, as before
+    row, forwards[:] = {"fwd_flops": 1e6}, []
+    single._time_backward_alone(row, lambda x: (forwards.append(1), x * 3)[1], (x,), torch.ones(64, 8),
+                                single._timer(torch.device("cpu"), 1, 3, False, None))
+    assert row["bwd_ms"] > 0 and "bwd_method" not in row and len(forwards) == 1
+
+
 def test_run_json_schema_and_honest_failures(tmp_path, capsys):
     """A few implementations of each kind on 128 tokens (the Triton ones, slow
     under the CPU interpreter, are left out): schema, measured numbers, honest

@@ -57,7 +57,7 @@ def sync(device: torch.device) -> None:
 
 def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 10,
             min_time_s: float = 0.0, batched: bool = False, agree: Optional[Callable[[int], int]] = None,
-            label: Optional[str] = None) -> dict:
+            label: Optional[str] = None, setup: Optional[Callable[[], object]] = None) -> dict:
     """Median and spread of ``fn``'s wall time in ms, CUDA events on GPU.
 
     Default ("cold"): one call between the events, the GPU idle when the start
@@ -78,10 +78,17 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
     process's batch size to one every rank uses (calls with collectives).
     ``host_ms`` (the host time of one call, measured in warm-up) is returned
     either way. ``label``: progress lines on stderr for slow calls (``Progress``).
+    ``setup`` (cold timing only): run before each call, untimed, the GPU idle
+    again before the start event (what a call consumes, e.g. a fresh forward's
+    graph for a backward that cannot run twice).
     """
+    if setup is not None and batched:
+        raise ValueError("time_ms: setup= runs between calls, so it needs cold timing (batched=False)")
     prog = Progress(label)
     host = []
     for i in range(warmup):
+        if setup is not None:
+            setup()
         t0 = time.perf_counter()
         fn()
         host.append((time.perf_counter() - t0) * 1e3)
@@ -102,6 +109,9 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
     times = []
     t_end = time.perf_counter() + min_time_s
     while len(times) < iters or time.perf_counter() < t_end:
+        if setup is not None:
+            setup()
+            sync(device)
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if reps > 1:
