@@ -416,8 +416,8 @@ def _check_transfer_waited_elsewhere(rank, world):
     receives its peers' rows exactly."""
     from longattn.flex.exchange_run import Transfer
 
-    n, h, d = 4096, 4, 64
-    k = (torch.arange(n, device="cuda", dtype=torch.float32).view(1, n, 1, 1) + 10000 * rank).expand(1, n, h, d)
+    n, h, d = 32768, 4, 64  # 32 MiB a peer: most of it waits for the held-back rank (NCCL stages ~4 MiB ahead)
+    k = (torch.arange(n, device="cuda", dtype=torch.float32).view(1, n, 1, 1) + 100000 * rank).expand(1, n, h, d)
     k = k.contiguous()  # float32 integers: rows compared exactly
     rows = [torch.arange(n if p != rank else 0, device="cuda") for p in range(world)]
     counts = [n if p != rank else 0 for p in range(world)]
@@ -437,7 +437,7 @@ def _check_transfer_waited_elsewhere(rank, world):
         main.wait_stream(side)
         torch.cuda.synchronize()
         peers = [p for p in range(world) if p != rank]
-        want = torch.cat([torch.arange(n, dtype=torch.float32) + 10000 * p for p in peers])
+        want = torch.cat([torch.arange(n, dtype=torch.float32, device="cpu") + 100000 * p for p in peers])
         bad = int((got[0, :, 0, 0].cpu() != want).sum()) + int((got != got[:, :, :1, :1]).sum())
         assert bad == 0, f"rank {rank} trial {trial}: {bad} received values unlike the peers' rows"
         dist.barrier()
