@@ -841,7 +841,9 @@ def test_graphed_calls_on_gpu(on_fa4, name):
             eager = lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mm, return_lse=True,
                                                             tuning=dataclasses.replace(t, graph_max_tokens=0))
             graphed = lambda q, k, v: longattn.flex_attention(q, k, v, mask_mod=mm, return_lse=True, tuning=t)
-            for i, f in enumerate([eager] + [graphed] * 3):  # eager; graphed: eager, captured, replayed
+            # eager; graphed: each pass's graph made on its shape's second call, replayed after (with an lse
+            # gradient the forward's graph exists already: only the backward's is new)
+            for i, f in enumerate([eager] + [graphed] * 3):
                 got = results(f, [q, k, v], do, lse_grad)
                 errs = {n: rel_err(got[n], want[n]) for n in tol}
                 tag = f"{name} call {i} lse gradient {lse_grad is not None}"
