@@ -61,8 +61,9 @@ log = lambda m: print(m, file=sys.stderr, flush=True)
 
 
 def tuning(bn, w, s, pps, hf=0, desc=0):
-    return dataclasses.replace(tn.DECODE, block_n=bn, num_warps=w, num_stages=s, h200_num_stages=s, programs_per_sm=pps,
-                               programs_per_sm_d64=pps, min_split=a.min_split, heads_fastest=bool(hf),
+    return dataclasses.replace(tn.DECODE, block_n=bn, h200_block_n=bn, num_warps=w, num_stages=s, h200_num_stages=s,
+                               programs_per_sm=pps, programs_per_sm_d64=pps, min_split=a.min_split,
+                               heads_fastest=bool(hf), h200_heads_fastest=bool(hf),
                                descriptor_loads="always" if desc else "never")
 
 

@@ -276,6 +276,20 @@ class DecodeTuning:
            "0.1365 for 128/4/2/2), where 64/4/2/2 takes 0.1488 and 1.043 ms (8-9% slower). On H100 the third "
            "stage tied at B=1 and lost 4-5% at B=8 and head dim 64, so it stays there; B=8 on H200 not swept",
         "decode_split_kv_h200_7884a90.json")
+    h200_block_n: int = measured(
+        128, "keys per tile of the split kernel on an H200 where h200_num_stages applies, with h200_heads_fastest: "
+             "one H200, B=1, 32 query / 8 kv heads, 3 stages, 4 warps, 2 programs per SM, kernel time from graph "
+             "replays, 128 heads first against 64 (pointer loads) 129.7 / 131.7 us at 128K, 248.1 / 248.4 at 256K, "
+             "481.5 / 482.7 at 512K, 948.4 / 956.4 at 1M (4529 GB/s), 1881.9 / 1900.2 at 2M; with descriptor loads "
+             "128.9 / 131.4 at 128K. 128 in the splits' order loses (962 / 1905 us at 1M / 2M). A step back to back "
+             "at 1M 0.953 ms against 0.964 with 64 and 0.957 for SDPA cuDNN, 2M 1.885 / 1.907 / 1.899 (the same "
+             "runs). A wider sweep at 1M (block 64/128 x warps 4/8 x stages 3/4 x 1/2/3 programs per SM x both "
+             "orders x both loads, the host's other GPUs busy) printed the same best tile at 0.948 ms; its JSON did "
+             "not come back. B=8 not swept",
+        "decode_split_kv_tile_h200_e816f3e.json, decode_split_kv_tile_ctx_h200_e816f3e.json")
+    h200_heads_fastest: bool = measured(
+        True, "launch order of the split programs on an H200 where h200_num_stages applies: see h200_block_n",
+        "decode_split_kv_tile_h200_e816f3e.json")
     programs_per_sm: int = measured(
         2, "programs per SM of the split kernel (the cache's splits fill the device this deep), head dim > 64: "
            "block 64/4/2, kernel time from graph replays, one H100, 2 against 4 per SM: 128K B=1 0.184 / 0.190 "
@@ -359,8 +373,9 @@ class DecodeTuning:
         # where it was swept: D=128 in 2-byte dtypes (a stage holds a K and a V tile; larger ones are not measured)
         h200 = device_name.startswith("NVIDIA H200") and 64 < head_dim <= 128 and itemsize == 2
         stages = self.h200_num_stages if h200 else self.num_stages
-        return dict(block_n=self.block_n, num_warps=self.num_warps, num_stages=stages,
-                    programs_per_sm=pps, min_split=self.min_split, heads_fastest=self.heads_fastest,
+        return dict(block_n=self.h200_block_n if h200 else self.block_n, num_warps=self.num_warps,
+                    num_stages=stages, programs_per_sm=pps, min_split=self.min_split,
+                    heads_fastest=self.h200_heads_fastest if h200 else self.heads_fastest,
                     merge_floats=mf,
                     descriptors=h200 and (self.descriptor_loads == "always"
                                           or (self.descriptor_loads == "replayed" and replayed)))
@@ -505,9 +520,9 @@ class FlexExchangeTuning:
                "tests/test_flex_exchange.py::test_exchange_fa4_on_gpus[2] (2 H100, 2 H200) the joined documents' "
                "output error is 4e-2 to 1e-1 against the ring's 1.3e-3, on rank 0's rows of the document that starts "
                "on rank 1: the halo rank 0 received holds rows unlike rank 1's keys (54 of 640 on 2 H200) though the "
-               "ranks planned the same rows. Likely cause, fixed in exchange_run.Transfer.wait and not yet run on "
-               "GPUs: the waiting side stream let the allocator recycle the send buffer on the main stream before "
-               "the collective had read it; "
+               "ranks planned the same rows. The cause, fixed in exchange_run.Transfer.wait: the waiting side stream "
+               "let the allocator recycle the send buffer on the main stream before the collective had read it; "
+               "the test ([2] and [4]) and test_transfer_waited_on_another_stream pass on 4 H200 at e816f3e; "
                "flex_exchange_join_ab_2xh100_7a87d75.json, "
                "flex_exchange_join_ab_4xh100_7a87d75.json, dist_flex_join_batched_2xh100_7a87d75.json, "
                "dist_flex_join_batched_4xh100_7a87d75.json")
@@ -525,12 +540,14 @@ class FlexExchangeTuning:
            "out cost more GPU time than the host time they hide. 2 H100 at 128K (64K rows a rank), fwd / bwd ms "
            "graphed against eager, cold: window + global 4.26 / 15.4 against 4.28 / 13.4, documents 5.39 / 19.8 "
            "against 4.80 / 17.8; batched 4.05 / 15.1 against 3.17 / 12.9 and 5.41 / 19.7 against 4.76 / 17.4 "
-           "(one device, graphed calls lose from 8K tokens: FlexFa4Tuning.graph_max_tokens). Not measured at 4 "
-           "ranks, where the host is behind (4 H100, window + global: host 7.4-8.7 ms a fwd+bwd against GPU "
-           "6.8-7.3; flex_exchange_host_4xh100_f4c34bd.json), with 32K rows a rank (one device at 32K: the copies "
-           "cost 1.2 ms). Measure with python -m longattn.bench dist --config flex_swg_128k flex_doc_128k "
+           "(one device, graphed calls lose from 8K tokens: FlexFa4Tuning.graph_max_tokens). 4 H200 at 128K (32K "
+           "rows a rank, where the host is behind for window + global: host 8.7 ms a fwd+bwd against 6.7 on the "
+           "GPU), batched, fwd / fwd+bwd ms graphed against eager: window + global 2.08 / 7.50 against 2.18 / "
+           "6.73, documents 2.73 / 10.4 against 2.41 / 9.51 (the graphed peak 548 / 521 MiB against 1240 / "
+           "798). Measure with python -m longattn.bench dist --config flex_swg_128k flex_doc_128k "
            "--impl flex-exchange flex-exchange:graph_max_tokens=1048576 under torchrun",
-        "dist_flex_graphs_cold_2xh100_086877a.json, dist_flex_graphs_batched_2xh100_086877a.json")
+        "dist_flex_graphs_cold_2xh100_086877a.json, dist_flex_graphs_batched_2xh100_086877a.json, "
+        "dist_flex_graphs_batched_4xh200_e816f3e.json")
 
     def __post_init__(self):
         if not 0 <= self.heavy_fraction <= 1:

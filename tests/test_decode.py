@@ -993,6 +993,8 @@ def test_split_kernel_tiles_follow_the_gpu():
 
     h200, h100 = DECODE.kernel_args(False, 128, "NVIDIA H200"), DECODE.kernel_args(False, 128, "NVIDIA H100 80GB HBM3")
     assert (h200["num_stages"], h100["num_stages"]) == (DECODE.h200_num_stages, DECODE.num_stages)
+    assert (h200["block_n"], h200["heads_fastest"]) == (DECODE.h200_block_n, DECODE.h200_heads_fastest)
+    assert (h100["block_n"], h100["heads_fastest"]) == (DECODE.block_n, DECODE.heads_fastest)
     # tensor-descriptor loads: on the H200, in steps replayed from graphs (an eager launch encodes them on the host)
     assert (h200["descriptors"], h100["descriptors"]) == (False, False)
     replayed = [DECODE.kernel_args(False, 128, n, replayed=True)["descriptors"] for n in ("NVIDIA H200", "NVIDIA H100")]
@@ -1003,13 +1005,14 @@ def test_split_kernel_tiles_follow_the_gpu():
                                                                                   replayed=True)["descriptors"]
     with pytest.raises(ValueError, match="descriptor_loads"):
         dataclasses.replace(DECODE, descriptor_loads=True)
-    swept = ("num_stages", "descriptors")
+    swept = ("num_stages", "descriptors", "block_n", "heads_fastest")
     assert {k: v for k, v in h200.items() if k not in swept} == {k: v for k, v in h100.items() if k not in swept}
-    # only what was swept (D=128, 2-byte caches, the H200 itself) takes the H200's stages and loads
+    # only what was swept (D=128, 2-byte caches, the H200 itself) takes the H200's tile and loads
     for d, itemsize, name in ((64, 2, "NVIDIA H200"), (256, 2, "NVIDIA H200"), (128, 4, "NVIDIA H200"),
                               (128, 2, "NVIDIA GH200 480GB")):
         args = DECODE.kernel_args(False, d, name, itemsize, replayed=True)
-        assert (args["num_stages"], args["descriptors"]) == (DECODE.num_stages, False), (d, itemsize, name)
+        assert (args["num_stages"], args["descriptors"], args["block_n"], args["heads_fastest"]) == (
+            DECODE.num_stages, False, DECODE.block_n, DECODE.heads_fastest), (d, itemsize, name)
     assert split_kv_args(torch.zeros(1, 1, 2, 16), DECODE) == DECODE.kernel_args(True, 16)
 
 
