@@ -222,6 +222,17 @@ def test_report_reads_a_decode_json_without_matplotlib(tmp_path, monkeypatch):
     assert "pip install matplotlib" in md
 
 
+def test_report_plots_a_decode_json(tmp_path):
+    """A decode result gets its plot: each context's implementations, ms per token and layer."""
+    pytest.importorskip("matplotlib")
+    src = os.path.join(ROOT, "benchmarks", "results", "decode_batched_h200_2307ec6.json")
+    shutil.copy(src, tmp_path / "dec.json")
+    main(["report", str(tmp_path / "dec.json"), "--out", str(tmp_path / "rep")])
+    png = tmp_path / "rep" / "dec_decode.png"
+    assert png.exists() and png.stat().st_size > 10_000
+    assert "dec_decode.png" in (tmp_path / "rep" / "report.md").read_text()
+
+
 def test_report_refuses_a_file_no_command_wrote(tmp_path, capsys):
     (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(SystemExit):

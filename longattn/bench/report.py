@@ -178,6 +178,48 @@ def _efficiency_bars(docs, plt, save) -> None:
         save(fig, f"{_safe(_stem(d))}_efficiency.png")
 
 
+def _decode_label(r) -> str:
+    name = r["impl"] if r.get("backend") in (None, "", r["impl"].split("-")[-1]) else f"{r['impl']} ({r['backend']})"
+    return name if (r.get("world") or 1) == 1 else f"{name}, {r['world']} ranks"
+
+
+def _decode_plots(docs, plt, save) -> None:
+    """Per `decode` file: ms per token and layer of each implementation, one
+    panel per context length, fastest first (log axis: a backend that
+    re-reads the whole cache per token sits two orders of magnitude out)."""
+    for d in docs:
+        if d.get("kind") != "decode":
+            continue
+        by_ctx = defaultdict(list)
+        for r in d["results"]:
+            if r.get("status") == "ok" and r.get("step_ms") is not None:
+                by_ctx[r["context"]].append(r)
+        if not by_ctx:
+            continue
+        ctxs = sorted(by_ctx)
+        most = max(len(v) for v in by_ctx.values())
+        fig, axes = plt.subplots(1, len(ctxs), figsize=(6 * len(ctxs), 0.32 * most + 1.8), squeeze=False)
+        for ax, ctx in zip(axes[0], ctxs):
+            rows = sorted(by_ctx[ctx], key=lambda r: r["step_ms"])
+            ys = range(len(rows))
+            colors = ["tab:blue" if r["impl"].startswith("longattn") else "tab:gray" for r in rows]
+            ax.barh(list(ys), [r["step_ms"] for r in rows], color=colors)
+            ax.set_yticks(list(ys))
+            ax.set_yticklabels([_decode_label(r) for r in rows], fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xscale("log")
+            for y, r in zip(ys, rows):
+                ax.text(r["step_ms"], y, f" {r['step_ms']:.3g}", va="center", fontsize=7)
+            ax.set_xlabel("ms per token and layer (median)")
+            ax.set_title(f"context {ctx // 1024}K", fontsize=9)
+            ax.grid(True, axis="x", which="both", alpha=0.3)
+        env, r0 = d.get("env", {}), by_ctx[ctxs[0]][0]
+        timing = "back to back" if "--timing batched" in (env.get("command") or "") else "one step from an idle GPU"
+        fig.suptitle(f"decode, {env.get('device')}: {r0.get('heads')}q/{r0.get('kv_heads')}kv heads, D={r0.get('head_dim')}, "
+                     f"batch {r0.get('batch')}, {timing} (longattn in blue)", fontsize=9)
+        save(fig, f"{_safe(_stem(d))}_decode.png", dpi=110)
+
+
 def _efficiency_vs_ranks(docs, plt, save) -> list[str]:
     """Efficiency (fwd+bwd) against the number of ranks, one curve per config
     and implementation; returns the missing-plot line when no curve has two points."""
@@ -214,7 +256,8 @@ def plots(docs, outdir: str):
 
     One run (``run``) gives, per config, time and FLOP/s per implementation;
     one ``dist`` run gives the parallel efficiency per implementation at its
-    number of ranks. Curves need more points: time and memory against the
+    number of ranks; one ``decode`` run, per context, each implementation's
+    time per token and layer. Curves need more points: time and memory against the
     sequence length (one implementation at two or more lengths: ``scale``, or
     ``run`` files at different ``--seqlen``) and efficiency against the number
     of ranks (``dist`` at two or more world sizes)."""
@@ -237,6 +280,7 @@ def plots(docs, outdir: str):
         written.append(p)
 
     _impl_plots(docs, plt, save)
+    _decode_plots(docs, plt, save)
     missing = _seqlen_curves(docs, plt, save)
     _efficiency_bars(docs, plt, save)
     missing += _efficiency_vs_ranks(docs, plt, save)
