@@ -233,6 +233,17 @@ def test_report_plots_a_decode_json(tmp_path):
     assert "dec_decode.png" in (tmp_path / "rep" / "report.md").read_text()
 
 
+def test_report_plots_a_training_step_json(tmp_path):
+    """An hf_train result gets its plot: each attention's step, tokens/s and peak memory."""
+    pytest.importorskip("matplotlib")
+    src = os.path.join(ROOT, "benchmarks", "results", "hf_docs16_32k_h100_539dd63.json")
+    shutil.copy(src, tmp_path / "hf.json")
+    main(["report", str(tmp_path / "hf.json"), "--out", str(tmp_path / "rep")])
+    png = tmp_path / "rep" / "hf_steps.png"
+    assert png.exists() and png.stat().st_size > 10_000
+    assert "hf_steps.png" in (tmp_path / "rep" / "report.md").read_text()
+
+
 def test_report_refuses_a_file_no_command_wrote(tmp_path, capsys):
     (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(SystemExit):

@@ -220,6 +220,38 @@ def _decode_plots(docs, plt, save) -> None:
         save(fig, f"{_safe(_stem(d))}_decode.png", dpi=110)
 
 
+def _short(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.4g}"
+
+
+def _hf_train_plots(docs, plt, save) -> None:
+    """Per `hf_train` file: each attention implementation's training step
+    (ms, tokens/s per GPU) and peak memory; failed ones (out of memory) named."""
+    for d in docs:
+        if kind_of(d) != "hf_train":
+            continue
+        rows = [r for r in d["results"] if r.get("step_ms_median") is not None]
+        if not rows:
+            continue
+        label = lambda r: r["attn"] if (r.get("world") or 1) == 1 else f"{r['attn']} ({r['world']} GPUs)"
+        groups = [label(r) for r in rows]
+        fig, axes = plt.subplots(1, 3, figsize=(max(10, 1.6 * len(rows) + 7), 4.2))
+        for ax, key, name in ((axes[0], "step_ms_median", "step (ms, median)"),
+                              (axes[1], "tokens_per_s_per_gpu", "tokens/s per GPU"),
+                              (axes[2], "peak_mem_gib", "peak memory (GiB)")):
+            _bars(ax, groups, {name: [r.get(key) for r in rows]}, name)
+            ax.get_legend().remove()
+            for bar in ax.patches:  # the values: neighbours often differ by a few percent
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), _short(bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        failed = [f"{r['attn']}: {str(r['error'])[:40]}" for r in d["results"] if r.get("step_ms_median") is None]
+        r0 = rows[0]
+        fig.suptitle(f"{r0.get('family') or d.get('family') or 'llama'}, {r0['seqlen'] // 1024}K tokens, "
+                     f"{r0.get('docs') or 1} document(s), {d.get('env', {}).get('device')}"
+                     + (f"; failed: {'; '.join(failed)}" if failed else ""), fontsize=9)
+        save(fig, f"{_safe(_stem(d))}_steps.png")
+
+
 def _efficiency_vs_ranks(docs, plt, save) -> list[str]:
     """Efficiency (fwd+bwd) against the number of ranks, one curve per config
     and implementation; returns the missing-plot line when no curve has two points."""
@@ -257,7 +289,8 @@ def plots(docs, outdir: str):
     One run (``run``) gives, per config, time and FLOP/s per implementation;
     one ``dist`` run gives the parallel efficiency per implementation at its
     number of ranks; one ``decode`` run, per context, each implementation's
-    time per token and layer. Curves need more points: time and memory against the
+    time per token and layer; one ``hf_train`` run, each attention's
+    training step and peak memory. Curves need more points: time and memory against the
     sequence length (one implementation at two or more lengths: ``scale``, or
     ``run`` files at different ``--seqlen``) and efficiency against the number
     of ranks (``dist`` at two or more world sizes)."""
@@ -281,6 +314,7 @@ def plots(docs, outdir: str):
 
     _impl_plots(docs, plt, save)
     _decode_plots(docs, plt, save)
+    _hf_train_plots(docs, plt, save)
     missing = _seqlen_curves(docs, plt, save)
     _efficiency_bars(docs, plt, save)
     missing += _efficiency_vs_ranks(docs, plt, save)
