@@ -749,3 +749,16 @@ def test_ring_varlen_on_fa4(fa4, monkeypatch, tmp_path, causal):
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def test_private_fa4_calls_live_in_one_module():
+    """FA4's private functions (the interface's underscored calls) are called
+    from longattn.backends._fa4_api alone, where its version check guards them."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(longattn.__file__).parent
+    calls = re.compile(r"\.(_flash_attn_(fwd|bwd|varlen_fwd|varlen_bwd)|_bwd_preprocess|_bwd_postprocess\w*)\(")
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name != "_fa4_api.py" and calls.search(p.read_text())]
+    assert offenders == [], offenders

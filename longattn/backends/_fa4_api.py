@@ -1,5 +1,6 @@
 """The one module that calls FlashAttention-4 (``flash-attn-4``, the CuTe DSL
-kernels of flash-attention), dense and varlen.
+kernels of flash-attention): dense, varlen, split-KV decoding, and the mask
+calls of :mod:`longattn.flex.fa4` (``mask_mod``, block sparsity, aux tensors).
 
 Its public functions (``flash_attn_func``, ``flash_attn_varlen_func``) tie the
 backward to the forward's own output inside one autograd Function; longattn's
@@ -8,7 +9,10 @@ blocks take their backward from a given, possibly merged, output and lse (see
 ``_flash_attn_bwd`` of ``flash_attn.cute.interface`` offer. They are reached
 here and nowhere else: :func:`problem` checks on first use that they still take
 every argument passed below, and names the release this module was written for
-when they do not (the backend then refuses with that reason).
+when they do not (the backend then refuses with that reason);
+:func:`mask_signature_problem` does the same for the mask calls' arguments
+(``longattn.flex.fa4`` refuses its FA4 kernel with it: the dense backend does
+not depend on them).
 
 Every function takes and returns our layouts: (B, S, H, D) (varlen: (T, H, D))
 tensors and lse (B, H, S) (varlen: (H, T)) float32. FA4 already marks rows
@@ -32,6 +36,9 @@ FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_
             "pack_gqa")
 BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap", "window_size_left",
             "window_size_right", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dlse")
+# ... and those of the mask calls (masked_forward / masked_backward).
+MASK_FWD_ARGS = ("mask_mod", "block_sparse_tensors", "aux_tensors", "return_lse", "pack_gqa", "softmax_scale")
+MASK_BWD_ARGS = ("mask_mod", "block_sparse_tensors", "aux_tensors", "dlse", "softmax_scale")
 
 
 def installed_version() -> str:
@@ -43,21 +50,35 @@ def installed_version() -> str:
         return "unknown"
 
 
+def _missing(interface, calls) -> list[str]:
+    """What ``interface`` lacks of ``calls``: ((function name, keyword arguments), ...)."""
+    out = []
+    for fn_name, args in calls:
+        fn = getattr(interface, fn_name, None)
+        if fn is None:
+            out.append(f"no {fn_name}")
+            continue
+        params = inspect.signature(fn).parameters
+        absent = [a for a in args if a not in params]
+        if absent:
+            out.append(f"{fn_name} lacks {absent}")
+    return out
+
+
 def signature_problem(interface, version: str) -> Optional[str]:
     """Why ``interface`` (a ``flash_attn.cute.interface`` module or a stand-in)
     lacks the private functions this module calls with their arguments; None if it has them."""
-    for fn_name, args in (("_flash_attn_fwd", FWD_ARGS), ("_flash_attn_bwd", BWD_ARGS)):
-        fn = getattr(interface, fn_name, None)
-        if fn is None:
-            missing = f"no {fn_name}"
-        else:
-            params = inspect.signature(fn).parameters
-            absent = [a for a in args if a not in params]
-            missing = f"{fn_name} lacks {absent}" if absent else ""
-        if missing:
-            return (f"{DIST} {version}: flash_attn.cute.interface has {missing}; longattn's fa4 backend was "
-                    f"written for {DIST}=={WRITTEN_FOR} ({INSTALL_HINT})")
+    missing = _missing(interface, (("_flash_attn_fwd", FWD_ARGS), ("_flash_attn_bwd", BWD_ARGS)))
+    if missing:
+        return (f"{DIST} {version}: flash_attn.cute.interface has {missing[0]}; longattn's fa4 backend was "
+                f"written for {DIST}=={WRITTEN_FOR} ({INSTALL_HINT})")
     return None
+
+
+def mask_signature_problem(interface) -> list[str]:
+    """What ``interface`` lacks of the mask calls' arguments (:func:`masked_forward`,
+    :func:`masked_backward`), each as a phrase; empty if it has them."""
+    return _missing(interface, (("_flash_attn_fwd", MASK_FWD_ARGS), ("_flash_attn_bwd", MASK_BWD_ARGS)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,3 +156,26 @@ def decode(q, k_cache, v_cache, lens, max_len: Optional[int], scale: float, caus
         q=q, k=k_cache, v=v_cache, seqused_k=lens, max_seqlen_k=max_len, softmax_scale=scale, causal=causal,
         softcap=float(softcap), num_splits=num_splits, return_lse=True)
     return res[0], res[1]
+
+
+def masked_forward(interface, q, k, v, scale: float, mask_mod, sparse, aux):
+    """(out in q.dtype, lse (B, H, Sq) float32) of every query against every key
+    under ``mask_mod`` (a CuTe mask function, or None) with the block sparsity
+    ``sparse`` (a ``BlockSparseTensorsTorch``, or None) and ``aux`` tensors the
+    mask reads; query heads unpacked (a query tile is one head's rows, as the
+    block tables are). ``interface``: ``flash_attn.cute.interface`` as
+    :mod:`longattn.flex.fa4` loaded it (or a stand-in)."""
+    res = interface._flash_attn_fwd(
+        q=q, k=k, v=v, softmax_scale=scale, causal=False, pack_gqa=False, return_lse=True, mask_mod=mask_mod,
+        block_sparse_tensors=sparse, aux_tensors=aux)
+    return res[0], res[1]
+
+
+def masked_backward(interface, dout, q, k, v, out, lse, scale: float, mask_mod, sparse, aux, dlse=None):
+    """(dq, dk, dv) of :func:`masked_forward` from the given, possibly merged, out
+    and lse (and lse's gradient ``dlse``); ``sparse``: the per-key-block tables."""
+    res = interface._flash_attn_bwd(
+        q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float(), softmax_scale=scale,
+        causal=False, mask_mod=mask_mod, aux_tensors=aux, block_sparse_tensors=sparse,
+        dlse=None if dlse is None else dlse.float())
+    return res[0], res[1], res[2]

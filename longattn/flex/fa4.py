@@ -1,12 +1,12 @@
 """FlashAttention-4 for the patterns of :mod:`longattn.masks`: the one module
-that reaches FA4's mask machinery (``mask_mod``, ``aux_tensors``,
-``block_sparse_tensors`` of ``flash_attn.cute.interface._flash_attn_fwd`` /
-``_flash_attn_bwd``, ``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``,
-``flash_attn.cute.utils.scalar_to_ssa`` and ``cutlass.cute.jit``). FA4 itself
-is loaded through :mod:`longattn.backends._fa4_api` (written for its pinned
-release); :func:`signature_problem` checks on first use that the mask
-arguments are still where this module passes them, and the kernel is refused
-with that reason when they moved.
+that builds FA4's masks and block tables (CuTe mask functions through
+``cutlass.cute.jit`` and ``flash_attn.cute.utils.scalar_to_ssa``,
+``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``). Its calls go
+through :mod:`longattn.backends._fa4_api` (``masked_forward`` /
+``masked_backward``: the one module that calls FA4's private functions,
+written for its pinned release); :func:`signature_problem` checks on first use
+that the mask arguments and block tensors are still what this module passes,
+and the kernel is refused with that reason when they moved.
 
 A call runs here when the pattern has an FA4 form (``mask_mod.fa4``, see
 :mod:`.blocks`) and FA4 runs on the GPU (:meth:`Fa4Masks.refusals` lists why
@@ -44,21 +44,13 @@ from . import plan as fp
 
 KERNELS = ("auto", "fa4", "flex")
 
-MASK_FWD_ARGS = ("mask_mod", "block_sparse_tensors", "aux_tensors", "return_lse", "pack_gqa", "softmax_scale")
-MASK_BWD_ARGS = ("mask_mod", "block_sparse_tensors", "aux_tensors", "dlse", "softmax_scale")
 SPARSE_FIELDS = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx", "block_size")
 
 
 def signature_problem(interface, block_sparsity, utils, version: str) -> Optional[str]:
     """Why these modules (``flash_attn.cute.interface``, ``.block_sparsity``,
     ``.utils``, or stand-ins) lack what this module calls; None if they have it."""
-    missing = []
-    for fn_name, args in (("_flash_attn_fwd", MASK_FWD_ARGS), ("_flash_attn_bwd", MASK_BWD_ARGS)):
-        fn = getattr(interface, fn_name, None)
-        params = inspect.signature(fn).parameters if fn is not None else {}
-        absent = [a for a in args if a not in params]
-        if absent:
-            missing.append(f"{fn_name} lacks {absent}")
+    missing = _fa4_api.mask_signature_problem(interface)
     fields = getattr(getattr(block_sparsity, "BlockSparseTensorsTorch", None), "_fields", ())
     if any(f not in fields for f in SPARSE_FIELDS):
         missing.append(f"block_sparsity.BlockSparseTensorsTorch lacks fields of {SPARSE_FIELDS}")
@@ -79,9 +71,10 @@ def _load():
     try:
         import cutlass
         import cutlass.cute as cute
-        from flash_attn.cute import block_sparsity, interface, utils
+        from flash_attn.cute import block_sparsity, utils
     except Exception as e:  # noqa: BLE001 - a broken CuTe DSL install raises anything at import
         return None, f"{_fa4_api.DIST}'s mask modules failed to import ({type(e).__name__}: {e})"
+    interface = _fa4_api._interface()  # the module _fa4_api loaded and checked
     why = signature_problem(interface, block_sparsity, utils, _fa4_api.installed_version())
     if why:
         return None, why
@@ -260,23 +253,15 @@ def _sparse(fa, step: Step, which: str):
 def step_forward(step: Step, q, k, v, scale: float):
     """(out in q.dtype, lse float32 (B, H, Sq), natural log; -inf where a row sees no key)."""
     fa = _fa4()
-    mask = _mask(step)
-    res = fa.interface._flash_attn_fwd(
-        q=q, k=k, v=v, softmax_scale=scale, causal=False, pack_gqa=False, return_lse=True, mask_mod=mask,
-        block_sparse_tensors=_sparse(fa, step, "fwd") if step.form is not None else None, aux_tensors=step.aux)
-    return res[0], res[1]
+    return _fa4_api.masked_forward(fa.interface, q, k, v, scale, _mask(step),
+                                   _sparse(fa, step, "fwd") if step.form is not None else None, step.aux)
 
 
 def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
     """(dq, dk, dv) from the given, possibly merged, out and lse (and lse's gradient)."""
     fa = _fa4()
-    mask = _mask(step)
-    res = fa.interface._flash_attn_bwd(
-        q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float(), softmax_scale=scale,
-        causal=False, mask_mod=mask, aux_tensors=step.aux,
-        block_sparse_tensors=_sparse(fa, step, "bwd") if step.form is not None else None,
-        dlse=None if dlse is None else dlse.float())
-    return res[0], res[1], res[2]
+    return _fa4_api.masked_backward(fa.interface, dout, q, k, v, out, lse, scale, _mask(step),
+                                    _sparse(fa, step, "bwd") if step.form is not None else None, step.aux, dlse)
 
 
 PASS_GRAPHS = graphs.GraphCache(graphs.MAX_GRAPHS)
