@@ -222,26 +222,17 @@ def test_report_reads_a_decode_json_without_matplotlib(tmp_path, monkeypatch):
     assert "pip install matplotlib" in md
 
 
-def test_report_plots_a_decode_json(tmp_path):
-    """A decode result gets its plot: each context's implementations, ms per token and layer."""
+@pytest.mark.parametrize("src,png", [("decode_batched_h200_2307ec6.json", "decode"),
+                                     ("hf_docs16_32k_h100_539dd63.json", "steps")])
+def test_report_plots_decode_and_training_step_files(tmp_path, src, png):
+    """A decode result gets its plot (each context's implementations, ms per token
+    and layer), an hf-train result its own (each attention's step, tokens/s, peak memory)."""
     pytest.importorskip("matplotlib")
-    src = os.path.join(ROOT, "benchmarks", "results", "decode_batched_h200_2307ec6.json")
-    shutil.copy(src, tmp_path / "dec.json")
-    main(["report", str(tmp_path / "dec.json"), "--out", str(tmp_path / "rep")])
-    png = tmp_path / "rep" / "dec_decode.png"
-    assert png.exists() and png.stat().st_size > 10_000
-    assert "dec_decode.png" in (tmp_path / "rep" / "report.md").read_text()
-
-
-def test_report_plots_a_training_step_json(tmp_path):
-    """An hf_train result gets its plot: each attention's step, tokens/s and peak memory."""
-    pytest.importorskip("matplotlib")
-    src = os.path.join(ROOT, "benchmarks", "results", "hf_docs16_32k_h100_539dd63.json")
-    shutil.copy(src, tmp_path / "hf.json")
-    main(["report", str(tmp_path / "hf.json"), "--out", str(tmp_path / "rep")])
-    png = tmp_path / "rep" / "hf_steps.png"
-    assert png.exists() and png.stat().st_size > 10_000
-    assert "hf_steps.png" in (tmp_path / "rep" / "report.md").read_text()
+    shutil.copy(os.path.join(ROOT, "benchmarks", "results", src), tmp_path / "r.json")
+    main(["report", str(tmp_path / "r.json"), "--out", str(tmp_path / "rep")])
+    out = tmp_path / "rep" / f"r_{png}.png"
+    assert out.exists() and out.stat().st_size > 10_000
+    assert out.name in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_report_refuses_a_file_no_command_wrote(tmp_path, capsys):
