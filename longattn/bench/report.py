@@ -84,6 +84,15 @@ def _bars(ax, groups: list[str], series: dict[str, list], ylabel: str) -> None:
     ax.legend(fontsize=7)
 
 
+def _ok_rows(d, by: str, timed: str) -> dict:
+    """The rows of result file ``d`` that ran (status ok, ``timed`` measured), grouped by their ``by`` value."""
+    out = defaultdict(list)
+    for r in d["results"]:
+        if r.get("status") == "ok" and r.get(timed) is not None:
+            out[r[by]].append(r)
+    return out
+
+
 def _impl_plots(docs, plt, save) -> None:
     """Per `run` file and config: time and FLOP/s of each implementation."""
     from . import tables as T
@@ -92,11 +101,7 @@ def _impl_plots(docs, plt, save) -> None:
     for d in docs:
         if d.get("kind") != "run":
             continue
-        by_cfg = defaultdict(list)
-        for r in d["results"]:
-            if r.get("status") == "ok" and r.get("fwd_ms") is not None:
-                by_cfg[r["config"]].append(r)
-        for cfg, rows in by_cfg.items():
+        for cfg, rows in _ok_rows(d, "config", "fwd_ms").items():
             impls = [r["impl"] for r in rows]
             unit, f = T.flops_unit([r.get(k) for r in rows for k in ("fwd_tflops", "bwd_tflops")])
             fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(rows) + 5), 4.5))
@@ -190,10 +195,7 @@ def _decode_plots(docs, plt, save) -> None:
     for d in docs:
         if d.get("kind") != "decode":
             continue
-        by_ctx = defaultdict(list)
-        for r in d["results"]:
-            if r.get("status") == "ok" and r.get("step_ms") is not None:
-                by_ctx[r["context"]].append(r)
+        by_ctx = _ok_rows(d, "context", "step_ms")
         if not by_ctx:
             continue
         ctxs = sorted(by_ctx)
