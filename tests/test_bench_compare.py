@@ -181,6 +181,20 @@ def test_result_path_carries_the_commit(monkeypatch):
     assert result_path("plain.json") == "plain.json"
 
 
+def test_write_json_tabulates_rows_only(tmp_path):
+    """A list of rows gets a CSV beside the JSON; a script's per-config dict is written as JSON alone."""
+    import json
+
+    from longattn.bench.measure import write_json
+
+    write_json(str(tmp_path / "rows.json"), {"results": [{"config": "a", "ms": 1.5, "nested": {"x": 1}}]})
+    assert (tmp_path / "rows.csv").read_text().splitlines() == ["config,ms", "a,1.5"]
+    payload = {"results": {"flex_bsparse_32k": {"issue_ms": 2.0}}}
+    write_json(str(tmp_path / "dict.json"), payload)
+    assert json.loads((tmp_path / "dict.json").read_text()) == payload
+    assert not (tmp_path / "dict.csv").exists()
+
+
 def test_readme_numbers_table_is_generated_from_its_files():
     """README's table equals what `report --readme` generates from the files its marker names."""
     from longattn.bench.readme import readme_block, table

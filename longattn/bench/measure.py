@@ -299,7 +299,8 @@ def write_json(path: str, payload: dict) -> None:
         json.dump(payload, f, indent=1, default=str)
     csv_path = os.path.splitext(path)[0] + ".csv"
     rows = payload.get("results", [])
-    if rows:
+    # a table only of rows (a script's per-config dict of nested results stays JSON alone)
+    if rows and isinstance(rows, list) and all(isinstance(r, dict) for r in rows):
         keys = sorted({k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))})
         with open(csv_path, "w") as f:
             f.write(",".join(keys) + "\n")
