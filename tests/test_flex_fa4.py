@@ -1085,3 +1085,102 @@ def test_joined_documents_on_gpu(on_fa4, world, rank, hkv):
     assert all(errs[n] <= tol[n] for n in tol), (world, rank, hkv, errs, tol)
     assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, "joined documents")
 
+
+
+# ------------------------------------------------------------------ replaying the forward's compiled call (CPU)
+def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False, drift: bool = False):
+    """Stands in for FA4's interface module as the replay sees it: ``_flash_attn_fwd`` (a function with a
+    ``compile_cache``, looked up through the module at each call, as FA4's reads its own) allocates out and
+    lse, compiles a kernel per layout and mask (a closure over the mask) and calls it with positional
+    arguments (q, k, v, out, lse, scale, block tables, aux), which writes out and lse. ``entries`` /
+    ``kernels`` count the Python entries and the kernel calls. ``calls_per_entry`` 2: a second compiled call
+    per entry (a helper kernel); ``view_of_q``: an argument that views q; ``drift``: results that change from
+    call to call."""
+    ns = types.SimpleNamespace(entries=0, kernels=0)
+
+    def compile_kernel(mask_mod):
+        def kernel(q, k, v, out, lse, scale, sparse, aux, extra=None):
+            ns.kernels += 1
+            o, l_, *_ = math._flash_attn_fwd(q, k, v, softmax_scale=scale, pack_gqa=False, mask_mod=mask_mod,
+                                             block_sparse_tensors=sparse, return_lse=True, aux_tensors=aux[0])
+            out.copy_(o + ns.kernels if drift else o)
+            lse.copy_(l_)
+        return kernel
+
+    def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, pack_gqa=None, mask_mod=None,
+                        block_sparse_tensors=None, return_lse=False, aux_tensors=None):
+        ns.entries += 1
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        key = (q.shape, k.shape, q.dtype, id(mask_mod))
+        cache = ns._flash_attn_fwd.compile_cache
+        if key not in cache:
+            cache[key] = compile_kernel(mask_mod)
+        for _ in range(calls_per_entry - 1):
+            ns._flash_attn_fwd.compile_cache[key]  # looked up again: a second call below
+        extra = q[:, :1] if view_of_q else None
+        for _ in range(calls_per_entry):
+            ns._flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out, lse, softmax_scale,
+                                                 block_sparse_tensors, (aux_tensors,), extra)
+        return out, lse, None, None, None
+
+    _flash_attn_fwd.compile_cache = {}
+    ns._flash_attn_fwd, ns._flash_attn_bwd = _flash_attn_fwd, math._flash_attn_bwd
+    return ns
+
+
+@pytest.mark.parametrize("name", ["block_sparse", "dilated_causal", "local_global_flags"])
+def test_forward_replays_its_compiled_call(stand_in, name):
+    """After a layout's first call, a step's forward calls FA4's compiled kernel directly (no FA4 Python
+    entry): out, lse and every gradient still the float64 definition's for new inputs; a new layout records
+    again; the replay keeps none of the recorded inputs or outputs."""
+    from longattn.flex import pieces, schedule
+
+    compiled = _compiled_interface(stand_in.interface)
+    stand_in.interface = compiled
+    schedule.PLANS.clear()  # executors other tests planned hold their stand-in's verdicts
+    m = PATTERNS[name]
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64)
+    run = None
+    for i, n in enumerate((S, S, S, S - 44)):
+        q, k, v, do, dl = mk(2, n, 4, 16), mk(2, n, 2, 16), mk(2, n, 2, 16), mk(2, n, 4, 16), mk(2, 4, n)
+        run = pieces.single_executor(q, k, m, 0.25)
+        got = results(lambda q, k, v: fa4.Fa4Flex.apply(q, k, v, run), [q, k, v], do, dl)
+        want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do, dl)
+        assert_close(got, want, 1e-6, f"{name} call {i}")
+        if i == 0:
+            first = (compiled.entries, compiled.kernels)
+            assert first[1] == 2 * first[0] > 0, first  # each entry's kernel call, and its replay checked once
+        elif i < 3:
+            assert compiled.entries == first[0] and compiled.kernels == first[1] + i * first[0], (i, first)
+    assert compiled.entries == 2 * first[0]  # the shorter layout recorded anew
+    def steps(x, depth=3):  # the executor's steps, however its pieces nest them
+        if isinstance(x, fa4.Step):
+            return [x]
+        inner = vars(x).values() if hasattr(x, "__dict__") and depth else ()
+        return [s for y in inner for s in steps(y, depth - 1)]
+    replays = [r for s in steps(run) for r in s.replays.values()]
+    assert replays and all(isinstance(r, _fa4_api.ForwardReplay) for r in replays), replays
+    assert all(r.args[i] is None for r in replays for i in r.slots)
+
+
+@pytest.mark.parametrize("case,says", [("plain", "not one forward kernel"), ("two", "not one forward kernel"),
+                                       ("view", "a view of q"), ("drift", "differed")])
+def test_forward_replay_refused(stand_in, case, says):
+    """A forward whose compiled calls a replay cannot repeat exactly is not replayed, with the reason; the
+    call's own results are returned either way: an interface without JIT caches, two compiled calls per
+    entry, an argument viewing q (a replay would not renew it), results that differ on the same inputs."""
+    math = stand_in.interface
+    interface = {"plain": math, "two": _compiled_interface(math, calls_per_entry=2),
+                 "view": _compiled_interface(math, view_of_q=True), "drift": _compiled_interface(math, drift=True)}
+    m = PATTERNS["causal"]
+    q, k, v = (torch.randn(1, 64, 2, 16, dtype=torch.float64) for _ in range(3))
+    step = fa4.single_step(q, k, m)
+    sparse = types.SimpleNamespace(**step.tensors["fwd"], block_size=step.block)
+    mask = fa4.cute_mask(step.form)
+    out, lse, replay = _fa4_api.record_masked_forward(interface[case], q, k, v, 0.25, mask, sparse, step.aux)
+    assert isinstance(replay, str) and says in replay, replay
+    want = math._flash_attn_fwd(q, k, v, softmax_scale=0.25, pack_gqa=False, mask_mod=mask,
+                                block_sparse_tensors=sparse, return_lse=True, aux_tensors=step.aux)
+    assert torch.equal(out, want[0] + (1 if case == "drift" else 0)) and torch.equal(lse, want[1])
+    assert all(not isinstance(f.compile_cache, _fa4_api._Recorder) for f in _fa4_api._caches(interface[case]).values())

@@ -14,6 +14,13 @@ when they do not (the backend then refuses with that reason);
 (``longattn.flex.fa4`` refuses its FA4 kernel with it: the dense backend does
 not depend on them).
 
+:func:`record_masked_forward` records the one compiled kernel call a masked
+forward makes and returns a :class:`ForwardReplay` that makes that call
+again for new q, k, v of the same layout without FA4's per-call Python (its
+argument checks, block-table normalization and compile-key construction:
+about 0.3 ms of host time per call, a quarter of a 32K block-sparse
+fwd+bwd's issue time on an H200's host, ``fa4_host_time_h200_039606c.json``).
+
 Every function takes and returns our layouts: (B, S, H, D) (varlen: (T, H, D))
 tensors and lse (B, H, S) (varlen: (H, T)) float32. FA4 already marks rows
 that saw no key with lse -inf and output 0, and its backward reads -inf rows
@@ -24,7 +31,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from typing import Optional
+
+import torch
 
 WRITTEN_FOR = "4.0.0b36"
 DIST = "flash-attn-4"
@@ -179,3 +189,139 @@ def masked_backward(interface, dout, q, k, v, out, lse, scale: float, mask_mod, 
         causal=False, mask_mod=mask_mod, aux_tensors=aux, block_sparse_tensors=sparse,
         dlse=None if dlse is None else dlse.float())
     return res[0], res[1], res[2]
+
+
+# ---------------------------------------------------------------------------- replaying a compiled forward
+class _Recorder:
+    """Stands in for one FA4 JIT cache while a call is recorded: every lookup
+    passes through, each compiled function called is noted with its arguments."""
+
+    def __init__(self, name: str, cache, calls: list):
+        self.name, self.cache, self.calls = name, cache, calls
+
+    def __contains__(self, key) -> bool:
+        return key in self.cache
+
+    def __setitem__(self, key, fn) -> None:
+        self.cache[key] = fn
+
+    def __getitem__(self, key):
+        fn = self.cache[key]
+
+        def call(*args, **kwargs):
+            self.calls.append((self.name, fn, args, kwargs))
+            return fn(*args, **kwargs)
+        return call
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+_RECORDING = threading.Lock()
+
+
+def _caches(interface) -> dict:
+    """The interface's functions that keep a JIT cache, by name."""
+    return {n: f for n in dir(interface) if hasattr(f := getattr(interface, n, None), "compile_cache")}
+
+
+def _same(a, b) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def _tensors(x):
+    """The tensors inside an argument (tuples, lists, named tuples), depth first."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def replay_key(q, k, v, scale: float) -> tuple:
+    """What a :class:`ForwardReplay` of one step's mask and block tables depends on besides them:
+    q, k, v's layouts (shape, strides, dtype, device, whether they need grad; FA4 keys its kernels by
+    these) and the scale."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in (q, k, v)) + (float(scale),)
+
+
+def replayable(q, k, v) -> bool:
+    """Whether these tensors may enter a recorded call: 16-byte aligned, as the
+    compiled kernel assumes (FA4's own path checks the layout it is given)."""
+    return all(t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+class ForwardReplay:
+    """FA4's compiled masked forward of one signature (:func:`replay_key`),
+    called again without FA4's per-call Python: the recorded compiled
+    function and its positional arguments, where q, k, v are the new ones
+    and out, lse freshly allocated in the recorded layouts; every other
+    argument (block tables, mask aux tensors, scalars) is the recorded one,
+    as the step that holds this replay keeps them. Returns (out, lse) as
+    :func:`masked_forward`."""
+
+    def __init__(self, fn, args: tuple, slots: dict, out, lse):
+        # the recorded q, k, v, out, lse are not kept (they would stay allocated as long as the step)
+        self.fn, self.slots = fn, slots
+        self.args = tuple(None if i in slots else a for i, a in enumerate(args))
+        self.out_layout = (out.shape, out.stride(), out.dtype, out.device)
+        self.lse_layout = (lse.shape, lse.stride(), lse.dtype, lse.device)
+
+    def __call__(self, q, k, v):
+        out, lse = (torch.empty_strided(s, st, dtype=dt, device=dev) for s, st, dt, dev in
+                    (self.out_layout, self.lse_layout))
+        new = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out, "lse": lse}
+        args = list(self.args)
+        for i, name in self.slots.items():
+            args[i] = new[name]
+        self.fn(*args)
+        return out, lse
+
+
+def _replay_of(calls: list, q, k, v, out, lse) -> tuple[Optional[ForwardReplay], str]:
+    """(the replay of a recorded masked forward, "") or (None, why it cannot be replayed)."""
+    if len(calls) != 1 or calls[0][0] != "_flash_attn_fwd":
+        return None, f"the call made {[c[0] for c in calls]} compiled calls, not one forward kernel"
+    _, fn, args, kwargs = calls[0]
+    if kwargs:
+        return None, "the compiled forward took keyword arguments"
+    known = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+    slots, storages = {}, {t.untyped_storage().data_ptr() for t in known.values()}
+    for i, a in enumerate(args):
+        name = next((n for n, t in known.items() if isinstance(a, torch.Tensor) and _same(a, t)), None)
+        if name is not None:
+            slots[i] = name
+            continue
+        if any(t.untyped_storage().data_ptr() in storages for t in _tensors(a)):
+            return None, f"argument {i} of the compiled forward is a view of q, k, v, out or lse"
+    if sorted(slots.values()) != sorted(known):
+        return None, f"the compiled forward's arguments hold {sorted(slots.values())} of q, k, v, out, lse"
+    return ForwardReplay(fn, tuple(args), slots, out, lse), ""
+
+
+def record_masked_forward(interface, q, k, v, scale: float, mask_mod, sparse, aux):
+    """(out, lse, replay) of :func:`masked_forward`, recording its compiled
+    kernel call: ``replay`` (a :class:`ForwardReplay`) repeats it for new q, k,
+    v of the same :func:`replay_key`, or is the reason it cannot (a string:
+    the call made other compiled calls, the arguments hold a tensor the replay
+    would not renew, or the replay's results differed from the call's, checked
+    here on these inputs)."""
+    caches = _caches(interface)
+    calls: list = []
+    with _RECORDING:
+        saved = {n: f.compile_cache for n, f in caches.items()}
+        try:
+            for n, f in caches.items():
+                f.compile_cache = _Recorder(n, saved[n], calls)
+            out, lse = masked_forward(interface, q, k, v, scale, mask_mod, sparse, aux)
+        finally:
+            for n, f in caches.items():
+                f.compile_cache = saved[n]
+    replay, why = _replay_of(calls, q, k, v, out, lse)
+    if replay is None:
+        return out, lse, why
+    r_out, r_lse = replay(q, k, v)
+    if not (torch.equal(r_out, out) and torch.equal(r_lse, lse)):
+        return out, lse, "the replay's out or lse differed from the call's on the recorded inputs"
+    return out, lse, replay

@@ -208,6 +208,9 @@ class Step:
     """No query sees any key (read once, at planning: a read per call would wait for the GPU)."""
     mask: Optional[Callable] = None
     """FA4's mask_mod of ``form``, made on the first call."""
+    replays: dict = dataclasses.field(default_factory=dict)
+    """The forward's recorded compiled call per :func:`longattn.backends._fa4_api.replay_key`
+    (a ``ForwardReplay``, or why it cannot replay: that key then takes FA4's own path)."""
 
 
 def make_step(mask_mod, batch: int, heads: int, qpos: torch.Tensor, kpos: torch.Tensor, cap_major: int,
@@ -251,10 +254,22 @@ def _sparse(fa, step: Step, which: str):
 
 
 def step_forward(step: Step, q, k, v, scale: float):
-    """(out in q.dtype, lse float32 (B, H, Sq), natural log; -inf where a row sees no key)."""
+    """(out in q.dtype, lse float32 (B, H, Sq), natural log; -inf where a row sees no key).
+    The first call of a layout records FA4's compiled kernel call and checks its replay; later calls
+    of that layout replay it (:class:`longattn.backends._fa4_api.ForwardReplay`: the same kernel on
+    the same block tables, without FA4's per-call Python). A CUDA graph capture replays a recorded
+    call or takes FA4's own path: recording reads results back."""
+    key = _fa4_api.replay_key(q, k, v, scale)
+    replay = step.replays.get(key)
+    if callable(replay) and _fa4_api.replayable(q, k, v):
+        return replay(q, k, v)
     fa = _fa4()
-    return _fa4_api.masked_forward(fa.interface, q, k, v, scale, _mask(step),
-                                   _sparse(fa, step, "fwd") if step.form is not None else None, step.aux)
+    args = (fa.interface, q, k, v, scale, _mask(step), _sparse(fa, step, "fwd") if step.form is not None else None,
+            step.aux)
+    if replay is None and _fa4_api.replayable(q, k, v) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        out, lse, step.replays[key] = _fa4_api.record_masked_forward(*args)
+        return out, lse
+    return _fa4_api.masked_forward(*args)
 
 
 def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
