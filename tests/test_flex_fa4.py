@@ -702,6 +702,14 @@ def test_ring_through_fa4_steps():
 
 
 # ------------------------------------------------------------------ GPU: FA4 against float64 and SDPA's bar
+def _steps(x, depth: int = 3) -> list:
+    """The FA4 steps of an executor, however its pieces nest them."""
+    if isinstance(x, fa4.Step):
+        return [x]
+    inner = vars(x).values() if hasattr(x, "__dict__") and depth else ()
+    return [s for y in inner for s in _steps(y, depth - 1)]
+
+
 @pytest.fixture
 def on_fa4():
     if not torch.cuda.is_available():
@@ -804,6 +812,35 @@ def test_carved_call_on_gpu(on_fa4):
     errs = {n: rel_err(got[n], want[n]) for n in tol}
     assert all(errs[n] <= tol[n] for n in tol), (errs, tol)
     assert_close(dict(lse=got["lse"]), dict(lse=want["lse"]), 1e-3, "carved")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["block_sparse", "local_global_flags", "carved"])
+def test_forward_replay_on_gpu(on_fa4, name):
+    """On FA4 itself every step's forward is replayable (one compiled kernel call whose tensors the replay
+    renews), and a replayed forward, for new inputs, equals FA4's own call on them bit for bit."""
+    from longattn import tuning
+    from longattn.flex import pieces
+
+    dev = torch.device("cuda")
+    if name == "carved":
+        mm, b, s, t = masks.local_global(128, 32), 1, 2048, tuning.FlexFa4Tuning(split_chain=8)
+    else:
+        mm, b, s, t = patterns(dev)[name], 2, S, tuning.FLEX_FA4
+    mk = lambda: torch.randn(b, s, 4, 128, device=dev).bfloat16()
+    run = pieces.single_executor(mk(), mk(), mm, 0.125, t)
+    assert type(run).__name__ == ("CarvedStep" if name == "carved" else "RingStep")
+    for _ in range(2):
+        q, k, v = mk(), mk(), mk()
+        with torch.no_grad():
+            out, lse = fa4.Fa4Flex.apply(q, k, v, run)
+    replays = [r for st in _steps(run) for r in st.replays.values()]
+    assert replays and all(isinstance(r, _fa4_api.ForwardReplay) for r in replays), replays
+    if name != "carved":
+        fa = fa4._fa4()
+        want = _fa4_api.masked_forward(fa.interface, q, k, v, 0.125, fa4._mask(run.step),
+                                       fa4._sparse(fa, run.step, "fwd"), run.step.aux)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
 
 
 @pytest.mark.gpu
@@ -1154,12 +1191,7 @@ def test_forward_replays_its_compiled_call(stand_in, name):
         elif i < 3:
             assert compiled.entries == first[0] and compiled.kernels == first[1] + i * first[0], (i, first)
     assert compiled.entries == 2 * first[0]  # the shorter layout recorded anew
-    def steps(x, depth=3):  # the executor's steps, however its pieces nest them
-        if isinstance(x, fa4.Step):
-            return [x]
-        inner = vars(x).values() if hasattr(x, "__dict__") and depth else ()
-        return [s for y in inner for s in steps(y, depth - 1)]
-    replays = [r for s in steps(run) for r in s.replays.values()]
+    replays = [r for s in _steps(run) for r in s.replays.values()]
     assert replays and all(isinstance(r, _fa4_api.ForwardReplay) for r in replays), replays
     assert all(r.args[i] is None for r in replays for i in r.slots)
 
