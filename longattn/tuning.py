@@ -613,9 +613,12 @@ class FlexFa4Tuning:
               "(1.25); 8K block-sparse 1.11 against 1.30, window + global 1.57 against 1.46; 32K 4.39 against 3.59 "
               "and 6.07 against 5.17 (the copies add 1.2 ms of GPU time); one H200, 32K, GPU time graphed against eager: "
               "block-sparse 3.70 against 2.83 ms, window + global 5.34 against 4.47, the same kernels plus 0.85 ms of "
-              "copies (1.5 GiB in and out at 128 MiB a tensor)",
+              "copies (1.5 GiB in and out at 128 MiB a tensor). The 4K and 8K rows ran before a step's forward replayed "
+              "its compiled call (flex.fa4.step_forward), which takes about 0.3 ms of host time out of each eager "
+              "forward call (fa4_host_time_h200_85347ea.json); not re-measured with it",
         "flex_carve_timing_4096_h100_086877a.json, flex_carve_timing_8192_h100_086877a.json, "
-        "flex_carve_timing_h100_086877a.json, host_time_h100_ab8626a.json, flex_graph_kernels_h200_2307ec6.json")
+        "flex_carve_timing_h100_086877a.json, host_time_h100_ab8626a.json, flex_graph_kernels_h200_2307ec6.json, "
+        "fa4_host_time_h200_85347ea.json")
 
     def __post_init__(self):
         if not isinstance(self.documents_varlen, bool):
