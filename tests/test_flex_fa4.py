@@ -816,9 +816,10 @@ def test_carved_call_on_gpu(on_fa4):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["block_sparse", "local_global_flags", "carved"])
-def test_forward_replay_on_gpu(on_fa4, name):
-    """On FA4 itself every step's forward is replayable (one compiled kernel call whose tensors the replay
-    renews), and a replayed forward, for new inputs, equals FA4's own call on them bit for bit."""
+def test_replay_on_gpu(on_fa4, name):
+    """On FA4 itself every step's forward and backward replay (compiled kernel calls whose tensors and buffers
+    the replay renews): for new inputs a replayed forward equals FA4's own call bit for bit, a replayed
+    backward FA4's own within its run-to-run spread (dQ added by float32 atomics)."""
     from longattn import tuning
     from longattn.flex import pieces
 
@@ -831,16 +832,21 @@ def test_forward_replay_on_gpu(on_fa4, name):
     run = pieces.single_executor(mk(), mk(), mm, 0.125, t)
     assert type(run).__name__ == ("CarvedStep" if name == "carved" else "RingStep")
     for _ in range(2):
-        q, k, v = mk(), mk(), mk()
-        with torch.no_grad():
-            out, lse = fa4.Fa4Flex.apply(q, k, v, run)
-    replays = [r for st in _steps(run) for r in st.replays.values()]
-    assert replays and all(isinstance(r, _fa4_api.ForwardReplay) for r in replays), replays
+        q, k, v, do = (mk().requires_grad_(i < 3) for i in range(4))
+        out, lse = fa4.Fa4Flex.apply(q, k, v, run)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    replays = {key[0]: r for st in _steps(run) for key, r in st.replays.items()}
+    assert set(replays) == {"fwd", "bwd"} and all(isinstance(r, _fa4_api.Replay) for r in replays.values()), \
+        replays
     if name != "carved":
-        fa = fa4._fa4()
-        want = _fa4_api.masked_forward(fa.interface, q, k, v, 0.125, fa4._mask(run.step),
-                                       fa4._sparse(fa, run.step, "fwd"), run.step.aux)
+        fa, st = fa4._fa4(), run.step
+        want = _fa4_api.masked_forward(fa.interface, q, k, v, 0.125, fa4._mask(st), fa4._sparse(fa, st, "fwd"),
+                                       st.aux)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        want = _fa4_api.masked_backward(fa.interface, do, q, k, v, out, lse, 0.125, fa4._mask(st),
+                                        fa4._sparse(fa, st, "bwd"), st.aux)
+        for g, w in zip(grads, want):
+            assert rel_err(g, w) < 1e-2, rel_err(g, w)
 
 
 @pytest.mark.gpu
@@ -1124,18 +1130,30 @@ def test_joined_documents_on_gpu(on_fa4, world, rank, hkv):
 
 
 
-# ------------------------------------------------------------------ replaying the forward's compiled call (CPU)
-def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False, drift: bool = False):
-    """Stands in for FA4's interface module as the replay sees it: ``_flash_attn_fwd`` (a function with a
-    ``compile_cache``, looked up through the module at each call, as FA4's reads its own) allocates out and
-    lse, compiles a kernel per layout and mask (a closure over the mask) and calls it with positional
-    arguments (q, k, v, out, lse, scale, block tables, aux), which writes out and lse. ``entries`` /
-    ``kernels`` count the Python entries and the kernel calls. ``calls_per_entry`` 2: a second compiled call
-    per entry (a helper kernel); ``view_of_q``: an argument that views q; ``drift``: results that change from
-    call to call."""
-    ns = types.SimpleNamespace(entries=0, kernels=0)
+# ------------------------------------------------------------------ replaying FA4's compiled calls (CPU)
+def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False, drift: bool = False,
+                        accum: str = "pre"):
+    """Stands in for FA4's interface module as the replay sees it. ``_flash_attn_fwd`` (a function with a
+    ``compile_cache``, looked up through the module at each call, as FA4's reads its own) allocates out and lse,
+    compiles a kernel per layout and mask (a closure over the mask) and calls it with positional arguments
+    (q, k, v, out, lse, scale, block tables, aux), which writes out and lse. ``_flash_attn_bwd`` runs three
+    compiled kernels as FA4's: preprocessing (delta into a buffer; the dQ accumulator zeroed), main (dQ added
+    into the accumulator, reading delta; dK, dV written) and conversion (dQ from the accumulator). ``fwd`` /
+    ``bwd`` / ``kernels`` count the Python entries and the kernel calls.
 
-    def compile_kernel(mask_mod):
+    ``calls_per_entry`` 2: the forward's kernel called twice; ``view_of_q``: an argument that views part of q;
+    ``drift``: forward results that change from call to call; ``accum``: "pre" (the preprocessing zeroes the
+    accumulator), "zeros" (allocated as zeros instead), "hidden" (a torch op between the kernels makes one
+    of their inputs: a replay would not)."""
+    ns = types.SimpleNamespace(fwd=0, bwd=0, kernels=0)
+
+    def cached(entry, key, make):
+        cache = getattr(ns, entry).compile_cache
+        if key not in cache:
+            cache[key] = make()
+        return getattr(ns, entry).compile_cache[key]
+
+    def forward_kernel(mask_mod):
         def kernel(q, k, v, out, lse, scale, sparse, aux, extra=None):
             ns.kernels += 1
             o, l_, *_ = math._flash_attn_fwd(q, k, v, softmax_scale=scale, pack_gqa=False, mask_mod=mask_mod,
@@ -1146,31 +1164,65 @@ def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False,
 
     def _flash_attn_fwd(q, k, v, softmax_scale=None, causal=False, pack_gqa=None, mask_mod=None,
                         block_sparse_tensors=None, return_lse=False, aux_tensors=None):
-        ns.entries += 1
+        ns.fwd += 1
         out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
-        key = (q.shape, k.shape, q.dtype, id(mask_mod))
-        cache = ns._flash_attn_fwd.compile_cache
-        if key not in cache:
-            cache[key] = compile_kernel(mask_mod)
-        for _ in range(calls_per_entry - 1):
-            ns._flash_attn_fwd.compile_cache[key]  # looked up again: a second call below
+        kernel = cached("_flash_attn_fwd", (q.shape, k.shape, q.dtype, id(mask_mod)), lambda: forward_kernel(mask_mod))
         extra = q[:, :1] if view_of_q else None
         for _ in range(calls_per_entry):
-            ns._flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out, lse, softmax_scale,
-                                                 block_sparse_tensors, (aux_tensors,), extra)
+            kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale, block_sparse_tensors, (aux_tensors,),
+                   extra)
         return out, lse, None, None, None
 
-    _flash_attn_fwd.compile_cache = {}
-    ns._flash_attn_fwd, ns._flash_attn_bwd = _flash_attn_fwd, math._flash_attn_bwd
+    def pre(out, dout, dlse, delta, acc):
+        ns.kernels += 1
+        delta.copy_((out.double() * dout.double()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse))
+        if accum != "zeros":
+            acc.zero_()
+
+    def main_kernel(mask_mod):
+        def kernel(q, k, v, out, dout, lse, delta, acc, dk, dv, scale, sparse, aux):
+            ns.kernels += 1
+            lse = lse / 2 if accum == "hidden" else lse
+            g = math._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, mask_mod=mask_mod,
+                                     aux_tensors=aux[0], block_sparse_tensors=sparse, dlse=None)
+            acc.add_(g[0].double() + 0 * delta.sum())  # reads delta, as FA4's kernel does
+            dk.copy_(g[1])
+            dv.copy_(g[2])
+        return kernel
+
+    def post(acc, dq):
+        ns.kernels += 1
+        dq.copy_(acc)
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, mask_mod=None, aux_tensors=None,
+                        block_sparse_tensors=None, dlse=None):
+        assert dlse is None, "the stand-in's backward takes no lse gradient"
+        ns.bwd += 1
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64)
+        acc = (torch.zeros if accum == "zeros" else torch.empty)(q.shape, dtype=torch.float64)
+        key = (q.shape, k.shape, q.dtype, id(mask_mod))
+        cached("_bwd_preprocess", key, lambda: pre)(out, dout, dlse, delta, acc)
+        lse_in = lse * 2 if accum == "hidden" else lse
+        cached("_flash_attn_bwd", key, lambda: main_kernel(mask_mod))(
+            q.detach(), k.detach(), v.detach(), out, dout, lse_in, delta, acc, dk, dv, softmax_scale,
+            block_sparse_tensors, (aux_tensors,))
+        cached("_bwd_postprocess_convert", key, lambda: post)(acc, dq)
+        return dq, dk, dv
+
+    for f in (_flash_attn_fwd, _flash_attn_bwd, pre, post):
+        f.compile_cache = {}
+    ns._flash_attn_fwd, ns._flash_attn_bwd, ns._bwd_preprocess, ns._bwd_postprocess_convert = (
+        _flash_attn_fwd, _flash_attn_bwd, pre, post)
     return ns
 
 
 @pytest.mark.parametrize("name", ["block_sparse", "dilated_causal", "local_global_flags"])
-def test_forward_replays_its_compiled_call(stand_in, name):
-    """After a layout's first call, a step's forward calls FA4's compiled kernel directly (no FA4 Python
-    entry): out, lse and every gradient still the float64 definition's for new inputs; a new layout records
-    again; the replay keeps none of the recorded inputs or outputs."""
+def test_passes_replay_their_compiled_calls(stand_in, name):
+    """After a layout's first call, a step's forward and backward call FA4's compiled kernels directly (no FA4
+    Python entry): out, lse and every gradient still the float64 definition's for new inputs; a new layout
+    records again; the replays keep none of the recorded tensors."""
     from longattn.flex import pieces, schedule
 
     compiled = _compiled_interface(stand_in.interface)
@@ -1180,39 +1232,81 @@ def test_forward_replays_its_compiled_call(stand_in, name):
     mk = lambda *s: torch.randn(*s, dtype=torch.float64)
     run = None
     for i, n in enumerate((S, S, S, S - 44)):
-        q, k, v, do, dl = mk(2, n, 4, 16), mk(2, n, 2, 16), mk(2, n, 2, 16), mk(2, n, 4, 16), mk(2, 4, n)
+        q, k, v, do = mk(2, n, 4, 16), mk(2, n, 2, 16), mk(2, n, 2, 16), mk(2, n, 4, 16)
         run = pieces.single_executor(q, k, m, 0.25)
-        got = results(lambda q, k, v: fa4.Fa4Flex.apply(q, k, v, run), [q, k, v], do, dl)
-        want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do, dl)
+        got = results(lambda q, k, v: fa4.Fa4Flex.apply(q, k, v, run), [q, k, v], do)
+        want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do)
         assert_close(got, want, 1e-6, f"{name} call {i}")
         if i == 0:
-            first = (compiled.entries, compiled.kernels)
-            assert first[1] == 2 * first[0] > 0, first  # each entry's kernel call, and its replay checked once
+            first = (compiled.fwd, compiled.bwd, compiled.kernels)
+            # each entry's kernels, and its replay checked once
+            assert first[2] == 2 * (first[0] + 3 * first[1]) and first[0] and first[1], first
         elif i < 3:
-            assert compiled.entries == first[0] and compiled.kernels == first[1] + i * first[0], (i, first)
-    assert compiled.entries == 2 * first[0]  # the shorter layout recorded anew
+            assert (compiled.fwd, compiled.bwd) == first[:2], (i, first)
+            assert compiled.kernels == first[2] + i * (first[0] + 3 * first[1]), (i, first)
+    assert (compiled.fwd, compiled.bwd) == (2 * first[0], 2 * first[1])  # the shorter layout recorded anew
     replays = [r for s in _steps(run) for r in s.replays.values()]
-    assert replays and all(isinstance(r, _fa4_api.ForwardReplay) for r in replays), replays
-    assert all(r.args[i] is None for r in replays for i in r.slots)
+    assert replays and all(isinstance(r, _fa4_api.Replay) for r in replays), replays
+    assert all(a[i] is None for r in replays for _, a, slots in r.calls for i in slots)
 
 
-@pytest.mark.parametrize("case,says", [("plain", "not one forward kernel"), ("two", "not one forward kernel"),
-                                       ("view", "a view of q"), ("drift", "differed")])
-def test_forward_replay_refused(stand_in, case, says):
-    """A forward whose compiled calls a replay cannot repeat exactly is not replayed, with the reason; the
-    call's own results are returned either way: an interface without JIT caches, two compiled calls per
-    entry, an argument viewing q (a replay would not renew it), results that differ on the same inputs."""
-    math = stand_in.interface
-    interface = {"plain": math, "two": _compiled_interface(math, calls_per_entry=2),
-                 "view": _compiled_interface(math, view_of_q=True), "drift": _compiled_interface(math, drift=True)}
+def _record(interface, case):
+    """((results..., replay), inputs) of a masked forward or backward ("fwd" / "bwd") recorded on ``interface``,
+    causal, the same inputs every time."""
+    torch.manual_seed(0)
     m = PATTERNS["causal"]
-    q, k, v = (torch.randn(1, 64, 2, 16, dtype=torch.float64) for _ in range(3))
+    q, k, v, do = (torch.randn(1, 64, 2, 16, dtype=torch.float64) for _ in range(4))
     step = fa4.single_step(q, k, m)
-    sparse = types.SimpleNamespace(**step.tensors["fwd"], block_size=step.block)
     mask = fa4.cute_mask(step.form)
-    out, lse, replay = _fa4_api.record_masked_forward(interface[case], q, k, v, 0.25, mask, sparse, step.aux)
+    if case == "fwd":
+        sparse = types.SimpleNamespace(**step.tensors["fwd"], block_size=step.block)
+        return _fa4_api.record_masked_forward(interface, q, k, v, 0.25, mask, sparse, step.aux), (q, k, v)
+    out, lse = flex_ref(q, k, v, m, scale=0.25)
+    sparse = types.SimpleNamespace(**step.tensors["bwd"], block_size=step.block)
+    got = _fa4_api.record_masked_backward(interface, do, q, k, v, out.detach(), lse.detach().float(), 0.25, mask,
+                                          sparse, step.aux)
+    return got, (do, q, k, v, out.detach(), lse.detach().float())
+
+
+@pytest.mark.parametrize("case,says", [("plain", "no compiled call"), ("view", "views an input"),
+                                       ("drift", "differed"), ("hidden", "differed")])
+def test_replay_refused(stand_in, case, says):
+    """A call whose compiled calls a replay cannot repeat is not replayed, with the reason, and its own results
+    come back: an interface without JIT caches, an argument viewing part of q (a replay would not renew it),
+    forward results that differ on the same inputs, a backward whose kernels read a tensor a torch op made
+    between them (a replay would not make it: NaN-filled, its results differ)."""
+    math = stand_in.interface
+    interface = {"plain": math, "view": _compiled_interface(math, view_of_q=True),
+                 "drift": _compiled_interface(math, drift=True), "hidden": _compiled_interface(math, accum="hidden")}
+    (*res, replay), _ = _record(interface[case], "bwd" if case == "hidden" else "fwd")
     assert isinstance(replay, str) and says in replay, replay
-    want = math._flash_attn_fwd(q, k, v, softmax_scale=0.25, pack_gqa=False, mask_mod=mask,
-                                block_sparse_tensors=sparse, return_lse=True, aux_tensors=step.aux)
-    assert torch.equal(out, want[0] + (1 if case == "drift" else 0)) and torch.equal(lse, want[1])
+    (*want, _), _ = _record(math if case != "hidden" else _compiled_interface(math), "bwd" if case == "hidden" else "fwd")
+    for r, w in zip(res, want):
+        assert torch.equal(r, w + (1 if case == "drift" and r.dtype == torch.float64 and r.dim() == 4 else 0))
     assert all(not isinstance(f.compile_cache, _fa4_api._Recorder) for f in _fa4_api._caches(interface[case]).values())
+
+
+@pytest.mark.parametrize("case", ["two", "pre", "zeros"])
+def test_replay_repeats_the_calls(stand_in, case):
+    """A forward that calls its kernel twice replays both calls; a backward's three kernels replay with their
+    buffers allocated per call, as zeros where the recorded call's started as zeros and nothing else reads them
+    first (the accumulator of "zeros"), so new inputs get the call's own results."""
+    math = stand_in.interface
+    interface = _compiled_interface(math, calls_per_entry=2 if case == "two" else 1,
+                                    accum="pre" if case == "two" else case)
+    (*_, replay), inputs = _record(interface, "fwd" if case == "two" else "bwd")
+    assert isinstance(replay, _fa4_api.Replay), replay
+    assert len(replay.calls) == (2 if case == "two" else 3)
+    assert (len(replay.zeros) == 1) == (case == "zeros")
+    new = [torch.randn_like(x) for x in inputs]
+    if case == "two":
+        got = replay(q=new[0], k=new[1], v=new[2])
+        ref = flex_ref(new[0], new[1], new[2], PATTERNS["causal"], scale=0.25)
+        assert_close(dict(out=got[0], lse=got[1]), dict(out=ref[0], lse=ref[1]), 1e-6, case)
+        return
+    do, q, k, v = new[:4]
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = flex_ref(q, k, v, PATTERNS["causal"], scale=0.25)
+    want = torch.autograd.grad(out, (q, k, v), do)
+    got = replay(**_fa4_api.backward_inputs(do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach()))
+    assert_close(dict(zip("qkv", got)), dict(zip("qkv", want)), 1e-6, case)

@@ -209,8 +209,8 @@ class Step:
     mask: Optional[Callable] = None
     """FA4's mask_mod of ``form``, made on the first call."""
     replays: dict = dataclasses.field(default_factory=dict)
-    """The forward's recorded compiled call per :func:`longattn.backends._fa4_api.replay_key`
-    (a ``ForwardReplay``, or why it cannot replay: that key then takes FA4's own path)."""
+    """Each pass's recorded compiled calls per ("fwd" / "bwd", :func:`longattn.backends._fa4_api.replay_key`):
+    a ``Replay``, or why it cannot replay (that key then takes FA4's own path)."""
 
 
 def make_step(mask_mod, batch: int, heads: int, qpos: torch.Tensor, kpos: torch.Tensor, cap_major: int,
@@ -253,30 +253,47 @@ def _sparse(fa, step: Step, which: str):
     return fa.sparse(**t, block_size=step.block)
 
 
+def _recording(*tensors) -> bool:
+    """Whether a call may be recorded now: recording reads results back, which a CUDA graph capture forbids."""
+    t = tensors[0]
+    return _fa4_api.replayable(*tensors) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def step_forward(step: Step, q, k, v, scale: float):
     """(out in q.dtype, lse float32 (B, H, Sq), natural log; -inf where a row sees no key).
     The first call of a layout records FA4's compiled kernel call and checks its replay; later calls
-    of that layout replay it (:class:`longattn.backends._fa4_api.ForwardReplay`: the same kernel on
-    the same block tables, without FA4's per-call Python). A CUDA graph capture replays a recorded
-    call or takes FA4's own path: recording reads results back."""
-    key = _fa4_api.replay_key(q, k, v, scale)
+    of that layout replay it (:class:`longattn.backends._fa4_api.Replay`: the same kernel on the
+    same block tables, without FA4's per-call Python). Inside a CUDA graph capture a recorded call
+    replays, an unrecorded one takes FA4's own path."""
+    key = ("fwd", *_fa4_api.replay_key(q, k, v, scale=scale))
     replay = step.replays.get(key)
     if callable(replay) and _fa4_api.replayable(q, k, v):
-        return replay(q, k, v)
+        return replay(q=q, k=k, v=v)
     fa = _fa4()
     args = (fa.interface, q, k, v, scale, _mask(step), _sparse(fa, step, "fwd") if step.form is not None else None,
             step.aux)
-    if replay is None and _fa4_api.replayable(q, k, v) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if replay is None and _recording(q, k, v):
         out, lse, step.replays[key] = _fa4_api.record_masked_forward(*args)
         return out, lse
     return _fa4_api.masked_forward(*args)
 
 
 def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
-    """(dq, dk, dv) from the given, possibly merged, out and lse (and lse's gradient)."""
+    """(dq, dk, dv) from the given, possibly merged, out and lse (and lse's gradient). Recorded on
+    a layout's first call and replayed after, as :func:`step_forward` (FA4's preprocessing, main and
+    conversion kernels, their buffers allocated per call)."""
+    t = _fa4_api.backward_inputs(dout, q, k, v, out, lse, dlse)
+    key = ("bwd", *_fa4_api.replay_key(*t.values(), scale=scale))
+    replay = step.replays.get(key)
+    if callable(replay) and _fa4_api.replayable(*t.values()):
+        return replay(**t)
     fa = _fa4()
-    return _fa4_api.masked_backward(fa.interface, dout, q, k, v, out, lse, scale, _mask(step),
-                                    _sparse(fa, step, "bwd") if step.form is not None else None, step.aux, dlse)
+    args = (fa.interface, t["dout"], q, k, v, t["out"], t["lse"], scale, _mask(step),
+            _sparse(fa, step, "bwd") if step.form is not None else None, step.aux, t["dlse"])
+    if replay is None and _recording(*t.values()):
+        *grads, step.replays[key] = _fa4_api.record_masked_backward(*args)
+        return tuple(grads)
+    return _fa4_api.masked_backward(*args)
 
 
 PASS_GRAPHS = graphs.GraphCache(graphs.MAX_GRAPHS)
