@@ -652,11 +652,29 @@ class Fa4Tuning:
                      "do shorter ones (unmeasured; one query row per head would fill a tile alone). Not profiled why",
         "fa4_tiles_pack_h100_aeb1d8c.json, fa4_tiles_h100_586da65.json, fa4_tiles_h100_8048d53.json")
 
+    replay_max_tokens: int = measured(
+        65536, "an FA4 mask call (each pass of a step of flex_attention, the ring or the exchange: longattn.flex.fa4."
+               "step_forward / step_backward) of at most "
+               "this many query tokens (batch x rows) records its compiled kernel calls on its layout's first call "
+               "and replays them after, without FA4's per-call Python (longattn.backends._fa4_api.Replay); 0: never. "
+               "FA4's Python is about 0.3 ms of host time per call: one H200, 32K block-sparse fwd+bwd issued in 3.13 "
+               "ms, 1.55 of it inside FA4's four entries, 0.27 in their compiled calls (fa4_host_time_h200_039606c."
+               "json); with the forward replayed, the bench's host time per fwd+bwd 2.26 ms against 3.69 and a cold "
+               "call 3.03 ms against 3.95, 1.80x torch's compiled FlexAttention against 1.36x (run_flex_fa4_h200_"
+               "85347ea.json, run_flex_fa4_h200_2307ec6.json); 4 H200 window + global at 128K, 32K rows a rank, "
+               "8.62 ms against 9.77 (dist_flex_4xh200_85347ea.json, dist_flex_4xh200_e816f3e.json). Past 64K "
+               "tokens a call's GPU time (twice 32K's and more) dwarfs the 0.3 ms, and recording checks the replay "
+               "once with a second set of the call's outputs and buffers, memory a long call may not spare",
+        "fa4_host_time_h200_039606c.json, run_flex_fa4_h200_85347ea.json, dist_flex_4xh200_85347ea.json")
+
     def __post_init__(self):
         r = self.unpacked_gqa_causal_rows
         if not (isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0]):
             raise ValueError(f"Fa4Tuning.unpacked_gqa_causal_rows must be a (low, high) pair of ints >= 0 "
                              f"(high < low: never), got {r!r}")
+        if not isinstance(self.replay_max_tokens, int) or self.replay_max_tokens < 0:
+            raise ValueError(f"Fa4Tuning.replay_max_tokens must be an int >= 0 (0: never), got "
+                             f"{self.replay_max_tokens!r}")
 
 
 DILATED = DilatedTuning()

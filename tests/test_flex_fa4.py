@@ -1310,3 +1310,21 @@ def test_replay_repeats_the_calls(stand_in, case):
     want = torch.autograd.grad(out, (q, k, v), do)
     got = replay(**_fa4_api.backward_inputs(do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach()))
     assert_close(dict(zip("qkv", got)), dict(zip("qkv", want)), 1e-6, case)
+
+
+def test_replay_only_for_calls_the_tuning_takes(stand_in):
+    """Fa4Tuning.replay_max_tokens decides: a call of more query tokens (batch x rows) takes FA4's own
+    entry every time and records nothing; within it the second call replays."""
+    from longattn import tuning
+
+    compiled = _compiled_interface(stand_in.interface)
+    stand_in.interface = compiled
+    q, k, v = (torch.randn(2, 64, 2, 16, dtype=torch.float64) for _ in range(3))
+    for limit, entries in ((127, 3), (128, 1)):
+        step = fa4.single_step(q, k, PATTERNS["causal"])
+        compiled.fwd = 0
+        for _ in range(3):
+            out, lse = fa4.step_forward(step, q, k, v, 0.25, tuning.Fa4Tuning(replay_max_tokens=limit))
+        assert compiled.fwd == entries and bool(step.replays) == (entries == 1), (limit, compiled.fwd)
+        assert_close(dict(out=out, lse=lse), dict(zip(("out", "lse"), flex_ref(q, k, v, PATTERNS["causal"],
+                                                                                scale=0.25))), 1e-6, str(limit))

@@ -253,18 +253,25 @@ def _sparse(fa, step: Step, which: str):
     return fa.sparse(**t, block_size=step.block)
 
 
+def replays(q, tuning: tn.Fa4Tuning = tn.FA4) -> bool:
+    """Whether a mask call on ``q`` records and replays FA4's compiled calls (``tuning.replay_max_tokens``:
+    the one decision)."""
+    return q.shape[0] * q.shape[1] <= tuning.replay_max_tokens
+
+
 def _recording(*tensors) -> bool:
     """Whether a call may be recorded now: recording reads results back, which a CUDA graph capture forbids."""
     t = tensors[0]
     return _fa4_api.replayable(*tensors) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def step_forward(step: Step, q, k, v, scale: float):
+def step_forward(step: Step, q, k, v, scale: float, tuning: tn.Fa4Tuning = tn.FA4):
     """(out in q.dtype, lse float32 (B, H, Sq), natural log; -inf where a row sees no key).
     The first call of a layout records FA4's compiled kernel call and checks its replay; later calls
     of that layout replay it (:class:`longattn.backends._fa4_api.Replay`: the same kernel on the
     same block tables, without FA4's per-call Python). Inside a CUDA graph capture a recorded call
-    replays, an unrecorded one takes FA4's own path."""
+    replays, an unrecorded one takes FA4's own path. Calls longer than :func:`replays` allows take
+    FA4's own path always."""
     key = ("fwd", *_fa4_api.replay_key(q, k, v, scale=scale))
     replay = step.replays.get(key)
     if callable(replay) and _fa4_api.replayable(q, k, v):
@@ -272,13 +279,14 @@ def step_forward(step: Step, q, k, v, scale: float):
     fa = _fa4()
     args = (fa.interface, q, k, v, scale, _mask(step), _sparse(fa, step, "fwd") if step.form is not None else None,
             step.aux)
-    if replay is None and _recording(q, k, v):
+    if replay is None and replays(q, tuning) and _recording(q, k, v):
         out, lse, step.replays[key] = _fa4_api.record_masked_forward(*args)
         return out, lse
     return _fa4_api.masked_forward(*args)
 
 
-def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
+def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None,
+                  tuning: tn.Fa4Tuning = tn.FA4):
     """(dq, dk, dv) from the given, possibly merged, out and lse (and lse's gradient). Recorded on
     a layout's first call and replayed after, as :func:`step_forward` (FA4's preprocessing, main and
     conversion kernels, their buffers allocated per call)."""
@@ -290,7 +298,7 @@ def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None):
     fa = _fa4()
     args = (fa.interface, t["dout"], q, k, v, t["out"], t["lse"], scale, _mask(step),
             _sparse(fa, step, "bwd") if step.form is not None else None, step.aux, t["dlse"])
-    if replay is None and _recording(*t.values()):
+    if replay is None and replays(q, tuning) and _recording(*t.values()):
         *grads, step.replays[key] = _fa4_api.record_masked_backward(*args)
         return tuple(grads)
     return _fa4_api.masked_backward(*args)
