@@ -60,9 +60,11 @@ def _timer(dev, warmup: int, iters: int, batched: bool, label: Optional[str]):
     """``timed(call, what, setup=None)``: measure.time_ms with one row's
     settings; ``what`` names the pass in the progress lines (none when
     ``label`` is None)."""
-    return lambda call, what, setup=None: measure.time_ms(call, dev, warmup=warmup, iters=iters, batched=batched,
-                                                          label=None if label is None else f"{label} {what}",
-                                                          setup=setup)
+    def timed(call, what, setup=None):
+        return measure.time_ms(call, dev, warmup=warmup, iters=iters, batched=batched,
+                               label=None if label is None else f"{label} {what}", setup=setup)
+    timed.batched = batched
+    return timed
 
 
 def _time_forward(row: dict, fn, cfg: Config, dev, dt, timed, *, reference, comparable: bool,
@@ -135,6 +137,10 @@ def _time_backward_alone(row: dict, fn, inputs, dout, timed) -> None:
         t = timed(bwd, "bwd")
     except Exception as e:  # noqa: BLE001 - the fwd+bwd figures stand; only this one may be missing
         graph, kept = None, {}  # the kept graph's buffers go before the fresh forwards
+        if timed.batched:  # a fresh forward between calls leaves the GPU idle: not back to back
+            row["bwd_alone_reason"] = (f"its backward cannot run twice ({_failure(e)[:90]}...); a fresh forward "
+                                       f"per sample needs cold timing (the default --timing)")
+            return
 
         def forward():
             kept["graph"] = fn(*inputs)
