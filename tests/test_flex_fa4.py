@@ -1286,6 +1286,20 @@ def test_replay_refused(stand_in, case, says):
     assert all(not isinstance(f.compile_cache, _fa4_api._Recorder) for f in _fa4_api._caches(interface[case]).values())
 
 
+def test_replay_refused_where_inputs_alias(stand_in):
+    """Recorded with k and v the same tensor, a replay could not tell their slots apart (a later call may pass
+    two tensors): not replayed, the call's own results returned."""
+    math = stand_in.interface
+    q, kv = (torch.randn(1, 64, 2, 16, dtype=torch.float64) for _ in range(2))
+    step = fa4.single_step(q, kv, PATTERNS["causal"])
+    sparse = types.SimpleNamespace(**step.tensors["fwd"], block_size=step.block)
+    out, lse, replay = _fa4_api.record_masked_forward(_compiled_interface(math), q, kv, kv, 0.25,
+                                                      fa4.cute_mask(step.form), sparse, step.aux)
+    assert replay == "two of the inputs are the same tensor"
+    ref = flex_ref(q, kv, kv, PATTERNS["causal"], scale=0.25)
+    assert_close(dict(out=out, lse=lse), dict(out=ref[0], lse=ref[1]), 1e-6, "aliased")
+
+
 @pytest.mark.parametrize("case", ["two", "pre", "zeros"])
 def test_replay_repeats_the_calls(stand_in, case):
     """A forward that calls its kernel twice replays both calls; a backward's three kernels replay with their

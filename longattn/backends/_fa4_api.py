@@ -316,8 +316,8 @@ def record(interface, entry, tensors: dict, exact: bool):
     ``tensors`` (by name; the exact tensors it passes to FA4), recording its
     compiled kernel calls: ``replay`` (a :class:`Replay`) makes them again for
     new tensors of the same :func:`replay_key`, or is the reason it cannot (a
-    string): an argument that views one of ``tensors`` otherwise than whole, a
-    result no compiled call wrote, keyword arguments, or a replay whose results
+    string): two of ``tensors`` the same, an argument that views one of them
+    otherwise than whole, buffers sharing memory, a result no compiled call wrote, keyword arguments, or a replay whose results
     differ from the call's on these tensors (``exact``: bit for bit, else
     within 1e-2 in norm), checked here with every buffer the replay allocates
     filled with NaN unless the recorded call's was all zeros (then zeros)."""
@@ -325,6 +325,10 @@ def record(interface, entry, tensors: dict, exact: bool):
     calls, temps, bufs, zero, problems = [], [], [], set(), []
     named = {n: t for n, t in tensors.items() if t is not None}
     storages = {t.untyped_storage().data_ptr() for t in named.values()}
+    if len({t.data_ptr() for t in named.values()}) < len(named):
+        # a slot found by address would stand for both; a later call may pass two tensors there
+        return entry(), "two of the inputs are the same tensor"
+    temp_storages = set()
 
     def slot(t):
         for n, x in named.items():
@@ -335,6 +339,9 @@ def record(interface, entry, tensors: dict, exact: bool):
                 return ("tmp", i)
         if t.untyped_storage().data_ptr() in storages:
             problems.append("an argument views an input otherwise than whole")
+        if t.untyped_storage().data_ptr() in temp_storages:
+            problems.append("two buffers of the compiled calls share memory")  # allocated apart, they would not
+        temp_storages.add(t.untyped_storage().data_ptr())
         bufs.append(t)
         temps.append(_layout(t))
         if t.numel() == 0 or not bool(t.any()):
