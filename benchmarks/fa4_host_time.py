@@ -11,6 +11,8 @@ queued first, so the host never waits for it. Per config:
   inside the compiled kernels' calls they make (every entry of their JIT
   caches wrapped with a timer); ``fa4_ms - compiled_ms`` is FA4's Python per
   step, what a cached call could at most save;
+* ``replays``: each step's recorded passes (``longattn.backends._fa4_api.Replay``,
+  which call the compiled kernels without entering FA4) or why a pass is not replayed;
 * the top functions of one issue under cProfile, by own time.
 
     python benchmarks/fa4_host_time.py --json OUT.json flex_bsparse_32k flex_swg_32k
@@ -60,6 +62,14 @@ def wrap_caches(interface, acc) -> int:
     return n
 
 
+def steps(x, depth: int = 3) -> list:
+    """The FA4 steps of an executor, however its pieces nest them."""
+    if isinstance(x, fa4.Step):
+        return [x]
+    inner = vars(x).values() if hasattr(x, "__dict__") and depth else ()
+    return [s for y in inner for s in steps(y, depth - 1)]
+
+
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2]
@@ -86,6 +96,8 @@ def main() -> None:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+        recorded = [(key[0], r if isinstance(r, str) else f"{type(r).__name__} of {len(r.calls)} calls")
+                    for st in steps(run) for key, r in st.replays.items()]
         compiled = [0.0]
         wrapped = wrap_caches(interface, compiled)
         entry = [0.0]
@@ -143,13 +155,14 @@ def main() -> None:
                 e1.record()
                 e1.synchronize()
                 acc.append(e0.elapsed_time(e1))
-        res = {"executor": type(run).__name__, "fa4_calls_per_step": median(ncalls), "compiled_entries": wrapped,
+        res = {"executor": type(run).__name__, "replays": recorded, "fa4_calls_per_step": median(ncalls), "compiled_entries": wrapped,
                "issue_ms": median(issue), "fa4_ms": median(fa4_ms), "compiled_ms": median(comp_ms),
                "gpu_ms": median(gpu), "cold_ms": median(cold), "top_own_time": top}
         out[name] = res
         print(f"{name} ({res['executor']}, {res['fa4_calls_per_step']} FA4 calls): issue {res['issue_ms']:.3f} ms, "
               f"in FA4 {res['fa4_ms']:.3f} (compiled calls {res['compiled_ms']:.3f}), gpu {res['gpu_ms']:.3f}, "
               f"cold {res['cold_ms']:.3f}", flush=True)
+        print(f"    replays (pass, what): {recorded}")
         for r in top[:10]:
             print(f"    {r['tottime_ms']:7.3f} own {r['cumtime_ms']:7.3f} cum x{r['calls']:<4} {r['fn'][-90:]}")
     if a.json:
