@@ -62,14 +62,6 @@ def wrap_caches(interface, acc) -> int:
     return n
 
 
-def steps(x, depth: int = 3) -> list:
-    """The FA4 steps of an executor, however its pieces nest them."""
-    if isinstance(x, fa4.Step):
-        return [x]
-    inner = vars(x).values() if hasattr(x, "__dict__") and depth else ()
-    return [s for y in inner for s in steps(y, depth - 1)]
-
-
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2]
@@ -97,7 +89,7 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
         recorded = [(key[0], r if isinstance(r, str) else f"{type(r).__name__} of {len(r.calls)} calls")
-                    for st in steps(run) for key, r in st.replays.items()]
+                    for st in fa4.steps_of(run) for key, r in st.replays.items()]
         compiled = [0.0]
         wrapped = wrap_caches(interface, compiled)
         entry = [0.0]

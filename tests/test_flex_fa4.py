@@ -702,14 +702,6 @@ def test_ring_through_fa4_steps():
 
 
 # ------------------------------------------------------------------ GPU: FA4 against float64 and SDPA's bar
-def _steps(x, depth: int = 3) -> list:
-    """The FA4 steps of an executor, however its pieces nest them."""
-    if isinstance(x, fa4.Step):
-        return [x]
-    inner = vars(x).values() if hasattr(x, "__dict__") and depth else ()
-    return [s for y in inner for s in _steps(y, depth - 1)]
-
-
 @pytest.fixture
 def on_fa4():
     if not torch.cuda.is_available():
@@ -835,7 +827,7 @@ def test_replay_on_gpu(on_fa4, name):
         q, k, v, do = (mk().requires_grad_(i < 3) for i in range(4))
         out, lse = fa4.Fa4Flex.apply(q, k, v, run)
         grads = torch.autograd.grad(out, (q, k, v), do)
-    replays = {key[0]: r for st in _steps(run) for key, r in st.replays.items()}
+    replays = {key[0]: r for st in fa4.steps_of(run) for key, r in st.replays.items()}
     assert set(replays) == {"fwd", "bwd"} and all(isinstance(r, _fa4_api.Replay) for r in replays.values()), \
         replays
     if name != "carved":
@@ -1245,7 +1237,7 @@ def test_passes_replay_their_compiled_calls(stand_in, name):
             assert (compiled.fwd, compiled.bwd) == first[:2], (i, first)
             assert compiled.kernels == first[2] + i * (first[0] + 3 * first[1]), (i, first)
     assert (compiled.fwd, compiled.bwd) == (2 * first[0], 2 * first[1])  # the shorter layout recorded anew
-    replays = [r for s in _steps(run) for r in s.replays.values()]
+    replays = [r for s in fa4.steps_of(run) for r in s.replays.values()]
     assert replays and all(isinstance(r, _fa4_api.Replay) for r in replays), replays
     assert all(a[i] is None for r in replays for _, a, slots in r.calls for i in slots)
 

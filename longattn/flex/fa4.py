@@ -253,6 +253,15 @@ def _sparse(fa, step: Step, which: str):
     return fa.sparse(**t, block_size=step.block)
 
 
+def steps_of(executor, depth: int = 3) -> list:
+    """The :class:`Step` s an executor runs (:class:`RingStep`, :class:`SplitStep` and the pieces'
+    executors that hold them, nested up to ``depth`` levels): where their replays are kept."""
+    if isinstance(executor, Step):
+        return [executor]
+    inner = vars(executor).values() if hasattr(executor, "__dict__") and depth else ()
+    return [s for x in inner for s in steps_of(x, depth - 1)]
+
+
 def replays(q, tuning: tn.Fa4Tuning = tn.FA4) -> bool:
     """Whether a mask call on ``q`` records and replays FA4's compiled calls (``tuning.replay_max_tokens``:
     the one decision)."""
