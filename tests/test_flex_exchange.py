@@ -96,6 +96,44 @@ def test_exchange_other_masks():
     run_world(_check_other_masks, 3)
 
 
+def _check_replays(rank, world):
+    """The exchange's FA4 pieces (own, halo, served rows, on views where split) record their passes' compiled
+    calls on the first call and replay them after (test_flex_fa4's stand-in with JIT caches, FA4's three backward
+    kernels): the second and third calls make no FA4 entry and still match the reference, gradients of lse
+    included; every piece's passes hold a replay."""
+    import test_flex_fa4 as F
+    from test_fa4 import _MathInterface
+    from longattn.backends import _fa4_api
+    from longattn.flex import blocks, fa4
+
+    _fa4_api._interface = lambda: _MathInterface()
+    compiled = F._compiled_interface(F._MaskInterface())
+    ns = types.SimpleNamespace(interface=compiled, sparse=lambda **kw: types.SimpleNamespace(**kw))
+    fa4._fa4 = lambda: ns
+    fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
+                               _body(b, h, q, k, aux))
+    fa4.KERNEL.capability = lambda device: (9, 0)
+    fa4.KERNEL.refusals = lambda q, k, v, m, s: [] if s is None and (m is None or m.fa4 is not None) else ["flex"]
+    split = tuning.FlexExchangeTuning(split_chain=1, split_min_blocks=1)
+    for i in range(3):
+        _compare(f"world={world} local + global, split, call {i}", world, "contiguous", masks.local_global(64, 16),
+                 2, op=_exchange_with(split), seed=i)
+        if i == 0:
+            entries = (compiled.fwd, compiled.bwd)
+            assert all(entries), entries
+    assert (compiled.fwd, compiled.bwd) == entries, ((compiled.fwd, compiled.bwd), entries)
+    plan = _plan(torch.randn(B, L, H, D), masks.local_global(64, 16), layout="contiguous", tune=split,
+                 k=torch.randn(B, L, 2, D))
+    runs = [plan.own, plan.serve] + [p.run for p in plan.halo]
+    replays = [r for x in runs if x is not None for st in fa4.steps_of(x) for r in st.replays.values()]
+    assert replays and all(isinstance(r, _fa4_api.Replay) for r in replays), replays
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_replays_fa4_calls(world):
+    run_world(_check_replays, world, backend="gloo")
+
+
 def _check_fa4_stand_in(rank, world, cap):
     """The FA4 executors (cleared tables, FA4's block-sparse tensors, the pattern's form at positions) through
     test_flex_fa4's stand-in for FA4's interface, at sm_90's 128-row and sm_100's 256-row query blocks; causal

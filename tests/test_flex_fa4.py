@@ -1173,11 +1173,11 @@ def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False,
             acc.zero_()
 
     def main_kernel(mask_mod):
-        def kernel(q, k, v, out, dout, lse, delta, acc, dk, dv, scale, sparse, aux):
+        def kernel(q, k, v, out, dout, lse, dlse, delta, acc, dk, dv, scale, sparse, aux):
             ns.kernels += 1
             lse = lse / 2 if accum == "hidden" else lse
             g = math._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, mask_mod=mask_mod,
-                                     aux_tensors=aux[0], block_sparse_tensors=sparse, dlse=None)
+                                     aux_tensors=aux[0], block_sparse_tensors=sparse, dlse=dlse)
             acc.add_(g[0].double() + 0 * delta.sum())  # reads delta, as FA4's kernel does
             dk.copy_(g[1])
             dv.copy_(g[2])
@@ -1189,7 +1189,6 @@ def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False,
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, mask_mod=None, aux_tensors=None,
                         block_sparse_tensors=None, dlse=None):
-        assert dlse is None, "the stand-in's backward takes no lse gradient"
         ns.bwd += 1
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64)
@@ -1198,7 +1197,7 @@ def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False,
         cached("_bwd_preprocess", key, lambda: pre)(out, dout, dlse, delta, acc)
         lse_in = lse * 2 if accum == "hidden" else lse
         cached("_flash_attn_bwd", key, lambda: main_kernel(mask_mod))(
-            q.detach(), k.detach(), v.detach(), out, dout, lse_in, delta, acc, dk, dv, softmax_scale,
+            q.detach(), k.detach(), v.detach(), out, dout, lse_in, dlse, delta, acc, dk, dv, softmax_scale,
             block_sparse_tensors, (aux_tensors,))
         cached("_bwd_postprocess_convert", key, lambda: post)(acc, dq)
         return dq, dk, dv
