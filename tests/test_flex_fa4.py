@@ -665,11 +665,13 @@ def test_split_step_runs_the_chained_pass_on_views(stand_in, axis):
 
 def _ring_worker(rank, world):
     """Every pattern of test_flex_ring around a gloo ring with FA4's steps
-    (through the stand-in; FlexAttention where a score_mod is given), against float64."""
+    (through the stand-in with JIT caches; FlexAttention where a score_mod is given), against float64; a
+    pattern's second call replays every step's recorded passes (no FA4 entry)."""
     import test_flex_ring as R
     from dist_utils import assert_unsharded_close, run_sharded
 
-    ns = types.SimpleNamespace(interface=_MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
+    compiled = _compiled_interface(_MaskInterface())
+    ns = types.SimpleNamespace(interface=compiled, sparse=lambda **kw: types.SimpleNamespace(**kw))
     fa4._fa4 = lambda: ns
     fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
                                _body(b, h, q, k, aux))
@@ -678,18 +680,26 @@ def _ring_worker(rank, world):
     built, make = [], fa4.ring_executor
     fa4.ring_executor = lambda *a: built.append(a) or make(*a)
     s = world * R.L
+
+    def check(layout, name, mask, score, hkv):
+        torch.manual_seed(7)
+        q, k, v = torch.randn(R.B, s, R.H, R.D), torch.randn(R.B, s, hkv, R.D), torch.randn(R.B, s, hkv, R.D)
+        do, dl = torch.randn(R.B, s, R.H, R.D), torch.randn(R.B, R.H, s)
+        qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+        ro, rl = flex_ref(qr, kr, vr, mask, score)
+        ((ro * do).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl).sum()).backward()
+        res = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask, score_mod=score,
+                          engine="ring")
+        assert_unsharded_close(f"{layout} {name}", *res, ro, rl, (qr.grad, kr.grad, vr.grad), 1e-4)
+
     for layout in ("contiguous", "zigzag"):
-        for name, mask, score, hkv in R.patterns(world):
-            torch.manual_seed(7)
-            q, k, v = torch.randn(R.B, s, R.H, R.D), torch.randn(R.B, s, hkv, R.D), torch.randn(R.B, s, hkv, R.D)
-            do, dl = torch.randn(R.B, s, R.H, R.D), torch.randn(R.B, R.H, s)
-            qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-            ro, rl = flex_ref(qr, kr, vr, mask, score)
-            ((ro * do).sum() + (torch.where(torch.isfinite(rl), rl, 0) * dl).sum()).backward()
-            res = run_sharded(longattn.ring_flex_attention, q, k, v, do, dl, layout, mask_mod=mask, score_mod=score,
-                              engine="ring")
-            assert_unsharded_close(f"{layout} {name}", *res, ro, rl, (qr.grad, kr.grad, vr.grad), 1e-4)
+        for pattern in R.patterns(world):
+            check(layout, *pattern)
     assert built, "no ring step ran through FA4's executor"
+    entries = (compiled.fwd, compiled.bwd)
+    assert all(entries), entries
+    check("zigzag", *next(p for p in R.patterns(world) if p[2] is None))  # its steps recorded above: replayed
+    assert (compiled.fwd, compiled.bwd) == entries, ((compiled.fwd, compiled.bwd), entries)
 
 
 @pytest.mark.dist
