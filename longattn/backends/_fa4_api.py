@@ -322,7 +322,7 @@ def record(interface, entry, tensors: dict, exact: bool):
     within 1e-2 in norm), checked here with every buffer the replay allocates
     filled with NaN unless the recorded call's was all zeros (then zeros)."""
     caches = _caches(interface)
-    calls, temps, bufs, zero, problems = [], [], [], set(), []
+    calls, temps, bufs, nonzero, problems = [], [], [], [], []
     named = {n: t for n, t in tensors.items() if t is not None}
     storages = {t.untyped_storage().data_ptr() for t in named.values()}
     if len({t.data_ptr() for t in named.values()}) < len(named):
@@ -344,8 +344,8 @@ def record(interface, entry, tensors: dict, exact: bool):
         temp_storages.add(t.untyped_storage().data_ptr())
         bufs.append(t)
         temps.append(_layout(t))
-        if t.numel() == 0 or not bool(t.any()):
-            zero.add(len(bufs) - 1)
+        # whether it starts as zeros, read after the call (queued here, before the kernel writes it: no wait now)
+        nonzero.append(t.any() if t.numel() else torch.zeros((), dtype=torch.bool, device=t.device))
         return ("tmp", len(bufs) - 1)
 
     def note(fn, args, kwargs):
@@ -381,7 +381,8 @@ def record(interface, entry, tensors: dict, exact: bool):
     if problems:
         return results, problems[0]
     del bufs[:]  # the recorded call's buffers are not kept
-    for zeros in (frozenset(), frozenset(zero)):
+    zero = frozenset(i for i, x in enumerate(torch.stack(nonzero).tolist()) if not x)
+    for zeros in (frozenset(), zero):
         replay = Replay(calls, temps, zeros, tuple(outputs))
         if _close(replay(_poison=True, **tensors), results, exact):
             return results, replay
