@@ -381,7 +381,7 @@ def record(interface, entry, tensors: dict, exact: bool):
     if problems:
         return results, problems[0]
     del bufs[:]  # the recorded call's buffers are not kept
-    zero = frozenset(i for i, x in enumerate(torch.stack(nonzero).tolist()) if not x)
+    zero = frozenset(i for i, x in enumerate(torch.stack(nonzero).tolist() if nonzero else ()) if not x)
     for zeros in (frozenset(), zero):
         replay = Replay(calls, temps, zeros, tuple(outputs))
         if _close(replay(_poison=True, **tensors), results, exact):
