@@ -29,9 +29,8 @@ import torch
 from longattn.backends import _fa4_api
 from longattn.bench import measure
 from longattn.bench.configs import CONFIGS
-from longattn.bench.patterns import flex_mask
-from longattn.bench.single import make_inputs
-from longattn.flex import fa4, pieces
+from longattn.bench.patterns import flex_fa4_step
+from longattn.flex import fa4
 
 
 class Timed:
@@ -76,15 +75,7 @@ def main() -> None:
     interface = _fa4_api._interface()
     out = {}
     for name in a.configs:
-        cfg = CONFIGS[name]
-        q, k, v = make_inputs(cfg, dev, torch.bfloat16, True)
-        do = torch.randn_like(q)
-        run = pieces.single_executor(q, k, flex_mask(cfg, dev), cfg.head_dim ** -0.5)
-
-        def step():
-            fa4.Fa4Flex.apply(q, k, v, run, False)[0].backward(do)
-            q.grad = k.grad = v.grad = None
-
+        run, step = flex_fa4_step(CONFIGS[name], dev)
         for _ in range(3):
             step()
         torch.cuda.synchronize()

@@ -19,9 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from longattn.bench import measure
 from longattn.bench.configs import CONFIGS
-from longattn.bench.patterns import flex_mask
-from longattn.bench.single import make_inputs
-from longattn.flex import fa4, pieces
+from longattn.bench.patterns import flex_fa4_step
 
 
 def kernels(step) -> tuple[list, float]:
@@ -48,15 +46,11 @@ def main() -> None:
     dev = torch.device("cuda")
     out = {}
     for name in a.configs:
-        cfg = CONFIGS[name]
-        q, k, v = make_inputs(cfg, dev, torch.bfloat16, True)
-        do = torch.randn_like(q)
-        run = pieces.single_executor(q, k, flex_mask(cfg, dev), cfg.head_dim ** -0.5)
+        run, call = flex_fa4_step(CONFIGS[name], dev)
         res = {"executor": type(run).__name__}
         for label, graphed in (("eager", False), ("graphed", True), ("eager2", False), ("graphed2", True)):
             def step(graphed=graphed):
-                fa4.Fa4Flex.apply(q, k, v, run, graphed)[0].backward(do)
-                q.grad = k.grad = v.grad = None
+                call(graphed)
             for _ in range(4):  # the graphed variant's first call runs eagerly, its second captures
                 step()
             torch.cuda.synchronize()

@@ -1343,3 +1343,18 @@ def test_replay_only_for_calls_the_tuning_takes(stand_in):
         assert compiled.fwd == entries and bool(step.replays) == (entries == 1), (limit, compiled.fwd)
         assert_close(dict(out=out, lse=lse), dict(zip(("out", "lse"), flex_ref(q, k, v, PATTERNS["causal"],
                                                                                 scale=0.25))), 1e-6, str(limit))
+
+
+def test_bench_flex_fa4_step(stand_in):
+    """longattn.bench.patterns.flex_fa4_step (the call fa4_host_time.py and flex_graph_kernels.py take apart): the
+    planned executor of a flex bench config, its fwd+bwd through fa4.Fa4Flex, gradients cleared after."""
+    from longattn.bench.configs import CONFIGS
+    from longattn.bench.patterns import flex_fa4_step
+
+    cfg = dataclasses.replace(CONFIGS["flex_bsparse_32k"], seqlen=512, heads=2, head_dim=16)
+    run, step = flex_fa4_step(cfg, torch.device("cpu"))
+    assert type(run).__name__ in ("RingStep", "CarvedStep"), run
+    out, grads = step()
+    out2, grads2 = step()  # the inputs' gradients were cleared: the second call's are not added to the first's
+    assert out.shape == (1, 512, 2, 16) and torch.isfinite(out).all() and torch.equal(out, out2)
+    assert all(g is not None and torch.equal(g, g2) for g, g2 in zip(grads, grads2))

@@ -80,3 +80,24 @@ def _flex_pairs_by_rows(cfg: Config, rows: int = 1024) -> float:
         q = torch.arange(r0, min(s, r0 + rows), device=dev).view(1, 1, -1, 1)
         total += int(m(zero, zero, q, k).expand(1, 1, q.shape[2], s).sum())
     return float(total)
+
+
+def flex_fa4_step(cfg: Config, dev):
+    """(executor, step) of a flex config on one GPU as ``flex_attention`` plans it for FA4
+    (``longattn.flex.pieces.single_executor``, bf16 inputs); ``step(graphed=False)`` runs one
+    fwd+bwd through ``fa4.Fa4Flex`` (``graphed``: its passes replayed from CUDA graphs), clears the
+    inputs' gradients and returns (out, (dq, dk, dv)). For the scripts that take a call apart (host time, graph kernels)."""
+    from ..flex import fa4, pieces
+    from .single import make_inputs
+
+    q, k, v = make_inputs(cfg, dev, torch.bfloat16, True)
+    do = torch.randn_like(q)
+    run = pieces.single_executor(q, k, flex_mask(cfg, dev), cfg.head_dim ** -0.5)
+
+    def step(graphed: bool = False):
+        out = fa4.Fa4Flex.apply(q, k, v, run, graphed)[0]
+        out.backward(do)
+        grads = q.grad, k.grad, v.grad
+        q.grad = k.grad = v.grad = None
+        return out.detach(), grads
+    return run, step
