@@ -7,7 +7,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -104,16 +103,11 @@ def _check_replays(rank, world):
     import test_flex_fa4 as F
     from test_fa4 import _MathInterface
     from longattn.backends import _fa4_api
-    from longattn.flex import blocks, fa4
+    from longattn.flex import fa4
 
     _fa4_api._interface = lambda: _MathInterface()
     compiled = F._compiled_interface(F._MaskInterface())
-    ns = types.SimpleNamespace(interface=compiled, sparse=lambda **kw: types.SimpleNamespace(**kw))
-    fa4._fa4 = lambda: ns
-    fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
-                               _body(b, h, q, k, aux))
-    fa4.KERNEL.capability = lambda device: (9, 0)
-    fa4.KERNEL.refusals = lambda q, k, v, m, s: [] if s is None and (m is None or m.fa4 is not None) else ["flex"]
+    F.install_stand_in(compiled)
     split = tuning.FlexExchangeTuning(split_chain=1, split_min_blocks=1)
     for i in range(3):
         _compare(f"world={world} local + global, split, call {i}", world, "contiguous", masks.local_global(64, 16),
@@ -145,13 +139,7 @@ def _check_fa4_stand_in(rank, world, cap):
 
     varlen = _MathInterface()
     _fa4_api._interface = lambda: varlen
-
-    ns = types.SimpleNamespace(interface=F._MaskInterface(), sparse=lambda **kw: types.SimpleNamespace(**kw))
-    fa4._fa4 = lambda: ns
-    fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
-                               _body(b, h, q, k, aux))
-    fa4.KERNEL.capability = lambda device: (cap, 0)
-    fa4.KERNEL.refusals = lambda q, k, v, m, s: [] if s is None and (m is None or m.fa4 is not None) else ["flex"]
+    F.install_stand_in(F._MaskInterface(), cap)
     mask = masks.local_global(64, 16)
     plan = _plan(torch.randn(B, L, H, D), mask, layout="zigzag")
     assert isinstance(plan.own, fa4.RingStep) and plan.own.step.block == blocks.sparse_block(cap, L)

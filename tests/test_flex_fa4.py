@@ -663,6 +663,19 @@ def test_split_step_runs_the_chained_pass_on_views(stand_in, axis):
     assert_close(res[1], res[0], 1e-6, f"split {axis}")
 
 
+def install_stand_in(interface, cap: int = 9):
+    """In a spawned worker (no monkeypatch there): FA4's mask calls on ``interface`` (a :class:`_MaskInterface`
+    or :func:`_compiled_interface`), its CuTe masks as the torch form of the same body, compute capability
+    ``cap``.0, FA4 chosen wherever the pattern has an FA4 form and no score_mod is given (CPU tensors)."""
+    ns = types.SimpleNamespace(interface=interface, sparse=lambda **kw: types.SimpleNamespace(**kw))
+    fa4._fa4 = lambda: ns
+    fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
+                               _body(b, h, q, k, aux))
+    fa4.KERNEL.capability = lambda device: (cap, 0)
+    fa4.KERNEL.refusals = lambda q, k, v, m, s: [] if s is None and (m is None or m.fa4 is not None) else ["flex"]
+    return ns
+
+
 def _ring_worker(rank, world):
     """Every pattern of test_flex_ring around a gloo ring with FA4's steps
     (through the stand-in with JIT caches; FlexAttention where a score_mod is given), against float64; a
@@ -671,12 +684,7 @@ def _ring_worker(rank, world):
     from dist_utils import assert_unsharded_close, run_sharded
 
     compiled = _compiled_interface(_MaskInterface())
-    ns = types.SimpleNamespace(interface=compiled, sparse=lambda **kw: types.SimpleNamespace(**kw))
-    fa4._fa4 = lambda: ns
-    fa4.cute_mask = lambda f: (lambda b, h, q, k, info, aux, _body=blocks.mask_body(f, blocks.TorchOps)[0]:
-                               _body(b, h, q, k, aux))
-    fa4.KERNEL.capability = lambda device: (9, 0)
-    fa4.KERNEL.refusals = lambda q, k, v, m, s: [] if s is None and (m is None or m.fa4 is not None) else ["flex"]
+    install_stand_in(compiled)
     built, make = [], fa4.ring_executor
     fa4.ring_executor = lambda *a: built.append(a) or make(*a)
     s = world * R.L
