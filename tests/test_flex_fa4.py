@@ -1337,8 +1337,13 @@ def test_replay_repeats_the_calls(stand_in, case):
 
 def test_replay_only_for_calls_the_tuning_takes(stand_in):
     """Fa4Tuning.replay_max_tokens decides: a call of more query tokens (batch x rows) takes FA4's own
-    entry every time and records nothing; within it the second call replays."""
+    entry every time and records nothing; within it the second call replays. A value that is not an int >= 0
+    raises, naming the field."""
     from longattn import tuning
+
+    for bad in (-1, 1.5, None):
+        with pytest.raises(ValueError, match="replay_max_tokens must be an int >= 0"):
+            tuning.Fa4Tuning(replay_max_tokens=bad)
 
     compiled = _compiled_interface(stand_in.interface)
     stand_in.interface = compiled
