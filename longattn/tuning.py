@@ -659,13 +659,15 @@ class Fa4Tuning:
                "and replays them after, without FA4's per-call Python (longattn.backends._fa4_api.Replay); 0: never. "
                "FA4's Python is about 0.3 ms of host time per call: one H200, 32K block-sparse fwd+bwd issued in 3.13 "
                "ms, 1.55 of it inside FA4's four entries, 0.27 in their compiled calls (fa4_host_time_h200_039606c."
-               "json); with the forward replayed, the bench's host time per fwd+bwd 2.26 ms against 3.69 and a cold "
-               "call 3.03 ms against 3.95, 1.80x torch's compiled FlexAttention against 1.36x (run_flex_fa4_h200_"
-               "85347ea.json, run_flex_fa4_h200_2307ec6.json); 4 H200 window + global at 128K, 32K rows a rank, "
+               "json); with both passes replayed no FA4 entry runs after a layout's first call, 2.71 ms to issue "
+               "against 2.80 of GPU time (fa4_host_time_h200_64a78d2.json), and a cold call runs 2.99 ms against 3.95 "
+               "without replays, 1.78x torch's compiled FlexAttention against 1.36x (run_flex_fa4_h200_64a78d2.json, "
+               "run_flex_fa4_h200_2307ec6.json); with the forward's calls alone replayed, 4 H200 window + global at 128K, 32K rows a rank, "
                "8.62 ms against 9.77 (dist_flex_4xh200_85347ea.json, dist_flex_4xh200_e816f3e.json). Past 64K "
                "tokens a call's GPU time (twice 32K's and more) dwarfs the 0.3 ms, and recording checks the replay "
                "once with a second set of the call's outputs and buffers, memory a long call may not spare",
-        "fa4_host_time_h200_039606c.json, run_flex_fa4_h200_85347ea.json, dist_flex_4xh200_85347ea.json")
+        "fa4_host_time_h200_039606c.json, fa4_host_time_h200_64a78d2.json, run_flex_fa4_h200_64a78d2.json, "
+        "dist_flex_4xh200_85347ea.json")
 
     def __post_init__(self):
         r = self.unpacked_gqa_causal_rows
