@@ -655,7 +655,7 @@ class Fa4Tuning:
     replay_max_tokens: int = measured(
         65536, "an FA4 mask call (each pass of a step of flex_attention, the ring or the exchange: longattn.flex.fa4."
                "step_forward / step_backward) of at most "
-               "this many query tokens (batch x rows) records its compiled kernel calls on its layout's first call "
+               "this many query tokens and key tokens (batch x rows, each) records its compiled kernel calls on its layout's first call "
                "and replays them after, without FA4's per-call Python (longattn.backends._fa4_api.Replay); 0: never. "
                "FA4's Python is about 0.3 ms of host time per call: one H200, 32K block-sparse fwd+bwd issued in 3.13 "
                "ms, 1.55 of it inside FA4's four entries, 0.27 in their compiled calls (fa4_host_time_h200_039606c."
@@ -665,7 +665,8 @@ class Fa4Tuning:
                "run_flex_fa4_h200_2307ec6.json); with the forward's calls alone replayed, 4 H200 window + global at 128K, 32K rows a rank, "
                "8.62 ms against 9.77 (dist_flex_4xh200_85347ea.json, dist_flex_4xh200_e816f3e.json). Past 64K "
                "tokens a call's GPU time (twice 32K's and more) dwarfs the 0.3 ms, and recording checks the replay "
-               "once with a second set of the call's outputs and buffers, memory a long call may not spare",
+               "once with a second set of the call's outputs and buffers (dK, dV and their float32 accumulators "
+               "as long as the keys), memory a long call may not spare",
         "fa4_host_time_h200_039606c.json, fa4_host_time_h200_64a78d2.json, run_flex_fa4_h200_64a78d2.json, "
         "dist_flex_4xh200_85347ea.json")
 

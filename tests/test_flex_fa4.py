@@ -829,7 +829,8 @@ def test_carved_call_on_gpu(on_fa4):
 def test_replay_on_gpu(on_fa4, name):
     """On FA4 itself every step's forward and backward replay (compiled kernel calls whose tensors and buffers
     the replay renews): for new inputs a replayed forward equals FA4's own call bit for bit, a replayed
-    backward FA4's own within its run-to-run spread (dQ added by float32 atomics)."""
+    backward FA4's own within its run-to-run spread (dQ added by float32 atomics), an lse gradient included
+    (recorded on one FA4 would copy: zeros expanded from a scalar)."""
     from longattn import tuning
     from longattn.flex import pieces
 
@@ -841,12 +842,15 @@ def test_replay_on_gpu(on_fa4, name):
     mk = lambda: torch.randn(b, s, 4, 128, device=dev).bfloat16()
     run = pieces.single_executor(mk(), mk(), mm, 0.125, t)
     assert type(run).__name__ == ("CarvedStep" if name == "carved" else "RingStep")
-    for _ in range(2):
+    # without an lse gradient twice, then with one: first all zeros expanded from a scalar (strides 0, which
+    # FA4 would copy before its kernels), then a replayed call's own
+    for dl in (None, None, torch.zeros((), device=dev).expand(b, 4, s), torch.randn(b, 4, s, device=dev)):
         q, k, v, do = (mk().requires_grad_(i < 3) for i in range(4))
         out, lse = fa4.Fa4Flex.apply(q, k, v, run)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-    replays = {key[0]: r for st in fa4.steps_of(run) for key, r in st.replays.items()}
-    assert set(replays) == {"fwd", "bwd"} and all(isinstance(r, _fa4_api.Replay) for r in replays.values()), \
+        grads = torch.autograd.grad((out, lse) if dl is not None else out, (q, k, v),
+                                    (do, dl) if dl is not None else do)
+    replays = [(key[0], r) for st in fa4.steps_of(run) for key, r in st.replays.items()]
+    assert {p for p, _ in replays} == {"fwd", "bwd"} and all(isinstance(r, _fa4_api.Replay) for _, r in replays), \
         replays
     if name != "carved":
         fa, st = fa4._fa4(), run.step
@@ -854,7 +858,7 @@ def test_replay_on_gpu(on_fa4, name):
                                        st.aux)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
         want = _fa4_api.masked_backward(fa.interface, do, q, k, v, out, lse, 0.125, fa4._mask(st),
-                                        fa4._sparse(fa, st, "bwd"), st.aux)
+                                        fa4._sparse(fa, st, "bwd"), st.aux, dl)
         for g, w in zip(grads, want):
             assert rel_err(g, w) < 1e-2, rel_err(g, w)
 
@@ -1142,7 +1146,7 @@ def test_joined_documents_on_gpu(on_fa4, world, rank, hkv):
 
 # ------------------------------------------------------------------ replaying FA4's compiled calls (CPU)
 def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False, drift: bool = False,
-                        accum: str = "pre"):
+                        accum: str = "pre", copies: bool = False, intruder=None, fail_after: int = 0):
     """Stands in for FA4's interface module as the replay sees it. ``_flash_attn_fwd`` (a function with a
     ``compile_cache``, looked up through the module at each call, as FA4's reads its own) allocates out and lse,
     compiles a kernel per layout and mask (a closure over the mask) and calls it with positional arguments
@@ -1154,7 +1158,9 @@ def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False,
     ``calls_per_entry`` 2: the forward's kernel called twice; ``view_of_q``: an argument that views part of q;
     ``drift``: forward results that change from call to call; ``accum``: "pre" (the preprocessing zeroes the
     accumulator), "zeros" (allocated as zeros instead), "hidden" (a torch op between the kernels makes one
-    of their inputs: a replay would not)."""
+    of their inputs: a replay would not); ``copies``: the backward copies a non-contiguous dlse first (as FA4's
+    ``maybe_contiguous``); ``intruder``: run by the forward's kernel on its first call (another thread's FA4
+    call meanwhile); ``fail_after``: kernel calls after which every kernel raises an out-of-memory error."""
     ns = types.SimpleNamespace(fwd=0, bwd=0, kernels=0)
 
     def cached(entry, key, make):
@@ -1166,6 +1172,10 @@ def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False,
     def forward_kernel(mask_mod):
         def kernel(q, k, v, out, lse, scale, sparse, aux, extra=None):
             ns.kernels += 1
+            if fail_after and ns.kernels > fail_after:
+                raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+            if intruder is not None and ns.kernels == 1:
+                intruder(ns)
             o, l_, *_ = math._flash_attn_fwd(q, k, v, softmax_scale=scale, pack_gqa=False, mask_mod=mask_mod,
                                              block_sparse_tensors=sparse, return_lse=True, aux_tensors=aux[0])
             out.copy_(o + ns.kernels if drift else o)
@@ -1208,6 +1218,8 @@ def _compiled_interface(math, calls_per_entry: int = 1, view_of_q: bool = False,
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, mask_mod=None, aux_tensors=None,
                         block_sparse_tensors=None, dlse=None):
         ns.bwd += 1
+        if copies and dlse is not None and not dlse.is_contiguous():
+            dlse = dlse.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64)
         acc = (torch.zeros if accum == "zeros" else torch.empty)(q.shape, dtype=torch.float64)
@@ -1278,12 +1290,12 @@ def _record(interface, case):
 
 
 @pytest.mark.parametrize("case,says", [("plain", "no compiled call"), ("view", "views an input"),
-                                       ("drift", "differed"), ("hidden", "differed")])
+                                       ("drift", "differed"), ("hidden", "input lse reached no compiled call")])
 def test_replay_refused(stand_in, case, says):
     """A call whose compiled calls a replay cannot repeat is not replayed, with the reason, and its own results
     come back: an interface without JIT caches, an argument viewing part of q (a replay would not renew it),
     forward results that differ on the same inputs, a backward whose kernels read a tensor a torch op made
-    between them (a replay would not make it: NaN-filled, its results differ)."""
+    from an input between them instead of the input (a replay would not make it)."""
     math = stand_in.interface
     interface = {"plain": math, "view": _compiled_interface(math, view_of_q=True),
                  "drift": _compiled_interface(math, drift=True), "hidden": _compiled_interface(math, accum="hidden")}
@@ -1335,8 +1347,88 @@ def test_replay_repeats_the_calls(stand_in, case):
     assert_close(dict(zip("qkv", got)), dict(zip("qkv", want)), 1e-6, case)
 
 
+def test_replay_takes_the_lse_gradient_as_given(stand_in):
+    """An lse gradient autograd expanded from a scalar (strides 0; all zeros on the first call, as a loss term
+    whose weight starts at 0) is one FA4 copies before its kernels: the backward hands FA4 a contiguous one, so
+    the recording names the tensor its kernels take, and a later call's nonzero dlse reaches them (a replay that
+    kept the recorded zeros would drop it). Recorded on FA4's own copy, a replay is refused, naming the input."""
+    math = stand_in.interface
+    torch.manual_seed(0)
+    m = PATTERNS["causal"]
+    q, k, v, do = (torch.randn(1, 64, 2, 16, dtype=torch.float64) for _ in range(4))
+    step = fa4.single_step(q, k, m)
+    sparse = types.SimpleNamespace(**step.tensors["bwd"], block_size=step.block)
+    mask = fa4.cute_mask(step.form)
+    out, lse = flex_ref(q, k, v, m, scale=0.25)
+    zero = torch.zeros(()).expand(lse.shape)  # float32, as lse
+    interface = _compiled_interface(math, copies=True)
+    *_, replay = _fa4_api.record_masked_backward(interface, do, q, k, v, out.detach(), lse.detach(), 0.25, mask,
+                                                 sparse, step.aux, dlse=zero)
+    assert isinstance(replay, _fa4_api.Replay), replay
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = flex_ref(q, k, v, m, scale=0.25)
+    dl = torch.ones(()).expand(lse.shape)
+    want = torch.autograd.grad((out, lse), (q, k, v), (do, dl))
+    got = replay(**_fa4_api.backward_inputs(do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dl))
+    assert_close(dict(zip("qkv", got)), dict(zip("qkv", want)), 1e-6, "dlse")
+
+    t = dict(_fa4_api.backward_inputs(do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach()),
+             dlse=zero)  # as FA4 is given it without backward_inputs: its copy would stand for it
+    _, why = _fa4_api.record(interface, lambda: _fa4_api.masked_backward(
+        interface, t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], 0.25, mask, sparse, step.aux, t["dlse"]),
+        t, exact=False)
+    assert why == "input dlse reached no compiled call as itself", why
+
+
+def test_replay_leaves_out_other_threads_calls(stand_in):
+    """Another thread's FA4 call while a call records (FA4's JIT caches are the process's) is not part of the
+    recording: the replay makes the recorded call's one kernel call, and the other thread's call gets its own
+    results."""
+    import threading
+
+    math = stand_in.interface
+    other = {}
+
+    def intruder(ns):
+        x = torch.randn(1, 32, 2, 16, dtype=torch.float64)
+        st = fa4.single_step(x, x, PATTERNS["causal"])
+        sp = types.SimpleNamespace(**st.tensors["fwd"], block_size=st.block)
+        th = threading.Thread(target=lambda: other.update(
+            got=_fa4_api.masked_forward(ns, x, x.clone(), x.clone(), 0.25, fa4.cute_mask(st.form), sp, st.aux),
+            want=flex_ref(x, x, x, PATTERNS["causal"], scale=0.25)))
+        th.start()
+        th.join()
+
+    (*_, replay), inputs = _record(_compiled_interface(math, intruder=intruder), "fwd")
+    assert isinstance(replay, _fa4_api.Replay) and len(replay.calls) == 1, replay
+    assert_close(dict(out=other["got"][0]), dict(out=other["want"][0]), 1e-6, "other thread")
+    new = [torch.randn_like(x) for x in inputs]
+    got = replay(q=new[0], k=new[1], v=new[2])
+    ref = flex_ref(*new, PATTERNS["causal"], scale=0.25)
+    assert_close(dict(out=got[0], lse=got[1]), dict(out=ref[0], lse=ref[1]), 1e-6, "replayed")
+
+
+def test_replay_check_that_fails_is_a_reason(stand_in):
+    """A check of the replay that raises (out of memory: it holds a second set of results) leaves the call's own
+    results and a reason, not an error; inputs with NaN still replay (NaN where the call has NaN is alike)."""
+    math = stand_in.interface
+    (out, lse, replay), inputs = _record(_compiled_interface(math, fail_after=1), "fwd")
+    assert isinstance(replay, str) and replay.startswith("checking the replay failed (OutOfMemoryError"), replay
+    ref = flex_ref(*inputs, PATTERNS["causal"], scale=0.25)
+    assert_close(dict(out=out, lse=lse), dict(out=ref[0], lse=ref[1]), 1e-6, "own results")
+
+    q, k, v = inputs
+    q = q.clone()
+    q[0, 3, 1, 0] = float("nan")
+    step = fa4.single_step(q, k, PATTERNS["causal"])
+    sparse = types.SimpleNamespace(**step.tensors["fwd"], block_size=step.block)
+    *_, replay = _fa4_api.record_masked_forward(_compiled_interface(math), q, k, v, 0.25, fa4.cute_mask(step.form),
+                                                sparse, step.aux)
+    assert isinstance(replay, _fa4_api.Replay), replay
+
+
 def test_replay_only_for_calls_the_tuning_takes(stand_in):
-    """Fa4Tuning.replay_max_tokens decides: a call of more query tokens (batch x rows) takes FA4's own
+    """Fa4Tuning.replay_max_tokens decides: a call of more query or key tokens (batch x rows) takes FA4's own
     entry every time and records nothing; within it the second call replays. A value that is not an int >= 0
     raises, naming the field."""
     from longattn import tuning
@@ -1348,13 +1440,15 @@ def test_replay_only_for_calls_the_tuning_takes(stand_in):
     compiled = _compiled_interface(stand_in.interface)
     stand_in.interface = compiled
     q, k, v = (torch.randn(2, 64, 2, 16, dtype=torch.float64) for _ in range(3))
-    for limit, entries in ((127, 3), (128, 1)):
-        step = fa4.single_step(q, k, PATTERNS["causal"])
+    for limit, entries, rows in ((127, 3, 64), (128, 1, 64), (127, 3, 16)):
+        # 2 x 16 query rows against 2 x 64 keys: the keys' tokens count too (the check's second dK, dV)
+        qr = q[:, :rows]
+        step = fa4.single_step(qr, k, PATTERNS["causal"])
         compiled.fwd = 0
         for _ in range(3):
-            out, lse = fa4.step_forward(step, q, k, v, 0.25, tuning.Fa4Tuning(replay_max_tokens=limit))
-        assert compiled.fwd == entries and bool(step.replays) == (entries == 1), (limit, compiled.fwd)
-        assert_close(dict(out=out, lse=lse), dict(zip(("out", "lse"), flex_ref(q, k, v, PATTERNS["causal"],
+            out, lse = fa4.step_forward(step, qr, k, v, 0.25, tuning.Fa4Tuning(replay_max_tokens=limit))
+        assert compiled.fwd == entries and bool(step.replays) == (entries == 1), (limit, rows, compiled.fwd)
+        assert_close(dict(out=out, lse=lse), dict(zip(("out", "lse"), flex_ref(qr, k, v, PATTERNS["causal"],
                                                                                 scale=0.25))), 1e-6, str(limit))
 
 

@@ -262,10 +262,10 @@ def steps_of(executor, depth: int = 3) -> list:
     return [s for x in inner for s in steps_of(x, depth - 1)]
 
 
-def replays(q, tuning: tn.Fa4Tuning = tn.FA4) -> bool:
-    """Whether a mask call on ``q`` records and replays FA4's compiled calls (``tuning.replay_max_tokens``:
-    the one decision)."""
-    return q.shape[0] * q.shape[1] <= tuning.replay_max_tokens
+def replays(q, k, tuning: tn.Fa4Tuning = tn.FA4) -> bool:
+    """Whether a mask call of ``q`` against ``k`` records and replays FA4's compiled calls
+    (``tuning.replay_max_tokens`` over its query and its key tokens: the one decision)."""
+    return max(q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]) <= tuning.replay_max_tokens
 
 
 def _recording(*tensors) -> bool:
@@ -288,7 +288,7 @@ def step_forward(step: Step, q, k, v, scale: float, tuning: tn.Fa4Tuning = tn.FA
     fa = _fa4()
     args = (fa.interface, q, k, v, scale, _mask(step), _sparse(fa, step, "fwd") if step.form is not None else None,
             step.aux)
-    if replay is None and replays(q, tuning) and _recording(q, k, v):
+    if replay is None and replays(q, k, tuning) and _recording(q, k, v):
         out, lse, step.replays[key] = _fa4_api.record_masked_forward(*args)
         return out, lse
     return _fa4_api.masked_forward(*args)
@@ -307,7 +307,7 @@ def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None,
     fa = _fa4()
     args = (fa.interface, t["dout"], q, k, v, t["out"], t["lse"], scale, _mask(step),
             _sparse(fa, step, "bwd") if step.form is not None else None, step.aux, t["dlse"])
-    if replay is None and replays(q, tuning) and _recording(*t.values()):
+    if replay is None and replays(q, k, tuning) and _recording(*t.values()):
         *grads, step.replays[key] = _fa4_api.record_masked_backward(*args)
         return tuple(grads)
     return _fa4_api.masked_backward(*args)
