@@ -291,6 +291,7 @@ def test_split_kv_one_launch_calls_in_a_row_leave_the_counters_zero():
     assert len(held) >= 2, "the 72-pair call grew the workspace; the outgrown buffer stays alive"
 
 
+@triton_ok
 def test_split_kv_launch_advances_the_device_lengths():
     """``advance``: a launch over lengths kept on the device counts the tokens
     appended since they were written and leaves them advanced (the last of a

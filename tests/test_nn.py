@@ -27,6 +27,42 @@ def test_multihead_shapes_gqa_and_grad():
     assert x.grad is not None and all(p.grad is not None for p in m.parameters())
 
 
+@pytest.mark.parametrize("kv_heads,norm,causal", [(2, True, True), (8, False, False)])
+def test_multihead_values_against_its_definition(kv_heads, norm, causal):
+    """MultiheadDilatedAttention's output and every gradient (input, weights, biases, norm) against its
+    definition written out: the projections split into heads (GQA: fewer key/value heads), dilated attention
+    (float64 reference), heads merged, the sub-layer LayerNorm, the output projection."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    segs, rates = [8, 16], [1, 2]
+    m = MultiheadDilatedAttention(64, 8, segs, rates, num_kv_heads=kv_heads, layer_norm=norm)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    g = torch.randn(2, 32, 64)
+    out, _ = m(x, x, x, is_causal=causal)
+    params = [p for p in m.parameters()]
+    got = torch.autograd.grad(out, [x, *params], g)
+
+    xd, pd = x.detach().double().requires_grad_(), [p.detach().double().requires_grad_() for p in params]
+    named = dict(zip([n for n, _ in m.named_parameters()], pd))
+    lin = lambda t, n: F.linear(t, named[f"{n}.weight"], named[f"{n}.bias"])
+    q = lin(xd, "q_proj").view(2, 32, 8, 8)
+    k, v = (lin(xd, n).view(2, 32, kv_heads, 8) for n in ("k_proj", "v_proj"))
+    o, _ = dilated_ref(q, k, v, segs, rates, causal=causal)
+    y = o.reshape(2, 32, 64)
+    if norm:
+        y = F.layer_norm(y, (64,), named["norm.weight"], named["norm.bias"], m.norm.eps)
+    want_out = lin(y, "out_proj")
+    want = torch.autograd.grad(want_out, [xd, *pd], g.double())
+    assert rel_err(out, want_out) < 1e-4, rel_err(out, want_out)
+    names = ["x"] + [n for n, _ in m.named_parameters()]
+    for n, a, w in zip(names, got, want):
+        if n == "k_proj.bias":  # adds q.b to a row's every score: softmax ignores it, its gradient is 0 up to roundings
+            assert a.norm() < 1e-5 * got[names.index("q_proj.bias")].norm(), (n, a.norm())
+            continue
+        assert rel_err(a, w) < 1e-4, (n, rel_err(a, w))
+
+
 def test_multihead_is_causal_really_causal():
     m = MultiheadDilatedAttention(32, 4, [8, 16], [1, 2])
     x = torch.randn(1, 16, 32)
