@@ -54,10 +54,13 @@ def sdpa_backends(first: str = "cudnn"):
     return order if first == "cudnn" else [order[1], order[0], order[2]]
 
 
-def fa4_flash() -> Optional[str]:
-    """Switch SDPA's flash backend to FlashAttention-4 where torch and the
-    installed packages allow it; returns None when switched, else why not."""
+def fa4_flash(dev: torch.device) -> Optional[str]:
+    """Switch SDPA's flash backend to FlashAttention-4 where torch, the device
+    and the installed packages allow it; returns None when switched, else why not."""
     import importlib.util
+
+    if dev.type != "cuda":
+        return f"FA4 runs on CUDA GPUs, not {dev.type}"
 
     act = getattr(torch.nn.attention, "activate_flash_attention_impl", None)
     if act is None:
@@ -119,7 +122,7 @@ def run_torch_cp(cfg: Config, make, dev, time_pair, allmax, *, warmup: int, iter
     # Looked up at each call: context_parallel swaps the function in torch.nn.functional while it is active, so a
     # reference taken before the context would call plain SDPA on the local shard.
     sdpa = lambda *a, **kw: torch.nn.functional.scaled_dot_product_attention(*a, **kw)
-    why_no_fa4 = fa4_flash()
+    why_no_fa4 = fa4_flash(dev)
     info["flash_impl"] = "FA4" if why_no_fa4 is None else f"FA2 ({why_no_fa4})"
     try:
         # One context for every probe and the timed calls: it shards the buffers in place on entry, so the
