@@ -1431,6 +1431,34 @@ def test_replay_check_that_fails_is_a_reason(stand_in):
     assert isinstance(replay, _fa4_api.Replay), replay
 
 
+def test_replay_keys_and_unaligned_inputs(stand_in):
+    """A replay serves only its key: another scale or another batch records again (one FA4 entry each, then
+    replays), and an input whose address is not 16-byte aligned (the compiled kernels assume it) takes FA4's own
+    entry even where its layout has a replay; every call's out as the float64 definition's."""
+    compiled = _compiled_interface(stand_in.interface)
+    stand_in.interface = compiled
+    m = PATTERNS["causal"]
+    mk = lambda b=1: tuple(torch.randn(b, 64, 2, 16, dtype=torch.float64) for _ in range(3))
+    step = fa4.single_step(*mk()[:2], m)
+
+    def call(q, k, v, scale):
+        out, lse = fa4.step_forward(step, q, k, v, scale)
+        ref = flex_ref(q, k, v, m, scale=scale)
+        assert_close(dict(out=out, lse=lse), dict(out=ref[0], lse=ref[1]), 1e-6, f"scale {scale} {q.shape}")
+        return compiled.fwd
+
+    for scale, b in ((0.25, 1), (0.5, 1), (0.25, 2)):
+        before = compiled.fwd
+        assert [call(*mk(b), scale) - before for _ in range(3)] == [1, 1, 1], (scale, b)
+    assert len(step.replays) == 3 and all(callable(r) for r in step.replays.values())
+    flat = torch.randn(64 * 2 * 16 + 1, dtype=torch.float64)[1:]  # 8 bytes past an aligned address
+    q = flat.view(1, 64, 2, 16)
+    assert q.data_ptr() % 16 and _fa4_api.replay_key(q, scale=1.0) == _fa4_api.replay_key(mk()[0], scale=1.0)
+    before = compiled.fwd
+    call(q, *mk()[1:], 0.25)
+    assert compiled.fwd == before + 1 and len(step.replays) == 3
+
+
 def test_replay_only_for_calls_the_tuning_takes(stand_in):
     """Fa4Tuning.replay_max_tokens decides: a call of more query or key tokens (batch x rows) takes FA4's own
     entry every time and records nothing; within it the second call replays. A value that is not an int >= 0
