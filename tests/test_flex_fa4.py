@@ -829,12 +829,13 @@ def test_carved_call_on_gpu(on_fa4):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["block_sparse", "local_global_flags", "carved"])
+@pytest.mark.parametrize("name", ["block_sparse", "block_sparse_gqa", "local_global_flags", "carved"])
 def test_replay_on_gpu(on_fa4, name):
     """On FA4 itself every step's forward and backward replay (compiled kernel calls whose tensors and buffers
     the replay renews): for new inputs a replayed forward equals FA4's own call bit for bit, a replayed
     backward FA4's own within its run-to-run spread (dQ added by float32 atomics), an lse gradient included
-    (recorded on one FA4 would copy: zeros expanded from a scalar)."""
+    (recorded on one FA4 would copy: zeros expanded from a scalar); GQA's backward too (dK, dV summed over
+    query heads in float32 buffers that start as zeros)."""
     from longattn import tuning
     from longattn.flex import pieces
 
@@ -842,14 +843,15 @@ def test_replay_on_gpu(on_fa4, name):
     if name == "carved":
         mm, b, s, t = masks.local_global(128, 32), 1, 2048, tuning.FlexFa4Tuning(split_chain=8)
     else:
-        mm, b, s, t = patterns(dev)[name], 2, S, tuning.FLEX_FA4
-    mk = lambda: torch.randn(b, s, 4, 128, device=dev).bfloat16()
-    run = pieces.single_executor(mk(), mk(), mm, 0.125, t)
+        mm, b, s, t = patterns(dev)[name.removesuffix("_gqa")], 2, S, tuning.FLEX_FA4
+    hkv = 2 if name.endswith("_gqa") else 4
+    mk = lambda h=4: torch.randn(b, s, h, 128, device=dev).bfloat16()
+    run = pieces.single_executor(mk(), mk(hkv), mm, 0.125, t)
     assert type(run).__name__ == ("CarvedStep" if name == "carved" else "RingStep")
     # without an lse gradient twice, then with one: first all zeros expanded from a scalar (strides 0, which
     # FA4 would copy before its kernels), then a replayed call's own
     for dl in (None, None, torch.zeros((), device=dev).expand(b, 4, s), torch.randn(b, 4, s, device=dev)):
-        q, k, v, do = (mk().requires_grad_(i < 3) for i in range(4))
+        q, k, v, do = mk().requires_grad_(), mk(hkv).requires_grad_(), mk(hkv).requires_grad_(), mk()
         out, lse = fa4.Fa4Flex.apply(q, k, v, run)
         grads = torch.autograd.grad((out, lse) if dl is not None else out, (q, k, v),
                                     (do, dl) if dl is not None else do)
