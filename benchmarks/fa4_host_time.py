@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
+import sys
 import time
 
 import torch
@@ -31,6 +33,9 @@ from longattn.bench import measure
 from longattn.bench.configs import CONFIGS
 from longattn.bench.patterns import flex_fa4_step
 from longattn.flex import fa4
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from host_bound import _events  # noqa: E402
 
 
 class Timed:
@@ -59,11 +64,6 @@ def wrap_caches(interface, acc) -> int:
                     store[key] = Timed(fn, acc)
                     n += 1
     return n
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def main() -> None:
@@ -126,21 +126,12 @@ def main() -> None:
         top = sorted(((fn, s[2] * 1e3, s[3] * 1e3, s[1]) for fn, s in st.stats.items()), key=lambda r: -r[1])[:20]
         top = [{"fn": f"{f[0].split('site-packages/')[-1]}:{f[1]}({f[2]})", "tottime_ms": t, "cumtime_ms": c,
                 "calls": n} for f, t, c, n in top]
-        gpu, cold = [], []
-        for label, acc in (("gpu", gpu), ("cold", cold)):
-            for _ in range(10):
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                if label == "gpu":
-                    torch.cuda._sleep(int(2e7))
-                e0.record()
-                step()
-                e1.record()
-                e1.synchronize()
-                acc.append(e0.elapsed_time(e1))
-        res = {"executor": type(run).__name__, "replays": recorded, "fa4_calls_per_step": median(ncalls), "compiled_entries": wrapped,
-               "issue_ms": median(issue), "fa4_ms": median(fa4_ms), "compiled_ms": median(comp_ms),
-               "gpu_ms": median(gpu), "cold_ms": median(cold), "top_own_time": top}
+        gpu = _events(step, n=10, sleep_cycles=int(2e7))["gpu_ms"]
+        cold = _events(step, n=10)["gpu_ms"]
+        med = statistics.median_high
+        res = {"executor": type(run).__name__, "replays": recorded, "fa4_calls_per_step": med(ncalls),
+               "compiled_entries": wrapped, "issue_ms": med(issue), "fa4_ms": med(fa4_ms), "compiled_ms": med(comp_ms),
+               "gpu_ms": gpu, "cold_ms": cold, "top_own_time": top}
         out[name] = res
         print(f"{name} ({res['executor']}, {res['fa4_calls_per_step']} FA4 calls): issue {res['issue_ms']:.3f} ms, "
               f"in FA4 {res['fa4_ms']:.3f} (compiled calls {res['compiled_ms']:.3f}), gpu {res['gpu_ms']:.3f}, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -20,6 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 from longattn.bench import measure
 from longattn.bench.configs import CONFIGS
 from longattn.bench.patterns import flex_fa4_step
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from host_bound import _events  # noqa: E402
 
 
 def kernels(step) -> tuple[list, float]:
@@ -53,20 +57,10 @@ def main() -> None:
                 call(graphed)
             for _ in range(4):  # the graphed variant's first call runs eagerly, its second captures
                 step()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(10):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(int(2e7))
-                e0.record()
-                step()
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1))
-            ts.sort()
+            gpu = _events(step, n=10, sleep_cycles=int(2e7))["gpu_ms"]
             rows, total = kernels(step)
-            res[label] = {"after_sleep_ms": ts[len(ts) // 2], "kernels_us_per_call": rows[:25], "kernel_sum_us": total}
-            print(f"{name} {label}: gpu {ts[len(ts) // 2]:.3f} ms, kernel sum {total / 1e3:.3f} ms", flush=True)
+            res[label] = {"after_sleep_ms": gpu, "kernels_us_per_call": rows[:25], "kernel_sum_us": total}
+            print(f"{name} {label}: gpu {gpu:.3f} ms, kernel sum {total / 1e3:.3f} ms", flush=True)
             for n, c, t in rows[:12]:
                 print(f"    {t:9.1f} us x{c:4.1f}  {n}")
         out[name] = res
