@@ -274,6 +274,20 @@ def _recording(*tensors) -> bool:
     return _fa4_api.replayable(*tensors) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def _pass(step: Step, which: str, tensors: dict, scale: float, tuning: tn.Fa4Tuning, record, own):
+    """One pass of ``step`` on ``tensors`` (by name, as FA4 is handed them): its layout's replay where one
+    is recorded and the tensors are aligned; else ``record()`` (results and the replay or why not, kept
+    per layout) where :func:`replays` allows and nothing forbids it now; else FA4's own call, ``own()``."""
+    key = (which, *_fa4_api.replay_key(*tensors.values(), scale=scale))
+    replay = step.replays.get(key)
+    if callable(replay) and _fa4_api.replayable(*tensors.values()):
+        return replay(**tensors)
+    if replay is None and replays(tensors["q"], tensors["k"], tuning) and _recording(*tensors.values()):
+        *results, step.replays[key] = record()
+        return tuple(results)
+    return own()
+
+
 def step_forward(step: Step, q, k, v, scale: float, tuning: tn.Fa4Tuning = tn.FA4):
     """(out in q.dtype, lse float32 (B, H, Sq), natural log; -inf where a row sees no key).
     The first call of a layout records FA4's compiled kernel call and checks its replay; later calls
@@ -281,17 +295,12 @@ def step_forward(step: Step, q, k, v, scale: float, tuning: tn.Fa4Tuning = tn.FA
     same block tables, without FA4's per-call Python). Inside a CUDA graph capture a recorded call
     replays, an unrecorded one takes FA4's own path. Calls longer than :func:`replays` allows take
     FA4's own path always."""
-    key = ("fwd", *_fa4_api.replay_key(q, k, v, scale=scale))
-    replay = step.replays.get(key)
-    if callable(replay) and _fa4_api.replayable(q, k, v):
-        return replay(q=q, k=k, v=v)
-    fa = _fa4()
-    args = (fa.interface, q, k, v, scale, _mask(step), _sparse(fa, step, "fwd") if step.form is not None else None,
-            step.aux)
-    if replay is None and replays(q, k, tuning) and _recording(q, k, v):
-        out, lse, step.replays[key] = _fa4_api.record_masked_forward(*args)
-        return out, lse
-    return _fa4_api.masked_forward(*args)
+    def args():  # FA4's arguments, made only where FA4 is entered (a replay needs none of them)
+        fa = _fa4()
+        return (fa.interface, q, k, v, scale, _mask(step),
+                _sparse(fa, step, "fwd") if step.form is not None else None, step.aux)
+    return _pass(step, "fwd", dict(q=q, k=k, v=v), scale, tuning, lambda: _fa4_api.record_masked_forward(*args()),
+                 lambda: _fa4_api.masked_forward(*args()))
 
 
 def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None,
@@ -300,17 +309,13 @@ def step_backward(step: Step, dout, q, k, v, out, lse, scale: float, dlse=None,
     a layout's first call and replayed after, as :func:`step_forward` (FA4's preprocessing, main and
     conversion kernels, their buffers allocated per call)."""
     t = _fa4_api.backward_inputs(dout, q, k, v, out, lse, dlse)
-    key = ("bwd", *_fa4_api.replay_key(*t.values(), scale=scale))
-    replay = step.replays.get(key)
-    if callable(replay) and _fa4_api.replayable(*t.values()):
-        return replay(**t)
-    fa = _fa4()
-    args = (fa.interface, t["dout"], q, k, v, t["out"], t["lse"], scale, _mask(step),
-            _sparse(fa, step, "bwd") if step.form is not None else None, step.aux, t["dlse"])
-    if replay is None and replays(q, k, tuning) and _recording(*t.values()):
-        *grads, step.replays[key] = _fa4_api.record_masked_backward(*args)
-        return tuple(grads)
-    return _fa4_api.masked_backward(*args)
+
+    def args():
+        fa = _fa4()
+        return (fa.interface, t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], scale, _mask(step),
+                _sparse(fa, step, "bwd") if step.form is not None else None, step.aux, t["dlse"])
+    return _pass(step, "bwd", t, scale, tuning, lambda: _fa4_api.record_masked_backward(*args()),
+                 lambda: _fa4_api.masked_backward(*args()))
 
 
 PASS_GRAPHS = graphs.GraphCache(graphs.MAX_GRAPHS)
