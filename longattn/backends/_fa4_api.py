@@ -281,7 +281,7 @@ class Replay:
     ``calls``: (compiled function, its positional arguments with None where a
     slot goes, {position: slot}); a slot is ``("in", name)``, one of the
     entry's tensors given per call, or ``("tmp", i)``, a buffer allocated per
-    call in the recorded layout (``temps[i]``: layout, whether it starts as
+    call in the recorded layout (``temps[i]``; those in ``zeros`` start as
     zeros) that the calls write and read: the entry's results among them
     (``outputs``). Every other argument (block tables, mask aux tensors,
     scalars) is the recorded one, as the step that holds the replay keeps
