@@ -491,8 +491,11 @@ class FlexExchangeTuning:
             "64 tiles a view); a 32K shard's rows (256 tiles) against 1152 halo keys, backward 2.56 / 1.73, 1.26, "
             "1.29, 1.49, 1.92 (64 to 32). The exchange at 2 ranks, window + global (a shard's rows against 17 "
             "halo key tiles, the global keys' 512 query tiles long: 8 views), fwd+bwd ms alternating in one run, "
-            "2 H100: 13.59, 13.73 / 14.89, 14.56 unsplit (documents within noise: nothing to split)",
-        "flex_split_pieces_h200_e900875.json, flex_exchange_split_chain_2xh100_7a2a346.json")
+            "2 H100: 13.59, 13.73 / 14.89, 14.56 unsplit (documents within noise: nothing to split); 4 H200 at 128K, "
+            "the slowest rank, ten alternating rounds: 8.11-8.44 (median 8.28) split against 7.94-8.49 "
+            "(8.32) unsplit, a tie",
+        "flex_split_pieces_h200_e900875.json, flex_exchange_split_chain_2xh100_7a2a346.json, "
+        "flex_exchange_split_4xh200_c444150.json")
     split_programs: int = measured(
         264, "a pass is split (split_chain) only where fewer of its programs than this have chains longer than "
              "split_chain: more keep every SM busy whatever their length (264 = 2 programs per SM); 0: never. "
@@ -662,13 +665,14 @@ class Fa4Tuning:
                "json); with both passes replayed no FA4 entry runs after a layout's first call, 2.71 ms to issue "
                "against 2.80 of GPU time (fa4_host_time_h200_64a78d2.json), and a cold call runs 2.99 ms against 3.95 "
                "without replays, 1.78x torch's compiled FlexAttention against 1.36x (run_flex_fa4_h200_64a78d2.json, "
-               "run_flex_fa4_h200_2307ec6.json); with the forward's calls alone replayed, 4 H200 window + global at 128K, 32K rows a rank, "
-               "8.62 ms against 9.77 (dist_flex_4xh200_85347ea.json, dist_flex_4xh200_e816f3e.json). Past 64K "
+               "run_flex_fa4_h200_2307ec6.json); 4 H200, the exchange's window + global at 128K (32K rows a rank, "
+               "both passes replayed): 6.4-7.7 ms to issue a fwd+bwd against 6.1-6.6 of GPU time per rank "
+               "(flex_exchange_host_4xh200_c444150.json). Past 64K "
                "tokens a call's GPU time (twice 32K's and more) dwarfs the 0.3 ms, and recording checks the replay "
                "once with a second set of the call's outputs and buffers (dK, dV and their float32 accumulators "
                "as long as the keys), memory a long call may not spare",
         "fa4_host_time_h200_039606c.json, fa4_host_time_h200_64a78d2.json, run_flex_fa4_h200_64a78d2.json, "
-        "dist_flex_4xh200_85347ea.json")
+        "flex_exchange_host_4xh200_c444150.json")
 
     def __post_init__(self):
         r = self.unpacked_gqa_causal_rows
