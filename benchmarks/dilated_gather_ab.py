@@ -26,9 +26,9 @@ p.add_argument("--rounds", type=int, default=4)
 p.add_argument("--heads", type=int, default=16)
 p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
 p.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
-p.add_argument("--gqa-graphed", action="store_true",
-               help="GQA: gather in passes replayed from graphs too (DilatedTuning.gather_gqa_graphed); without it "
-                    "both arms of a graphed GQA pass run ungathered")
+p.add_argument("--graphed", action="store_true",
+               help="gather in passes replayed from graphs too (DilatedTuning.gather_graphed); without it "
+                    "both arms of a graphed pass run ungathered")
 p.add_argument("--json")
 a = p.parse_args()
 segs, rates = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 8, 16]
@@ -57,7 +57,7 @@ for S, causal in [(s, c) for s in a.seqlens for c in (True, False)]:
     res = {}
     for _ in range(a.rounds):
         for rows in a.rows:
-            tuning = DilatedTuning(gather_max_rows=rows, gather_gqa_graphed=a.gqa_graphed)
+            tuning = DilatedTuning(gather_max_rows=rows, gather_graphed=a.graphed)
             for _ in range(2):
                 torch.autograd.grad(f(), (q, k, v), g)
             torch.cuda.synchronize()

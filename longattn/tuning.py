@@ -75,7 +75,7 @@ class DilatedTuning:
                     "into one view runs as one call on gathered copies: at 32K a call's host time (100-300 us) "
                     "outweighs copying 1/r of q, k, v; gathering rate 4 at 128K too cost more in copies "
                     "(32K causal fwd 1.78 vs 2.23 ms). GQA branches (whose classes never stack as views) under the "
-                    "same bound, in passes not replayed from graphs (gather_gqa_graphed): LongNet 32q/8kv at 128K, "
+                    "same bound, in passes not replayed from graphs (gather_graphed): LongNet 32q/8kv at 128K, "
                     "31 -> 16 calls per pass, one H100 on cuDNN, alternating: causal fwd 10.02 vs 10.07 ms (host "
                     "4.27 vs 5.86), bwd 33.14 vs 33.34 (host 10.19 vs 12.28); non-causal fwd 15.79 vs 16.02 (host "
                     "6.38 vs 10.39); out, dK, dV bit-identical. On FA4 (python benchmarks/dilated_gather_ab.py "
@@ -85,11 +85,17 @@ class DilatedTuning:
                     "bwd 44.17 vs 44.45",
         "dilated_gather_ab_h200_d28c735.json, dilated_gather_ab_gqa_h100_cb382ff.json, "
         "dilated_gather_ab_gqa_fa4_h100_926d70c.json, dilated_gather_gqa_h200_7884a90.json")
-    gather_gqa_graphed: bool = measured(
-        False, "gather small GQA branches inside passes replayed from CUDA graphs too: there the host time they "
-               "save is already gone and their copies remain; LongNet 32q/8kv at 32K (graphed), one H100 on "
-               "cuDNN, gathered vs one call per class, alternating: causal fwd 3.37 vs 3.21 ms, bwd 9.51 vs "
-               "9.16; non-causal fwd 4.78 vs 4.62", "dilated_gather_ab_gqa_h100_cb382ff.json")
+    gather_graphed: bool = measured(
+        False, "gather small branches inside passes replayed from CUDA graphs too: there the host time they save "
+               "is already gone and their copies remain. One H200 on FA4, LongNet MHA (16 heads, D=128), "
+               "gathered vs one call per class, alternating, graphed passes: 8K causal fwd 0.526 vs 0.503 ms, bwd "
+               "1.164 vs 1.121; 16K causal 0.918 vs 0.860, 2.121 vs 2.028; 32K causal 1.787 vs 1.645, 4.072 vs "
+               "3.829; non-causal fwd 8K 0.693 vs 0.682, 16K 1.239 vs 1.177 (python benchmarks/"
+               "dilated_gather_ab.py --graphed --seqlens 8192 16384 32768; the file's run, at 0a3c91b, gathered "
+               "MHA in graphed passes without the flag; the same run's eager 32K non-causal forward, host-bound, "
+               "gathered 2.427 vs 2.952: gather_max_rows). GQA 32q/8kv at 32K (graphed), one H100 on "
+               "cuDNN: causal fwd 3.37 vs 3.21 ms, bwd 9.51 vs 9.16; non-causal fwd 4.78 vs 4.62",
+        "dilated_gather_ab_h200_0a3c91b.json, dilated_gather_ab_gqa_h100_cb382ff.json")
     gather_noncausal_backward: bool = measured(
         False, "the non-causal backward is GPU-bound: gathered 6.59 vs 6.35 ms at 32K, 24.52 vs 24.42 at 128K",
         "dilated_gather_ab_h200_d28c735.json")
@@ -123,7 +129,7 @@ class DilatedTuning:
     graph_max_tokens_gqa: int = measured(
         32768, "GQA: graphed views at 32K 0.69 / 0.79 x dense against 0.47 / 0.60 eager, causal 0.56 / 0.55 "
                "against 0.34 / 0.42 (64K not measured), measured with every class its own call (31 per pass, as "
-               "graphed passes still run: gather_gqa_graphed)", "dilated_short_seq_h100_5ebe4f0.json")
+               "graphed passes still run: gather_graphed)", "dilated_short_seq_h100_5ebe4f0.json")
     concurrent_calls: str = measured(
         "graphs", "when the views path launches its calls on side streams at once: 'graphs' (inside the "
                   "captured passes only), 'always', 'never'. Graphed, concurrent against in order: 8K causal "
@@ -149,7 +155,7 @@ class DilatedTuning:
                              "or 'never'")
         if self.autotune not in ("", "0", "1"):
             raise ValueError(f"DilatedTuning.autotune={self.autotune!r}: choose '1', '0' or '' (the environment's)")
-        for f in ("gather_noncausal_backward", "gather_gqa_graphed"):
+        for f in ("gather_noncausal_backward", "gather_graphed"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"DilatedTuning.{f} must be a bool, got {getattr(self, f)!r}")
         for f in ("views_min_tokens", "grouped_max_keys", "dedup_max_head_dim", "gather_max_rows",
@@ -606,22 +612,18 @@ class FlexFa4Tuning:
               "1.47x / 1.41x in other runs, run_flex_fa4_h100_07d4664.json, run_flex_fa4_batched_h100_ab8626a.json)",
         "cold_gaps_h100_ab8626a.json, run_flex_doc_fa4_h100_4b282da.json, run_flex_doc_fa4_batched_h100_4b282da.json")
     graph_max_tokens: int = measured(
-        4096, "a one-device call on FA4 with at most this many query tokens (batch x rows) replays its forward and "
-              "its backward from CUDA graphs (longattn.dilated.graphs.GraphCache: a shape's first call eager, its "
-              "second captured, later ones copy their inputs in, replay and return copies; not inside another "
-              "capture nor torch.compile); 0: never. A short call waits for its host (FA4's interface 0.12 ms a "
-              "call, a carved block-sparse fwd+bwd 0.84 ms of host); the copies in and out cost GPU time per token. "
-              "One H100, fwd+bwd ms cold, graphed against the planned executor eager (torch's compiled "
-              "FlexAttention): block-sparse 4K 0.61 against 1.05 (0.88), window + global 4K 0.87 against 1.16 "
-              "(1.25); 8K block-sparse 1.11 against 1.30, window + global 1.57 against 1.46; 32K 4.39 against 3.59 "
-              "and 6.07 against 5.17 (the copies add 1.2 ms of GPU time); one H200, 32K, GPU time graphed against eager: "
-              "block-sparse 3.70 against 2.83 ms, window + global 5.34 against 4.47, the same kernels plus 0.85 ms of "
-              "copies (1.5 GiB in and out at 128 MiB a tensor). The 4K and 8K rows ran before a step's forward replayed "
-              "its compiled call (flex.fa4.step_forward), which takes about 0.3 ms of host time out of each eager "
-              "forward call (fa4_host_time_h200_85347ea.json); not re-measured with it",
-        "flex_carve_timing_4096_h100_086877a.json, flex_carve_timing_8192_h100_086877a.json, "
-        "flex_carve_timing_h100_086877a.json, host_time_h100_ab8626a.json, flex_graph_kernels_h200_2307ec6.json, "
-        "fa4_host_time_h200_85347ea.json")
+        0, "a one-device call on FA4 with at most this many query tokens (batch x rows) replays its forward and "
+           "its backward from CUDA graphs (longattn.dilated.graphs.GraphCache: a shape's first call eager, its "
+           "second captured, later ones copy their inputs in, replay and return copies; not inside another "
+           "capture nor torch.compile); 0: never. Each pass already replays FA4's compiled calls without its "
+           "Python (Fa4Tuning.replay_max_tokens), so a graph saves little host time and adds its copies' GPU "
+           "time: one H200, fwd+bwd ms, the planned executor eager against graphed (torch's compiled "
+           "FlexAttention), cold: block-sparse 4K 0.519 against 0.623 (0.932), 8K 0.875 against 0.980 (1.307); "
+           "window + global 4K 0.656 against 0.726 (1.189), 8K 1.302 against 1.491 (2.014); the GPU's time "
+           "alone (after a 20 ms sleep) 0.330 against 0.475 at 4K block-sparse; at 32K the graphed fwd+bwd runs "
+           "the same kernels plus 0.85 ms of copies (1.5 GiB in and out at 128 MiB a tensor): block-sparse 3.70 "
+           "against 2.83 ms, window + global 5.34 against 4.47",
+        "flex_carve_timing_short_h200_0a3c91b.json, flex_graph_kernels_h200_2307ec6.json")
 
     def __post_init__(self):
         if not isinstance(self.documents_varlen, bool):

@@ -531,16 +531,16 @@ def test_gqa_gathered_from_strided_inputs(causal):
         _assert_matches_ref(q, k, v, do, dl, segs, rates, causal, "math", DilatedTuning(schedule="views"))
 
 
-def test_gqa_gathering_bound():
-    """GQA branches are gathered in eager passes only (unless
-    gather_gqa_graphed); MHA's bound holds either way."""
+def test_gathering_bound():
+    """Small branches (MHA and GQA) are gathered in eager passes only (unless
+    gather_graphed)."""
     from longattn.dilated.plan import gather_rows
     t = DilatedTuning()
-    assert gather_rows(t, graphs=False, mha=False) == gather_rows(t, graphs=True, mha=True) == t.gather_max_rows
-    assert gather_rows(t, graphs=True, mha=False) == 0
-    assert gather_rows(DilatedTuning(gather_gqa_graphed=True), graphs=True, mha=False) == t.gather_max_rows
-    with pytest.raises(ValueError, match="gather_gqa_graphed must be a bool"):
-        DilatedTuning(gather_gqa_graphed=1)
+    assert gather_rows(t, graphs=False) == t.gather_max_rows > 0
+    assert gather_rows(t, graphs=True) == 0
+    assert gather_rows(DilatedTuning(gather_graphed=True), graphs=True) == t.gather_max_rows
+    with pytest.raises(ValueError, match="gather_graphed must be a bool"):
+        DilatedTuning(gather_graphed=1)
 
 
 def test_views_pieces_land_one_at_a_time(monkeypatch):

@@ -521,7 +521,7 @@ def test_graph_choice_reaches_the_call(stand_in, monkeypatch):
     mk = lambda *s: torch.randn(*s, dtype=torch.float64)
     q, k, v, do = mk(2, S, 4, 16), mk(2, S, 2, 16), mk(2, S, 2, 16), mk(2, S, 4, 16)
     want = results(lambda q, k, v: flex_ref(q, k, v, m, scale=0.25), [q, k, v], do)
-    for bound, graphed in ((None, True), (2 * S, True), (2 * S - 1, False), (0, False)):  # default: 4096
+    for bound, graphed in ((None, False), (2 * S, True), (2 * S - 1, False), (0, False)):  # default: 0, never
         t = tuning.FLEX_FA4 if bound is None else tuning.FlexFa4Tuning(graph_max_tokens=bound)
         got = results(lambda q, k, v: fa4.attend(q, k, v, m, 0.25, t), [q, k, v], do)
         assert seen[-1] is graphed, (bound, seen)

@@ -119,10 +119,10 @@ def test_dilated_views_gqa_bf16(causal, hkv, gathered):
     """The GQA views path, one call per offset class on strided kv views or
     the small branches gathered: 5-D kv copies where every class reads every
     kv head (Triton copy and add), 6-D where r is a multiple of the group size
-    (torch's); eagerly, or captured and replayed (gather_gqa_graphed: each
+    (torch's); eagerly, or captured and replayed (gather_graphed: each
     shape called twice)."""
     rows = 0 if gathered == "no" else DilatedTuning().gather_max_rows
-    t = DilatedTuning(gather_max_rows=rows, gather_gqa_graphed=gathered == "graphed")
+    t = DilatedTuning(gather_max_rows=rows, gather_graphed=gathered == "graphed")
     t = t if gathered == "graphed" else t.graphs_up_to(0)
     for _ in range(2 if gathered == "graphed" else 1):
         test_dilated_bf16("cudnn", causal, hkv, [512, 1024, 4096, 8192], 8192, tuning=t)

@@ -75,8 +75,17 @@ def _sdpa(backend_name: Optional[str]):
     return build, reason
 
 
+def _block_mask(mask_mod, heads, seqlen: int, dev):
+    """A BlockMask as FlexAttention's docs make one for long sequences: create_block_mask compiled, which
+    evaluates the mask block by block (called eagerly it holds heads x S x S of the mask and its index
+    arithmetic at once: out of memory at 32K with 16 heads on an H200)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=False)(mask_mod, None, heads, seqlen, seqlen, device=dev)
+
+
 def _flex_build(cfg: Config, dev):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     left, right = cfg.window
     causal = cfg.causal
@@ -91,7 +100,7 @@ def _flex_build(cfg: Config, dev):
             ok = ok & (ki - qi <= right)
         return ok
 
-    bm = create_block_mask(mask_mod, None, None, cfg.seqlen, cfg.seqlen, device=dev)
+    bm = _block_mask(mask_mod, None, cfg.seqlen, dev)
     flex = torch.compile(flex_attention, dynamic=False)
     gqa = cfg.hkv != cfg.heads
 
@@ -115,7 +124,7 @@ def _headsplit_reason(cfg: Config, dev):
 
 def _flex_dilated_build(cfg: Config, dev):
     """FlexAttention with a LongNet head-split dilated mask (as in the anchors)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     segs = torch.tensor(cfg.segment_lengths, device=dev)
     rates = torch.tensor(cfg.dilation_rates, device=dev)
@@ -131,7 +140,7 @@ def _flex_dilated_build(cfg: Config, dev):
             ok = ok & (ki <= qi)
         return ok
 
-    bm = create_block_mask(mask_mod, None, h, cfg.seqlen, cfg.seqlen, device=dev)
+    bm = _block_mask(mask_mod, h, cfg.seqlen, dev)
     flex = torch.compile(flex_attention, dynamic=False)
 
     def fn(q, k, v):
@@ -361,10 +370,9 @@ def _flex_fa4_reason(cfg: Config, dev) -> Optional[str]:
 def _torch_flex_build(cfg: Config, dev):
     """torch's FlexAttention as its docs use it: the block mask made by a compiled
     create_block_mask (no S x S mask in memory), flex_attention compiled."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    bm = torch.compile(create_block_mask, dynamic=False)(flex_mask(cfg, dev), None, None, cfg.seqlen, cfg.seqlen,
-                                                         device=dev)
+    bm = _block_mask(flex_mask(cfg, dev), None, cfg.seqlen, dev)
     flex = torch.compile(flex_attention, dynamic=False)
     gqa = cfg.hkv != cfg.heads
     return lambda q, k, v: flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,

@@ -159,13 +159,13 @@ def choose(q: torch.Tensor, k: torch.Tensor, segment_lengths, dilation_rates, ca
     return plan
 
 
-def gather_rows(tuning: _tuning.DilatedTuning, graphs: bool, mha: bool) -> int:
+def gather_rows(tuning: _tuning.DilatedTuning, graphs: bool) -> int:
     """The views path's gathering bound: ``tuning.gather_max_rows``, except
-    GQA where the plan's passes are graphed (``tuning.gather_gqa_graphed``):
+    where the plan's passes are graphed (``tuning.gather_graphed``):
     replayed, gathering has no host time left to save. (A graphed plan's
     first call of a shape, and calls inside a caller's capture, run eagerly
     with the same bound.)"""
-    return 0 if graphs and not mha and not tuning.gather_gqa_graphed else tuning.gather_max_rows
+    return 0 if graphs and not tuning.gather_graphed else tuning.gather_max_rows
 
 
 def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
@@ -177,7 +177,7 @@ def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
         why = fused_refusals(q)
         if why:
             raise ValueError(f"the fused Triton dilated kernels cannot run this call: {'; '.join(why)}")
-    rows = gather_rows(tuning, graphs, q.shape[2] == k.shape[2])
+    rows = gather_rows(tuning, graphs)
     return DilatedPlan(
         fwd=fwd, bwd=bwd, fused_schedule=_fused_schedule(q.shape[1], segs, rates, q.shape[-1], tuning),
         gather_max_rows=rows,
