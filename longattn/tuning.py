@@ -93,9 +93,12 @@ class DilatedTuning:
                "3.829; non-causal fwd 8K 0.693 vs 0.682, 16K 1.239 vs 1.177 (python benchmarks/"
                "dilated_gather_ab.py --graphed --seqlens 8192 16384 32768; the file's run, at 0a3c91b, gathered "
                "MHA in graphed passes without the flag; the same run's eager 32K non-causal forward, host-bound, "
-               "gathered 2.427 vs 2.952: gather_max_rows). GQA 32q/8kv at 32K (graphed), one H100 on "
+               "gathered 2.427 vs 2.952: gather_max_rows); again at 5edc28f, six rounds: 8K causal 0.566 vs 0.550, "
+               "1.176 vs 1.104; 16K causal 0.931 vs 0.859, 2.213 vs 2.118; 32K causal 1.812 vs 1.675, 4.118 vs "
+               "3.933. GQA 32q/8kv at 32K (graphed), one H100 on "
                "cuDNN: causal fwd 3.37 vs 3.21 ms, bwd 9.51 vs 9.16; non-causal fwd 4.78 vs 4.62",
-        "dilated_gather_ab_h200_0a3c91b.json, dilated_gather_ab_gqa_h100_cb382ff.json")
+        "dilated_gather_ab_h200_0a3c91b.json, dilated_gather_ab_graphed_h200_5edc28f.json, "
+        "dilated_gather_ab_gqa_h100_cb382ff.json")
     gather_noncausal_backward: bool = measured(
         False, "the non-causal backward is GPU-bound: gathered 6.59 vs 6.35 ms at 32K, 24.52 vs 24.42 at 128K",
         "dilated_gather_ab_h200_d28c735.json")
@@ -620,10 +623,13 @@ class FlexFa4Tuning:
            "time: one H200, fwd+bwd ms, the planned executor eager against graphed (torch's compiled "
            "FlexAttention), cold: block-sparse 4K 0.519 against 0.623 (0.932), 8K 0.875 against 0.980 (1.307); "
            "window + global 4K 0.656 against 0.726 (1.189), 8K 1.302 against 1.491 (2.014); the GPU's time "
-           "alone (after a 20 ms sleep) 0.330 against 0.475 at 4K block-sparse; at 32K the graphed fwd+bwd runs "
+           "alone (after a 20 ms sleep) 0.330 against 0.475 at 4K block-sparse; a second run, 4K 0.592 against "
+           "0.641 and 0.752 against 0.856, 8K 0.997 against 1.004 and 1.300 against 1.482 (python benchmarks/"
+           "flex_carve_timing.py --rounds 3 --seqlen 4096 8192 flex_bsparse_32k flex_swg_32k); at 32K the graphed fwd+bwd runs "
            "the same kernels plus 0.85 ms of copies (1.5 GiB in and out at 128 MiB a tensor): block-sparse 3.70 "
            "against 2.83 ms, window + global 5.34 against 4.47",
-        "flex_carve_timing_short_h200_0a3c91b.json, flex_graph_kernels_h200_2307ec6.json")
+        "flex_carve_timing_short_h200_0a3c91b.json, flex_carve_timing_short_h200_5edc28f.json, "
+        "flex_graph_kernels_h200_2307ec6.json")
 
     def __post_init__(self):
         if not isinstance(self.documents_varlen, bool):
