@@ -107,13 +107,23 @@ class DilatedTuning:
                  "in a float32 buffer of the call's size (2 GiB at 2**29); at 1M tokens the whole call was 5% "
                  "faster and 7 GiB more peak", "adopt_1m_h200_probe.json")
     graph_max_tokens: int = measured(
-        16384, "MHA, D > 64: up to this many tokens (batch x seqlen) each views pass replays a CUDA graph captured "
-               "per shape (LongNet, D=128, one H100, x dense cuDNN fwd / bwd, cold): 8K 0.64 / 0.63 graphed against "
+        16384, "MHA, D > 64, non-causal, cuDNN running the views' blocks (FA4: graph_max_tokens_fa4): up to this "
+               "many tokens (batch x seqlen) each views pass replays a CUDA graph captured per shape (LongNet, D=128, one H100, x dense cuDNN fwd / bwd, cold): 8K 0.64 / 0.63 graphed against "
                "0.22 / 0.26 eager (2.0 ms of forward host time), causal 0.47 / 0.53 against 0.11 / 0.16; 16K 0.63 "
                "/ 0.70 against 0.54 / 0.45; at 32K the eager views win (0.72 / 0.77 against 0.62 / 0.74: the "
                "input and output copies cost more than the host time they hide; one H200: 0.75 / 0.77 against "
                "0.63 / 0.82, causal 0.53 / 0.48 against 0.52 / 0.51)",
         "dilated_short_seq_h100_5ebe4f0.json, dilated_short_seq_gqa_h200_2cf2fd6.json")
+    graph_max_tokens_fa4: int = measured(
+        32768, "MHA, D > 64, non-causal, FA4 running the views' blocks: FA4's Python makes each call's host time "
+               "about twice cuDNN's (LongNet 32K forward, 2.66 ms of host time a call against cuDNN's 1.32: "
+               "run_dilated_targets_h200_8a6c230.json, run_dilated_targets_h200_04ee473.json), past its GPU time "
+               "(about 2.1 ms), so graphs pay up to 32K there. One H200, 32K, views graphed against eager, three "
+               "alternating rounds, cold: fwd+bwd 7.57 / 7.72 / 7.74 ms against 7.95 / 8.19 / 8.06, fwd 2.17-2.19 "
+               "against 2.21-2.31; causal (graphed in both arms, a control) 5.10-5.13 against 5.12-5.14 (python "
+               "benchmarks/dilated_short_seq.py --seqlens 32768 --variants auto views_graphs --rounds 3 "
+               "--cold-only --iters 10). Back to back not measured: eagerly the host (2.66 ms) stays behind the GPU",
+        "dilated_graphs_32k_fa4_h200_5c17a0f.json, run_dilated_targets_h200_8a6c230.json")
     graph_max_tokens_causal: int = measured(
         32768, "MHA, D > 64, causal: a causal pass launches as many kernels as a non-causal one for half the GPU "
                "work, so graphs pay further. One H200, views graphed against eager, two alternating rounds, x dense "
@@ -162,24 +172,28 @@ class DilatedTuning:
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"DilatedTuning.{f} must be a bool, got {getattr(self, f)!r}")
         for f in ("views_min_tokens", "grouped_max_keys", "dedup_max_head_dim", "gather_max_rows",
-                  "adopt_bwd_max_elems", "piece_bytes", "graph_max_tokens", "graph_max_tokens_causal",
-                  "graph_max_tokens_d64", "graph_max_tokens_gqa"):
+                  "adopt_bwd_max_elems", "piece_bytes", "graph_max_tokens", "graph_max_tokens_fa4",
+                  "graph_max_tokens_causal", "graph_max_tokens_d64", "graph_max_tokens_gqa"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
                 raise ValueError(f"DilatedTuning.{f} must be a non-negative int, got {getattr(self, f)!r}")
 
-    def graphs(self, tokens: int, mha: bool, head_dim: int, causal: bool = False) -> bool:
-        """Whether a views call of ``tokens`` (batch x seqlen) replays its passes from CUDA graphs."""
+    def graphs(self, tokens: int, mha: bool, head_dim: int, causal: bool = False, fa4: bool = False) -> bool:
+        """Whether a views call of ``tokens`` (batch x seqlen) replays its passes from CUDA graphs (``fa4``:
+        FlashAttention-4 runs its blocks)."""
         if not mha:
             return tokens <= self.graph_max_tokens_gqa
         if head_dim <= 64:
             return tokens <= self.graph_max_tokens_d64
-        return tokens <= (self.graph_max_tokens_causal if causal else self.graph_max_tokens)
+        if causal:
+            return tokens <= self.graph_max_tokens_causal
+        return tokens <= (self.graph_max_tokens_fa4 if fa4 else self.graph_max_tokens)
 
     def graphs_up_to(self, tokens: int) -> "DilatedTuning":
         """This tuning with every graph threshold (MHA, causal, D <= 64, GQA) set
         to ``tokens``: 0 never graphs, a huge value always does (A/B runs, tests)."""
-        return dataclasses.replace(self, graph_max_tokens=tokens, graph_max_tokens_causal=tokens,
-                                   graph_max_tokens_d64=tokens, graph_max_tokens_gqa=tokens)
+        return dataclasses.replace(self, graph_max_tokens=tokens, graph_max_tokens_fa4=tokens,
+                                   graph_max_tokens_causal=tokens, graph_max_tokens_d64=tokens,
+                                   graph_max_tokens_gqa=tokens)
 
     def concurrent(self, graphs: bool) -> bool:
         """Whether the views path launches its calls on side streams at once."""

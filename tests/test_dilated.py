@@ -185,9 +185,13 @@ def test_graph_and_stream_choices():
     assert t.graphs(t.graph_max_tokens, True, 128) and not t.graphs(t.graph_max_tokens + 1, True, 128)
     assert t.graphs(t.graph_max_tokens_causal, True, 128, causal=True)
     assert not t.graphs(t.graph_max_tokens_causal + 1, True, 128, causal=True)
-    assert t.graph_max_tokens_causal > t.graph_max_tokens  # 32K causal graphed, 32K non-causal eager
+    assert t.graph_max_tokens_causal > t.graph_max_tokens  # 32K causal graphed, 32K non-causal eager on cuDNN
+    assert t.graphs(t.graph_max_tokens_fa4, True, 128, fa4=True) and not t.graphs(t.graph_max_tokens_fa4 + 1, True,
+                                                                                  128, fa4=True)
+    assert t.graph_max_tokens_fa4 > t.graph_max_tokens  # FA4's heavier host time: 32K non-causal graphed too
+    assert t.graphs(t.graph_max_tokens_causal, True, 128, True, fa4=True)
     never, always = t.graphs_up_to(0), t.graphs_up_to(1 << 40)
-    for case in [(1, True, 128), (1, True, 128, True), (1, True, 64), (1, False, 128)]:
+    for case in [(1, True, 128), (1, True, 128, False, True), (1, True, 128, True), (1, True, 64), (1, False, 128)]:
         assert not never.graphs(*case) and always.graphs(*case)
     assert t.graphs(t.graph_max_tokens_d64, True, 64) and not t.graphs(t.graph_max_tokens_d64 + 1, True, 64)
     assert t.graphs(t.graph_max_tokens_gqa, False, 128) and not t.graphs(t.graph_max_tokens_gqa + 1, False, 128)
