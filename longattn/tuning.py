@@ -123,7 +123,8 @@ class DilatedTuning:
                "against 2.21-2.31; causal (graphed in both arms, a control) 5.10-5.13 against 5.12-5.14 (python "
                "benchmarks/dilated_short_seq.py --seqlens 32768 --variants auto views_graphs --rounds 3 "
                "--cold-only --iters 10). Back to back not measured: eagerly the host (2.66 ms) stays behind the GPU",
-        "dilated_graphs_32k_fa4_h200_5c17a0f.json, run_dilated_targets_h200_8a6c230.json")
+        "dilated_graphs_32k_fa4_h200_5c17a0f.json, run_dilated_targets_h200_8a6c230.json, "
+        "run_dilated_targets_h200_04ee473.json")
     graph_max_tokens_causal: int = measured(
         32768, "MHA, D > 64, causal: a causal pass launches as many kernels as a non-causal one for half the GPU "
                "work, so graphs pay further. One H200, views graphed against eager, two alternating rounds, x dense "
