@@ -291,8 +291,8 @@ def test_flex_carve_timing_plots_saved_results(tmp_path):
     """benchmarks/flex_carve_timing.py --from FILES --plot PNG draws saved runs (rows at several lengths, the
     planned executor named "carved" or "as planned") without a GPU; --from without --plot is a usage error."""
     pytest.importorskip("matplotlib")
-    files = [os.path.join(ROOT, "benchmarks", "results", f"flex_carve_timing_{n}h100_086877a.json")
-             for n in ("4096_", "8192_", "")]
+    files = [os.path.join(ROOT, "benchmarks", "results", f"flex_carve_timing_{n}.json")
+             for n in ("short_h200_5edc28f", "h200_f82abd3")]
     script = os.path.join(ROOT, "benchmarks", "flex_carve_timing.py")
     png = tmp_path / "carve.png"
     res = subprocess.run([sys.executable, script, "--from", *files, "--plot", str(png)], capture_output=True,
