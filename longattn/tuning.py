@@ -108,7 +108,8 @@ class DilatedTuning:
                  "faster and 7 GiB more peak", "adopt_1m_h200_probe.json")
     graph_max_tokens: int = measured(
         16384, "MHA, D > 64, non-causal, cuDNN running the views' blocks (FA4: graph_max_tokens_fa4): up to this "
-               "many tokens (batch x seqlen) each views pass replays a CUDA graph captured per shape (LongNet, D=128, one H100, x dense cuDNN fwd / bwd, cold): 8K 0.64 / 0.63 graphed against "
+               "many tokens (batch x seqlen) each views pass replays a CUDA graph captured per shape (LongNet, "
+               "D=128, one H100, x dense cuDNN fwd / bwd, cold): 8K 0.64 / 0.63 graphed against "
                "0.22 / 0.26 eager (2.0 ms of forward host time), causal 0.47 / 0.53 against 0.11 / 0.16; 16K 0.63 "
                "/ 0.70 against 0.54 / 0.45; at 32K the eager views win (0.72 / 0.77 against 0.62 / 0.74: the "
                "input and output copies cost more than the host time they hide; one H200: 0.75 / 0.77 against "
@@ -640,8 +641,8 @@ class FlexFa4Tuning:
            "window + global 4K 0.656 against 0.726 (1.189), 8K 1.302 against 1.491 (2.014); the GPU's time "
            "alone (after a 20 ms sleep) 0.330 against 0.475 at 4K block-sparse; a second run, 4K 0.592 against "
            "0.641 and 0.752 against 0.856, 8K 0.997 against 1.004 and 1.300 against 1.482 (python benchmarks/"
-           "flex_carve_timing.py --rounds 3 --seqlen 4096 8192 flex_bsparse_32k flex_swg_32k); at 32K the graphed fwd+bwd runs "
-           "the same kernels plus 0.85 ms of copies (1.5 GiB in and out at 128 MiB a tensor): block-sparse 3.70 "
+           "flex_carve_timing.py --rounds 3 --seqlen 4096 8192 flex_bsparse_32k flex_swg_32k); at 32K the "
+           "graphed fwd+bwd runs the same kernels plus 0.85 ms of copies (1.5 GiB in and out at 128 MiB a tensor): block-sparse 3.70 "
            "against 2.83 ms, window + global 5.34 against 4.47",
         "flex_carve_timing_short_h200_0a3c91b.json, flex_carve_timing_short_h200_5edc28f.json, "
         "flex_graph_kernels_h200_2307ec6.json")

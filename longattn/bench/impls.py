@@ -284,7 +284,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("sdpa-math", ("dense",), *_b["math"], note="torch SDPA, math backend"),
     Impl("flex", ("dense", "window"), _flex_build, _flex_reason, "FlexAttention, compiled"),
     Impl("longattn-dilated", ("dilated",), *_g["auto"],
-         note="longattn.dilated_attention, auto (from 8K tokens: FA4, else cuDNN, on strided views; below, fused Triton)"),
+         note="longattn.dilated_attention, auto (from 8K tokens: FA4, else cuDNN, on strided views; below, "
+              "fused Triton)"),
     Impl("longattn-dilated-triton", ("dilated",), *_g["triton"], note="fused Triton dilated kernels"),
     Impl("longattn-dilated-cudnn", ("dilated",), *_g["cudnn"],
          note="longattn.dilated_attention on cuDNN (strided views; auto's blocks without flash-attn-4)"),

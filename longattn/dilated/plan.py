@@ -171,8 +171,9 @@ def gather_rows(tuning: _tuning.DilatedTuning, graphs: bool) -> int:
 def _choose(q, k, segs, rates, causal, backend, tuning) -> DilatedPlan:
     views_ok = kv_views_ok(rates, q.shape[2], k.shape[2])
     cuda = q.device.type == "cuda"
-    # FA4 takes the views' blocks where `backend` names it or `auto` would pick it (first on Hopper)
-    fa4 = cuda and backend in ("auto", "fa4") and not bk.BACKENDS["fa4"].refusals(bk.BlockSpec(1.0, causal), q, k)
+    # FA4 takes the views' blocks where `backend` names it or `auto` picks it for them (the backends' one choice)
+    fa4 = cuda and (backend == "fa4" or backend == "auto" and bk.select_backend(
+        q, k, bk.BlockSpec(1.0, causal), exclude=("triton",)).name == "fa4")
     graphs = cuda and tuning.graphs(q.shape[0] * q.shape[1], q.shape[2] == k.shape[2], q.shape[-1], causal, fa4)
     fwd, bwd = (_engine(p, q, k, segs, rates, causal, backend, views_ok, tuning) for p in ("fwd", "bwd"))
     if "fused" in (fwd, bwd):
