@@ -353,6 +353,129 @@ def test_plumbing_merged_backward(math_fa4):
     assert_close(got, want, 1e-6, "merged")
 
 
+def _compiled_dense(math: _MathInterface):
+    """FA4's dense entries as a replay sees them: each a function with a ``compile_cache`` (looked up through
+    the function at each call, as FA4's are) whose compiled kernels take positional arguments. The forward
+    allocates out and lse and runs one kernel; the backward runs preprocessing (delta; the dQ accumulator
+    zeroed), main (dQ added into the accumulator, reading delta; dK, dV written) and conversion kernels, over
+    ``math``. ``entries`` / ``kernels`` count the Python entries and the kernel calls."""
+    ns = types.SimpleNamespace(entries=0, kernels=0)
+
+    def compiled(fn, key, kernel):
+        fn.compile_cache.setdefault(key, kernel)
+        return fn.compile_cache[key]
+
+    def fwd_kernel(q, k, v, out, lse, scale, causal, left, right, softcap, pack):
+        ns.kernels += 1
+        o, l_ = math._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, softcap=softcap,
+                                     window_size_left=left, window_size_right=right, return_lse=True,
+                                     pack_gqa=pack)[:2]
+        out.copy_(o)
+        lse.copy_(l_)
+
+    def _flash_attn_fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        softmax_scale=None, causal=False, softcap=0.0, window_size_left=None, window_size_right=None,
+                        return_lse=False, seqused_k=None, num_splits=1, pack_gqa=None):
+        assert cu_seqlens_q is None and seqused_k is None and return_lse
+        ns.entries += 1
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+        key = (q.shape, k.shape, q.dtype, causal, window_size_left, window_size_right, pack_gqa)
+        compiled(_flash_attn_fwd, key, fwd_kernel)(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale,
+                                                   causal, window_size_left, window_size_right, softcap, pack_gqa)
+        return out, lse, None, None, None
+
+    def pre(out, dout, delta, acc):
+        ns.kernels += 1
+        delta.copy_((out * dout).sum(-1).transpose(1, 2))
+        acc.zero_()
+
+    def main(q, k, v, out, dout, lse, dlse, delta, acc, dk, dv, scale, causal, left, right, softcap):
+        ns.kernels += 1
+        g = math._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal, softcap=softcap,
+                                 window_size_left=left, window_size_right=right, dlse=dlse)
+        acc.add_(g[0] + 0 * delta.sum())  # reads delta, as FA4's kernel does
+        dk.copy_(g[1])
+        dv.copy_(g[2])
+
+    def post(acc, dq):
+        ns.kernels += 1
+        dq.copy_(acc)
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+                        window_size_left=None, window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                        max_seqlen_q=None, max_seqlen_k=None, dlse=None):
+        assert cu_seqlens_q is None
+        ns.entries += 1
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype)
+        acc = torch.empty(q.shape, dtype=q.dtype)
+        key = (q.shape, k.shape, q.dtype, causal, window_size_left, window_size_right)
+        compiled(pre, key, pre)(out, dout, delta, acc)
+        compiled(main, key, main)(q.detach(), k.detach(), v.detach(), out, dout, lse, dlse, delta, acc, dk, dv,
+                                  softmax_scale, causal, window_size_left, window_size_right, softcap)
+        compiled(post, key, post)(acc, dq)
+        return dq, dk, dv
+
+    for f in (_flash_attn_fwd, _flash_attn_bwd, pre, main, post):
+        f.compile_cache = {}
+    ns._flash_attn_fwd, ns._flash_attn_bwd, ns._bwd_preprocess, ns._bwd_main, ns._bwd_postprocess_convert = (
+        _flash_attn_fwd, _flash_attn_bwd, pre, main, post)
+    return ns
+
+
+@pytest.mark.parametrize("causal,window,hkv", [(False, (-1, -1), 4), (True, (-1, -1), 2), (True, (6, -1), 2)])
+def test_dense_calls_replay_their_compiled_calls(monkeypatch, causal, window, hkv):
+    """A dense layout's first call takes FA4's entries, its second records their compiled calls (the kernels
+    twice: the replay is checked), later ones replay them without an entry; out, lse and every gradient (the
+    lse's too) stay the float64 definition's for new inputs. Another scale is another key and starts over;
+    a recording that failed (k and v the same tensor: the recording cannot tell their slots apart) leaves
+    FA4's own calls, while a recorded layout replays such a call; past
+    ``Fa4Tuning.replay_max_tokens`` nothing is recorded."""
+    ns = _compiled_dense(_MathInterface())
+    monkeypatch.setattr(_fa4_api, "_interface", lambda: ns)
+
+    def step(b, scale, tag, same_kv=False):
+        q, k, v, do, dl = _cpu_inputs(2, 24, 24, 4, hkv)
+        v = k if same_kv else v
+        spec = bk.BlockSpec(scale, causal, window)
+        before = (ns.entries, ns.kernels)
+        out, lse = b.forward(q, k, v, spec)
+        dq, dk, dv = b.backward(do, q, k, v, out, lse, spec, dlse=dl)
+        want = results(lambda q, k, v: attention_ref(q, k, v, causal=causal, window=window, scale=scale),
+                       [q, k, v], do, dl)
+        if same_kv:  # one tensor: its gradient is the sum of dK and dV
+            want["dk"] = want["dv"] = want["dk"] + want["dv"]
+            dk = dv = dk + dv
+        assert_close(dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), want, 1e-6, tag)
+        return ns.entries - before[0], ns.kernels - before[1]
+
+    b = FA4Backend()
+    assert [step(b, 0.25, f"call {i}") for i in range(4)] == [(2, 4), (2, 8), (0, 4), (0, 4)]
+    keys = list(b._replays)
+    assert len(keys) == 2 and all(isinstance(b._replays[k], _fa4_api.Replay) for k in keys)
+    assert all(a[i] is None for r in b._replays.values() for _, a, slots in r.calls for i in slots)  # no tensors
+    assert [step(b, 0.3, f"scale 0.3, call {i}") for i in range(3)] == [(2, 4), (2, 8), (0, 4)]
+    assert step(b, 0.25, "k is v, replayed", same_kv=True) == (0, 4)  # a replay reads aliased inputs alike
+    fresh = FA4Backend()
+    assert [step(fresh, 0.25, f"k is v, call {i}", same_kv=True)[0] for i in range(3)] == [2, 2, 2]
+    assert any(isinstance(r, str) and "same tensor" in r for r in fresh._replays.values())
+    short = FA4Backend(tuning=tuning.Fa4Tuning(replay_max_tokens=2 * 24 - 1))
+    assert [step(short, 0.25, f"not replayed, call {i}") for i in range(3)] == [(2, 4)] * 3 and not short._replays
+
+
+def test_dense_replays_keep_a_bounded_store(monkeypatch):
+    """At most ``FA4Backend.MAX_REPLAYS`` keys are kept, the oldest dropped first."""
+    ns = _compiled_dense(_MathInterface())
+    monkeypatch.setattr(_fa4_api, "_interface", lambda: ns)
+    b = FA4Backend()
+    monkeypatch.setattr(b, "MAX_REPLAYS", 3)
+    for n in (8, 16, 24, 32, 8):
+        q, k, v, *_ = _cpu_inputs(1, n, n, 2, 2)
+        b.forward(q, k, v, bk.BlockSpec(0.25))
+    assert len(b._replays) == 3 and [k[1][0][1] for k in b._replays] == [24, 32, 8]
+
+
 @pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (3, 2), 0.0),
                                                    (True, (4, 0), 0.0), (True, (-1, -1), 1.5)])
 def test_plumbing_varlen(math_fa4, causal, window, softcap):
@@ -519,6 +642,29 @@ def test_backward_from_merged_out_and_lse(fa4, with_dlse, hkv):
     bars = {n: 2 * rel_err(whole[n], want[n]) for n in errs}
     assert all(errs[n] <= bars[n] for n in errs), (errs, bars)
     assert_close(dict(lse=lse), dict(lse=want["lse"]), 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,window,hkv", [(False, (-1, -1), 8), (True, (-1, -1), 2), (True, (100, 0), 8),
+                                               (False, (64, 32), 2)])
+def test_dense_replay_on_gpu(fa4, causal, window, hkv):
+    """On FA4 itself a dense layout's third call replays the compiled calls its second recorded: for new
+    inputs the replayed forward equals FA4's own call bit for bit and the replayed backward (with an lse
+    gradient) FA4's own within its run-to-run spread (dQ added by float32 atomics); GQA's backward included
+    (dK, dV summed over query heads in float32 buffers that start as zeros)."""
+    b = FA4Backend()
+    spec = bk.BlockSpec(128 ** -0.5, causal, window)
+    for seed in range(3):
+        q, k, v, do, dl = _inputs(2, 384, 384, 8, hkv, 128, seed=seed)
+        out, lse = b.forward(q, k, v, spec)
+        grads = b.backward(do, q, k, v, out, lse, spec, dlse=dl)
+    assert len(b._replays) == 2 and all(isinstance(r, _fa4_api.Replay) for r in b._replays.values()), b._replays
+    own = FA4Backend(tuning=tuning.Fa4Tuning(replay_max_tokens=0))
+    want = own.forward(q, k, v, spec)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    for g, w in zip(grads, own.backward(do, q, k, v, out, lse, spec, dlse=dl)):
+        assert rel_err(g, w) < 1e-2, rel_err(g, w)
+    assert not own._replays
 
 
 def _block_results(backend, q, k, v, do, dl, spec):

@@ -417,6 +417,60 @@ def record(interface, entry, tensors: dict, exact: bool):
     return results, "the replay's results differed from the call's on the recorded inputs"
 
 
+def recordable(*tensors) -> bool:
+    """Whether a call on these tensors may be recorded now: aligned (:func:`replayable`) and not inside a CUDA
+    graph capture (recording reads results back, which a capture forbids)."""
+    t = tensors[0]
+    return replayable(*tensors) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def replayed(store: dict, key, tensors: dict, allowed: bool, record, own, sightings: int = 1):
+    """One FA4 entry on ``tensors`` (by name, as FA4 is handed them) through the replays kept in ``store``
+    (a dict the caller owns, keyed by ``key``: the layouts and every argument the compiled calls were
+    recorded with): the key's :class:`Replay` where one is recorded and the tensors are aligned; else
+    ``record()`` (the results, then the replay or why not, kept under the key) where ``allowed`` and this
+    is the key's ``sightings``-th call that could record (earlier ones are counted in the store and run
+    ``own()``; a key whose recording failed keeps its reason and never records again); else FA4's own
+    call, ``own()``. The one place that decides between a replay, a recording and FA4's own path."""
+    got = store.get(key)
+    if isinstance(got, Replay) and replayable(*tensors.values()):
+        return got(**tensors)
+    if allowed and not isinstance(got, (Replay, str)) and recordable(*tensors.values()):
+        seen = (got or 0) + 1
+        if seen >= sightings:
+            *results, store[key] = record()
+            return tuple(results)
+        store[key] = seen
+    return own()
+
+
+def record_forward(q, k, v, scale: float, causal: bool, window: tuple[int, int], *, softcap: float = 0.0,
+                   pack_gqa: Optional[bool] = None):
+    """(out, lse, replay) of the dense :func:`forward` (no ``cu``) with its compiled calls recorded
+    (:func:`record`, checked bit for bit); ``replay(q=, k=, v=)`` with the tensors of :func:`forward_inputs`."""
+    t = forward_inputs(q, k, v)
+    (out, lse), replay = record(
+        _interface(), lambda: forward(t["q"], t["k"], t["v"], scale, causal, window, softcap=softcap,
+                                      pack_gqa=pack_gqa), t, exact=True)
+    return out, lse, replay
+
+
+def forward_inputs(q, k, v) -> dict:
+    """The tensors the dense :func:`forward` hands FA4, by name (:func:`kept`)."""
+    return dict(q=kept(q), k=kept(k), v=kept(v))
+
+
+def record_backward(dout, q, k, v, out, lse, scale: float, causal: bool, window: tuple[int, int], dlse=None, *,
+                    softcap: float = 0.0):
+    """(dq, dk, dv, replay) of the dense :func:`backward` (no ``cu``) with its compiled calls recorded
+    (:func:`record`; dQ is added by float32 atomics, so within 1e-2); ``replay(**backward_inputs(...))``."""
+    t = backward_inputs(dout, q, k, v, out, lse, dlse)
+    grads, replay = record(
+        _interface(), lambda: backward(t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], scale, causal, window,
+                                       t["dlse"], softcap=softcap), t, exact=False)
+    return (*grads, replay)
+
+
 def record_masked_forward(interface, q, k, v, scale: float, mask_mod, sparse, aux):
     """(out, lse, replay) of :func:`masked_forward` with its compiled calls
     recorded (:func:`record`, checked bit for bit); ``replay(q=, k=, v=)``."""

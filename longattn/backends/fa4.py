@@ -50,8 +50,17 @@ class FA4Backend(Backend):
     # verified, so they stay on the next backend.
     sm90_headdims = (64, 96, 128, 192, 256)
 
+    # A dense call records FA4's compiled calls on its layout's second call, not its first: a shape seen once
+    # (a prompt of a new length, an evaluation batch) never pays a recording (a second set of the call's
+    # outputs and one read-back to check the replay); a training step's shapes recur from the second step on.
+    REPLAY_SIGHTINGS = 2
+    # Keys (layouts and arguments) whose replays or sightings are kept: a Replay holds its compiled functions
+    # and argument lists, no tensors.
+    MAX_REPLAYS = 256
+
     def __init__(self, api=_fa4_api, tuning: _tuning.Fa4Tuning = _tuning.FA4):
         self._api, self.tuning = api, tuning
+        self._replays: dict = {}
 
     def _extra_refusals(self, spec, q, k):
         r = self._kernel_refusals(q)
@@ -96,8 +105,13 @@ class FA4Backend(Backend):
         return (r + self._kernel_refusals(q)) or self._install_refusals(q)
 
     def forward(self, q, k, v, spec):
-        return self._api.forward(q, k, v, spec.scale, spec.causal, spec.flash_window(), softcap=spec.softcap,
-                                 pack_gqa=self.pack_gqa(q, k, spec))
+        win, pack = spec.flash_window(), self.pack_gqa(q, k, spec)
+        if not self._replaying(q, k):
+            return self._api.forward(q, k, v, spec.scale, spec.causal, win, softcap=spec.softcap, pack_gqa=pack)
+        t = self._api.forward_inputs(q, k, v)
+        return self._replayed("fwd", t, spec, (pack,), lambda: self._api.record_forward(
+            *t.values(), spec.scale, spec.causal, win, softcap=spec.softcap, pack_gqa=pack),
+            lambda: self._api.forward(*t.values(), spec.scale, spec.causal, win, softcap=spec.softcap, pack_gqa=pack))
 
     def pack_gqa(self, q, k, spec) -> Optional[bool]:
         """FA4's ``pack_gqa`` for a (B, S, H, D) call: False (each query head its own
@@ -109,5 +123,32 @@ class FA4Backend(Backend):
         return False if spec.causal and square and q.shape[2] != k.shape[2] and lo <= q.shape[1] <= hi else None
 
     def backward(self, dout, q, k, v, out, lse, spec, dlse=None):
-        return self._api.backward(dout, q, k, v, out, lse, spec.scale, spec.causal, spec.flash_window(), dlse,
-                                  softcap=spec.softcap)
+        win = spec.flash_window()
+        if not self._replaying(q, k):
+            return self._api.backward(dout, q, k, v, out, lse, spec.scale, spec.causal, win, dlse,
+                                      softcap=spec.softcap)
+        t = self._api.backward_inputs(dout, q, k, v, out, lse, dlse)
+        args = lambda: (t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], spec.scale, spec.causal, win, t["dlse"])
+        return self._replayed("bwd", t, spec, (), lambda: self._api.record_backward(*args(), softcap=spec.softcap),
+                              lambda: self._api.backward(*args(), softcap=spec.softcap))
+
+    def _replaying(self, q, k) -> bool:
+        return replays(q, k, self.tuning)
+
+    def _replayed(self, which: str, tensors: dict, spec, extra: tuple, record, own):
+        """A pass through the replays of its layout and arguments (:func:`longattn.backends._fa4_api.replayed`),
+        recorded on the key's second call (:attr:`REPLAY_SIGHTINGS`); at most :attr:`MAX_REPLAYS` keys kept,
+        the oldest dropped first."""
+        key = (which, *self._api.replay_key(*tensors.values(), scale=spec.scale), spec.causal, spec.flash_window(),
+               float(spec.softcap), *extra)
+        store = self._replays
+        if key not in store and len(store) >= self.MAX_REPLAYS:
+            del store[next(iter(store))]
+        return self._api.replayed(store, key, tensors, True, record, own, sightings=self.REPLAY_SIGHTINGS)
+
+
+def replays(q, k, tuning: _tuning.Fa4Tuning = _tuning.FA4) -> bool:
+    """Whether an FA4 call of ``q`` against ``k`` records and replays its compiled calls
+    (``tuning.replay_max_tokens`` over its query and its key tokens, batch x rows each): the one decision,
+    for the dense backend's calls and the mask calls of :mod:`longattn.flex.fa4` alike."""
+    return max(q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]) <= tuning.replay_max_tokens

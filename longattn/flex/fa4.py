@@ -38,6 +38,7 @@ from .._merge import merge_stack
 from ..dilated import graphs
 from ..kernels import merge as kmerge
 from ..backends import _fa4_api
+from ..backends import fa4 as bk_fa4
 from ..distributed.plan import Call
 from . import blocks
 from . import plan as fp
@@ -262,30 +263,13 @@ def steps_of(executor, depth: int = 3) -> list:
     return [s for x in inner for s in steps_of(x, depth - 1)]
 
 
-def replays(q, k, tuning: tn.Fa4Tuning = tn.FA4) -> bool:
-    """Whether a mask call of ``q`` against ``k`` records and replays FA4's compiled calls
-    (``tuning.replay_max_tokens`` over its query and its key tokens: the one decision)."""
-    return max(q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]) <= tuning.replay_max_tokens
-
-
-def _recording(*tensors) -> bool:
-    """Whether a call may be recorded now: recording reads results back, which a CUDA graph capture forbids."""
-    t = tensors[0]
-    return _fa4_api.replayable(*tensors) and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def _pass(step: Step, which: str, tensors: dict, scale: float, tuning: tn.Fa4Tuning, record, own):
-    """One pass of ``step`` on ``tensors`` (by name, as FA4 is handed them): its layout's replay where one
-    is recorded and the tensors are aligned; else ``record()`` (results and the replay or why not, kept
-    per layout) where :func:`replays` allows and nothing forbids it now; else FA4's own call, ``own()``."""
+    """One pass of ``step`` on ``tensors`` (by name, as FA4 is handed them): its layout's replay, a
+    recording on the layout's first call where :func:`longattn.backends.fa4.replays` allows, or FA4's own
+    call (:func:`longattn.backends._fa4_api.replayed`), the replays kept per step."""
     key = (which, *_fa4_api.replay_key(*tensors.values(), scale=scale))
-    replay = step.replays.get(key)
-    if callable(replay) and _fa4_api.replayable(*tensors.values()):
-        return replay(**tensors)
-    if replay is None and replays(tensors["q"], tensors["k"], tuning) and _recording(*tensors.values()):
-        *results, step.replays[key] = record()
-        return tuple(results)
-    return own()
+    return _fa4_api.replayed(step.replays, key, tensors, bk_fa4.replays(tensors["q"], tensors["k"], tuning), record,
+                             own)
 
 
 def step_forward(step: Step, q, k, v, scale: float, tuning: tn.Fa4Tuning = tn.FA4):
