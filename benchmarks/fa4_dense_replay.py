@@ -107,7 +107,6 @@ def main():
                                  gpu_ms=gpu, host_ms=host))
                 print(f"{name:28s} {vname:9s} r{r} cold {cold:6.3f} batched {batched:6.3f} gpu {gpu:6.3f} "
                       f"host {host:6.3f}", flush=True)
-        del q, k, v, do
     command = "python benchmarks/fa4_dense_replay.py " + " ".join(sys.argv[1:])
     if a.json:
         json.dump({"env": dict(environment(dev), command=command), "rows": rows}, open(a.json, "w"), indent=1)
