@@ -680,10 +680,15 @@ class Fa4Tuning:
         "fa4_tiles_pack_h100_aeb1d8c.json, fa4_tiles_h100_586da65.json, fa4_tiles_h100_8048d53.json")
 
     replay_max_tokens: int = measured(
-        65536, "an FA4 mask call (each pass of a step of flex_attention, the ring or the exchange: longattn.flex.fa4."
-               "step_forward / step_backward) of at most "
-               "this many query tokens and key tokens (batch x rows, each) records its compiled kernel calls on its layout's first call "
-               "and replays them after, without FA4's per-call Python (longattn.backends._fa4_api.Replay); 0: never. "
+        65536, "an FA4 call of at most this many query tokens and key tokens (batch x rows, each) records its "
+               "compiled kernel calls and replays them after, without FA4's per-call Python "
+               "(longattn.backends._fa4_api.Replay; the decision: longattn.backends.fa4.replays); 0: never. A mask "
+               "call (each pass of a step of flex_attention, the ring or the exchange: longattn.flex.fa4.step_forward "
+               "/ step_backward) records on its layout's first call, a dense call of the fa4 backend on its second "
+               "(FA4Backend.REPLAY_SIGHTINGS). Dense, one H200, the backend's fwd+bwd cold, replayed against FA4's "
+               "entries: B=4 4K H=12 D=128 causal window 512 0.530-0.537 / 0.586-0.658 ms, non-causal 2.25-2.32 / "
+               "2.48-2.49, 2K 32q/8kv causal 0.351-0.480 / 0.436-0.627, 8K 3.12-3.38 / 3.37-3.51; back to back "
+               "within 1-2% (fa4_dense_replay_h200_788641c.json). Masks: "
                "FA4's Python is about 0.3 ms of host time per call: one H200, 32K block-sparse fwd+bwd issued in 3.13 "
                "ms, 1.55 of it inside FA4's four entries, 0.27 in their compiled calls (fa4_host_time_h200_039606c."
                "json); with both passes replayed no FA4 entry runs after a layout's first call, 2.71 ms to issue "
@@ -696,7 +701,7 @@ class Fa4Tuning:
                "once with a second set of the call's outputs and buffers (dK, dV and their float32 accumulators "
                "as long as the keys), memory a long call may not spare",
         "fa4_host_time_h200_039606c.json, fa4_host_time_h200_64a78d2.json, run_flex_fa4_h200_64a78d2.json, "
-        "flex_exchange_host_4xh200_c444150.json")
+        "flex_exchange_host_4xh200_c444150.json, fa4_dense_replay_h200_788641c.json")
 
     def __post_init__(self):
         r = self.unpacked_gqa_causal_rows

@@ -15,9 +15,9 @@ when they do not (the backend then refuses with that reason);
 not depend on them).
 
 :func:`record` records the compiled kernel calls one call of FA4 makes (a
-masked forward: one kernel; its backward: preprocessing, main and conversion
-kernels) and returns a :class:`Replay` that makes them again for new tensors
-of the same layout without FA4's per-call Python (its argument checks,
+forward, dense or masked: one kernel; a backward: preprocessing, main and
+conversion kernels) and returns a :class:`Replay` that makes them again for
+new tensors of the same layout without FA4's per-call Python (its argument checks,
 block-table normalization and compile keys: about 0.3 ms of host time per
 call; 1.28 of the 3.13 ms an H200's host took to issue a 32K block-sparse
 fwd+bwd's four calls, ``fa4_host_time_h200_039606c.json``), checked against

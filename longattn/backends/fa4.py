@@ -20,7 +20,9 @@ class FA4Backend(Backend):
     (32K/128K, causal and not, GQA, D=64 and 128; 32K causal D=128 fwd / bwd
     673 / 604 TFLOP/s against cuDNN's 610 / 532). Strided views (the dilated
     engine's ``q[:, off::r]``) run without copies where their strides are
-    16-byte aligned (FA4 copies others itself)."""
+    16-byte aligned (FA4 copies others itself). Calls of at most
+    ``Fa4Tuning.replay_max_tokens`` tokens replay FA4's compiled kernel calls
+    from a layout's third call on (:func:`replays`), without FA4's Python."""
 
     name = "fa4"
     devices = ("cuda",)
