@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
-import time
 
 import torch
 
@@ -35,6 +34,9 @@ from longattn.backends._fa4_api import Replay
 from longattn.backends.fa4 import FA4Backend
 from longattn.bench.measure import environment
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_bound import _events  # noqa: E402
+
 # (name, batch, rows, heads, kv heads, causal, window): the bench's window_small and small, a Llama-8B-like
 # GQA layer at 2K and 8K tokens
 SHAPES = [("window_small 4x4K H12 w512", 4, 4096, 12, 12, True, (512, 0)),
@@ -42,31 +44,12 @@ SHAPES = [("window_small 4x4K H12 w512", 4, 4096, 12, 12, True, (512, 0)),
           ("gqa 1x2K 32q/8kv causal", 1, 2048, 32, 8, True, (-1, -1)),
           ("gqa 1x8K 32q/8kv causal", 1, 8192, 32, 8, True, (-1, -1))]
 BATCH = 10
+SLEEP_CYCLES = int(6e7)  # about 30 ms of GPU sleep queued first: the calls' own GPU time
 
 
 def _call(backend, q, k, v, do, spec):
     out, lse = backend.forward(q, k, v, spec)
     backend.backward(do, q, k, v, out, lse, spec)
-
-
-def _median(f, iters: int, sleep_ms: float = 0.0, reps: int = 1) -> tuple[float, float]:
-    """(GPU ms, host ms) per call: medians; ``sleep_ms`` of GPU sleep queued before (excluded from the GPU time)."""
-    gpu, host = [], []
-    cycles = int(sleep_ms * 1.98e6)  # about 1.98 GHz: the H100/H200's clock under load
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if cycles:
-            torch.cuda._sleep(cycles)
-        a.record()
-        h = time.perf_counter()
-        for _ in range(reps):
-            f()
-        host.append((time.perf_counter() - h) * 1e3 / reps)
-        b.record()
-        torch.cuda.synchronize()
-        gpu.append(a.elapsed_time(b) / reps)
-    return statistics.median(gpu), statistics.median(host)
 
 
 def main():
@@ -99,9 +82,10 @@ def main():
         for r in range(a.rounds):
             for vname, backend in live.items():
                 f = lambda: _call(backend, q, k, v, do, spec)
-                cold, host = _median(f, a.iters)
-                batched, _ = _median(f, a.iters, reps=BATCH)
-                gpu, _ = _median(f, a.iters, sleep_ms=30.0, reps=BATCH)
+                cold = _events(f, a.iters)
+                batched = _events(f, a.iters, reps=BATCH)["gpu_ms"]
+                gpu = _events(f, a.iters, reps=BATCH, sleep_cycles=SLEEP_CYCLES)["gpu_ms"]
+                cold, host = cold["gpu_ms"], cold["host_ms"]
                 rows.append(dict(shape=name, batch=b, seqlen=s, heads=h, kv_heads=hkv, causal=causal,
                                  window=list(window), variant=vname, round=r, cold_ms=cold, batched_ms=batched,
                                  gpu_ms=gpu, host_ms=host))
