@@ -145,7 +145,7 @@ class FA4Backend(Backend):
                float(spec.softcap), *extra)
         store = self._replays
         if key not in store and len(store) >= self.MAX_REPLAYS:
-            del store[next(iter(store))]
+            store.pop(next(iter(store), None), None)  # another thread may have dropped it first
         return self._api.replayed(store, key, tensors, True, record, own, sightings=self.REPLAY_SIGHTINGS)
 
 
