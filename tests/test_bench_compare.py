@@ -302,3 +302,15 @@ def test_flex_carve_timing_plots_saved_results(tmp_path):
     res = subprocess.run([sys.executable, script, "--from", files[0]], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
     assert res.returncode == 2 and "--from needs --plot" in res.stderr
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows,keys", [(2, 2, 96, 24), (4, 2, 130, 70)])
+def test_few_keys_ab_checks_its_fused_passes(heads, kv_heads, rows, keys):
+    """benchmarks/few_keys_ab.py --check-only: its fused Triton passes (rows against a few keys every row sees,
+    merged into a partial out and lse; dQ added into a given one, dK/dV summed over row splits) match float64
+    under the interpreter (float32 within 1e-4, rows the partial left empty included, GQA), before any timing."""
+    script = os.path.join(ROOT, "benchmarks", "few_keys_ab.py")
+    res = subprocess.run([sys.executable, script, "--check-only", "--rows", str(rows), "--keys", str(keys),
+                          "--heads", str(heads), "--kv-heads", str(kv_heads), "--dim", "16"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert res.returncode == 0 and "fused against float64" in res.stdout, res.stderr[-2000:]
