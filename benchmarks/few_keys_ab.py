@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 
 import torch
@@ -30,24 +29,35 @@ LN2 = math.log(2.0)
 
 
 @triton.jit
+def _rows_of(X, idx, n, stride, head_off, D: tl.constexpr):
+    """Rows ``idx`` of one head of X (row stride ``stride``, the head at ``head_off``): (len(idx), D), zeros at
+    and past row ``n``."""
+    d = tl.arange(0, D)
+    return tl.load(X + idx.to(tl.int64)[:, None] * stride + head_off + d[None, :], mask=(idx < n)[:, None], other=0.0)
+
+
+@triton.jit
+def _row_program(N, GROUP: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
+    """A row program's head, kv head, rows [BM] (block program_id(0)), their mask and int64 offsets, and the
+    head-dim offsets."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    return h, h // GROUP, rows, rows < N, rows.to(tl.int64), tl.arange(0, D)
+
+
+@triton.jit
 def _fwd_merge(Q, K, V, O, L, scale_log2, N, G, sqn, sqh, skn, skh, son, soh, slh, sln, GROUP: tl.constexpr,
                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Rows [BM] of head h against every key; merged into (O, L) in place by lse."""
-    pm, h = tl.program_id(0), tl.program_id(1)
-    kvh = h // GROUP
-    rows = pm * BM + tl.arange(0, BM)
-    rm = rows < N
-    r64 = rows.to(tl.int64)
-    d = tl.arange(0, D)
-    q = tl.load(Q + r64[:, None] * sqn + h * sqh + d[None, :], mask=rm[:, None], other=0.0)
+    h, kvh, rows, rm, r64, d = _row_program(N, GROUP, BM, D)
+    q = _rows_of(Q, rows, N, sqn, h * sqh, D)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     for start in range(0, G, BN):
         cols = start + tl.arange(0, BN)
         cm = cols < G
-        k = tl.load(K + cols[:, None] * skn + kvh * skh + d[None, :], mask=cm[:, None], other=0.0)
-        v = tl.load(V + cols[:, None] * skn + kvh * skh + d[None, :], mask=cm[:, None], other=0.0)
+        k, v = _rows_of(K, cols, G, skn, kvh * skh, D), _rows_of(V, cols, G, skn, kvh * skh, D)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(cm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -71,23 +81,16 @@ def _bwd_rows(Q, K, V, O, DO, L, DQ, DELTA, scale, scale_log2, N, G, sqn, sqh, s
               GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """dQ of rows [BM] of head h from the merged O and lse, added into DQ; their
     delta = rowsum(dO * O) kept for the key programs."""
-    pm, h = tl.program_id(0), tl.program_id(1)
-    kvh = h // GROUP
-    rows = pm * BM + tl.arange(0, BM)
-    rm = rows < N
-    r64 = rows.to(tl.int64)
-    d = tl.arange(0, D)
+    h, kvh, rows, rm, r64, d = _row_program(N, GROUP, BM, D)
     at = r64[:, None] * sqn + h * sqh + d[None, :]
-    q = tl.load(Q + at, mask=rm[:, None], other=0.0)
-    do = tl.load(DO + at, mask=rm[:, None], other=0.0)
-    delta = tl.sum(do.to(tl.float32) * tl.load(O + at, mask=rm[:, None], other=0.0).to(tl.float32), 1)
+    q, do = _rows_of(Q, rows, N, sqn, h * sqh, D), _rows_of(DO, rows, N, sqn, h * sqh, D)
+    delta = tl.sum(do.to(tl.float32) * _rows_of(O, rows, N, sqn, h * sqh, D).to(tl.float32), 1)
     lse2 = tl.load(L + h * slh + r64 * sln, mask=rm, other=float("inf")) * 1.4426950408889634
     dq = tl.zeros([BM, D], tl.float32)
     for start in range(0, G, BN):
         cols = start + tl.arange(0, BN)
         cm = cols < G
-        k = tl.load(K + cols[:, None] * skn + kvh * skh + d[None, :], mask=cm[:, None], other=0.0)
-        v = tl.load(V + cols[:, None] * skn + kvh * skh + d[None, :], mask=cm[:, None], other=0.0)
+        k, v = _rows_of(K, cols, G, skn, kvh * skh, D), _rows_of(V, cols, G, skn, kvh * skh, D)
         p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
         p = tl.where(cm[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v))
@@ -108,18 +111,16 @@ def _bwd_keys(Q, K, V, DO, L, DELTA, DKP, DVP, scale, scale_log2, N, G, RPS, sqn
     cols = pn * BN + tl.arange(0, BN)
     cm = cols < G
     d = tl.arange(0, D)
-    k = tl.load(K + cols[:, None] * skn + kvh * skh + d[None, :], mask=cm[:, None], other=0.0)
-    v = tl.load(V + cols[:, None] * skn + kvh * skh + d[None, :], mask=cm[:, None], other=0.0)
+    k, v = _rows_of(K, cols, G, skn, kvh * skh, D), _rows_of(V, cols, G, skn, kvh * skh, D)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     r0 = sp * RPS
     for start in range(r0, tl.minimum(r0 + RPS, N), BM):
         rows = start + tl.arange(0, BM)
-        rm = rows < tl.minimum(r0 + RPS, N)
+        end = tl.minimum(r0 + RPS, N)
+        rm = rows < end
         r64 = rows.to(tl.int64)
-        at = r64[:, None] * sqn + h * sqh + d[None, :]
-        q = tl.load(Q + at, mask=rm[:, None], other=0.0)
-        do = tl.load(DO + at, mask=rm[:, None], other=0.0)
+        q, do = _rows_of(Q, rows, end, sqn, h * sqh, D), _rows_of(DO, rows, end, sqn, h * sqh, D)
         lse2 = tl.load(L + h * slh + r64 * sln, mask=rm, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + h * N + r64, mask=rm, other=0.0)
         pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # (BN, BM)
@@ -232,19 +233,6 @@ def check(dev, n, g, h, hkv, d, dtype):
     return errs
 
 
-def _time(f, iters):
-    ts = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=65536)
@@ -266,6 +254,7 @@ def main():
     if a.check_only:
         return
     from longattn.bench.measure import environment
+    from host_bound import _events  # the benchmarks' one event timer (this directory is on sys.path when run)
 
     gen = torch.Generator(device=dev).manual_seed(1)
     mk = lambda *s: torch.randn(*s, device=dev, generator=gen).to(dtype)
@@ -285,7 +274,8 @@ def main():
             b()
     for r in range(a.rounds):
         for name, (f, b) in variants.items():
-            row = dict(variant=name, round=r, fwd_ms=_time(f, a.iters), bwd_ms=_time(b, a.iters))
+            row = dict(variant=name, round=r, fwd_ms=_events(f, a.iters)["gpu_ms"],
+                       bwd_ms=_events(b, a.iters)["gpu_ms"])
             rows.append(row)
             print(f"{name:15s} r{r} fwd {row['fwd_ms']:.3f} bwd {row['bwd_ms']:.3f} ms", flush=True)
     command = "python benchmarks/few_keys_ab.py " + " ".join(sys.argv[1:])
