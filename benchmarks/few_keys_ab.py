@@ -243,6 +243,8 @@ def main():
     p.add_argument("--chunks", type=int, default=8, help="the exchange's row views (SplitStep's c)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tiles", nargs="+", default=["64x64x16"],
+                   help="fused variants as BMxBNxSPLITS (row tile, key tile, the key programs' row splits)")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
@@ -264,9 +266,12 @@ def main():
     lse0 = torch.randn(a.heads, n, device=dev, generator=gen) + 3
     out, lse, dq = out0.clone(), lse0.clone(), torch.zeros_like(q)
     ex_fwd, ex_bwd = exchange_way(q, k, v, out, lse, dout, dq, scale, a.chunks)
-    variants = {"exchange (FA4)": (ex_fwd, ex_bwd),
-                "fused": (lambda: fused_forward(q, k, v, out, lse, scale),
-                          lambda: fused_backward(dout, q, k, v, out, lse, dq, scale))}
+    variants = {"exchange (FA4)": (ex_fwd, ex_bwd)}
+    for t in a.tiles:
+        bm, bn, sp = (int(x) for x in t.split("x"))
+        variants[f"fused {t}"] = (lambda bm=bm, bn=bn: fused_forward(q, k, v, out, lse, scale, bm, bn),
+                                  lambda bm=bm, bn=bn, sp=sp: fused_backward(dout, q, k, v, out, lse, dq, scale, sp,
+                                                                             bm, bn))
     rows = []
     for _ in range(2):  # compile, record
         for f, b in variants.values():
@@ -277,7 +282,7 @@ def main():
             row = dict(variant=name, round=r, fwd_ms=_events(f, a.iters)["gpu_ms"],
                        bwd_ms=_events(b, a.iters)["gpu_ms"])
             rows.append(row)
-            print(f"{name:15s} r{r} fwd {row['fwd_ms']:.3f} bwd {row['bwd_ms']:.3f} ms", flush=True)
+            print(f"{name:18s} r{r} fwd {row['fwd_ms']:.3f} bwd {row['bwd_ms']:.3f} ms", flush=True)
     command = "python benchmarks/few_keys_ab.py " + " ".join(sys.argv[1:])
     if a.json:
         json.dump({"env": dict(environment(dev), command=command), "check": errs, "rows": rows,
@@ -285,7 +290,7 @@ def main():
                   open(a.json, "w"), indent=1)
     for name in variants:
         rs = [x for x in rows if x["variant"] == name]
-        print(f"{name:15s} fwd {min(x['fwd_ms'] for x in rs):.3f}-{max(x['fwd_ms'] for x in rs):.3f} "
+        print(f"{name:18s} fwd {min(x['fwd_ms'] for x in rs):.3f}-{max(x['fwd_ms'] for x in rs):.3f} "
               f"bwd {min(x['bwd_ms'] for x in rs):.3f}-{max(x['bwd_ms'] for x in rs):.3f} ms")
 
 
