@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 
 import torch
@@ -77,10 +78,11 @@ def _fwd_merge(Q, K, V, O, L, scale_log2, N, G, sqn, sqh, skn, skh, son, soh, sl
 
 
 @triton.jit
-def _bwd_rows(Q, K, V, O, DO, L, DQ, DELTA, scale, scale_log2, N, G, sqn, sqh, skn, skh, slh, sln,
-              GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _bwd_rows(Q, K, V, O, DO, L, DQ, DELTA, PS, scale, scale_log2, N, G, sqn, sqh, skn, skh, slh, sln,
+              GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, STORE_PS: tl.constexpr):
     """dQ of rows [BM] of head h from the merged O and lse, added into DQ; their
-    delta = rowsum(dO * O) kept for the key programs."""
+    delta = rowsum(dO * O) kept for the key programs, or (STORE_PS) P and dS
+    written to PS (2, H, N, G) for dK, dV as two batched GEMMs."""
     h, kvh, rows, rm, r64, d = _row_program(N, GROUP, BM, D)
     at = r64[:, None] * sqn + h * sqh + d[None, :]
     q, do = _rows_of(Q, rows, N, sqn, h * sqh, D), _rows_of(DO, rows, N, sqn, h * sqh, D)
@@ -96,6 +98,11 @@ def _bwd_rows(Q, K, V, O, DO, L, DQ, DELTA, scale, scale_log2, N, G, sqn, sqh, s
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
+        if STORE_PS:
+            at_ps = (h * N + r64[:, None]) * G + cols[None, :]
+            keep = rm[:, None] & cm[None, :]
+            tl.store(PS + at_ps, p.to(PS.dtype.element_ty), mask=keep)
+            tl.store(PS + (tl.num_programs(1) * N).to(tl.int64) * G + at_ps, ds.to(PS.dtype.element_ty), mask=keep)
     old = tl.load(DQ + at, mask=rm[:, None], other=0.0).to(tl.float32)
     tl.store(DQ + at, (old + dq * scale).to(DQ.dtype.element_ty), mask=rm[:, None])
     tl.store(DELTA + h * N + r64, delta, mask=rm)
@@ -144,22 +151,40 @@ def fused_forward(q, k, v, out, lse, scale, bm=64, bn=64):
                                         GROUP=h // hkv, D=d, BM=bm, BN=bn, num_warps=4)
 
 
-def fused_backward(dout, q, k, v, out, lse, dq, scale, splits=16, bm=64, bn=64):
-    """dq += the rows' dQ against k, v (from the merged out and lse); returns (dk, dv) float32 (G, Hkv, D)."""
+def _bmm32(a, b):
+    """a @ b batched, float32 out (cuBLAS accumulates bf16 inputs in float32)."""
+    return torch.bmm(a, b, out_dtype=torch.float32) if a.is_cuda else torch.bmm(a.float(), b.float())
+
+
+def fused_backward(dout, q, k, v, out, lse, dq, scale, splits=16, bm=64, bn=64, marks=None):
+    """dq += the rows' dQ against k, v (from the merged out and lse); returns (dk, dv) float32 (G, Hkv, D).
+    splits 0: dK, dV as batched GEMMs over P and dS stored by the row programs. marks: a list that gets a CUDA
+    event after each launch (the breakdown)."""
     n, h, d = q.shape
     g, hkv = k.shape[0], k.shape[1]
+    mark = (lambda: marks.append(torch.cuda.Event(enable_timing=True)) or marks[-1].record()) if marks is not None \
+        else (lambda: None)
+    grp = lambda x: x.view(hkv, h // hkv, g, d).sum(1).transpose(0, 1)
     delta = torch.empty(h, n, dtype=torch.float32, device=q.device)
+    ps = torch.empty(2, h, n, g, dtype=q.dtype, device=q.device) if splits == 0 else delta
     args = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), lse.stride(1))
-    _bwd_rows[(triton.cdiv(n, bm), h)](q, k, v, out, dout, lse, dq, delta, scale, scale / LN2, n, g, *args,
-                                       GROUP=h // hkv, D=d, BM=bm, BN=bn, num_warps=4)
+    _bwd_rows[(triton.cdiv(n, bm), h)](q, k, v, out, dout, lse, dq, delta, ps, scale, scale / LN2, n, g, *args,
+                                       GROUP=h // hkv, D=d, BM=bm, BN=bn, STORE_PS=splits == 0, num_warps=4)
+    mark()
+    if splits == 0:
+        dv = _bmm32(ps[0].transpose(1, 2), dout.transpose(0, 1))
+        mark()
+        dk = _bmm32(ps[1].transpose(1, 2), q.transpose(0, 1)).mul_(scale)
+        mark()
+        return grp(dk), grp(dv)
     rps = triton.cdiv(triton.cdiv(n, splits), bm) * bm
     splits = triton.cdiv(n, rps)
     dkp = torch.empty(splits, h, g, d, dtype=torch.float32, device=q.device)
     dvp = torch.empty_like(dkp)
     _bwd_keys[(triton.cdiv(g, bn), h, splits)](q, k, v, dout, lse, delta, dkp, dvp, scale, scale / LN2, n, g, rps,
                                               *args, GROUP=h // hkv, D=d, BM=bm, BN=bn, num_warps=8)
-    grp = lambda x: x.sum(0).view(hkv, h // hkv, g, d).sum(1).transpose(0, 1)
-    return grp(dkp), grp(dvp)
+    mark()
+    return grp(dkp.sum(0)), grp(dvp.sum(0))
 
 
 def exchange_way(q, k, v, out, lse, dout, dq, scale, chunks):
@@ -227,6 +252,9 @@ def check(dev, n, g, h, hkv, d, dtype):
     fused_forward(q, k, v, out, lse, scale)
     dk, dv = fused_backward(dout, q, k, v, out, lse, dq, scale)
     errs = {name: _rel(x, w) for name, x, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want)}
+    dq2 = torch.zeros_like(q)
+    dk2, dv2 = fused_backward(dout, q, k, v, out, lse, dq2, scale, splits=0)  # P and dS through GEMMs
+    errs.update({name + " (GEMMs)": _rel(x, w) for name, x, w in zip(("dq", "dk", "dv"), (dq2, dk2, dv2), want[2:])})
     # the backward read the rounded merged out; the reference's is exact: bf16 bounds the rest
     bar = 1e-4 if dtype == torch.float32 else 2e-2
     assert all(e < bar for e in errs.values()), errs
@@ -287,9 +315,27 @@ def main():
                        bwd_ms=_events(b, a.iters)["gpu_ms"])
             rows.append(row)
             print(f"{name:18s} r{r} fwd {row['fwd_ms']:.3f} bwd {row['bwd_ms']:.3f} ms", flush=True)
+    parts = {}
+    for name, (f, b) in variants.items():  # each launch's share: events after every launch, medians
+        if not name.startswith("fused"):
+            continue
+        bm, bn, sp = (int(x) for x in name.split()[1].split("x"))
+        ts = []
+        for _ in range(a.iters):
+            marks = [torch.cuda.Event(enable_timing=True)]
+            marks[0].record()
+            f()
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+            fused_backward(dout, q, k, v, out, lse, dq, scale, sp, bm, bn, marks=marks)
+            torch.cuda.synchronize()
+            ts.append([x.elapsed_time(y) for x, y in zip(marks, marks[1:])])
+        labels = ["forward", "rows"] + (["dV GEMM", "dK GEMM"] if sp == 0 else ["keys"])
+        parts[name] = {lab: statistics.median(t[i] for t in ts) for i, lab in enumerate(labels)}
+        print(f"{name:18s} " + " ".join(f"{lab} {ms:.3f}" for lab, ms in parts[name].items()), flush=True)
     command = "python benchmarks/few_keys_ab.py " + " ".join(sys.argv[1:])
     if a.json:
-        json.dump({"env": dict(environment(dev), command=command), "check": errs, "rows": rows,
+        json.dump({"env": dict(environment(dev), command=command), "check": errs, "rows": rows, "launches": parts,
                    "shape": dict(rows=n, keys=a.keys, heads=a.heads, kv_heads=hkv, dim=a.dim, chunks=a.chunks)},
                   open(a.json, "w"), indent=1)
     for name in variants:
