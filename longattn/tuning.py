@@ -577,6 +577,17 @@ class FlexExchangeTuning:
         "dist_flex_graphs_cold_2xh100_086877a.json, dist_flex_graphs_batched_2xh100_086877a.json, "
         "dist_flex_graphs_batched_4xh200_e816f3e.json")
 
+    few_keys: int = measured(
+        128, "a run of at most this many halo keys that every row of a rank sees (the global tokens' keys on the "
+             "ranks without them) is a few-keys piece (longattn.flex.pieces.FewKeys: Triton passes that merge into "
+             "the own piece's out and lse and add into its dQ in place, dK/dV as two GEMMs) instead of rows of an "
+             "FA4 halo piece (whose backward runs on row views, the keys repeated, then merged and summed); the "
+             "other halo pieces then run only on the rows that see other halo keys; 0: never. Those calls alone, "
+             "one H200, 128 keys, H=16, D=128, bf16, fwd + bwd ms: 64K rows 0.45 + 1.22 against FA4's 0.63 + "
+             "1.50; 32K rows 0.22 + 0.60 against 0.31 + 0.74 (python benchmarks/few_keys_ab.py --rows 65536 "
+             "--keys 128 --tiles 64x32x0). More keys were not measured",
+        "few_keys_ab_h200_c07fcc6.json, few_keys_ab_32k_h200_c07fcc6.json")
+
     def __post_init__(self):
         if not 0 <= self.heavy_fraction <= 1:
             raise ValueError(f"FlexExchangeTuning.heavy_fraction must be in [0, 1], got {self.heavy_fraction!r}")
@@ -589,7 +600,7 @@ class FlexExchangeTuning:
         if not self.max_traffic >= 0:
             raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
         for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1),
-                            ("graph_max_tokens", 0)):
+                            ("graph_max_tokens", 0), ("few_keys", 0)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise ValueError(f"FlexExchangeTuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
         for name in ("concurrent", "join_halo"):

@@ -115,7 +115,10 @@ class ExchangePlan:
     halo keys (that many, every peer's in rank order) run with my keys in
     ``own`` (:class:`.pieces.JoinedKeys` or :class:`.pieces.JoinedDocuments`,
     ``FlexExchangeTuning.join_halo``; ``halo`` then empty), 0 where they run
-    apart."""
+    apart; ``few``: :class:`.pieces.HaloPiece` s whose executor is a
+    :class:`.pieces.FewKeys` (my rows [r0, r1) x a few halo keys [k0, k1)
+    every one of them sees, merged into ``own``'s outputs in place;
+    ``FlexExchangeTuning.few_keys``)."""
 
     ship: list
     q_in: list
@@ -140,6 +143,7 @@ class ExchangePlan:
     cannot: list
     ship_same: bool = False
     joined: int = 0
+    few: list = dataclasses.field(default_factory=list)
 
 
 def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning, bq: int, ship_row: int, fetch_row: int):
@@ -184,20 +188,23 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
         heavy, keys = split(p, rank)  # p's rows against my keys
         q_in[p], halo_send[p] = pieces.rows_of(heavy, bq, length), pieces.rows_of(keys, fp.BLOCK_SIZE, length)
     split = lambda table, rows, keys: pieces.split_for(table, rows, keys, b, h, hkv, cap, tuning)
-    halo = pieces.halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks, b, h,
-                        scale, cap, bq, split)
+    # a few keys every row sees merge into the own piece's outputs in place: only where none of my rows is
+    # shipped (their partials merge apart)
+    few_keys = 0 if any(len(x) for x in heavy_blocks) else tuning.few_keys
+    halo, few = pieces.halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks,
+                                   b, h, scale, cap, bq, split, few_keys)
     shipped = torch.cat([pos[p][q_in[p]] for p in range(world)])
     serve = pieces.executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split)
     own = pieces.DocumentsStep.at(mask_mod, pos[rank], b, scale) if cap is not None else None
     joined = 0
     lens = [len(x) for x in halo_in]
     hpos = torch.cat([pos[p][halo_in[p]] for p in range(world)])
-    if halo and tuning.join_halo and own is not None and not any(len(x) for x in heavy_blocks):
+    if (halo or few) and tuning.join_halo and own is not None and not any(len(x) for x in heavy_blocks):
         # documents: each run's earlier keys on the peers joined to its varlen key segment
         docs = pieces.JoinedDocuments.at(mask_mod, pos[rank], hpos, b, scale)
         if docs is not None:
-            own, halo, joined = docs, [], sum(lens)
-    elif halo and tuning.join_halo and own is None and all(n % fp.BLOCK_SIZE == 0 for n in lens):
+            own, halo, few, joined = docs, [], [], sum(lens)
+    elif (halo or few) and tuning.join_halo and own is None and all(n % fp.BLOCK_SIZE == 0 for n in lens):
         # the halo keys (every peer's, rank order, as they arrive) before my keys: one executor; my query blocks
         # computed on p cleared against p's keys, as in the halo pieces
         offs = [sum(lens[:p]) // fp.BLOCK_SIZE for p in range(world + 1)]
@@ -208,7 +215,7 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
         run = pieces.carved(mask_mod, pos[rank], kpos, b, h, hkv, scale, cap, tuning) if cap is not None and \
             not clear else pieces.executor(mask_mod, pos[rank], kpos, b, h, scale, cap, clear=clear)
         if run is not None:  # None: nothing visible in the joined table; the pieces stay apart
-            own, halo, joined = pieces.JoinedKeys(run, sum(lens)), [], sum(lens)
+            own, halo, few, joined = pieces.JoinedKeys(run, sum(lens)), [], [], sum(lens)
     if own is None:
         own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
@@ -217,13 +224,13 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
             + n(q_in) * (2 * q_row + lse_row) + n(halo_in) * kv_row)
     heavy, heavy_pos = _union(ship, dev)
     sent_rows, sent_pos = _union(halo_send, dev)
-    for piece in halo:
+    for piece in halo + few:
         piece.at = pieces.within(heavy, piece.r0, piece.r1)
-    spans = [(0, length)] * (own is not None) + [(x.r0, x.r1) for x in halo]
+    spans = [(0, length)] * (own is not None) + [(x.r0, x.r1) for x in halo + few]
     plan = ExchangePlan(ship, q_in, halo_send, halo_in, own, halo, serve, heavy, heavy_pos,
                         pieces.within(heavy, 0, length), pieces.within(sent_rows, 0, length), sent_rows, sent_pos,
                         most_cover(spans), (own is not None) + (serve is not None), tuning.concurrent, (), False,
-                        False, [], [], joined=joined)
+                        False, [], [], joined=joined, few=few)
     shipped = [x for x in ship if len(x)]
     plan.ship_same = len(shipped) > 1 and all(torch.equal(x, shipped[0]) for x in shipped)
     return plan, [sent, max(need, 1), n(ship), n(halo_send)]

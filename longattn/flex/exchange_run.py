@@ -202,6 +202,17 @@ class OutSum:
                        full=len(at[0]) == len(self.rows))
         self.acc.add(r0, r0 + o.shape[1], o, l_)
 
+    def merge_in(self, piece, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A few-keys piece (:class:`.pieces.FewKeys` over its rows [r0, r1) and keys [k0, k1) of ``k``, ``v``)
+        merged into the accumulator in place (no rows merged apart: the plan makes one only where ``rows`` is
+        empty)."""
+        acc, r0, r1 = self.acc, piece.r0, piece.r1
+        if acc.out is None:
+            acc.out, acc.lse = empty_state(self.q, acc.dtype)
+        keys = slice(piece.k0, piece.k1)
+        piece.run.forward_into(q[:, r0:r1], k[:, keys], v[:, keys], acc.out[:, r0:r1], acc.lse[:, :, r0:r1])
+        acc.written.append((r0, r1))  # a later piece over these rows merges with them
+
     def add_rows(self, pos: torch.Tensor, o: torch.Tensor, l_: torch.Tensor) -> None:
         """A partial of the rows at positions ``pos`` of ``rows``: o (B, n, H, D), l_ (B, n, H)."""
         if len(pos):
@@ -311,6 +322,12 @@ def _cat0(xs: list) -> torch.Tensor:
     return xs[0] if len(xs) == 1 else torch.cat(xs)
 
 
+def _overlap(spans: list) -> bool:
+    """Any two of the [a, b) spans share an index."""
+    spans = sorted(spans)
+    return any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
+
+
 def _per_peer(x: torch.Tensor, counts: list) -> list:
     """Rows of ``x`` (B, sum(counts), ...) split in rank order: [[rows of peer p]]."""
     offs = [sum(counts[:p]) for p in range(len(counts) + 1)]
@@ -394,6 +411,8 @@ def _forward(q, k, v, plan, group):
     side.join(_tensors([p[0] for p in pieces]) + [back.buf])
     for res, x in pieces:
         acc.add(*res, x.r0, x.at)
+    for x in plan.few:  # after the join: the main stream has the halo keys
+        acc.merge_in(x, q, kh, vh)
     # a row shipped to several peers (global tokens): where every peer took the same rows, their partials merge
     # at once; else peer by peer, each into the last merge's result (the gradients' index_add_ below takes every
     # peer's rows at once)
@@ -436,15 +455,32 @@ def _backward(dout, q, k, v, out, lse, buf, dlse, plan, group):
         return plan.own.backward(dout, q, k, v, out, lse, dlse)
     # first, beside the rest; serially last, while the gradients travel back (joined: first, its halo dK/dV
     # travel back)
+    def few_grads(dq_acc):
+        """The few-keys pieces' (piece, dK, dV, dQ): dQ added into ``dq_acc`` (the own piece's, None: dQ of
+        their own, a piece of the sum)."""
+        res = []
+        for x in plan.few:
+            rows, keys = slice(x.r0, x.r1), slice(x.k0, x.k1)
+            dq_x = torch.zeros_like(q[:, rows]) if dq_acc is None else dq_acc[:, rows]
+            g = x.run.backward_into(dout[:, rows], q[:, rows], kh[:, keys], vh[:, keys], out[:, rows],
+                                    lse[:, :, rows], None if dlse is None else dlse[:, :, rows], dq_x)
+            res.append((x, *g, None if dq_acc is not None else dq_x))
+        return res
+    few = []
     if side.side is not None or plan.joined:
         own = own_grads()
+        # the few-keys pieces add into the own piece's dQ: on this stream, after it
+        few = few_grads(own[0] if own is not None else None)
     with side:
         halo_dq = []
-        whole = len(plan.halo) == 1 and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
+        whole = len(plan.halo) == 1 and not plan.few and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
         if plan.joined:
             gk, gv = own[3], own[4]
         elif not whole:  # halo keys no piece covers (none, where no halo piece runs) return zeros
-            gk, gv = torch.zeros_like(kh), torch.zeros_like(vh)
+            # pieces that share keys (a few-keys piece and the rows around it, a halo's rows apart before and
+            # after those) add in float32, rounded once when packed
+            shared = plan.few or _overlap([(x.k0, x.k1) for x in plan.halo])
+            gk, gv = (torch.zeros_like(x, dtype=torch.float32 if shared else x.dtype) for x in (kh, vh))
         for x in plan.halo:
             rows, keys = slice(x.r0, x.r1), slice(x.k0, x.k1)
             dl = None if dlse is None else dlse[:, :, rows].contiguous()
@@ -454,9 +490,11 @@ def _backward(dout, q, k, v, out, lse, buf, dlse, plan, group):
             if whole:
                 gk, gv = g[1].to(k.dtype), g[2].to(v.dtype)
             else:
-                gk[:, keys], gv[:, keys] = g[1], g[2]
-        counts = _n(plan.halo_in)
-        halo_grads = [[a[0], c[0]] for a, c in zip(_per_peer(gk, counts), _per_peer(gv, counts))]
+                gk[:, keys] += g[1]
+                gv[:, keys] += g[2]
+        if plan.few and not few:  # serially: before the transfer, their dQ a piece of the sum
+            few = few_grads(None)
+            halo_dq += [(g[3], g[0]) for g in few]
         do, o, st = rows_out.wait()[0]
         served = None
         if plan.serve is not None:
@@ -465,8 +503,15 @@ def _backward(dout, q, k, v, out, lse, buf, dlse, plan, group):
             served, dq_s = g[1:], g[0].to(q.dtype)
         else:
             dq_s = torch.zeros_like(qs)
-        if plan.joined and side.side is not None:  # the halo's dK/dV are made on the main stream
+        if (plan.joined or few) and side.side is not None:  # the halo's dK/dV made on the main stream
             side.side.wait_stream(side.main)
+            for t in _tensors([g[1:3] for g in few]):
+                t.record_stream(side.side)
+        for x, fk, fv, _ in few:
+            gk[:, x.k0:x.k1] += fk
+            gv[:, x.k0:x.k1] += fv
+        counts = _n(plan.halo_in)
+        halo_grads = [[a[0], c[0]] for a, c in zip(_per_peer(gk, counts), _per_peer(gv, counts))]
         back = Transfer([(halo_grads, _n(plan.halo_send), [_spec(k), _spec(v)]),
                          (_per_peer(dq_s, _n(plan.q_in)), _n(plan.ship), [_spec(q)])],
                         b, group, plan.moves_kv or plan.moves_q, dev)

@@ -61,6 +61,74 @@ class TorchPiece:
         return dq.to(q.dtype), heads(dk).to(k.dtype), heads(dv).to(v.dtype)
 
 
+class FewKeys:
+    """The exchange's piece of rows against a few halo keys that every one of
+    them sees (dense key blocks: the global tokens' keys on the ranks without
+    them), merged into the own piece's outputs in place: ``forward_into(q,
+    k, v, out, lse)`` merges the rows' attention over k, v into (out, lse)
+    (B, N, H, D) / (B, H, N); ``backward_into(dout, q, k, v, out, lse, dlse,
+    dq)`` adds the rows' dQ into ``dq`` from the merged out and lse and
+    returns (dK, dV) float32 (B, G, Hkv, D). On CUDA the Triton passes of
+    :mod:`longattn.kernels.few_keys` (no FA4 call, no key tile whose backward
+    program chains over every row tile, no merge or dQ sum of their own);
+    elsewhere the same in float32 PyTorch (float64 for float64 inputs).
+
+    Equivalent PyTorch (forward)::
+
+        o, l = attention(q, k, v, return_lse=True)
+        out, lse = merge((out, lse), (o, l))
+    """
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    @staticmethod
+    def _triton(q) -> bool:
+        from ..kernels import _common
+
+        return q.is_cuda and _common.HAS_TRITON
+
+    def _scores(self, q, k):
+        dt = torch.promote_types(q.dtype, torch.float32)
+        kk = k.to(dt).repeat_interleave(q.shape[2] // k.shape[2], 2)
+        return torch.einsum("bnhd,bghd->bhng", q.to(dt), kk) * self.scale, kk, dt
+
+    def forward_into(self, q, k, v, out, lse) -> None:
+        if self._triton(q):
+            from ..kernels import few_keys
+
+            few_keys.forward_into(q, k, v, out, lse, self.scale)
+            return
+        from .._merge import merge_into
+
+        s, _, dt = self._scores(q, k)
+        vv = v.to(dt).repeat_interleave(q.shape[2] // v.shape[2], 2)
+        lse_g = torch.logsumexp(s, -1)
+        o = torch.einsum("bhng,bghd->bnhd", torch.softmax(s, -1), vv)
+        merge_into(out, lse.transpose(1, 2), o, lse_g.float().transpose(1, 2), use_triton=False)
+
+    def backward_into(self, dout, q, k, v, out, lse, dlse, dq) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._triton(q):
+            from ..kernels import few_keys
+
+            return few_keys.backward_into(dout, q, k, v, out, lse, dlse, dq, self.scale)
+        s, kk, dt = self._scores(q, k)
+        g = q.shape[2] // k.shape[2]
+        do = dout.to(dt)
+        p = torch.exp(s - lse.to(dt)[..., None]).nan_to_num(0.0)  # a row with lse -inf saw no key: p = 0
+        dp = torch.einsum("bnhd,bghd->bhng", do, v.to(dt).repeat_interleave(g, 2))
+        delta = (do * out.to(dt)).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - dlse.to(dt)
+        ds = p * (dp - delta[..., None])
+        dq.copy_(dq.to(dt) + torch.einsum("bhng,bghd->bnhd", ds, kk) * self.scale)
+        dk = torch.einsum("bhng,bnhd->bghd", ds, q.to(dt)) * self.scale
+        dv = torch.einsum("bhng,bnhd->bghd", p, do)
+        heads = lambda x: x.view(*x.shape[:2], k.shape[2], g, x.shape[-1]).sum(3)
+        acc = torch.promote_types(dt, torch.float32)
+        return heads(dk).to(acc), heads(dv).to(acc)
+
+
 def rows_of(idx: torch.Tensor, block: int, length: int) -> torch.Tensor:
     """Local rows (int64, ascending) of the listed blocks of ``block`` rows."""
     r = (idx[:, None].long() * block + torch.arange(block, device=idx.device)).flatten()
@@ -168,62 +236,134 @@ def _cleared(table: fp.BlockTable, clear) -> fp.BlockTable:
     return table
 
 
-def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear, bq: int, split):
+def _halo_executor(mask_mod, qpos, kpos, batch, heads, scale, cap: Optional[int], clear, bq: int, split,
+                   window: tuple):
     """(executor, r0, r1): my rows x halo keys at ``kpos`` (the blocks
     ``clear`` removed, see :func:`_executor`), cropped to the rows [r0, r1) of
-    the first to the last query block of ``bq`` rows that sees one of them (the
-    rows around shard edges, for most patterns): no executor runs rows that
-    see none of them."""
+    the first to the last query block of ``bq`` rows in ``window`` (query
+    blocks [lo, hi)) that sees one of them (the rows around shard edges, for
+    most patterns): no executor runs rows that see none of them."""
     if len(qpos) == 0 or len(kpos) == 0:
         return None, 0, 0
     table = _cleared(fp.block_table(mask_mod, batch, heads, qpos, kpos, (bq, fp.BLOCK_SIZE)), clear)
-    idx = (table.partial | table.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
+    lo, hi = window
+    idx = [i for i in (table.partial | table.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
+           if lo <= i < hi]
     if not idx:
         return None, 0, 0
     b0, b1 = idx[0], idx[-1] + 1
     r0, r1 = b0 * bq, min(b1 * bq, len(qpos))
     if cap is not None and blocks.sparse_block(cap, r1 - r0)[0] != bq:  # the cleared blocks would not line up
-        b0, b1, r0, r1 = 0, (len(qpos) + bq - 1) // bq, 0, len(qpos)
+        b0, b1 = lo, hi
+        r0, r1 = lo * bq, min(hi * bq, len(qpos))
+        if blocks.sparse_block(cap, r1 - r0)[0] != bq:
+            b0, b1, r0, r1 = 0, (len(qpos) + bq - 1) // bq, 0, len(qpos)
     keep = [(qb[(qb >= b0) & (qb < b1)] - b0, kb0, kb1) for qb, kb0, kb1 in clear]
     return executor(mask_mod, qpos[r0:r1], kpos, batch, heads, scale, cap, clear=keep, split=split), r0, r1
 
 
-def halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale, cap, bq: int, split) -> list:
+def _runs(flags: list) -> list:
+    """[(start, end)] of the runs of True in ``flags``."""
+    runs, start = [], None
+    for i, f in enumerate(list(flags) + [False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def _few_keys(tables: list, lens: list, offs: list, nqb: int, few_keys: int) -> Optional[tuple]:
+    """(peer, first and end key block in its halo, first and end query block) of the few-keys piece, or None:
+    the first run of at most ``few_keys`` keys in a peer's halo, block-aligned in the concatenated halo, whose
+    blocks are full (every pair visible) for every query block, batch row and head; its rows, the longest run
+    of query blocks that see no other halo key (the others keep those key blocks in their halo pieces)."""
+    found = None
+    for p, t in enumerate(tables):
+        if t is None or offs[p] % fp.BLOCK_SIZE:
+            continue
+        full = t.full.flatten(0, 1).all(0).all(0).tolist()
+        for kb0, kb1 in _runs(full):
+            if min(kb1 * fp.BLOCK_SIZE, lens[p]) - kb0 * fp.BLOCK_SIZE <= few_keys:
+                found = p, kb0, kb1
+                break
+        if found:
+            break
+    if found is None:
+        return None
+    others = torch.zeros(nqb, dtype=torch.bool)
+    for p, t in enumerate(tables):
+        if t is None:
+            continue
+        vis = (t.partial | t.full).flatten(0, 1).any(0).cpu()
+        if p == found[0]:
+            vis[:, found[1]:found[2]] = False
+        others |= vis.any(1)
+    runs = _runs((~others).tolist())
+    if not runs:
+        return None
+    b0, b1 = max(runs, key=lambda r: r[1] - r[0])
+    return (*found, b0, b1)
+
+
+def halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale, cap, bq: int, split,
+                few_keys: int = 0) -> tuple[list, list]:
     """The halo's executors, :class:`HaloPiece` s over my rows x the peers'
     halos concatenated in rank order (``halo_pos[p]``: their keys' positions,
-    ``heavy[p]``: my query blocks computed on p, cleared against p's keys).
-    Consecutive peers whose halos my rows see over overlapping row ranges
-    share one executor (one launch, one merge: a pattern whose every row sees
-    some peer's keys, global tokens), where the earlier halos fill whole key
-    blocks (the cleared blocks then line up); others run apart, each on the
-    rows that see it."""
+    ``heavy[p]``: my query blocks computed on p, cleared against p's keys),
+    and the few-keys pieces. Consecutive peers whose halos my rows see over
+    overlapping row ranges share one executor (one launch, one merge: a
+    pattern whose every row sees some peer's keys, global tokens), where the
+    earlier halos fill whole key blocks (the cleared blocks then line up);
+    others run apart, each on the rows that see it.
+
+    ``few_keys`` > 0: a run of at most that many halo keys every row sees
+    (the global tokens' keys) is a :class:`FewKeys` piece over the longest
+    run of rows that see no other halo key (:func:`_few_keys`); those blocks
+    are cleared from the halo executors there, which run on the rows before
+    and after that run apart. -> (halo pieces, few-keys pieces)."""
     lens = [len(x) for x in halo_pos]
     offs = [sum(lens[:p]) for p in range(len(lens) + 1)]
-    groups = []
-    for p in (p for p, n in enumerate(lens) if n):
-        nkb = -(-lens[p] // fp.BLOCK_SIZE)
-        t = _cleared(fp.block_table(mask_mod, batch, heads, qpos, halo_pos[p], (bq, fp.BLOCK_SIZE)),
-                     [(heavy[p], 0, nkb)])
-        idx = (t.partial | t.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
-        if not idx:
-            continue
-        b0, b1 = idx[0], idx[-1] + 1
-        last = groups[-1] if groups else None
-        if last and b0 < last[2] and last[1] < b1 and lens[last[0][-1]] % fp.BLOCK_SIZE == 0:
-            last[0].append(p)
-            last[1], last[2] = min(last[1], b0), max(last[2], b1)
-        else:
-            groups.append([[p], b0, b1])
+    nqb = -(-len(qpos) // bq)
+    nkb = [-(-n // fp.BLOCK_SIZE) for n in lens]
+    clears = [[(heavy[p], 0, nkb[p])] if len(heavy[p]) else [] for p in range(len(lens))]
+    tables = [_cleared(fp.block_table(mask_mod, batch, heads, qpos, halo_pos[p], (bq, fp.BLOCK_SIZE)), clears[p])
+              if n else None for p, n in enumerate(lens)]
+    few, windows = [], [(0, nqb)]
+    dense = _few_keys(tables, lens, offs, nqb, few_keys) if few_keys > 0 else None
+    if dense is not None:
+        p, kb0, kb1, b0, b1 = dense
+        clears[p].append((torch.arange(b0, b1, device=qpos.device), kb0, kb1))
+        k0 = offs[p] + kb0 * fp.BLOCK_SIZE
+        few.append(HaloPiece(FewKeys(scale), b0 * bq, min(b1 * bq, len(qpos)), k0,
+                             min(offs[p] + kb1 * fp.BLOCK_SIZE, offs[p + 1]), None))
+        windows = [w for w in ((0, b0), (b1, nqb)) if w[1] > w[0]]
     pieces = []
-    for g, _, _ in groups:
-        k0, k1 = offs[g[0]], offs[g[-1] + 1]
-        clear = [(heavy[p], (offs[p] - k0) // fp.BLOCK_SIZE, -(-(offs[p + 1] - k0) // fp.BLOCK_SIZE))
-                 for p in g if len(heavy[p])]
-        run, r0, r1 = _halo_executor(mask_mod, qpos, torch.cat([halo_pos[p] for p in g]), batch, heads, scale, cap,
-                                     clear, bq, split)
-        if run is not None:
-            pieces.append(HaloPiece(run, r0, r1, k0, k1, None))
-    return pieces
+    for lo, hi in windows:
+        groups = []
+        for p in (p for p, n in enumerate(lens) if n):
+            t = _cleared(tables[p], clears[p][len(heavy[p]) > 0:])
+            idx = [i for i in (t.partial | t.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
+                   if lo <= i < hi]
+            if not idx:
+                continue
+            b0, b1 = idx[0], idx[-1] + 1
+            last = groups[-1] if groups else None
+            if last and b0 < last[2] and last[1] < b1 and lens[last[0][-1]] % fp.BLOCK_SIZE == 0:
+                last[0].append(p)
+                last[1], last[2] = min(last[1], b0), max(last[2], b1)
+            else:
+                groups.append([[p], b0, b1])
+        for g, _, _ in groups:
+            k0, k1 = offs[g[0]], offs[g[-1] + 1]
+            clear = [(qb, (offs[p] - k0) // fp.BLOCK_SIZE + c0, (offs[p] - k0) // fp.BLOCK_SIZE + c1)
+                     for p in g for qb, c0, c1 in clears[p] if len(qb)]
+            run, r0, r1 = _halo_executor(mask_mod, qpos, torch.cat([halo_pos[p] for p in g]), batch, heads, scale,
+                                         cap, clear, bq, split, (lo, hi))
+            if run is not None:
+                pieces.append(HaloPiece(run, r0, r1, k0, k1, None))
+    return pieces, few
 
 
 @dataclasses.dataclass
