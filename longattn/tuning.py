@@ -587,6 +587,11 @@ class FlexExchangeTuning:
              "1.50; 32K rows 0.22 + 0.60 against 0.31 + 0.74 (python benchmarks/few_keys_ab.py --rows 65536 "
              "--keys 128 --tiles 64x32x0). More keys were not measured",
         "few_keys_ab_h200_c07fcc6.json, few_keys_ab_32k_h200_c07fcc6.json")
+    few_keys_share: float = measured(
+        0.125, "pending measurement: a few-keys piece runs over each run of a rank's rows that see no other halo "
+               "key and hold at least this share of its rows (global tokens with windows: the middles of a "
+               "shard's chunks, most of its rows); shorter runs keep those keys in their halo pieces, whose launches "
+               "they would otherwise split (each run apart splits the halo pieces around it)")
 
     def __post_init__(self):
         if not 0 <= self.heavy_fraction <= 1:
@@ -599,6 +604,8 @@ class FlexExchangeTuning:
             raise ValueError(f"FlexExchangeTuning.min_world must be an int >= 2, got {self.min_world!r}")
         if not self.max_traffic >= 0:
             raise ValueError(f"FlexExchangeTuning.max_traffic must be >= 0, got {self.max_traffic!r}")
+        if not 0 < self.few_keys_share <= 1:
+            raise ValueError(f"FlexExchangeTuning.few_keys_share must be in (0, 1], got {self.few_keys_share!r}")
         for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1),
                             ("graph_max_tokens", 0), ("few_keys", 0)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:

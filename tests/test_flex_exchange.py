@@ -148,6 +148,11 @@ def _check_fa4_stand_in(rank, world, cap):
     _compare(f"world={world} sm_{cap}0 local + global", world, "zigzag", mask, H)  # the plan above
     for name, mask, hkv in patterns(world)[1:2] + [("no mask", None, 2)]:
         _compare(f"world={world} sm_{cap}0 {name}", world, "zigzag", mask, hkv)
+    # 128 global tokens: few-keys pieces beside the FA4 halo pieces at the executor's query block
+    few = _plan(torch.randn(B, 4 * L, H, D), masks.local_global(64, 128), layout="zigzag").few
+    assert bool(few) == (rank > 0) and all(x.r0 % plan.own.step.block[0] == 0 for x in few), few
+    _compare(f"world={world} sm_{cap}0 128 global tokens, few keys", world, "zigzag", masks.local_global(64, 128),
+             2, local=4 * L)
     docs = patterns(world)[1][1]
     assert isinstance(_plan(torch.randn(B, L, H, D), docs, layout="zigzag").own, pieces.DocumentsStep)
     assert varlen.calls and all(c["varlen"] for c in varlen.calls)  # the documents' own pieces ran as varlen
@@ -605,6 +610,42 @@ def _check_halo_groups(rank, world):
 @pytest.mark.dist
 def test_exchange_halo_groups():
     run_world(_check_halo_groups, 4)
+
+
+def _check_few_keys(rank, world):
+    """128 global tokens: a whole key block every row sees. On the ranks without them it runs as few-keys pieces
+    (merged into the own piece's outputs, added into its dQ) over the runs of rows that see no other halo key
+    (zigzag at 3 and 4 ranks: each chunk's middle); the halo pieces keep those keys for the rows around the
+    shard's edges, apart before, between and after those runs (their dK/dV of the global keys summed with the
+    few-keys pieces')."""
+    mask = masks.local_global(64, 128)
+    for layout in ("contiguous", "zigzag"):
+        local = 2 * L  # chunks of 4 query blocks: an edge block each side, two blocks between
+        plan = _plan(torch.randn(B, local, H, D), mask, layout, k=torch.randn(B, local, 2, D))
+        if rank == 0:  # its global rows are shipped: their partials merge apart, so no piece merges in place
+            assert not plan.few and len(plan.heavy)
+        else:
+            spans = [(x.r0, x.r1, x.k0, x.k1) for x in plan.few]
+            assert plan.few and all(isinstance(x.run, pieces.FewKeys) for x in plan.few), spans
+            assert all(s[2:] == (0, 128) for s in spans), spans
+            runs = 2 if layout == "zigzag" and world > 2 and rank < world - 1 else 1
+            assert len(spans) == runs and sum(r1 - r0 for r0, r1, _, _ in spans) >= local // 2, spans
+            assert all(p.r1 <= x.r0 or x.r1 <= p.r0 for p in plan.halo for x in plan.few), \
+                [(p.r0, p.r1) for p in plan.halo]
+            assert plan.out_pieces == 2
+            if layout == "zigzag":  # rows before and after apart, over the same keys
+                assert len(plan.halo) >= 2 and plan.halo[0].k0 == plan.halo[-1].k0 == 0, plan.halo
+        _compare(f"world={world} {layout} 128 global tokens, few keys", world, layout, mask, 2, local=local)
+    off = dataclasses.replace(tuning.FLEX_EXCHANGE, few_keys=0)
+    assert not _plan(torch.randn(B, L, H, D), mask, tune=off, k=torch.randn(B, L, 2, D)).few
+    _compare(f"world={world} 128 global tokens, no few-keys piece", world, "contiguous", mask, 2,
+             op=_exchange_with(off))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_exchange_few_keys(world):
+    run_world(_check_few_keys, world)
 
 
 SHIP_ANY = tuning.FlexExchangeTuning(heavy_fraction=0.0, heavy_min_blocks=1, ship_ratio=float("inf"))

@@ -192,7 +192,7 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     # shipped (their partials merge apart)
     few_keys = 0 if any(len(x) for x in heavy_blocks) else tuning.few_keys
     halo, few = pieces.halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks,
-                                   b, h, scale, cap, bq, split, few_keys)
+                                   b, h, scale, cap, bq, split, few_keys, tuning.few_keys_share)
     shipped = torch.cat([pos[p][q_in[p]] for p in range(world)])
     serve = pieces.executor(mask_mod, shipped, pos[rank], b, h, scale, cap, split=split)
     own = pieces.DocumentsStep.at(mask_mod, pos[rank], b, scale) if cap is not None else None

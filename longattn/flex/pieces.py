@@ -274,11 +274,12 @@ def _runs(flags: list) -> list:
     return runs
 
 
-def _few_keys(tables: list, lens: list, offs: list, nqb: int, few_keys: int) -> Optional[tuple]:
-    """(peer, first and end key block in its halo, first and end query block) of the few-keys piece, or None:
+def _few_keys(tables: list, lens: list, offs: list, nqb: int, few_keys: int, share: float) -> Optional[tuple]:
+    """(peer, first and end key block in its halo, [(first, end query block)]) of the few-keys pieces, or None:
     the first run of at most ``few_keys`` keys in a peer's halo, block-aligned in the concatenated halo, whose
-    blocks are full (every pair visible) for every query block, batch row and head; its rows, the longest run
-    of query blocks that see no other halo key (the others keep those key blocks in their halo pieces)."""
+    blocks are full (every pair visible) for every query block, batch row and head; their rows, the runs of
+    query blocks that see no other halo key and hold at least ``share`` of the blocks (the others keep those
+    key blocks in their halo pieces)."""
     found = None
     for p, t in enumerate(tables):
         if t is None or offs[p] % fp.BLOCK_SIZE:
@@ -300,15 +301,12 @@ def _few_keys(tables: list, lens: list, offs: list, nqb: int, few_keys: int) -> 
         if p == found[0]:
             vis[:, found[1]:found[2]] = False
         others |= vis.any(1)
-    runs = _runs((~others).tolist())
-    if not runs:
-        return None
-    b0, b1 = max(runs, key=lambda r: r[1] - r[0])
-    return (*found, b0, b1)
+    runs = [(b0, b1) for b0, b1 in _runs((~others).tolist()) if b1 - b0 >= share * nqb]
+    return (*found, runs) if runs else None
 
 
 def halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale, cap, bq: int, split,
-                few_keys: int = 0) -> tuple[list, list]:
+                few_keys: int = 0, few_share: float = 1.0) -> tuple[list, list]:
     """The halo's executors, :class:`HaloPiece` s over my rows x the peers'
     halos concatenated in rank order (``halo_pos[p]``: their keys' positions,
     ``heavy[p]``: my query blocks computed on p, cleared against p's keys),
@@ -319,10 +317,11 @@ def halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale
     others run apart, each on the rows that see it.
 
     ``few_keys`` > 0: a run of at most that many halo keys every row sees
-    (the global tokens' keys) is a :class:`FewKeys` piece over the longest
-    run of rows that see no other halo key (:func:`_few_keys`); those blocks
-    are cleared from the halo executors there, which run on the rows before
-    and after that run apart. -> (halo pieces, few-keys pieces)."""
+    (the global tokens' keys) is a :class:`FewKeys` piece over each run of
+    rows that see no other halo key and hold ``few_share`` of the rows or
+    more (:func:`_few_keys`); those blocks are cleared from the halo
+    executors there, which run on the rows between those runs apart. ->
+    (halo pieces, few-keys pieces)."""
     lens = [len(x) for x in halo_pos]
     offs = [sum(lens[:p]) for p in range(len(lens) + 1)]
     nqb = -(-len(qpos) // bq)
@@ -331,30 +330,34 @@ def halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale
     tables = [_cleared(fp.block_table(mask_mod, batch, heads, qpos, halo_pos[p], (bq, fp.BLOCK_SIZE)), clears[p])
               if n else None for p, n in enumerate(lens)]
     few, windows = [], [(0, nqb)]
-    dense = _few_keys(tables, lens, offs, nqb, few_keys) if few_keys > 0 else None
+    dense = _few_keys(tables, lens, offs, nqb, few_keys, few_share) if few_keys > 0 else None
     if dense is not None:
-        p, kb0, kb1, b0, b1 = dense
-        clears[p].append((torch.arange(b0, b1, device=qpos.device), kb0, kb1))
-        k0 = offs[p] + kb0 * fp.BLOCK_SIZE
-        few.append(HaloPiece(FewKeys(scale), b0 * bq, min(b1 * bq, len(qpos)), k0,
-                             min(offs[p] + kb1 * fp.BLOCK_SIZE, offs[p + 1]), None))
-        windows = [w for w in ((0, b0), (b1, nqb)) if w[1] > w[0]]
+        p, kb0, kb1, runs = dense
+        clears[p].append((torch.cat([torch.arange(b0, b1, device=qpos.device) for b0, b1 in runs]), kb0, kb1))
+        k0, k1 = offs[p] + kb0 * fp.BLOCK_SIZE, min(offs[p] + kb1 * fp.BLOCK_SIZE, offs[p + 1])
+        few = [HaloPiece(FewKeys(scale), b0 * bq, min(b1 * bq, len(qpos)), k0, k1, None) for b0, b1 in runs]
+        edges = [0] + [b for r in runs for b in r] + [nqb]
+        windows = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a]
     pieces = []
     for lo, hi in windows:
-        groups = []
+        groups, skipped = [], []
         for p in (p for p, n in enumerate(lens) if n):
             t = _cleared(tables[p], clears[p][len(heavy[p]) > 0:])
             idx = [i for i in (t.partial | t.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
                    if lo <= i < hi]
-            if not idx:
+            if not idx:  # none of these rows sees p's halo: a group may span it (its keys are never visible)
+                skipped.append(p)
                 continue
             b0, b1 = idx[0], idx[-1] + 1
             last = groups[-1] if groups else None
-            if last and b0 < last[2] and last[1] < b1 and lens[last[0][-1]] % fp.BLOCK_SIZE == 0:
-                last[0].append(p)
+            # a group's halos are consecutive in the concatenation, each but the last filling whole key blocks
+            between = (last[0] + skipped) if last else []
+            if last and b0 < last[2] and last[1] < b1 and all(lens[x] % fp.BLOCK_SIZE == 0 for x in between):
+                last[0] += skipped + [p]
                 last[1], last[2] = min(last[1], b0), max(last[2], b1)
             else:
                 groups.append([[p], b0, b1])
+            skipped = []
         for g, _, _ in groups:
             k0, k1 = offs[g[0]], offs[g[-1] + 1]
             clear = [(qb, (offs[p] - k0) // fp.BLOCK_SIZE + c0, (offs[p] - k0) // fp.BLOCK_SIZE + c1)
