@@ -1,5 +1,6 @@
-"""Compile the dilated Triton kernels, the merge kernels beside them and the split-KV decode kernel (its
-pointer and tensor-descriptor loads) for sm_90 (Hopper) on a machine without a GPU.
+"""Compile the dilated Triton kernels, the merge kernels beside them, the split-KV decode kernel (its
+pointer and tensor-descriptor loads) and the exchange's few-keys passes for sm_90 (Hopper) on a machine without
+a GPU.
 
 The CPU interpreter runs the kernels' Python and lets through what Triton's
 compiler refuses (a reassigned constexpr, a call missing an argument), so
@@ -91,6 +92,16 @@ def main():
         (kd._split_kernel, dict(dec, DESC=True, CAUSAL=True, _ptr=dict(desc, LENS="*i64"), _bulk=True)),
         # a traced launch (benchmarks/decode_kernel_timeline.py): the timers' inline PTX assembles
         (kd._split_kernel, dict(dec, DESC=False, TRACE=True, _ptr=dict(dec_ptr, TR="*i64"), _bulk=False)),
+    ]
+    from longattn.kernels import few_keys as fk
+
+    few = dict(GROUP=1, D=128, D_PAD=128, BM=fk.BLOCK_M, BN=fk.BLOCK_N, IEEE=False)
+    few_ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "PS": "*bf16",
+               "L": "*fp32", "DL": "*fp32", "scale": "fp32", "scale_log2": "fp32"}
+    variants += [  # the exchange's few-keys passes (the row launches; dK/dV are cuBLAS GEMMs)
+        (fk._fwd_merge, dict(few, _ptr=few_ptr)),
+        (fk._bwd_rows, dict(few, HAS_DLSE=True, _ptr=few_ptr)),
+        (fk._bwd_rows, dict(few, GROUP=4, HAS_DLSE=False, _ptr=few_ptr)),
     ]
     for fn, consts in variants:
         bulk = consts.pop("_bulk", None)

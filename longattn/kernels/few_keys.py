@@ -101,7 +101,7 @@ if HAS_TRITON:
         o_ptr = O + b * sob + h * soh + rows.to(tl.int64)[:, None] * son + d[None, :]
         l_ptr = L + b * slb + h * slh + rows.to(tl.int64) * sln
         res, lse = _lse_merge(tl.load(o_ptr, mask=msk, other=0.0), tl.load(l_ptr, mask=rm, other=float("-inf")),
-                              acc / l_i[:, None], (m_i + tl.log2(l_i)) * LN2)
+                              acc / l_i[:, None], (m_i + tl.log2(l_i)) * 0.6931471805599453)
         tl.store(o_ptr, res.to(O.dtype.element_ty), mask=msk)
         tl.store(l_ptr, lse, mask=rm)
 
