@@ -293,7 +293,7 @@ def _few_keys(tables: list, lens: list, offs: list, nqb: int, few_keys: int, sha
             break
     if found is None:
         return None
-    others = torch.zeros(nqb, dtype=torch.bool)
+    others = torch.zeros(nqb, dtype=torch.bool, device="cpu")  # explicit: a default device may be set
     for p, t in enumerate(tables):
         if t is None:
             continue
