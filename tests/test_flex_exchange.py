@@ -232,8 +232,9 @@ def _plan(q, mask, layout="contiguous", engine="exchange", tune=tuning.FLEX_EXCH
 SHIP_ALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"))
 """Every query block over the threshold shipped, whatever the bytes."""
 
-SPLIT_SHORT = tuning.FlexExchangeTuning(split_chain=8)
-"""Pieces whose programs chain over more than 8 tiles run on views (the test's shards are short)."""
+SPLIT_SHORT = tuning.FlexExchangeTuning(split_chain=8, few_keys=0)
+"""Pieces whose programs chain over more than 8 tiles run on views (the test's shards are short); no few-keys
+piece takes the rows against the global keys from those views."""
 
 
 JOIN = tuning.FlexExchangeTuning(join_halo=True)
@@ -395,6 +396,8 @@ def _check_gpu_fa4(rank, world):
             # a rank's own documents run as FA4's varlen kernel, any other pattern as one masked call
             assert isinstance(plan.own, pieces.DocumentsStep if name == "causal documents" else fa4.RingStep), \
                 type(plan.own)
+            # the global keys: a few-keys piece on the last rank's rows (its chunks' middles; at 2 ranks rank 1's)
+            assert bool(plan.few) == (name == "local + global" and rank == world - 1), (rank, plan.few)
             # chains of 8 tiles: rank 1 serves the global rows on views of its keys and runs its rows against the
             # global keys on views of its rows (the split pieces of 128K shards, at this size)
             plan = exchange.plan_for(ql, kl, mask, None, "zigzag", d ** -0.5, dist.group.WORLD, "auto", "exchange",
