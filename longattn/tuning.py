@@ -578,15 +578,22 @@ class FlexExchangeTuning:
         "dist_flex_graphs_batched_4xh200_e816f3e.json")
 
     few_keys: int = measured(
-        128, "a run of at most this many halo keys that every row of a rank sees (the global tokens' keys on the "
-             "ranks without them) is a few-keys piece (longattn.flex.pieces.FewKeys: Triton passes that merge into "
-             "the own piece's out and lse and add into its dQ in place, dK/dV as two GEMMs) instead of rows of an "
-             "FA4 halo piece (whose backward runs on row views, the keys repeated, then merged and summed); the "
-             "other halo pieces then run only on the rows that see other halo keys; 0: never. Those calls alone, "
-             "one H200, 128 keys, H=16, D=128, bf16, fwd + bwd ms: 64K rows 0.45 + 1.22 against FA4's 0.63 + "
-             "1.50; 32K rows 0.22 + 0.60 against 0.31 + 0.74 (python benchmarks/few_keys_ab.py --rows 65536 "
-             "--keys 128 --tiles 64x32x0). More keys were not measured",
-        "few_keys_ab_h200_c07fcc6.json, few_keys_ab_32k_h200_c07fcc6.json")
+        0, "a run of at most this many halo keys that every row of a rank sees (the global tokens' keys on the "
+           "ranks without them) is a few-keys piece (longattn.flex.pieces.FewKeys: Triton passes that merge into "
+           "the own piece's out and lse and add into its dQ in place, dK/dV as two GEMMs) instead of rows of an FA4 "
+           "halo piece (whose backward runs on row views, the keys repeated, then merged and summed); the other "
+           "halo pieces then run only on the rows that see other halo keys; 0: never. Off: it saves memory, not "
+           "time. Those calls alone, one H200, 128 keys, H=16, D=128, bf16, fwd + bwd ms: 64K rows 0.38 + 1.07 "
+           "against FA4's 0.52 + 1.18 (0.45 + 1.22 against 0.63 + 1.50 on another H200); 32K rows 0.22 + 0.60 "
+           "against 0.31 + 0.74 (python benchmarks/few_keys_ab.py --rows 65536 --keys 128). The exchange at 128K, "
+           "window + global, 128 against 0 in one run on a 4-H200 host whose one-GPU call ran at half its usual "
+           "speed (37.6-39.3 ms fwd+bwd), fwd+bwd ms: 4 ranks cold 14.3 against 13.2, back to back 13.7 against "
+           "13.8; 2 ranks back to back 25.4 against 25.4; peak 1091 against 1240 MiB (4 ranks), 1685 against 2107 "
+           "(2). The few-keys backward follows the own piece's (it adds into that dQ), so the halo dK/dV leave "
+           "after both; not profiled",
+        "few_keys_ab_h200_c07fcc6.json, few_keys_ab_32k_h200_c07fcc6.json, few_keys_ab_lib_h200_f67e93b.json, "
+        "dist_flex_swg_few_4xh200_f67e93b.json, dist_flex_swg_few_batched_4xh200_f67e93b.json, "
+        "dist_flex_swg_few_batched_2xh200_f67e93b.json")
     few_keys_share: float = measured(
         0.125, "pending measurement: a few-keys piece runs over each run of a rank's rows that see no other halo "
                "key and hold at least this share of its rows (global tokens with windows: the middles of a "

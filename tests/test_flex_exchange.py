@@ -149,10 +149,10 @@ def _check_fa4_stand_in(rank, world, cap):
     for name, mask, hkv in patterns(world)[1:2] + [("no mask", None, 2)]:
         _compare(f"world={world} sm_{cap}0 {name}", world, "zigzag", mask, hkv)
     # 128 global tokens: few-keys pieces beside the FA4 halo pieces at the executor's query block
-    few = _plan(torch.randn(B, 4 * L, H, D), masks.local_global(64, 128), layout="zigzag").few
+    few = _plan(torch.randn(B, 4 * L, H, D), masks.local_global(64, 128), layout="zigzag", tune=FEW).few
     assert bool(few) == (rank > 0) and all(x.r0 % plan.own.step.block[0] == 0 for x in few), few
     _compare(f"world={world} sm_{cap}0 128 global tokens, few keys", world, "zigzag", masks.local_global(64, 128),
-             2, local=4 * L)
+             2, local=4 * L, op=_exchange_with(FEW))
     docs = patterns(world)[1][1]
     assert isinstance(_plan(torch.randn(B, L, H, D), docs, layout="zigzag").own, pieces.DocumentsStep)
     assert varlen.calls and all(c["varlen"] for c in varlen.calls)  # the documents' own pieces ran as varlen
@@ -235,6 +235,10 @@ SHIP_ALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"))
 SPLIT_SHORT = tuning.FlexExchangeTuning(split_chain=8, few_keys=0)
 """Pieces whose programs chain over more than 8 tiles run on views (the test's shards are short); no few-keys
 piece takes the rows against the global keys from those views."""
+
+
+FEW = tuning.FlexExchangeTuning(few_keys=128)
+"""A run of up to 128 halo keys every row sees is a few-keys piece."""
 
 
 JOIN = tuning.FlexExchangeTuning(join_halo=True)
@@ -397,7 +401,9 @@ def _check_gpu_fa4(rank, world):
             assert isinstance(plan.own, pieces.DocumentsStep if name == "causal documents" else fa4.RingStep), \
                 type(plan.own)
             # the global keys: a few-keys piece on the last rank's rows (its chunks' middles; at 2 ranks rank 1's)
-            assert bool(plan.few) == (name == "local + global" and rank == world - 1), (rank, plan.few)
+            few = exchange.plan_for(ql, kl, mask, None, "zigzag", d ** -0.5, dist.group.WORLD, "auto", "exchange",
+                                    FEW).few
+            assert bool(few) == (name == "local + global" and rank == world - 1), (rank, few)
             # chains of 8 tiles: rank 1 serves the global rows on views of its keys and runs its rows against the
             # global keys on views of its rows (the split pieces of 128K shards, at this size)
             plan = exchange.plan_for(ql, kl, mask, None, "zigzag", d ** -0.5, dist.group.WORLD, "auto", "exchange",
@@ -415,6 +421,7 @@ def _check_gpu_fa4(rank, world):
         res = {}
         ops = {"exchange": (longattn.ring_flex_attention, dict(engine="exchange")),
                "ring": (longattn.ring_flex_attention, dict(engine="ring")), "split": (_exchange_with(SPLIT_SHORT), {}),
+               "few keys": (_exchange_with(FEW), {}),
                "joined": (_exchange_with(JOIN), {})}
         for engine, (op, kw) in ops.items():
             us, out, lse, grads = run_sharded(op, q, k, v, do, torch.zeros(1, h, s, device="cuda"), "zigzag",
@@ -424,12 +431,12 @@ def _check_gpu_fa4(rank, world):
         out, lse = longattn.flex_attention(*xs, mask_mod=mask, return_lse=True)
         (out.float() * do.float()).sum().backward()
         one = [out.float(), lse] + [x.grad.float() for x in xs]
-        for what, a, b, a2, a3, c in zip(("out", "lse", "dq", "dk", "dv"), res["exchange"], res["ring"],
-                                         res["split"], res["joined"], one):
+        for what, a, b, a2, a3, a4, c in zip(("out", "lse", "dq", "dk", "dv"), res["exchange"], res["ring"],
+                                             res["split"], res["joined"], res["few keys"], one):
             err = lambda x, y: float((x - y).norm() / y.norm())
             print(f"rank {rank} world {world} {name} {what}: exchange/one {err(a, c):.2e} split/one {err(a2, c):.2e} "
-                  f"joined/one {err(a3, c):.2e} ring/one {err(b, c):.2e}")
-            for x in (a, a2, a3):
+                  f"joined/one {err(a3, c):.2e} few keys/one {err(a4, c):.2e} ring/one {err(b, c):.2e}")
+            for x in (a, a2, a3, a4):
                 assert err(x, c) <= max(2e-2, 2 * err(b, c)), (name, what, err(x, c), err(b, c))
 
 
@@ -624,7 +631,7 @@ def _check_few_keys(rank, world):
     mask = masks.local_global(64, 128)
     for layout in ("contiguous", "zigzag"):
         local = 2 * L  # chunks of 4 query blocks: an edge block each side, two blocks between
-        plan = _plan(torch.randn(B, local, H, D), mask, layout, k=torch.randn(B, local, 2, D))
+        plan = _plan(torch.randn(B, local, H, D), mask, layout, tune=FEW, k=torch.randn(B, local, 2, D))
         if rank == 0:  # its global rows are shipped: their partials merge apart, so no piece merges in place
             assert not plan.few and len(plan.heavy)
         else:
@@ -638,11 +645,11 @@ def _check_few_keys(rank, world):
             assert plan.out_pieces == 2
             if layout == "zigzag":  # rows before and after apart, over the same keys
                 assert len(plan.halo) >= 2 and plan.halo[0].k0 == plan.halo[-1].k0 == 0, plan.halo
-        _compare(f"world={world} {layout} 128 global tokens, few keys", world, layout, mask, 2, local=local)
-    off = dataclasses.replace(tuning.FLEX_EXCHANGE, few_keys=0)
-    assert not _plan(torch.randn(B, L, H, D), mask, tune=off, k=torch.randn(B, L, 2, D)).few
-    _compare(f"world={world} 128 global tokens, no few-keys piece", world, "contiguous", mask, 2,
-             op=_exchange_with(off))
+        _compare(f"world={world} {layout} 128 global tokens, few keys", world, layout, mask, 2, local=local,
+                 op=_exchange_with(FEW))
+    # the default: none (FlexExchangeTuning.few_keys)
+    assert not _plan(torch.randn(B, L, H, D), mask, k=torch.randn(B, L, 2, D)).few
+    _compare(f"world={world} 128 global tokens, no few-keys piece", world, "contiguous", mask, 2)
 
 
 @pytest.mark.dist
