@@ -453,8 +453,7 @@ def _backward(dout, q, k, v, out, lse, buf, dlse, plan, group):
         if plan.joined:  # (dq, dk, dv, the halo's dk, dv)
             return plan.own.backward(dout, q, kh, k, vh, v, out, lse, dlse)
         return plan.own.backward(dout, q, k, v, out, lse, dlse)
-    # first, beside the rest; serially last, while the gradients travel back (joined: first, its halo dK/dV
-    # travel back)
+
     def few_grads(dq_acc):
         """The few-keys pieces' (piece, dK, dV, dQ): dQ added into ``dq_acc`` (the own piece's, None: dQ of
         their own, a piece of the sum)."""
@@ -466,13 +465,17 @@ def _backward(dout, q, k, v, out, lse, buf, dlse, plan, group):
                                     lse[:, :, rows], None if dlse is None else dlse[:, :, rows], dq_x)
             res.append((x, *g, None if dq_acc is not None else dq_x))
         return res
+    # first, beside the rest; serially last, while the gradients travel back (joined: first, its halo dK/dV
+    # travel back)
     few = []
     if side.side is not None or plan.joined:
         own = own_grads()
         # the few-keys pieces add into the own piece's dQ: on this stream, after it
         few = few_grads(own[0] if own is not None else None)
     with side:
-        halo_dq = []
+        if plan.few and not few:  # serially: before the transfer
+            few = few_grads(None)
+        halo_dq = [(g[3], g[0]) for g in few if g[3] is not None]  # dQ of their own: pieces of the sum
         whole = len(plan.halo) == 1 and not plan.few and (plan.halo[0].k0, plan.halo[0].k1) == (0, kh.shape[1])
         if plan.joined:
             gk, gv = own[3], own[4]
@@ -492,9 +495,6 @@ def _backward(dout, q, k, v, out, lse, buf, dlse, plan, group):
             else:
                 gk[:, keys] += g[1]
                 gv[:, keys] += g[2]
-        if plan.few and not few:  # serially: before the transfer, their dQ a piece of the sum
-            few = few_grads(None)
-            halo_dq += [(g[3], g[0]) for g in few]
         do, o, st = rows_out.wait()[0]
         served = None
         if plan.serve is not None:
