@@ -14,7 +14,10 @@ from typing import Callable, Optional
 import torch
 
 from .. import tuning as tn
+from .._merge import merge_into
 from ..backends import _fa4_api
+from ..kernels import _common as _kcommon
+from ..kernels import few_keys
 from . import blocks, fa4, schedule
 from . import plan as fp
 
@@ -68,10 +71,11 @@ class FewKeys:
     k, v, out, lse)`` merges the rows' attention over k, v into (out, lse)
     (B, N, H, D) / (B, H, N); ``backward_into(dout, q, k, v, out, lse, dlse,
     dq)`` adds the rows' dQ into ``dq`` from the merged out and lse and
-    returns (dK, dV) float32 (B, G, Hkv, D). On CUDA the Triton passes of
+    returns (dK, dV) (B, G, Hkv, D). On CUDA the Triton passes of
     :mod:`longattn.kernels.few_keys` (no FA4 call, no key tile whose backward
-    program chains over every row tile, no merge or dQ sum of their own);
-    elsewhere the same in float32 PyTorch (float64 for float64 inputs).
+    program chains over every row tile, no merge or dQ sum of their own;
+    dK, dV float32); elsewhere :class:`TorchPiece` 's math, merged and added
+    (dK, dV in k's dtype).
 
     Equivalent PyTorch (forward)::
 
@@ -84,49 +88,26 @@ class FewKeys:
 
     @staticmethod
     def _triton(q) -> bool:
-        from ..kernels import _common
+        return q.is_cuda and _kcommon.HAS_TRITON
 
-        return q.is_cuda and _common.HAS_TRITON
-
-    def _scores(self, q, k):
-        dt = torch.promote_types(q.dtype, torch.float32)
-        kk = k.to(dt).repeat_interleave(q.shape[2] // k.shape[2], 2)
-        return torch.einsum("bnhd,bghd->bhng", q.to(dt), kk) * self.scale, kk, dt
+    def _dense(self, q, k) -> TorchPiece:
+        """Off CUDA: the rows against every key, as the exchange's other PyTorch executors."""
+        return TorchPiece(lambda: torch.ones(1, 1, q.shape[1], k.shape[1], dtype=torch.bool, device=q.device),
+                          self.scale)
 
     def forward_into(self, q, k, v, out, lse) -> None:
         if self._triton(q):
-            from ..kernels import few_keys
-
             few_keys.forward_into(q, k, v, out, lse, self.scale)
             return
-        from .._merge import merge_into
-
-        s, _, dt = self._scores(q, k)
-        vv = v.to(dt).repeat_interleave(q.shape[2] // v.shape[2], 2)
-        lse_g = torch.logsumexp(s, -1)
-        o = torch.einsum("bhng,bghd->bnhd", torch.softmax(s, -1), vv)
-        merge_into(out, lse.transpose(1, 2), o, lse_g.float().transpose(1, 2), use_triton=False)
+        o, l_ = self._dense(q, k).forward(q, k, v)
+        merge_into(out, lse.transpose(1, 2), o, l_.transpose(1, 2), use_triton=False)
 
     def backward_into(self, dout, q, k, v, out, lse, dlse, dq) -> tuple[torch.Tensor, torch.Tensor]:
         if self._triton(q):
-            from ..kernels import few_keys
-
             return few_keys.backward_into(dout, q, k, v, out, lse, dlse, dq, self.scale)
-        s, kk, dt = self._scores(q, k)
-        g = q.shape[2] // k.shape[2]
-        do = dout.to(dt)
-        p = torch.exp(s - lse.to(dt)[..., None]).nan_to_num(0.0)  # a row with lse -inf saw no key: p = 0
-        dp = torch.einsum("bnhd,bghd->bhng", do, v.to(dt).repeat_interleave(g, 2))
-        delta = (do * out.to(dt)).sum(-1).transpose(1, 2)
-        if dlse is not None:
-            delta = delta - dlse.to(dt)
-        ds = p * (dp - delta[..., None])
-        dq.copy_(dq.to(dt) + torch.einsum("bhng,bghd->bnhd", ds, kk) * self.scale)
-        dk = torch.einsum("bhng,bnhd->bghd", ds, q.to(dt)) * self.scale
-        dv = torch.einsum("bhng,bnhd->bghd", p, do)
-        heads = lambda x: x.view(*x.shape[:2], k.shape[2], g, x.shape[-1]).sum(3)
-        acc = torch.promote_types(dt, torch.float32)
-        return heads(dk).to(acc), heads(dv).to(acc)
+        g = self._dense(q, k).backward(dout, q, k, v, out, lse, dlse)
+        dq.add_(g[0])
+        return g[1], g[2]
 
 
 def rows_of(idx: torch.Tensor, block: int, length: int) -> torch.Tensor:
@@ -342,7 +323,7 @@ def halo_pieces(mask_mod, qpos, halo_pos: list, heavy: list, batch, heads, scale
     for lo, hi in windows:
         groups, skipped = [], []
         for p in (p for p, n in enumerate(lens) if n):
-            t = _cleared(tables[p], clears[p][len(heavy[p]) > 0:])
+            t = _cleared(tables[p], clears[p])  # the heavy blocks again (a no-op) and the few-keys blocks
             idx = [i for i in (t.partial | t.full).flatten(0, 1).any(0).any(1).nonzero().flatten().tolist()
                    if lo <= i < hi]
             if not idx:  # none of these rows sees p's halo: a group may span it (its keys are never visible)

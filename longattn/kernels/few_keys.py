@@ -39,7 +39,6 @@ import torch
 
 from ._common import HAS_TRITON, LOG2E, d_pad
 
-LN2 = 0.6931471805599453
 BLOCK_M = 64
 """Rows per program. One H200, 64K rows x 128 keys, H=16, D=128, bf16 (``benchmarks/few_keys_ab.py``): forward
 0.45 ms with 64 rows against 0.75 with 128 and 0.76 with 32."""
