@@ -97,6 +97,9 @@ def test_few_keys_rejects_mismatched_shapes():
         few_keys.forward_into(q, k, v, torch.zeros_like(q), torch.zeros(1, 4, 8), 1.0)
     with pytest.raises(ValueError, match=r"\(B, H, N\) float32"):
         few_keys.forward_into(q, k[:, :, :2], v[:, :, :2], torch.zeros_like(q), torch.zeros(1, 8, 4), 1.0)
+    q2 = torch.randn(1, 8, 4, 32)[..., ::2]
+    with pytest.raises(ValueError, match="q, dq must have a unit stride"):
+        few_keys.backward_into(q, q2, k[:, :, :2], v[:, :, :2], q, torch.zeros(1, 4, 8), None, q2, 1.0)
 
 
 @pytest.mark.gpu

@@ -151,7 +151,11 @@ if HAS_TRITON:
         tl.store(at, (old + dq * scale).to(DQ.dtype.element_ty), mask=msk)
 
 
-def _check(q, k, v, out, lse):
+def _check(q, k, v, out, lse, **more):
+    strided = [n for n, x in dict(q=q, k=k, v=v, out=out, **more).items() if x.stride(-1) != 1]
+    if strided:
+        raise ValueError(f"few keys: {', '.join(strided)} must have a unit stride in the head dim (pass "
+                         f".contiguous() copies)")
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[2] % k.shape[2]:
         raise ValueError(f"few keys: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want (B, N, H, D) "
                          f"and (B, G, Hkv, D) with H a multiple of Hkv")
@@ -185,7 +189,7 @@ def _bmm32(a, b):
 
 def backward_into(dout, q, k, v, out, lse, dlse, dq, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """dq += the rows' dQ; returns (dK, dV) (B, G, Hkv, D) float32 (see the module docstring)."""
-    _check(q, k, v, out, lse)
+    _check(q, k, v, out, lse, dout=dout, dq=dq)
     b, n, h, d = q.shape
     g, hkv = k.shape[1], k.shape[2]
     grouped = lambda x: x.view(b, hkv, h // hkv, g, d).sum(2).transpose(1, 2)  # (B, H, G, D) -> (B, G, Hkv, D)
