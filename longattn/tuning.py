@@ -554,12 +554,6 @@ class FlexExchangeTuning:
                "flex_exchange_join_ab_2xh100_7a87d75.json, "
                "flex_exchange_join_ab_4xh100_7a87d75.json, dist_flex_join_batched_2xh100_7a87d75.json, "
                "dist_flex_join_batched_4xh100_7a87d75.json")
-    carve_own: bool = measured(
-        True, "pending measurement: the own piece (my rows x my keys) runs as a one-device call's "
-              "(longattn.flex.pieces.carved with split_chain, split_programs, split_min_blocks): where its query "
-              "tiles see more than split_chain key tiles (the global rows, on the rank that holds them) or its key "
-              "tiles are seen by more (the global keys), those tiles run apart on views and the rest in one call "
-              "with them cleared, so no chain starts late and outlasts the pass; False: one FA4 call")
     max_traffic: float = measured(
         0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
@@ -623,7 +617,7 @@ class FlexExchangeTuning:
                             ("graph_max_tokens", 0), ("few_keys", 0)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise ValueError(f"FlexExchangeTuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
-        for name in ("concurrent", "join_halo", "carve_own"):
+        for name in ("concurrent", "join_halo"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FlexExchangeTuning.{name} must be True or False, got {getattr(self, name)!r}")
 

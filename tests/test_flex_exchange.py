@@ -172,17 +172,8 @@ def _check_fa4_stand_in(rank, world, cap):
     # at 2 ranks (sm_90) rank 1 serves rank 0's global rows (4 heads x 1 query tile: keys split) and its rows see
     # the global keys (2 kv heads x 2 key tiles: rows split); rank 0's one halo tile has nothing to split
     assert rank == 0 or ({a for _, a in kinds} == {"keys", "rows"} if world == 2 else kinds), kinds
-    # the own piece carved as a one-device call's where its tiles chain: rank 0's global rows and keys
-    assert rank > 0 or isinstance(plan.own, pieces.CarvedStep) and plan.own.rows_run is not None \
-        and plan.own.keys_run is not None, (rank, plan.own)
     _compare(f"world={world} sm_{cap}0 local + global, split {sorted(kinds)}", world, "contiguous",
              masks.local_global(64, 16), 2, op=_exchange_with(split))
-    uncarved = tuning.FlexExchangeTuning(split_chain=1, split_min_blocks=1, carve_own=False)
-    plan = _plan(torch.randn(B, L, H, D), masks.local_global(64, 16), layout="contiguous", tune=uncarved,
-                 k=torch.randn(B, L, 2, D))
-    assert isinstance(plan.own, fa4.RingStep), (rank, plan.own)
-    _compare(f"world={world} sm_{cap}0 local + global, split, own piece uncarved", world, "contiguous",
-             masks.local_global(64, 16), 2, op=_exchange_with(uncarved))
     _compare(f"world={world} sm_{cap}0 documents, split", world, "zigzag", patterns(world)[1][1], 4,
              op=_exchange_with(split))
     # the halo keys joined to the own keys: one FA4 call per pass at the joined positions; causal documents: each

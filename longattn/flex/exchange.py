@@ -216,9 +216,8 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
             not clear else pieces.executor(mask_mod, pos[rank], kpos, b, h, scale, cap, clear=clear)
         if run is not None:  # None: nothing visible in the joined table; the pieces stay apart
             own, halo, few, joined = pieces.JoinedKeys(run, sum(lens)), [], [], sum(lens)
-    if own is None:  # carved as a one-device call where its own rows or keys chain (a shard with the global tokens)
-        own = pieces.carved(mask_mod, pos[rank], pos[rank], b, h, hkv, scale, cap, tuning) if cap is not None and \
-            tuning.carve_own else pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
+    if own is None:
+        own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
     # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
     sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row
