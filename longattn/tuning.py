@@ -578,20 +578,34 @@ class FlexExchangeTuning:
         "dist_flex_graphs_batched_4xh200_e816f3e.json")
 
     few_keys: int = measured(
-        0, "a run of at most this many halo keys that every row of a rank sees (the global tokens' keys on the "
-           "ranks without them) is a few-keys piece (longattn.flex.pieces.FewKeys: Triton passes that merge into "
-           "the own piece's out and lse and add into its dQ in place, dK/dV as two GEMMs) instead of rows of an FA4 "
-           "halo piece (whose backward runs on row views, the keys repeated, then merged and summed); the other "
-           "halo pieces then run only on the rows that see other halo keys; 0: never. Off: it saves memory, not "
-           "time. Those calls alone, one H200, 128 keys, H=16, D=128, bf16, fwd + bwd ms: 64K rows 0.38 + 1.07 "
-           "against FA4's 0.52 + 1.18 (0.45 + 1.22 against 0.63 + 1.50 on another H200); 32K rows 0.22 + 0.60 "
-           "against 0.31 + 0.74 (python benchmarks/few_keys_ab.py --rows 65536 --keys 128). The exchange at 128K, "
-           "window + global, 128 against 0 in one run on a 4-H200 host whose one-GPU call ran at half its usual "
-           "speed (37.6-39.3 ms fwd+bwd), fwd+bwd ms: 4 ranks cold 14.3 against 13.2, back to back 13.7 against "
-           "13.8; 2 ranks back to back 25.4 against 25.4; peak 1091 against 1240 MiB (4 ranks), 1685 against 2107 "
-           "(2). The few-keys backward follows the own piece's (it adds into that dQ), so the halo dK/dV leave "
-           "after both; not profiled",
+        128, "a run of at most this many halo keys that every row of a rank sees (the global tokens' keys on the "
+             "ranks without them) is a few-keys piece (longattn.flex.pieces.FewKeys: Triton passes that merge into "
+             "the own piece's out and lse and add into its dQ in place, dK/dV as two GEMMs) instead of rows of an "
+             "FA4 halo piece (whose backward runs on row views, the keys repeated, then merged and summed), where "
+             "the rank holds few_keys_min_rows query rows or more; the other halo pieces then run only on the rows "
+             "that see other halo keys; 0: never. Those calls alone, one H200, 128 keys, H=16, D=128, bf16, fwd + "
+             "bwd ms: 64K rows 0.38 + 1.07 against FA4's 0.52 + 1.18 (0.45 + 1.22 against 0.63 + 1.50 on another "
+             "H200); 32K rows 0.22 + 0.60 against 0.31 + 0.74 (python benchmarks/few_keys_ab.py --rows 65536 --keys "
+             "128). In the exchange (2 H200 ranks, 128K window + global, kernels under the profiler) the rank "
+             "without the global tokens runs 0.86 ms less of FA4's kernels and 0.4 ms fewer merges and bf16 sums, "
+             "and 1.47 ms of few-keys kernels (forward 0.37, backward 0.69, dK/dV GEMMs 0.41) plus 0.18 of float32 "
+             "halo-gradient sums: about as much GPU time, yet it finishes sooner (few_stack_2xh200_8834ff6.json)",
         "few_keys_ab_h200_c07fcc6.json, few_keys_ab_32k_h200_c07fcc6.json, few_keys_ab_lib_h200_f67e93b.json, "
+        "few_stack_2xh200_8834ff6.json")
+    few_keys_min_rows: int = measured(
+        65536, "few-keys pieces run only on ranks holding at least this many query rows (batch x local rows). 128K "
+               "window + global on 4 H200, fwd+bwd ms few-keys / FA4 halo pieces, slowest rank, the same run each: "
+               "2 ranks (64K rows a rank) cold 12.1 / 12.4, back to back 11.8 / 12.1 (python -m longattn.bench "
+               "dist --config flex_swg_128k --impl flex-exchange:few_keys=128 flex-exchange ...), each call after "
+               "a barrier, alternating 11.88, 12.20 / 12.24, 12.52 (benchmarks/flex_exchange_profile.py); peak "
+               "1849 / 2107 MiB. 4 ranks (32K rows) cold 9.04 / 8.53, back to back 7.49 / 6.69 (another run, the "
+               "profiler's barrier-timed calls, 8.05 / 8.76; on a host at half speed cold 14.3 / 13.2, back to back "
+               "13.7 / 13.8, 2 ranks back to back 25.4 / 25.4), peak 1091 / 1240: where the host issues about as fast as the GPU runs (4 ranks, "
+               "docs/performance.md section 8) the extra launches of the pieces around the few-keys runs cost more "
+               "than their kernels save. Between 32K and 64K rows not measured",
+        "dist_flex_swg_carve_2xh200_5b5217e.json, dist_flex_swg_carve_batched_2xh200_5b5217e.json, "
+        "few_ab_2xh200_5b5217e.json, dist_flex_swg_carve_4xh200_5b5217e.json, "
+        "dist_flex_swg_carve_batched_4xh200_5b5217e.json, few_stack_4xh200_8834ff6.json, "
         "dist_flex_swg_few_4xh200_f67e93b.json, dist_flex_swg_few_batched_4xh200_f67e93b.json, "
         "dist_flex_swg_few_batched_2xh200_f67e93b.json")
     few_keys_share: float = measured(
@@ -614,7 +628,7 @@ class FlexExchangeTuning:
         if not 0 < self.few_keys_share <= 1:
             raise ValueError(f"FlexExchangeTuning.few_keys_share must be in (0, 1], got {self.few_keys_share!r}")
         for name, least in (("split_chain", 1), ("split_programs", 0), ("split_min_blocks", 1),
-                            ("graph_max_tokens", 0), ("few_keys", 0)):
+                            ("graph_max_tokens", 0), ("few_keys", 0), ("few_keys_min_rows", 0)):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
                 raise ValueError(f"FlexExchangeTuning.{name} must be an int >= {least}, got {getattr(self, name)!r}")
         for name in ("concurrent", "join_halo"):

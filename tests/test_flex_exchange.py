@@ -237,8 +237,8 @@ SPLIT_SHORT = tuning.FlexExchangeTuning(split_chain=8, few_keys=0)
 piece takes the rows against the global keys from those views."""
 
 
-FEW = tuning.FlexExchangeTuning(few_keys=128)
-"""A run of up to 128 halo keys every row sees is a few-keys piece."""
+FEW = tuning.FlexExchangeTuning(few_keys=128, few_keys_min_rows=0)
+"""A run of up to 128 halo keys every row sees is a few-keys piece, on shards of any length."""
 
 
 JOIN = tuning.FlexExchangeTuning(join_halo=True)
@@ -647,8 +647,13 @@ def _check_few_keys(rank, world):
                 assert len(plan.halo) >= 2 and plan.halo[0].k0 == plan.halo[-1].k0 == 0, plan.halo
         _compare(f"world={world} {layout} 128 global tokens, few keys", world, layout, mask, 2, local=local,
                  op=_exchange_with(FEW))
-    # the default: none (FlexExchangeTuning.few_keys)
+    # the default: none on shards shorter than FlexExchangeTuning.few_keys_min_rows
     assert not _plan(torch.randn(B, L, H, D), mask, k=torch.randn(B, L, 2, D)).few
+    assert tuning.FLEX_EXCHANGE.few_keys == 128 and tuning.FLEX_EXCHANGE.few_keys_min_rows > B * L
+    for least, want in ((B * 2 * L, rank > 0), (B * 2 * L + 1, False)):  # batch x local rows against the least
+        gate = tuning.FlexExchangeTuning(few_keys_min_rows=least)
+        assert bool(_plan(torch.randn(B, 2 * L, H, D), mask, "zigzag", tune=gate, k=torch.randn(B, 2 * L, 2, D)).few) \
+            == want, (least, rank)
     _compare(f"world={world} 128 global tokens, no few-keys piece", world, "contiguous", mask, 2)
 
 

@@ -190,7 +190,7 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     split = lambda table, rows, keys: pieces.split_for(table, rows, keys, b, h, hkv, cap, tuning)
     # a few keys every row sees merge into the own piece's outputs in place: only where none of my rows is
     # shipped (their partials merge apart)
-    few_keys = 0 if any(len(x) for x in heavy_blocks) else tuning.few_keys
+    few_keys = 0 if any(len(x) for x in heavy_blocks) or b * length < tuning.few_keys_min_rows else tuning.few_keys
     halo, few = pieces.halo_pieces(mask_mod, pos[rank], [pos[p][halo_in[p]] for p in range(world)], heavy_blocks,
                                    b, h, scale, cap, bq, split, few_keys, tuning.few_keys_share)
     shipped = torch.cat([pos[p][q_in[p]] for p in range(world)])
