@@ -503,9 +503,11 @@ class FlexExchangeTuning:
               "documents 19.13, 18.97 / 18.97, 19.03; 4 ranks 10.13, 9.75 / 10.82, 8.79 and 10.64, 10.39 / "
               "10.85, 10.24: a tie, kept beside as in the backward. FA4's persistent kernels hold every SM, so "
               "the side pieces mostly run after the own piece's launch ends. At f4c34bd, 2 H100 ranks, window + "
-              "global, slowest rank, two alternating rounds: 13.81, 13.55 / 13.48, 13.52: a tie",
+              "global, slowest rank, two alternating rounds: 13.81, 13.55 / 13.48, 13.52: a tie. With few-keys pieces (2 H200, "
+              "a681bba, slowest rank, each call after a barrier, two alternating rounds): 11.81, 12.16 / 12.17, "
+              "12.37; back to back 11.92, 12.90 / 12.14, 12.22; peak 1685 / 2413 MiB",
         "flex_exchange_side_4xh100_3d96269.json, flex_exchange_fwd_side_4xh200_261a205.json, "
-        "flex_exchange_side_2xh100_f4c34bd.json")
+        "flex_exchange_side_2xh100_f4c34bd.json, serial_ab_2xh200_a681bba.json")
     split_chain: int = measured(
         64, "an FA4 piece of the exchange runs a pass on a view of that pass's long side as c batch rows "
             "(longattn.flex.fa4.SplitStep: the global tokens' rows served against a shard, forward; a shard's rows "
