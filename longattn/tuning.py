@@ -271,7 +271,8 @@ class DecodeTuning:
               "count: auto takes it from that many keys on", "decode_batched_h200_52770af.json")
     fa4_num_splits: int = measured(
         0, "KV splits per (batch, kv head) of the fa4 engine; 0: FA4's heuristic (SMs / (batch x kv heads), at "
-           "most 128 and the key tiles), not varied yet: pending measurement", "")
+           "most 128 and the key tiles). Not measured: the fa4 engine runs on sm_100 only (fa4_min_keys), and the GPUs "
+           "measured here are sm_90 (H100, H200)", "")
     split_kv_equal_rows: bool = measured(
         False, "rows of one length: the flash kernel on views is one aten launch, the split-KV kernel two Triton "
                "launches whose host time an eager step pays; one H100, one cold step (append + attend) at 128K: "
