@@ -597,20 +597,23 @@ class FlexExchangeTuning:
         "few_stack_2xh200_8834ff6.json")
     few_keys_min_rows: int = measured(
         65536, "few-keys pieces run only on ranks holding at least this many query rows (batch x local rows). 128K "
-               "window + global on 4 H200, fwd+bwd ms few-keys / FA4 halo pieces, slowest rank, the same run each: "
-               "2 ranks (64K rows a rank) cold 12.1 / 12.4, back to back 11.8 / 12.1 (python -m longattn.bench "
-               "dist --config flex_swg_128k --impl flex-exchange:few_keys=128 flex-exchange ...), each call after "
-               "a barrier, alternating 11.88, 12.20 / 12.24, 12.52 (benchmarks/flex_exchange_profile.py); peak "
-               "1849 / 2107 MiB. 4 ranks (32K rows) cold 9.04 / 8.53, back to back 7.49 / 6.69 (another run, the "
-               "profiler's barrier-timed calls, 8.05 / 8.76; on a host at half speed cold 14.3 / 13.2, back to back "
-               "13.7 / 13.8, 2 ranks back to back 25.4 / 25.4), peak 1091 / 1240: where the host issues about as fast as the GPU runs (4 ranks, "
-               "docs/performance.md section 8) the extra launches of the pieces around the few-keys runs cost more "
-               "than their kernels save. Between 32K and 64K rows not measured",
-        "dist_flex_swg_carve_2xh200_5b5217e.json, dist_flex_swg_carve_batched_2xh200_5b5217e.json, "
-        "few_ab_2xh200_5b5217e.json, dist_flex_swg_carve_4xh200_5b5217e.json, "
-        "dist_flex_swg_carve_batched_4xh200_5b5217e.json, few_stack_4xh200_8834ff6.json, "
-        "dist_flex_swg_few_4xh200_f67e93b.json, dist_flex_swg_few_batched_4xh200_f67e93b.json, "
-        "dist_flex_swg_few_batched_2xh200_f67e93b.json")
+               "window + global, fwd+bwd ms few-keys / FA4 halo pieces, slowest rank, each pair from one run. 2 "
+               "ranks (64K rows a rank): 2 H200 at b92c4c4, cold 12.0, 12.1 / 12.4, 12.4, back to back 11.9 / 12.2, "
+               "peak 1685 / 2107 MiB (python -m longattn.bench dist --config flex_swg_128k --impl flex-exchange "
+               "flex-exchange:few_keys=0 ...); on a 4-H200 host at 5b5217e (the own piece carved in both) cold 12.1 "
+               "/ 12.4, back to back 11.8 / 12.1, each call after a barrier, alternating, 11.88, 12.20 / 12.24, "
+               "12.52 (benchmarks/flex_exchange_profile.py). 4 ranks (32K rows), 4 H200: at 5b5217e cold 9.04 / "
+               "8.53, back to back 7.49 / 6.69; at 8834ff6 the profiler's barrier-timed calls 8.05 / 8.76; at "
+               "f67e93b on a host at half speed cold 14.3 / 13.2, back to back 13.7 / 13.8 (2 ranks 25.4 / 25.4); "
+               "peak 1091 / 1240: where the host issues about as fast as the GPU runs (4 ranks, docs/performance.md "
+               "section 8) the extra launches of the pieces around the few-keys runs cost more than their kernels "
+               "save. Between 32K and 64K rows not measured",
+        "dist_flex_swg_2xh200_b92c4c4.json, dist_flex_swg_2xh200_b92c4c4_run2.json, "
+        "dist_flex_swg_batched_2xh200_b92c4c4.json, dist_flex_swg_carve_2xh200_5b5217e.json, "
+        "dist_flex_swg_carve_batched_2xh200_5b5217e.json, few_ab_2xh200_5b5217e.json, "
+        "dist_flex_swg_carve_4xh200_5b5217e.json, dist_flex_swg_carve_batched_4xh200_5b5217e.json, "
+        "few_stack_4xh200_8834ff6.json, dist_flex_swg_few_4xh200_f67e93b.json, "
+        "dist_flex_swg_few_batched_4xh200_f67e93b.json, dist_flex_swg_few_batched_2xh200_f67e93b.json")
     few_keys_share: float = measured(
         0.125, "pending measurement: a few-keys piece runs over each run of a rank's rows that see no other halo "
                "key and hold at least this share of its rows (global tokens with windows: the middles of a "
