@@ -1,0 +1,174 @@
+"""Which plans the exchange's shipping and engine fields give on the flex
+configs, on CPU: for each config and world size, every ordered pair's block
+table (FA4's blocks, as on sm_90, zigzag, H=16, D=128, batch 1) split into
+heavy query blocks and needed key blocks under each value of
+``FlexExchangeTuning.heavy_fraction``, ``heavy_min_blocks`` and
+``ship_ratio`` (one field varied at a time from the library's tuning); the
+most bytes a rank sends against the ring's (``max_traffic``'s test); and the
+few-keys runs' shares of a rank's rows (``few_keys_share``'s test). What it
+shows: the ranges of each field over which a config's plan stays the
+library's, and which other plans exist (the variants worth timing on GPUs:
+``python -m longattn.bench dist ... --impl flex-exchange:FIELD=VALUE``).
+
+    python benchmarks/flex_exchange_sweep.py --config flex_swg_128k flex_doc_128k flex_prefix_128k \\
+        flex_bsparse_128k --world 2 3 4 --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import torch
+
+from longattn import tuning as tn
+from longattn.bench.configs import CONFIGS
+from longattn.bench.measure import environment
+from longattn.bench.patterns import flex_mask
+from longattn.flex import blocks, exchange, pieces
+from longattn.flex import plan as fp
+
+SM90 = 9
+VALUES = {
+    "heavy_fraction": [0.0, 0.01, 0.02, 0.05, 0.1, 0.125, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.99],
+    "heavy_min_blocks": [1, 2, 4, 8, 16, 32, 64, 128, 256],
+    "ship_ratio": [0.0, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 4.0, math.inf],
+}
+
+
+def pair_tables(cfg, world: int) -> tuple:
+    """{(r, s): block table of r's rows against s's keys}, rows per rank, query block, bytes per row."""
+    length, h, d = cfg.seqlen // world, cfg.heads, cfg.head_dim
+    mask = flex_mask(cfg, torch.device("cpu"))
+    pos = [fp.global_positions("zigzag", r, world, length) for r in range(world)]
+    bq = blocks.sparse_block(SM90, length)[0]
+    tables = {(r, s): fp.block_table(mask, 1, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE))
+              for r in range(world) for s in range(world) if r != s}
+    return tables, length, bq, pos, mask
+
+
+def plan_of(tables, world: int, length: int, bq: int, h: int, d: int, tuning) -> dict:
+    """Each pair's (shipped rows, fetched key rows), every rank's bytes sent (as exchange._build counts
+    them), the ring's per rank, and a signature of the whole plan."""
+    es = 2  # bf16
+    q_row, kv_row, lse_row = h * d * es, 2 * h * d * es, h * 4
+    ship_row, fetch_row = 5 * q_row + 3 * lse_row, 2 * kv_row
+    split = {rs: exchange._split(t, tuning, bq, ship_row, fetch_row) for rs, t in tables.items()}
+    rows = {rs: (len(pieces.rows_of(hv, bq, length)), len(pieces.rows_of(kb, fp.BLOCK_SIZE, length)))
+            for rs, (hv, kb) in split.items()}
+    sent, need = [], 1
+    for r in range(world):
+        ship = sum(rows[(r, p)][0] for p in range(world) if p != r)
+        q_in = sum(rows[(p, r)][0] for p in range(world) if p != r)
+        halo_in = sum(rows[(r, p)][1] for p in range(world) if p != r)
+        halo_send = sum(rows[(p, r)][1] for p in range(world) if p != r)
+        sent.append(ship * (3 * q_row + 2 * lse_row) + halo_send * kv_row + q_in * (2 * q_row + lse_row)
+                    + halo_in * kv_row)
+        for p in range(world):
+            if p != r and (rows[(r, p)][0] or rows[(r, p)][1]):
+                need = max(need, (r - p) % world + 1)
+    ring = 3 * (need - 1) * length * kv_row
+    sig = tuple((rs, tuple(hv.tolist()), tuple(kb.tolist())) for rs, (hv, kb) in sorted(split.items()))
+    return {"shipped_rows": sum(x[0] for x in rows.values()), "halo_keys": sum(x[1] for x in rows.values()),
+            "max_sent": max(sent), "ring": ring, "ratio": max(sent) / ring if ring else None, "sig": sig}
+
+
+def few_shares(cfg, world: int, tables, length: int, bq: int, pos, mask) -> list:
+    """Per rank, the few-keys runs' shares of its query blocks under the library's heavy split (any share:
+    the runs found with few_keys_share -> 0), or None where the rank has no few-keys keys or ships rows."""
+    t = tn.FLEX_EXCHANGE
+    h, d = cfg.heads, cfg.head_dim
+    es = 2
+    ship_row, fetch_row = 5 * h * d * es + 3 * h * 4, 4 * h * d * es
+    out = []
+    for r in range(world):
+        heavy, halo_pos = [], []
+        for p in range(world):
+            if p == r:
+                heavy.append(torch.zeros(0, dtype=torch.long))
+                halo_pos.append(torch.zeros(0, dtype=torch.int32))
+                continue
+            hv, kb = exchange._split(tables[(r, p)], t, bq, ship_row, fetch_row)
+            heavy.append(hv)
+            halo_pos.append(pos[p][pieces.rows_of(kb, fp.BLOCK_SIZE, length)])
+        if any(len(x) for x in heavy):
+            out.append(None)
+            continue
+        lens = [len(x) for x in halo_pos]
+        offs = [sum(lens[:p]) for p in range(world + 1)]
+        nqb = -(-length // bq)
+        tabs = [fp.block_table(mask, 1, h, pos[r], halo_pos[p], (bq, fp.BLOCK_SIZE)) if n else None
+                for p, n in enumerate(lens)]
+        found = pieces._few_keys(tabs, lens, offs, nqb, t.few_keys, 1e-9)
+        out.append(None if found is None else [(b1 - b0) / nqb for b0, b1 in found[3]])
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", nargs="+", default=["flex_swg_128k", "flex_doc_128k", "flex_prefix_128k",
+                                                   "flex_bsparse_128k"])
+    p.add_argument("--world", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    res = []
+    lib = tn.FLEX_EXCHANGE
+    print("| config | ranks | traffic / ring's | shipped rows | halo keys | heavy_fraction kept in | "
+          "heavy_min_blocks kept in | ship_ratio kept in | other plans (field=value: traffic ratio) | few-keys run shares |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in a.config:
+        cfg = CONFIGS[name]
+        for world in a.world:
+            t0 = time.time()
+            tables, length, bq, pos, mask = pair_tables(cfg, world)
+            base = plan_of(tables, world, length, bq, cfg.heads, cfg.head_dim, lib)
+            row = {"config": name, "world": world, "library": {k: v for k, v in base.items() if k != "sig"},
+                   "fields": {}}
+            others = []
+            for field, values in VALUES.items():
+                same, per = [], []
+                for val in values:
+                    got = plan_of(tables, world, length, bq, cfg.heads, cfg.head_dim,
+                                  dataclasses.replace(lib, **{field: val}))
+                    eq = got["sig"] == base["sig"]
+                    per.append({"value": val, "same_plan": eq, **{k: v for k, v in got.items() if k != "sig"}})
+                    if eq:
+                        same.append(val)
+                    elif not any(o[2] == got["sig"] for o in others):
+                        others.append((field, val, got["sig"], got["ratio"]))
+                row["fields"][field] = per
+            shares = few_shares(cfg, world, tables, length, bq, pos, mask)
+            row["few_keys_run_shares"] = shares
+            res.append(row)
+
+            def kept(field):
+                """The contiguous runs of the field's values that keep the library's plan."""
+                runs, cur = [], []
+                for x in row["fields"][field]:
+                    if x["same_plan"]:
+                        cur.append(x["value"])
+                    elif cur:
+                        runs.append(cur)
+                        cur = []
+                runs += [cur] if cur else []
+                return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs) or "none"
+            ratio = base["ratio"]
+            oth = "; ".join(f"{f}={v}: {r:.3f}" if r is not None else f"{f}={v}: -" for f, v, _, r in others) or "-"
+            sh = ", ".join("-" if s is None else "/".join(f"{x:.2f}" for x in s) for s in shares)
+            print(f"| {name} | {world} | {'-' if ratio is None else f'{ratio:.3f}'} | {base['shipped_rows']} | "
+                  f"{base['halo_keys']} | {kept('heavy_fraction')} | {kept('heavy_min_blocks')} | "
+                  f"{kept('ship_ratio')} | {oth} | {sh} |", flush=True)
+            print(f"  ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    if a.json:
+        env = environment(torch.device("cpu"), command=" ".join(["python", "benchmarks/flex_exchange_sweep.py",
+                                                                 *(argv if argv is not None else sys.argv[1:])]))
+        with open(a.json, "w") as f:
+            json.dump({"kind": "flex_exchange_sweep", "env": env, "values": VALUES, "results": res}, f, indent=1,
+                      default=lambda x: None if isinstance(x, float) and math.isinf(x) else x)
+
+
+if __name__ == "__main__":
+    main()
