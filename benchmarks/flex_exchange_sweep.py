@@ -36,6 +36,7 @@ VALUES = {
     "heavy_fraction": [0.0, 0.01, 0.02, 0.05, 0.1, 0.125, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.99],
     "heavy_min_blocks": [1, 2, 4, 8, 16, 32, 64, 128, 256],
     "ship_ratio": [0.0, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 4.0, math.inf],
+    "ship_max_work": [0.0, 0.01, 0.02, 0.05, 0.1, 0.125, 0.25, 0.5, 1.0, 2.0, math.inf],
 }
 
 
@@ -46,7 +47,7 @@ def pair_tables(cfg, world: int) -> tuple:
     pos = [fp.global_positions("zigzag", r, world, length) for r in range(world)]
     bq = blocks.sparse_block(SM90, length)[0]
     tables = {(r, s): fp.block_table(mask, 1, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE))
-              for r in range(world) for s in range(world) if r != s}
+              for r in range(world) for s in range(world)}
     return tables, length, bq, pos, mask
 
 
@@ -56,7 +57,17 @@ def plan_of(tables, world: int, length: int, bq: int, h: int, d: int, tuning) ->
     es = 2  # bf16
     q_row, kv_row, lse_row = h * d * es, 2 * h * d * es, h * 4
     ship_row, fetch_row = 5 * q_row + 3 * lse_row, 2 * kv_row
-    split = {rs: exchange._split(t, tuning, bq, ship_row, fetch_row) for rs, t in tables.items()}
+    own = [exchange.visible_tiles(tables[(r, r)]) for r in range(world)]
+    split = {(r, s): exchange._split(t, tuning, bq, ship_row, fetch_row, own[s])
+             for (r, s), t in tables.items() if r != s}
+    # tiles each pair's heavy blocks would move to the peer, against the peer's own (ship_max_work's test)
+    moved = {}
+    for (r, s), t in tables.items():
+        if r != s:
+            vis = (t.partial | t.full).flatten(0, 1).any(0)
+            cnt = vis.sum(1)
+            heavy = (cnt > tuning.heavy_fraction * vis.shape[1]) & (cnt >= tuning.heavy_min_blocks)
+            moved[f"{r}->{s}"] = int(cnt[heavy].sum()) / own[s]
     rows = {rs: (len(pieces.rows_of(hv, bq, length)), len(pieces.rows_of(kb, fp.BLOCK_SIZE, length)))
             for rs, (hv, kb) in split.items()}
     sent, need = [], 1
@@ -73,7 +84,8 @@ def plan_of(tables, world: int, length: int, bq: int, h: int, d: int, tuning) ->
     ring = 3 * (need - 1) * length * kv_row
     sig = tuple((rs, tuple(hv.tolist()), tuple(kb.tolist())) for rs, (hv, kb) in sorted(split.items()))
     return {"shipped_rows": sum(x[0] for x in rows.values()), "halo_keys": sum(x[1] for x in rows.values()),
-            "max_sent": max(sent), "ring": ring, "ratio": max(sent) / ring if ring else None, "sig": sig}
+            "max_sent": max(sent), "ring": ring, "ratio": max(sent) / ring if ring else None,
+            "heavy_work_share": moved, "sig": sig}
 
 
 def few_shares(cfg, world: int, tables, length: int, bq: int, pos, mask) -> list:
@@ -91,7 +103,8 @@ def few_shares(cfg, world: int, tables, length: int, bq: int, pos, mask) -> list
                 heavy.append(torch.zeros(0, dtype=torch.long))
                 halo_pos.append(torch.zeros(0, dtype=torch.int32))
                 continue
-            hv, kb = exchange._split(tables[(r, p)], t, bq, ship_row, fetch_row)
+            hv, kb = exchange._split(tables[(r, p)], t, bq, ship_row, fetch_row,
+                                     exchange.visible_tiles(tables[(p, p)]))
             heavy.append(hv)
             halo_pos.append(pos[p][pieces.rows_of(kb, fp.BLOCK_SIZE, length)])
         if any(len(x) for x in heavy):
@@ -116,9 +129,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     res = []
     lib = tn.FLEX_EXCHANGE
-    print("| config | ranks | traffic / ring's | shipped rows | halo keys | heavy_fraction kept in | "
-          "heavy_min_blocks kept in | ship_ratio kept in | other plans (field=value: traffic ratio) | few-keys run shares |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | ranks | traffic / ring's | shipped rows | halo keys | heavy blocks' tiles / peer's own | "
+          "heavy_fraction kept in | heavy_min_blocks kept in | ship_ratio kept in | ship_max_work kept in | "
+          "other plans (field=value: traffic ratio) | few-keys run shares |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.config:
         cfg = CONFIGS[name]
         for world in a.world:
@@ -158,9 +172,10 @@ def main(argv=None):
             ratio = base["ratio"]
             oth = "; ".join(f"{f}={v}: {r:.3f}" if r is not None else f"{f}={v}: -" for f, v, _, r in others) or "-"
             sh = ", ".join("-" if s is None else "/".join(f"{x:.2f}" for x in s) for s in shares)
+            mv = ", ".join(f"{k} {v:.3f}" for k, v in base["heavy_work_share"].items() if v) or "-"
             print(f"| {name} | {world} | {'-' if ratio is None else f'{ratio:.3f}'} | {base['shipped_rows']} | "
-                  f"{base['halo_keys']} | {kept('heavy_fraction')} | {kept('heavy_min_blocks')} | "
-                  f"{kept('ship_ratio')} | {oth} | {sh} |", flush=True)
+                  f"{base['halo_keys']} | {mv} | {kept('heavy_fraction')} | {kept('heavy_min_blocks')} | "
+                  f"{kept('ship_ratio')} | {kept('ship_max_work')} | {oth} | {sh} |", flush=True)
             print(f"  ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
     if a.json:
         env = environment(torch.device("cpu"), command=" ".join(["python", "benchmarks/flex_exchange_sweep.py",

@@ -486,6 +486,8 @@ class FlexExchangeTuning:
              f"there; out and dq back) stay under this ratio of the bytes of the key blocks only they see (K/V "
              f"there, dK/dV back); above 1 ships more readily (shipped rows also move their compute to the peer), "
              f"inf ships every heavy block; measure with {_EXCHANGE_CMD}")
+    ship_max_work: float = measured(
+        0.5, "PENDING")
     min_world: int = measured(
         2, "engine='auto' runs the exchange from this many ranks on; it leads the ring at 2, 3 and 4. 128K "
            "(129024 at 3), FA4, fwd+bwd ms, exchange / ring / torch CP + FlexAttention on H100s: 2 ranks window + "
@@ -627,6 +629,9 @@ class FlexExchangeTuning:
             raise ValueError(f"FlexExchangeTuning.heavy_min_blocks must be an int >= 1, got {self.heavy_min_blocks!r}")
         if not self.ship_ratio >= 0:
             raise ValueError(f"FlexExchangeTuning.ship_ratio must be >= 0, got {self.ship_ratio!r}")
+        if not self.ship_max_work >= 0:
+            raise ValueError(f"FlexExchangeTuning.ship_max_work must be >= 0 (inf: no bound), got "
+                             f"{self.ship_max_work!r}")
         if not isinstance(self.min_world, int) or self.min_world < 2:
             raise ValueError(f"FlexExchangeTuning.min_world must be an int >= 2, got {self.min_world!r}")
         if not self.max_traffic >= 0:

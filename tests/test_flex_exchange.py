@@ -141,11 +141,14 @@ def _check_fa4_stand_in(rank, world, cap):
     _fa4_api._interface = lambda: varlen
     F.install_stand_in(F._MaskInterface(), cap)
     mask = masks.local_global(64, 16)
-    plan = _plan(torch.randn(B, L, H, D), mask, layout="zigzag")
+    # at sm_100's 256-row query blocks the global rows' block moves more than ship_max_work of a 3-rank peer's
+    # tiles at this size: unbounded, so that both blocks are shipped
+    ship = dataclasses.replace(tuning.FLEX_EXCHANGE, ship_max_work=float("inf"))
+    plan = _plan(torch.randn(B, L, H, D), mask, layout="zigzag", tune=ship)
     assert isinstance(plan.own, fa4.RingStep) and plan.own.step.block == blocks.sparse_block(cap, L)
     # rank 0's first query block (the global rows) is heavy against every peer, at the executor's query block
     assert [len(r) for r in plan.ship] == [0 if rank or p == 0 else plan.own.step.block[0] for p in range(world)]
-    _compare(f"world={world} sm_{cap}0 local + global", world, "zigzag", mask, H)  # the plan above
+    _compare(f"world={world} sm_{cap}0 local + global", world, "zigzag", mask, H, op=_exchange_with(ship))
     for name, mask, hkv in patterns(world)[1:2] + [("no mask", None, 2)]:
         _compare(f"world={world} sm_{cap}0 {name}", world, "zigzag", mask, hkv)
     # 128 global tokens: few-keys pieces beside the FA4 halo pieces at the executor's query block
@@ -229,8 +232,8 @@ def _plan(q, mask, layout="contiguous", engine="exchange", tune=tuning.FLEX_EXCH
                              "auto", engine, tune)
 
 
-SHIP_ALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"))
-"""Every query block over the threshold shipped, whatever the bytes."""
+SHIP_ALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"), ship_max_work=float("inf"))
+"""Every query block over the threshold shipped, whatever the bytes and the work it moves."""
 
 SPLIT_SHORT = tuning.FlexExchangeTuning(split_chain=8, few_keys=0)
 """Pieces whose programs chain over more than 8 tiles run on views (the test's shards are short); no few-keys
@@ -274,6 +277,13 @@ def _check_plan(rank, world):
     assert _plan(q, masks.causal(), engine="auto") is None
     forced = _plan(q, masks.causal())
     assert forced.traffic[0] > tuning.FLEX_EXCHANGE.max_traffic * forced.traffic[1]
+    # causal zigzag: rank 0's later chunk sees every key block of rank 1, and shipping its rows would move fewer
+    # bytes than fetching, but as many tiles as rank 1 computes of its own: fetched (ship_max_work)
+    zig = _plan(q, masks.causal(), layout="zigzag")
+    assert not zig.moves_q and zig.moves_kv
+    unbounded = dataclasses.replace(tuning.FLEX_EXCHANGE, ship_max_work=float("inf"))
+    shipped = _plan(q, masks.causal(), layout="zigzag", tune=unbounded)
+    assert shipped.moves_q and [len(r) for r in shipped.ship] == ([0, 2 * L] if rank == 0 else [0, 0])
     assert _plan(q, mask, engine="ring") is None
 
 
@@ -333,7 +343,8 @@ def test_bad_engine_raises_before_any_collective():
 def test_exchange_tuning_rejects_bad_fields():
     for bad, match in ((dict(join_halo="yes"), "join_halo must be True or False"),
                        (dict(concurrent=1), "concurrent must be True or False"),
-                       (dict(split_chain=0), "split_chain must be an int >= 1")):
+                       (dict(split_chain=0), "split_chain must be an int >= 1"),
+                       (dict(ship_max_work=-1.0), "ship_max_work must be >= 0")):
         with pytest.raises(ValueError, match=match):
             tuning.FlexExchangeTuning(**bad)
 
@@ -562,7 +573,7 @@ def _holes(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & (q_idx % 7 != 3)
 
 
-SHIP_SMALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"), heavy_min_blocks=1)
+SHIP_SMALL = tuning.FlexExchangeTuning(ship_ratio=float("inf"), ship_max_work=float("inf"), heavy_min_blocks=1)
 """SHIP_ALL where a peer holds fewer than 4 key blocks (320 rows: 3)."""
 
 
@@ -663,7 +674,8 @@ def test_exchange_few_keys(world):
     run_world(_check_few_keys, world)
 
 
-SHIP_ANY = tuning.FlexExchangeTuning(heavy_fraction=0.0, heavy_min_blocks=1, ship_ratio=float("inf"))
+SHIP_ANY = tuning.FlexExchangeTuning(heavy_fraction=0.0, heavy_min_blocks=1, ship_ratio=float("inf"),
+                                     ship_max_work=float("inf"))
 """Every query block that sees a key of a peer is shipped to it."""
 
 

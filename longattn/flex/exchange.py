@@ -10,7 +10,8 @@ from the block table of r's rows against s's keys (``plan.block_table`` at
 * heavy query blocks of r against s: more than ``heavy_fraction`` of s's key
   blocks visible (and at least ``heavy_min_blocks``), where shipping them
   moves fewer bytes than fetching the key blocks only they see
-  (``ship_ratio``; :class:`longattn.tuning.FlexExchangeTuning`). r ships
+  (``ship_ratio``) and moves little of the work to s (``ship_max_work``;
+  :class:`longattn.tuning.FlexExchangeTuning`). r ships
   those rows to s, which computes them against all its keys and returns a
   partial (out, lse);
 * needed key blocks of s for r: seen by a non-heavy query block of r. s
@@ -146,19 +147,29 @@ class ExchangePlan:
     few: list = dataclasses.field(default_factory=list)
 
 
-def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning, bq: int, ship_row: int, fetch_row: int):
+def visible_tiles(t: fp.BlockTable) -> int:
+    """Tiles of a block table that hold a visible pair for some batch row or head."""
+    return int((t.partial | t.full).flatten(0, 1).any(0).sum())
+
+
+def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning, bq: int, ship_row: int, fetch_row: int,
+           peer_work: int):
     """(heavy query blocks, needed key blocks) of one pair's table, over every
     batch row and head. The heavy blocks are shipped only where their rows'
     bytes (``ship_row`` each, both ways) stay under ``ship_ratio`` of the
     bytes of the key blocks only they see (``fetch_row`` a key, both ways):
     rows that share the key blocks they see (a long document across a shard
-    edge) are cheaper served by one halo."""
+    edge) are cheaper served by one halo; and only where the tiles they move
+    to the peer stay under ``ship_max_work`` of ``peer_work`` (the tiles of
+    the peer's own rows against its keys): shipped rows are computed there,
+    and a rank that serves a large share of another's rows outlasts it."""
     vis = (t.partial | t.full).flatten(0, 1).any(0)
     cnt = vis.sum(1)
     heavy = (cnt > tuning.heavy_fraction * vis.shape[1]) & (cnt >= tuning.heavy_min_blocks)
     need = vis[~heavy].any(0)
     saved = int((vis[heavy].any(0) & ~need).sum()) * fp.BLOCK_SIZE * fetch_row
-    if int(heavy.sum()) * bq * ship_row >= tuning.ship_ratio * saved:
+    if int(heavy.sum()) * bq * ship_row >= tuning.ship_ratio * saved or \
+            int(cnt[heavy].sum()) > tuning.ship_max_work * peer_work:
         heavy, need = torch.zeros_like(heavy), vis.any(0)
     return heavy.nonzero().flatten(), need.nonzero().flatten()
 
@@ -172,8 +183,9 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     es = q.element_size()
     q_row, kv_row, lse_row = b * h * d * es, 2 * b * hkv * d * es, b * h * 4
     # a shipped row: q, dout and out there, out and dq back, 3 lse; a fetched key: K/V there, dK/dV back
-    split = lambda r, s: _split(fp.block_table(mask_mod, b, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE)), tuning, bq,
-                                5 * q_row + 3 * lse_row, 2 * kv_row)
+    table = lambda r, s: fp.block_table(mask_mod, b, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE))
+    own_work = [visible_tiles(table(p, p)) for p in range(world)]
+    split = lambda r, s: _split(table(r, s), tuning, bq, 5 * q_row + 3 * lse_row, 2 * kv_row, own_work[s])
     none = torch.zeros(0, dtype=torch.long, device=dev)
     ship, q_in, halo_send, halo_in, heavy_blocks = ([none] * world for _ in range(5))
     need = 0
