@@ -12,6 +12,7 @@ library's, and which other plans exist (the variants worth timing on GPUs:
 
     python benchmarks/flex_exchange_sweep.py --config flex_swg_128k flex_doc_128k flex_prefix_128k \\
         flex_bsparse_128k --world 2 3 4 --json OUT.json
+    python benchmarks/flex_exchange_sweep.py --config flex_swg_128k --pattern-args 8192,128 --world 2 4
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import time
 import torch
 
 from longattn import tuning as tn
+from longattn.bench.__main__ import _numbers
 from longattn.bench.configs import CONFIGS
 from longattn.bench.measure import environment
 from longattn.bench.patterns import flex_mask
@@ -125,6 +127,8 @@ def main(argv=None):
     p.add_argument("--config", nargs="+", default=["flex_swg_128k", "flex_doc_128k", "flex_prefix_128k",
                                                    "flex_bsparse_128k"])
     p.add_argument("--world", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--pattern-args", type=_numbers, help="the configs' pattern parameters (as python -m "
+                   "longattn.bench's --pattern-args)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     res = []
@@ -134,12 +138,12 @@ def main(argv=None):
           "other plans (field=value: traffic ratio) | few-keys run shares |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in a.config:
-        cfg = CONFIGS[name]
+        cfg = CONFIGS[name].with_overrides(pattern_args=a.pattern_args)
         for world in a.world:
             t0 = time.time()
             tables, length, bq, pos, mask = pair_tables(cfg, world)
             base = plan_of(tables, world, length, bq, cfg.heads, cfg.head_dim, lib)
-            row = {"config": name, "world": world, "library": {k: v for k, v in base.items() if k != "sig"},
+            row = {"config": name, "shape": cfg.describe(), "world": world, "library": {k: v for k, v in base.items() if k != "sig"},
                    "fields": {}}
             others = []
             for field, values in VALUES.items():

@@ -1,5 +1,6 @@
 """The benchmark CLI on CPU: every command on tiny configs, JSON schema,
 report with a PNG, memory measurement of a known allocation."""
+import argparse
 import json
 import os
 import subprocess
@@ -314,7 +315,7 @@ def test_dist_flex_under_torchrun(tmp_path):
     path = tmp_path / "f.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "longattn.bench", "dist",
            "--config", "flex_doc_tiny", "--seqlen", "512", "--heads", "2", "--iters", "1", "--warmup", "1",
-           "--json", str(path)]
+           "--pattern-args", "200,312", "--json", str(path)]
     res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -324,8 +325,20 @@ def test_dist_flex_under_torchrun(tmp_path):
     for impl in ("flex-ring", "flex-ring-contiguous", "flex-exchange"):
         r = rows[impl]
         assert r["status"] == "ok" and r["efficiency_fwd"] > 0 and r["efficiency_fwd_bwd"] > 0, r
-        assert "mask=causal_document" in r["shape"] and r["fwd_flops"] < 4 * 2 * 64 * 512 * 512 / 2
+        assert "mask=causal_document[200, 312]" in r["shape"] and r["fwd_flops"] < 4 * 2 * 64 * 512 * 512 / 2
     assert rows["torch-cp-flex"]["status"] == "unsupported" and "CUDA" in rows["torch-cp-flex"]["reason"]
+
+
+def test_pattern_args_override():
+    from longattn.bench.__main__ import _numbers
+
+    assert _numbers("8192,128") == (8192, 128) and _numbers("0.5") == (0.5,) and _numbers("1e-2") == (0.01,)
+    with pytest.raises(argparse.ArgumentTypeError, match="separated by commas"):
+        _numbers("8192;128")
+    cfg = C.get("flex_swg_tiny").with_overrides(pattern_args=(32, 8), seqlen=None)
+    assert cfg.pattern_args == (32, 8) and "mask=local_global[32, 8]" in cfg.describe()
+    with pytest.raises(ValueError, match="flex configs only"):
+        C.get("tiny").with_overrides(pattern_args=(1,))
 
 
 def test_dist_flex_impls_run_flex_configs_only():

@@ -18,7 +18,15 @@ from . import configs as C
 
 def _overrides(a) -> dict:
     return dict(seqlen=a.seqlen, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, batch=a.batch,
-                dtype=a.dtype, causal=a.causal)
+                dtype=a.dtype, causal=a.causal, pattern_args=a.pattern_args)
+
+
+def _numbers(text: str) -> tuple:
+    """'8192,128' -> (8192, 128); '0.5' -> (0.5,)."""
+    try:
+        return tuple(float(x) if any(c in x for c in ".e") else int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers separated by commas, e.g. 8192,128") from None
 
 
 def _add_overrides(p):
@@ -30,6 +38,9 @@ def _add_overrides(p):
     g.add_argument("--batch", type=int, help="batch size")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="input dtype (CPU runs use fp32 for bf16)")
     g.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None, help="causal mask on or off")
+    g.add_argument("--pattern-args", type=_numbers, help="a flex config's pattern parameters, comma-separated: "
+                   "local_global window,global tokens (e.g. 8192,128); causal_document the document lengths; "
+                   "prefix_lm the prefix's fraction; block_sparse block,band,density,seed")
 
 
 def _configs(names, a):

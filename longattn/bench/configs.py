@@ -61,6 +61,9 @@ class Config:
         kw = {k: v for k, v in kw.items() if v is not None}
         if not kw:
             return self
+        if "pattern_args" in kw and not isinstance(self, FlexConfig):
+            raise ValueError(f"pattern_args (--pattern-args) applies to flex configs only; {self.name} is a "
+                             f"{self.kind} config")
         return dataclasses.replace(self, **kw)
 
     def describe(self) -> str:
