@@ -2,13 +2,17 @@
 configs, on CPU: for each config and world size, every ordered pair's block
 table (FA4's blocks, as on sm_90, zigzag, H=16, D=128, batch 1) split into
 heavy query blocks and needed key blocks under each value of
-``FlexExchangeTuning.heavy_fraction``, ``heavy_min_blocks`` and
-``ship_ratio`` (one field varied at a time from the library's tuning); the
-most bytes a rank sends against the ring's (``max_traffic``'s test); and the
-few-keys runs' shares of a rank's rows (``few_keys_share``'s test). What it
-shows: the ranges of each field over which a config's plan stays the
-library's, and which other plans exist (the variants worth timing on GPUs:
-``python -m longattn.bench dist ... --impl flex-exchange:FIELD=VALUE``).
+``FlexExchangeTuning.heavy_fraction``, ``heavy_min_blocks``, ``ship_ratio``
+and ``ship_max_work`` (one field varied at a time from the library's
+tuning); the tiles each pair's heavy blocks would move to the peer against
+the peer's own (``ship_max_work``'s test); the most bytes a rank sends
+against the ring's, and the ring's steps (``max_traffic``'s test: the
+exchange runs where that ratio stays under max_traffic x the steps); and
+the few-keys runs' shares of a rank's rows (``few_keys_share``'s test).
+What it shows: the ranges of each field over which a config's plan stays
+the library's, and which other plans exist (the variants worth timing on
+GPUs: ``python -m longattn.bench dist ... --impl
+flex-exchange:FIELD=VALUE``).
 
     python benchmarks/flex_exchange_sweep.py --config flex_swg_128k flex_doc_128k flex_prefix_128k \\
         flex_bsparse_128k --world 2 3 4 --json OUT.json
@@ -86,7 +90,7 @@ def plan_of(tables, world: int, length: int, bq: int, h: int, d: int, tuning) ->
     ring = 3 * (need - 1) * length * kv_row
     sig = tuple((rs, tuple(hv.tolist()), tuple(kb.tolist())) for rs, (hv, kb) in sorted(split.items()))
     return {"shipped_rows": sum(x[0] for x in rows.values()), "halo_keys": sum(x[1] for x in rows.values()),
-            "max_sent": max(sent), "ring": ring, "ratio": max(sent) / ring if ring else None,
+            "max_sent": max(sent), "ring": ring, "ring_steps": need - 1, "ratio": max(sent) / ring if ring else None,
             "heavy_work_share": moved, "sig": sig}
 
 

@@ -560,7 +560,7 @@ class FlexExchangeTuning:
                "flex_exchange_join_ab_4xh100_7a87d75.json, dist_flex_join_batched_2xh100_7a87d75.json, "
                "dist_flex_join_batched_4xh100_7a87d75.json")
     max_traffic: float = measured(
-        0.25, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
+        0.15, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
               f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
               f"ring's steps): the ring hides its transfers behind its steps' kernels, the exchange only behind its "
               f"own piece (the halo and served pieces wait for them), so it needs a clear margin; measure with "

@@ -264,8 +264,8 @@ def _check_plan(rank, world):
     assert [len(r) for r in plan.q_in] == ([0, 0] if rank == 0 else [128, 0])
     # halos: rank 1 needs rank 0's global keys (block 0) and the window's last block; rank 0 the window's first
     assert [len(r) for r in plan.halo_in] == ([0, 128] if rank == 0 else [256, 0])
-    sent, ring = plan.traffic
-    assert sent < ring / 5, plan.traffic
+    sent, ring, steps = plan.traffic
+    assert sent < ring / 5 and steps == world - 1, plan.traffic
     # cached, and auto takes it from two ranks on where FA4 runs the pattern, or on CPU (else the ring)
     if q.device.type == "cpu" or fa4.choose(q, q, q, mask, None) == "fa4":
         assert _plan(q, mask, engine="auto") is _plan(q, mask)
@@ -276,7 +276,7 @@ def _check_plan(rank, world):
     # dense causal: every block of the later rank is heavy; auto keeps the ring
     assert _plan(q, masks.causal(), engine="auto") is None
     forced = _plan(q, masks.causal())
-    assert forced.traffic[0] > tuning.FLEX_EXCHANGE.max_traffic * forced.traffic[1]
+    assert forced.traffic[0] > tuning.FLEX_EXCHANGE.max_traffic * forced.traffic[2] * forced.traffic[1]
     # causal zigzag: rank 0's later chunk sees every key block of rank 1, and shipping its rows would move fewer
     # bytes than fetching, but as many tiles as rank 1 computes of its own: fetched (ship_max_work)
     zig = _plan(q, masks.causal(), layout="zigzag")
@@ -353,15 +353,20 @@ def test_choose_engine():
     never = lambda: pytest.fail("planned where the choice does not need it")
     assert choose_engine("ring", [], never) == "ring"
     assert choose_engine("auto", ["score_mod"], never) == "ring"
-    fits = lambda sent, dense=(): lambda: ([], list(dense), sent, 100)
+    fits = lambda sent, dense=(), steps=1: lambda: ([], list(dense), sent, 100, steps)
     assert choose_engine("exchange", [], fits(1000, ["dense"])) == "exchange"
     assert choose_engine("auto", [], fits(1, ["dense"])) == "ring"
     assert choose_engine("auto", [], fits(10)) == "exchange"
     assert choose_engine("auto", [], fits(30)) == "ring"
     assert choose_engine("auto", [], fits(30), tuning.FlexExchangeTuning(max_traffic=0.5)) == "exchange"
+    # the bound grows with the ring's steps: max_traffic x 3 of a 3-step ring's bytes
+    max_traffic = tuning.FLEX_EXCHANGE.max_traffic
+    assert choose_engine("auto", [], fits(int(100 * 2.5 * max_traffic), steps=3)) == "exchange"
+    assert choose_engine("auto", [], fits(int(100 * 3.5 * max_traffic), steps=3)) == "ring"
+    assert choose_engine("auto", [], fits(0, steps=0)) == "ring"  # nothing for the ring to move
     with pytest.raises(ValueError, match="engine='exchange' cannot run"):
         choose_engine("exchange", ["score_mod is given"], never)
-    mixed = lambda: (["the ranks' query blocks differ"], [], 1, 100)
+    mixed = lambda: (["the ranks' query blocks differ"], [], 1, 100, 1)
     assert choose_engine("auto", [], mixed) == "ring"
     three = dataclasses.replace(tuning.FLEX_EXCHANGE, min_world=3)
     assert choose_engine("auto", [], never, three, world=2) == "ring"  # fewer ranks than min_world: no planning

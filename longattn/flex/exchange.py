@@ -62,8 +62,12 @@ def choose_engine(engine: str, cannot: list, facts: Callable[[], tuple],
     planning (the same on every rank); ``facts()`` -> (why it cannot, found by
     planning; why it would run the dense PyTorch executor, where ``auto``
     keeps the ring; the most bytes a rank of the exchange sends; the ring's
-    per rank), forward + backward, agreed by every rank: called only where
-    needed (it plans, with collectives on first use, on every rank alike).
+    per rank; the ring's steps that move K/V), forward + backward, agreed by
+    every rank: called only where needed (it plans, with collectives on
+    first use, on every rank alike). ``auto`` runs the exchange where its
+    bytes stay under ``tuning.max_traffic`` x steps of the ring's: a ring of
+    more steps loses more than its bytes to each step's wait and merge, so
+    the exchange pays from a larger share of its traffic.
     Where the exchange cannot run, ``engine="exchange"`` raises ValueError.
     ``auto`` on fewer than ``tuning.min_world`` ranks (``world``) keeps the
     ring without planning."""
@@ -78,10 +82,10 @@ def choose_engine(engine: str, cannot: list, facts: Callable[[], tuple],
         return "ring"
     if engine == "exchange":
         return "exchange"
-    _, dense, sent, ring = facts()
+    _, dense, sent, ring, steps = facts()
     if dense:
         return "ring"
-    return "exchange" if sent < tuning.max_traffic * ring else "ring"
+    return "exchange" if sent < tuning.max_traffic * steps * ring else "ring"
 
 
 def _union(rows: list, dev) -> tuple:
@@ -107,7 +111,8 @@ class ExchangePlan:
     key row gets (own, halos / own, served rows); ``concurrent``: the other
     pieces run beside the own one on CUDA
     (:class:`longattn.tuning.FlexExchangeTuning`). ``traffic``: (most bytes a
-    rank sends, the ring's per rank), forward + backward; ``moves_q`` /
+    rank sends, the ring's per rank, the ring's steps that move K/V), forward
+    + backward; ``moves_q`` /
     ``moves_kv``: any rank ships query rows / K/V; ``dense``: why the
     executors would be the dense PyTorch ones on a GPU (empty: FA4 runs them,
     or the CPU); ``cannot``: why the ranks' plans do not fit together
@@ -297,7 +302,8 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
         mismatch = [(r, p) for r in range(world) for p in range(world)
                     if ship[r][p] != q_in[p][r] or send[r][p] != recv[p][r]]
         kv_shard = 2 * k.numel() * k.element_size()
-        plan.traffic = (max(sent), 3 * (max(steps) - 1) * kv_shard)  # the ring: K/V forward, K/V and dK/dV back
+        # the ring: K/V forward, K/V and dK/dV back, at each step after the first
+        plan.traffic = (max(sent), 3 * (max(steps) - 1) * kv_shard, max(steps) - 1)
         plan.moves_q, plan.moves_kv = sum(nq) > 0, sum(nkv) > 0
         # heavy blocks are planned at the query block on both sides of a pair: every rank's must match
         plan.cannot = [] if len(set(bqs)) == 1 else [f"the ranks' query blocks differ ({list(bqs)} rows: FA4 on "

@@ -116,8 +116,9 @@ def ring_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
             tokens, to the ranks whose keys they see: :mod:`longattn.flex.exchange`;
             masks only, no ``score_mod``) or ``"auto"``: the exchange from
             ``longattn.tuning.FLEX_EXCHANGE.min_world`` ranks on (2), where
-            its busiest rank sends under ``FLEX_EXCHANGE.max_traffic`` of the
-            ring's bytes and FA4 runs the pattern (or on CPU), else the ring.
+            its busiest rank sends under ``FLEX_EXCHANGE.max_traffic`` x
+            (the ring's steps) of the ring's bytes and FA4 runs the pattern
+            (or on CPU), else the ring.
             Both are exact; planned on the first call per (shape, pattern).
             Every rank passes the same value.
         tuning: the exchange's :class:`longattn.tuning.FlexExchangeTuning`
