@@ -463,10 +463,6 @@ class UlyssesTuning:
                    if n == 1 or (m % n == 0 and w % n == 0 and call_rows * (m // n) >= self.min_chunk_rows))
 
 
-_EXCHANGE_CMD = ("NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 -m longattn.bench dist --config flex_swg_128k "
-                 "flex_doc_128k --impl flex-ring flex-exchange --warmup 2 --iters 6 (and --nproc_per_node=4)")
-
-
 @dataclasses.dataclass(frozen=True)
 class FlexExchangeTuning:
     """When ``ring_flex_attention`` runs its exchange engine (sparse K/V halos
@@ -474,20 +470,43 @@ class FlexExchangeTuning:
     and which query blocks it ships."""
 
     heavy_fraction: float = measured(
-        0.125, f"pending measurement: a query block that sees more than this fraction of a peer's key blocks is "
-               f"shipped to that peer (its rows, dout, out and lse: about 4 rows of traffic per row) instead of "
-               f"fetching those key blocks (2 rows of K/V each, forward and dK/dV back); measure with "
-               f"{_EXCHANGE_CMD}")
+        0.125, "a query block that sees more than this fraction of a peer's key blocks is a candidate to ship to "
+               "that peer (its rows, dout, out and lse: about 4 rows of traffic a row) instead of fetching those "
+               "key blocks (2 rows of K/V each, forward, and dK/dV back); ship_ratio and ship_max_work decide which "
+               "candidates ship. Plans only, not timed: on the flex configs at 128K (window + global, causal "
+               "documents, prefix-LM, block-sparse) over 2, 3 and 4 ranks every plan is the same for any value "
+               "from 0.05 to 0.25 (below, window rows become candidates; at 0.4 prefix-LM's 3-rank plan changes), "
+               "so no value in that range times differently (python benchmarks/flex_exchange_sweep.py)",
+        "flex_exchange_sweep_cpu_277d35e.json")
     heavy_min_blocks: int = measured(
-        4, f"pending measurement: a query block is shipped only where it sees at least this many key blocks of "
-           f"the peer (fewer are cheaper fetched); measure with {_EXCHANGE_CMD}")
+        4, "a query block is a candidate to ship only where it sees at least this many key blocks of the peer "
+           "(fewer are cheaper fetched). Plans only, not timed: the flex configs' plans at 128K over 2, 3 and 4 "
+           "ranks are the same for any value from 1 to 64 (window + global with 8K windows: to 32)",
+        "flex_exchange_sweep_cpu_277d35e.json, flex_exchange_sweep_window8192_cpu_277d35e.json")
     ship_ratio: float = measured(
-        1.0, f"pending measurement: a pair's heavy query blocks are shipped only where their bytes (q, dout, out "
-             f"there; out and dq back) stay under this ratio of the bytes of the key blocks only they see (K/V "
-             f"there, dK/dV back); above 1 ships more readily (shipped rows also move their compute to the peer), "
-             f"inf ships every heavy block; measure with {_EXCHANGE_CMD}")
+        1.0, "a pair's candidate blocks ship only where their bytes (q, dout, out there; out and dq back) stay "
+             "under this ratio of the bytes of the key blocks only they see (K/V there, dK/dV back); inf ships "
+             "every candidate, 0 none. Window + global at 128K ships its global rows for any value from 0.1 up "
+             "(flex_exchange_sweep_cpu_277d35e.json); never shipping them (0) fetches every key to the rank that "
+             "holds them and computes them there: fwd+bwd 21.3 ms against 12.2 on 2 H200, 17.5 against 8.95 on "
+             "4 H200 (python -m longattn.bench dist --config flex_swg_128k --impl flex-exchange flex-ring "
+             "flex-exchange:ship_ratio=0 --warmup 2 --iters 6 under torchrun). Values between 0.1 and 1 and "
+             "above 1 give the flex configs other plans only where ship_max_work refuses them or at 3 ranks "
+             "(causal documents ship at 4), not timed",
+        "flex_exchange_sweep_cpu_277d35e.json, dist_flex_traffic_swg_2xh200_a56d649.json, "
+        "dist_flex_ship_swg_4xh200_ab30d5d.json")
     ship_max_work: float = measured(
-        0.5, "PENDING")
+        0.5, "candidate blocks ship only where the tiles they move to the peer (computed there) stay under this "
+             "fraction of the peer's own tiles; inf: no bound. Window + global's global rows move 0.06-0.07 of a "
+             "peer's tiles and shipping them wins (ship_ratio). Prefix-LM zigzag: rank 0's later chunk sees every "
+             "key block of the peer, 0.80-1.19 of its tiles, fewer bytes shipped than fetched; shipped, the peer "
+             "outlasts it: fwd+bwd 320 ms against 242 fetched (ring 235) on 2 H200, 187 against 130 (ring 133) on "
+             "4 H200, one run each (python -m longattn.bench dist --config flex_prefix_128k --impl flex-exchange "
+             "flex-ring flex-exchange:ship_max_work=inf --warmup 2 --iters 6); 319 against 238 with ship_ratio=0 "
+             "in an earlier run. Between 0.07 and 0.80 not timed: 0.5 also ships the global rows of short shards "
+             "(4-16 blocks a rank, as in the CPU tests: 0.25-0.4)",
+        "dist_flex_ship_prefix_2xh200_ab30d5d.json, dist_flex_ship_prefix_4xh200_ab30d5d.json, "
+        "dist_flex_traffic_prefix_2xh200_a56d649.json, flex_exchange_sweep_cpu_277d35e.json")
     min_world: int = measured(
         2, "engine='auto' runs the exchange from this many ranks on; it leads the ring at 2, 3 and 4. 128K "
            "(129024 at 3), FA4, fwd+bwd ms, exchange / ring / torch CP + FlexAttention on H100s: 2 ranks window + "
@@ -560,11 +579,28 @@ class FlexExchangeTuning:
                "flex_exchange_join_ab_4xh100_7a87d75.json, dist_flex_join_batched_2xh100_7a87d75.json, "
                "dist_flex_join_batched_4xh100_7a87d75.json")
     max_traffic: float = measured(
-        0.15, f"pending measurement: engine='auto' runs the exchange where the most bytes a rank sends (forward + "
-              f"backward) are below this fraction of the ring's (K/V forward, K/V and dK/dV backward, over the "
-              f"ring's steps): the ring hides its transfers behind its steps' kernels, the exchange only behind its "
-              f"own piece (the halo and served pieces wait for them), so it needs a clear margin; measure with "
-              f"{_EXCHANGE_CMD}")
+        0.15, "engine='auto' runs the exchange where the most bytes a rank sends (forward + backward) stay under "
+              "this x the ring's steps (those that move K/V) of the ring's bytes (K/V forward, K/V and dK/dV "
+              "backward): the ring hides its transfers behind its steps' kernels, the exchange only behind its own "
+              "piece, and a ring of more steps loses more than its bytes to each step's wait and merge. H200, 128K, "
+              "fwd+bwd ms exchange / ring at (bytes / ring's), window + global with windows of 1024 (the config), "
+              "4096, 8192 and 16384 (--pattern-args W,128), prefix-LM, block-sparse, one run each: 2 ranks (1 "
+              "step: bound 0.15) 0.022 12.2 / 14.5, 0.085 32.1 / 32.0, 0.168 59.7 / 57.9, 0.378 121 / 110, 0.50 "
+              "(prefix-LM) 242 / 235, 0.667 (block-sparse) 31.3 / 16.9; 4 ranks (3 steps: 0.45) 0.029 8.95 / 16.0, "
+              "0.112 18.2 / 22.8, 0.223 35.6 / 36.7, 0.445 60.6 / 68.5, 0.50 130 / 133 (peak 4615 against 2566 "
+              "MiB), 0.667 23.4 / 15.2. The bound picks the faster engine in each but prefix-LM on 4 ranks (the "
+              "ring 2% slower in 0.56x the memory). 3 ranks (bound 0.30): window + global 0.034 and causal "
+              "documents 0.050 ran the exchange ahead (min_world), prefix-LM (0.46) not timed. Ratios: python "
+              "benchmarks/flex_exchange_sweep.py; times: python -m longattn.bench dist --config flex_swg_128k "
+              "[--pattern-args W,128] --impl flex-exchange flex-ring --warmup 2 --iters 6 under torchrun",
+        "dist_flex_traffic_swg_2xh200_a56d649.json, dist_flex_ship_swg_4xh200_ab30d5d.json, "
+        "dist_flex_window4096_2xh200_72f5730.json, dist_flex_window4096_4xh200_72f5730.json, "
+        "dist_flex_window8192_2xh200_72f5730.json, dist_flex_window8192_4xh200_72f5730.json, "
+        "dist_flex_window16384_2xh200_72f5730.json, dist_flex_window16384_4xh200_72f5730.json, "
+        "dist_flex_ship_prefix_2xh200_ab30d5d.json, dist_flex_ship_prefix_4xh200_ab30d5d.json, "
+        "dist_flex_traffic_bsparse_2xh200_a56d649.json, dist_flex_traffic_bsparse_4xh200_ab30d5d.json, "
+        "flex_exchange_sweep_cpu_277d35e.json, flex_exchange_sweep_window4096_cpu_277d35e.json, "
+        "flex_exchange_sweep_window8192_cpu_277d35e.json, flex_exchange_sweep_window16384_cpu_277d35e.json")
     graph_max_tokens: int = measured(
         0, "an exchange whose ranks hold at most this many query tokens each (batch x local rows) replays its "
            "forward and its backward from CUDA graphs, transfers and side stream included "
@@ -617,10 +653,16 @@ class FlexExchangeTuning:
         "few_stack_4xh200_8834ff6.json, dist_flex_swg_few_4xh200_f67e93b.json, "
         "dist_flex_swg_few_batched_4xh200_f67e93b.json, dist_flex_swg_few_batched_2xh200_f67e93b.json")
     few_keys_share: float = measured(
-        0.125, "pending measurement: a few-keys piece runs over each run of a rank's rows that see no other halo "
-               "key and hold at least this share of its rows (global tokens with windows: the middles of a "
-               "shard's chunks, most of its rows); shorter runs keep those keys in their halo pieces, whose launches "
-               "they would otherwise split (each run apart splits the halo pieces around it)")
+        0.125, "a few-keys piece runs over each run of a rank's rows that see no other halo key and hold at least "
+               "this share of its rows (global tokens with windows: the middles of a shard's chunks, most of its "
+               "rows); shorter runs keep those keys in their halo pieces, whose launches they would otherwise "
+               "split. Plans only: window + global at 128K, the runs hold 0.97 of a rank's rows at 2 ranks (its "
+               "two chunks adjacent), 0.44-0.45 each at 3 and 4; with 4096 / 8192 / 16384-token windows 0.88 / "
+               "0.75 / 0.50 at 2 ranks: any value up to 0.44 gives these plans (python benchmarks/"
+               "flex_exchange_sweep.py). Few-keys pieces against FA4 halo pieces are timed in few_keys_min_rows; "
+               "runs shorter than 0.44 of a rank's rows are not",
+        "flex_exchange_sweep_cpu_277d35e.json, flex_exchange_sweep_window4096_cpu_277d35e.json, "
+        "flex_exchange_sweep_window8192_cpu_277d35e.json, flex_exchange_sweep_window16384_cpu_277d35e.json")
 
     def __post_init__(self):
         if not 0 <= self.heavy_fraction <= 1:
