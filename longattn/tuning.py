@@ -475,8 +475,8 @@ class FlexExchangeTuning:
                "key blocks (2 rows of K/V each, forward, and dK/dV back); ship_ratio and ship_max_work decide which "
                "candidates ship. Plans only, not timed: on the flex configs at 128K (window + global, causal "
                "documents, prefix-LM, block-sparse) over 2, 3 and 4 ranks every plan is the same for any value "
-               "from 0.05 to 0.25 (below, window rows become candidates; at 0.4 prefix-LM's 3-rank plan changes), "
-               "so no value in that range times differently (python benchmarks/flex_exchange_sweep.py)",
+               "from 0.05 to 0.99 (below, window + global's window rows become candidates), so no value in that "
+               "range times differently (python benchmarks/flex_exchange_sweep.py)",
         "flex_exchange_sweep_cpu_277d35e.json")
     heavy_min_blocks: int = measured(
         4, "a query block is a candidate to ship only where it sees at least this many key blocks of the peer "
@@ -490,16 +490,16 @@ class FlexExchangeTuning:
              "(flex_exchange_sweep_cpu_277d35e.json); never shipping them (0) fetches every key to the rank that "
              "holds them and computes them there: fwd+bwd 21.3 ms against 12.2 on 2 H200, 17.5 against 8.95 on "
              "4 H200 (python -m longattn.bench dist --config flex_swg_128k --impl flex-exchange flex-ring "
-             "flex-exchange:ship_ratio=0 --warmup 2 --iters 6 under torchrun). Values between 0.1 and 1 and "
-             "above 1 give the flex configs other plans only where ship_max_work refuses them or at 3 ranks "
-             "(causal documents ship at 4), not timed",
+             "flex-exchange:ship_ratio=0 --warmup 2 --iters 6 under torchrun). Other values change the flex "
+             "configs' plans only below 0.1 (that one) and from 4 up (causal documents at 3 ranks, block-sparse "
+             "at inf: rows shipped), not timed",
         "flex_exchange_sweep_cpu_277d35e.json, dist_flex_traffic_swg_2xh200_a56d649.json, "
         "dist_flex_ship_swg_4xh200_ab30d5d.json")
     ship_max_work: float = measured(
         0.5, "candidate blocks ship only where the tiles they move to the peer (computed there) stay under this "
              "fraction of the peer's own tiles; inf: no bound. Window + global's global rows move 0.06-0.07 of a "
              "peer's tiles and shipping them wins (ship_ratio). Prefix-LM zigzag: rank 0's later chunk sees every "
-             "key block of the peer, 0.80-1.19 of its tiles, fewer bytes shipped than fetched; shipped, the peer "
+             "key block of the peer, 0.80-1.20 of its tiles, fewer bytes shipped than fetched; shipped, the peer "
              "outlasts it: fwd+bwd 320 ms against 242 fetched (ring 235) on 2 H200, 187 against 130 (ring 133) on "
              "4 H200, one run each (python -m longattn.bench dist --config flex_prefix_128k --impl flex-exchange "
              "flex-ring flex-exchange:ship_max_work=inf --warmup 2 --iters 6); 319 against 238 with ship_ratio=0 "
@@ -658,9 +658,10 @@ class FlexExchangeTuning:
                "rows); shorter runs keep those keys in their halo pieces, whose launches they would otherwise "
                "split. Plans only: window + global at 128K, the runs hold 0.97 of a rank's rows at 2 ranks (its "
                "two chunks adjacent), 0.44-0.45 each at 3 and 4; with 4096 / 8192 / 16384-token windows 0.88 / "
-               "0.75 / 0.50 at 2 ranks: any value up to 0.44 gives these plans (python benchmarks/"
-               "flex_exchange_sweep.py). Few-keys pieces against FA4 halo pieces are timed in few_keys_min_rows; "
-               "runs shorter than 0.44 of a rank's rows are not",
+               "0.75 / 0.50 at 2 ranks, at 4 ranks 0.25 each with 4096 (python benchmarks/flex_exchange_sweep.py "
+               "--pattern-args W,128): any value up to 0.25 gives these plans. Few-keys pieces against FA4 halo "
+               "pieces are timed in few_keys_min_rows (whose gate keeps them off at 4 ranks of 128K); where runs "
+               "of 0.25 or less of a rank's rows would pay is not timed",
         "flex_exchange_sweep_cpu_277d35e.json, flex_exchange_sweep_window4096_cpu_277d35e.json, "
         "flex_exchange_sweep_window8192_cpu_277d35e.json, flex_exchange_sweep_window16384_cpu_277d35e.json")
 
