@@ -47,81 +47,63 @@ VALUES = {
 
 
 def pair_tables(cfg, world: int) -> tuple:
-    """{(r, s): block table of r's rows against s's keys}, rows per rank, query block, bytes per row."""
+    """{(r, s): block table of r's rows against s's keys}, rows per rank, query block, positions, mask, and
+    the bytes per row (bf16)."""
     length, h, d = cfg.seqlen // world, cfg.heads, cfg.head_dim
     mask = flex_mask(cfg, torch.device("cpu"))
     pos = [fp.global_positions("zigzag", r, world, length) for r in range(world)]
     bq = blocks.sparse_block(SM90, length)[0]
     tables = {(r, s): fp.block_table(mask, 1, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE))
               for r in range(world) for s in range(world)}
-    return tables, length, bq, pos, mask
+    q = torch.empty(1, 1, h, d, dtype=torch.bfloat16, device="meta")
+    return tables, length, bq, pos, mask, exchange.RowBytes.of(q, q)
 
 
-def plan_of(tables, world: int, length: int, bq: int, h: int, d: int, tuning) -> dict:
-    """Each pair's (shipped rows, fetched key rows), every rank's bytes sent (as exchange._build counts
-    them), the ring's per rank, and a signature of the whole plan."""
-    es = 2  # bf16
-    q_row, kv_row, lse_row = h * d * es, 2 * h * d * es, h * 4
-    ship_row, fetch_row = 5 * q_row + 3 * lse_row, 2 * kv_row
+def plan_of(tables, world: int, length: int, bq: int, rb, tuning) -> dict:
+    """Each pair's (heavy query blocks, needed key blocks) as the exchange splits them, every rank's bytes
+    sent, the ring's per rank and its steps, the tiles each pair's candidate blocks would move to the peer
+    against the peer's own (ship_max_work's test), and a signature of the whole plan."""
     own = [exchange.visible_tiles(tables[(r, r)]) for r in range(world)]
-    split = {(r, s): exchange._split(t, tuning, bq, ship_row, fetch_row, own[s])
-             for (r, s), t in tables.items() if r != s}
-    # tiles each pair's heavy blocks would move to the peer, against the peer's own (ship_max_work's test)
+    split = {(r, s): exchange.split_pair(t, tuning, bq, rb, own[s]) for (r, s), t in tables.items() if r != s}
     moved = {}
     for (r, s), t in tables.items():
         if r != s:
-            vis = (t.partial | t.full).flatten(0, 1).any(0)
-            cnt = vis.sum(1)
-            heavy = (cnt > tuning.heavy_fraction * vis.shape[1]) & (cnt >= tuning.heavy_min_blocks)
+            _, cnt, heavy = exchange.candidates(t, tuning)
             moved[f"{r}->{s}"] = int(cnt[heavy].sum()) / own[s]
     rows = {rs: (len(pieces.rows_of(hv, bq, length)), len(pieces.rows_of(kb, fp.BLOCK_SIZE, length)))
             for rs, (hv, kb) in split.items()}
     sent, need = [], 1
+    peers = lambda r: (p for p in range(world) if p != r)
     for r in range(world):
-        ship = sum(rows[(r, p)][0] for p in range(world) if p != r)
-        q_in = sum(rows[(p, r)][0] for p in range(world) if p != r)
-        halo_in = sum(rows[(r, p)][1] for p in range(world) if p != r)
-        halo_send = sum(rows[(p, r)][1] for p in range(world) if p != r)
-        sent.append(ship * (3 * q_row + 2 * lse_row) + halo_send * kv_row + q_in * (2 * q_row + lse_row)
-                    + halo_in * kv_row)
-        for p in range(world):
-            if p != r and (rows[(r, p)][0] or rows[(r, p)][1]):
+        sent.append(rb.sent(sum(rows[(r, p)][0] for p in peers(r)), sum(rows[(p, r)][1] for p in peers(r)),
+                            sum(rows[(p, r)][0] for p in peers(r)), sum(rows[(r, p)][1] for p in peers(r))))
+        for p in peers(r):
+            if rows[(r, p)][0] or rows[(r, p)][1]:
                 need = max(need, (r - p) % world + 1)
-    ring = 3 * (need - 1) * length * kv_row
+    ring = rb.ring(need - 1, length)
     sig = tuple((rs, tuple(hv.tolist()), tuple(kb.tolist())) for rs, (hv, kb) in sorted(split.items()))
     return {"shipped_rows": sum(x[0] for x in rows.values()), "halo_keys": sum(x[1] for x in rows.values()),
             "max_sent": max(sent), "ring": ring, "ring_steps": need - 1, "ratio": max(sent) / ring if ring else None,
-            "heavy_work_share": moved, "sig": sig}
+            "heavy_work_share": moved, "split": split, "sig": sig}
 
 
-def few_shares(cfg, world: int, tables, length: int, bq: int, pos, mask) -> list:
-    """Per rank, the few-keys runs' shares of its query blocks under the library's heavy split (any share:
-    the runs found with few_keys_share -> 0), or None where the rank has no few-keys keys or ships rows."""
-    t = tn.FLEX_EXCHANGE
-    h, d = cfg.heads, cfg.head_dim
-    es = 2
-    ship_row, fetch_row = 5 * h * d * es + 3 * h * 4, 4 * h * d * es
+def few_shares(cfg, world: int, split: dict, length: int, bq: int, pos, mask) -> list:
+    """Per rank, the few-keys runs' shares of its query blocks under the library's split of each pair (any
+    share: the runs found with few_keys_share -> 0), or None where the rank has no few-keys keys or ships rows."""
+    h = cfg.heads
     out = []
     for r in range(world):
-        heavy, halo_pos = [], []
-        for p in range(world):
-            if p == r:
-                heavy.append(torch.zeros(0, dtype=torch.long))
-                halo_pos.append(torch.zeros(0, dtype=torch.int32))
-                continue
-            hv, kb = exchange._split(tables[(r, p)], t, bq, ship_row, fetch_row,
-                                     exchange.visible_tiles(tables[(p, p)]))
-            heavy.append(hv)
-            halo_pos.append(pos[p][pieces.rows_of(kb, fp.BLOCK_SIZE, length)])
-        if any(len(x) for x in heavy):
+        if any(len(split[(r, p)][0]) for p in range(world) if p != r):
             out.append(None)
             continue
+        halo_pos = [pos[p][pieces.rows_of(split[(r, p)][1], fp.BLOCK_SIZE, length)] if p != r
+                    else pos[r][:0] for p in range(world)]
         lens = [len(x) for x in halo_pos]
         offs = [sum(lens[:p]) for p in range(world + 1)]
-        nqb = -(-length // bq)
         tabs = [fp.block_table(mask, 1, h, pos[r], halo_pos[p], (bq, fp.BLOCK_SIZE)) if n else None
                 for p, n in enumerate(lens)]
-        found = pieces._few_keys(tabs, lens, offs, nqb, t.few_keys, 1e-9)
+        nqb = -(-length // bq)
+        found = pieces._few_keys(tabs, lens, offs, nqb, tn.FLEX_EXCHANGE.few_keys, 1e-9)
         out.append(None if found is None else [(b1 - b0) / nqb for b0, b1 in found[3]])
     return out
 
@@ -145,24 +127,23 @@ def main(argv=None):
         cfg = CONFIGS[name].with_overrides(pattern_args=a.pattern_args)
         for world in a.world:
             t0 = time.time()
-            tables, length, bq, pos, mask = pair_tables(cfg, world)
-            base = plan_of(tables, world, length, bq, cfg.heads, cfg.head_dim, lib)
-            row = {"config": name, "shape": cfg.describe(), "world": world, "library": {k: v for k, v in base.items() if k != "sig"},
+            tables, length, bq, pos, mask, rb = pair_tables(cfg, world)
+            base = plan_of(tables, world, length, bq, rb, lib)
+            keep = lambda res: {k: v for k, v in res.items() if k not in ("sig", "split")}
+            row = {"config": name, "shape": cfg.describe(), "world": world, "library": keep(base),
                    "fields": {}}
             others = []
             for field, values in VALUES.items():
-                same, per = [], []
+                per = []
                 for val in values:
-                    got = plan_of(tables, world, length, bq, cfg.heads, cfg.head_dim,
+                    got = plan_of(tables, world, length, bq, rb,
                                   dataclasses.replace(lib, **{field: val}))
                     eq = got["sig"] == base["sig"]
-                    per.append({"value": val, "same_plan": eq, **{k: v for k, v in got.items() if k != "sig"}})
-                    if eq:
-                        same.append(val)
-                    elif not any(o[2] == got["sig"] for o in others):
+                    per.append({"value": val, "same_plan": eq, **keep(got)})
+                    if not eq and not any(o[2] == got["sig"] for o in others):
                         others.append((field, val, got["sig"], got["ratio"]))
                 row["fields"][field] = per
-            shares = few_shares(cfg, world, tables, length, bq, pos, mask)
+            shares = few_shares(cfg, world, base["split"], length, bq, pos, mask)
             row["few_keys_run_shares"] = shares
             res.append(row)
 

@@ -152,28 +152,72 @@ class ExchangePlan:
     few: list = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowBytes:
+    """Bytes the exchange moves per row, forward + backward: ``q`` a query
+    row (or its out, dout, dq), ``kv`` a key row's K and V (or dK and dV),
+    ``lse`` a row's lse (or dlse)."""
+
+    q: int
+    kv: int
+    lse: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor) -> "RowBytes":
+        b, _, h, d = q.shape
+        es = q.element_size()
+        return cls(b * h * d * es, 2 * b * k.shape[2] * d * es, b * h * 4)
+
+    @property
+    def ship(self) -> int:
+        """A shipped row, both ways: q, dout and out there, out and dq back, 3 lse."""
+        return 5 * self.q + 3 * self.lse
+
+    @property
+    def fetch(self) -> int:
+        """A fetched key row, both ways: K/V there, dK/dV back."""
+        return 2 * self.kv
+
+    def sent(self, shipped: int, halo_send: int, served: int, halo_in: int) -> int:
+        """A rank's bytes sent: forward its shipped rows and its halo out, partials back; backward the shipped
+        rows' dout + out + lse + dlse out, dq of the served rows back, the received halo's dK/dV back."""
+        return (shipped * (3 * self.q + 2 * self.lse) + halo_send * self.kv + served * (2 * self.q + self.lse)
+                + halo_in * self.kv)
+
+    def ring(self, steps: int, length: int) -> int:
+        """The ring's bytes per rank over ``steps`` steps of ``length``-row K/V shards: K/V forward, K/V and
+        dK/dV backward."""
+        return 3 * steps * length * self.kv
+
+
+def candidates(t: fp.BlockTable, tuning: tn.FlexExchangeTuning) -> tuple:
+    """(visible tiles (query blocks, key blocks) over every batch row and head, key blocks each query block
+    sees, the query blocks that are candidates to ship: more than ``heavy_fraction`` of the key blocks and at
+    least ``heavy_min_blocks``)."""
+    vis = (t.partial | t.full).flatten(0, 1).any(0)
+    cnt = vis.sum(1)
+    return vis, cnt, (cnt > tuning.heavy_fraction * vis.shape[1]) & (cnt >= tuning.heavy_min_blocks)
+
+
 def visible_tiles(t: fp.BlockTable) -> int:
     """Tiles of a block table that hold a visible pair for some batch row or head."""
     return int((t.partial | t.full).flatten(0, 1).any(0).sum())
 
 
-def _split(t: fp.BlockTable, tuning: tn.FlexExchangeTuning, bq: int, ship_row: int, fetch_row: int,
-           peer_work: int):
+def split_pair(t: fp.BlockTable, tuning: tn.FlexExchangeTuning, bq: int, rb: RowBytes, peer_work: int):
     """(heavy query blocks, needed key blocks) of one pair's table, over every
-    batch row and head. The heavy blocks are shipped only where their rows'
-    bytes (``ship_row`` each, both ways) stay under ``ship_ratio`` of the
-    bytes of the key blocks only they see (``fetch_row`` a key, both ways):
-    rows that share the key blocks they see (a long document across a shard
-    edge) are cheaper served by one halo; and only where the tiles they move
-    to the peer stay under ``ship_max_work`` of ``peer_work`` (the tiles of
-    the peer's own rows against its keys): shipped rows are computed there,
-    and a rank that serves a large share of another's rows outlasts it."""
-    vis = (t.partial | t.full).flatten(0, 1).any(0)
-    cnt = vis.sum(1)
-    heavy = (cnt > tuning.heavy_fraction * vis.shape[1]) & (cnt >= tuning.heavy_min_blocks)
+    batch row and head. The candidate blocks (:func:`candidates`) are shipped
+    only where their rows' bytes (``rb.ship`` each) stay under ``ship_ratio``
+    of the bytes of the key blocks only they see (``rb.fetch`` a key): rows
+    that share the key blocks they see (a long document across a shard edge)
+    are cheaper served by one halo; and only where the tiles they move to the
+    peer stay under ``ship_max_work`` of ``peer_work`` (the tiles of the
+    peer's own rows against its keys): shipped rows are computed there, and a
+    rank that serves a large share of another's rows outlasts it."""
+    vis, cnt, heavy = candidates(t, tuning)
     need = vis[~heavy].any(0)
-    saved = int((vis[heavy].any(0) & ~need).sum()) * fp.BLOCK_SIZE * fetch_row
-    if int(heavy.sum()) * bq * ship_row >= tuning.ship_ratio * saved or \
+    saved = int((vis[heavy].any(0) & ~need).sum()) * fp.BLOCK_SIZE * rb.fetch
+    if int(heavy.sum()) * bq * rb.ship >= tuning.ship_ratio * saved or \
             int(cnt[heavy].sum()) > tuning.ship_max_work * peer_work:
         heavy, need = torch.zeros_like(heavy), vis.any(0)
     return heavy.nonzero().flatten(), need.nonzero().flatten()
@@ -185,12 +229,10 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     dev, hkv = q.device, k.shape[2]
     pos = [fp.global_positions(layout, r, world, length, dev) for r in range(world)]
     bq = blocks.sparse_block(cap, length)[0] if cap is not None else fp.BLOCK_SIZE
-    es = q.element_size()
-    q_row, kv_row, lse_row = b * h * d * es, 2 * b * hkv * d * es, b * h * 4
-    # a shipped row: q, dout and out there, out and dq back, 3 lse; a fetched key: K/V there, dK/dV back
+    rb = RowBytes.of(q, k)
     table = lambda r, s: fp.block_table(mask_mod, b, h, pos[r], pos[s], (bq, fp.BLOCK_SIZE))
     own_work = [visible_tiles(table(p, p)) for p in range(world)]
-    split = lambda r, s: _split(table(r, s), tuning, bq, 5 * q_row + 3 * lse_row, 2 * kv_row, own_work[s])
+    split = lambda r, s: split_pair(table(r, s), tuning, bq, rb, own_work[s])
     none = torch.zeros(0, dtype=torch.long, device=dev)
     ship, q_in, halo_send, halo_in, heavy_blocks = ([none] * world for _ in range(5))
     need = 0
@@ -236,9 +278,7 @@ def _build(q, k, mask_mod, layout, scale, rank, world, cap, tuning):
     if own is None:
         own = pieces.executor(mask_mod, pos[rank], pos[rank], b, h, scale, cap)
     n = lambda xs: sum(len(x) for x in xs)
-    # forward: my rows out, my halo out, partials back; backward: dout + out + lse + dlse out, dq back, halo dk/dv back
-    sent = (n(ship) * (q_row + 2 * q_row + 2 * lse_row) + n(halo_send) * kv_row
-            + n(q_in) * (2 * q_row + lse_row) + n(halo_in) * kv_row)
+    sent = rb.sent(n(ship), n(halo_send), n(q_in), n(halo_in))
     heavy, heavy_pos = _union(ship, dev)
     sent_rows, sent_pos = _union(halo_send, dev)
     for piece in halo + few:
@@ -301,9 +341,8 @@ def plan_for(q, k, mask_mod, score_mod, layout: str, scale: float, group, kernel
                                   for i in range(4))
         mismatch = [(r, p) for r in range(world) for p in range(world)
                     if ship[r][p] != q_in[p][r] or send[r][p] != recv[p][r]]
-        kv_shard = 2 * k.numel() * k.element_size()
-        # the ring: K/V forward, K/V and dK/dV back, at each step after the first
-        plan.traffic = (max(sent), 3 * (max(steps) - 1) * kv_shard, max(steps) - 1)
+        # the ring moves K/V at each step after the first
+        plan.traffic = (max(sent), RowBytes.of(q, k).ring(max(steps) - 1, k.shape[1]), max(steps) - 1)
         plan.moves_q, plan.moves_kv = sum(nq) > 0, sum(nkv) > 0
         # heavy blocks are planned at the query block on both sides of a pair: every rank's must match
         plan.cannot = [] if len(set(bqs)) == 1 else [f"the ranks' query blocks differ ({list(bqs)} rows: FA4 on "
